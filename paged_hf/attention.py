@@ -1,0 +1,95 @@
+"""The ``"paged"`` attention implementation: reads K/V straight from a ``PagedCache``'s blocks.
+
+``PagedCache.update`` puts the step's plan into the layer's ``kwargs`` (the same dict transformers then passes
+to the attention function). Without a plan (no cache, another cache class, or a model that calls ``update``
+without ``kwargs``) the function attends densely over the K/V and mask it was given, so a model loaded with
+``attn_implementation="paged"`` works everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from .cache import METADATA_KEY
+from .kernels import paged_decode_attention_ref, paged_prefill_attention_ref
+
+ATTENTION_NAME = "paged"
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF attention signature. ``query`` is ``[B, heads, q, head_dim]``; returns ``[B, q, heads, head_dim]``."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    metadata = kwargs.get(METADATA_KEY)
+    if metadata is None:
+        if softcap is None and s_aux is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale)
+        return dense_attention(query, key, value, attention_mask, scale, softcap, s_aux), None
+
+    plan, group_plan, storage, window = metadata
+    tables = group_plan.readable_block_tables
+    if plan.query_len == 1 and plan.all_real:
+        out = paged_decode_attention_ref(
+            query[:, :, 0], storage.key_cache, storage.value_cache, tables, plan.seq_lens,
+            scale, window, softcap, s_aux,
+        )
+        return out.unsqueeze(1), None
+    flat = plan.select_new_tokens(query)
+    out = paged_prefill_attention_ref(
+        flat, storage.key_cache, storage.value_cache, tables, plan.seq_lens, plan.cu_query_lens,
+        scale, window, softcap, s_aux,
+    )
+    return plan.scatter_new_tokens(out), None
+
+
+def dense_attention(query, key, value, attention_mask, scale, softcap=None, sinks=None) -> torch.Tensor:
+    """Plain attention over dense K/V with an HF mask (bool: True = attend; float: additive), softcap and sinks."""
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        mask = attention_mask[..., : key.shape[-2]]
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    if sinks is not None:
+        sink = sinks.view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1).to(scores.dtype)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+
+def paged_mask(*args, **kwargs):
+    """Mask builder registered for ``"paged"``: the paged path derives its masks from positions and block
+    tables, the dense fallback needs sdpa's mask, so build that one."""
+    return sdpa_mask(*args, **kwargs)
+
+
+def register_attention() -> None:
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
+
+
+def unregister_attention() -> None:
+    AttentionInterface._global_mapping.pop(ATTENTION_NAME, None)
+    AttentionMaskInterface._global_mapping.pop(ATTENTION_NAME, None)

@@ -1,0 +1,159 @@
+"""Per-sequence block table: the logical -> physical block mapping of one sequence.
+
+Invariants:
+
+* ``len(blocks) == num_blocks_for(num_tokens, block_size)``; position ``p`` lives in
+  ``blocks[p // block_size]`` at offset ``p % block_size``.
+* ``None`` entries (blocks freed because they slid out of a sliding window) form a prefix
+  of ``blocks``; every other entry holds one reference to its block.
+* Append-only, except ``truncate`` (rollback) and ``free_blocks_before`` (sliding windows).
+* Only a tail block that this table owns alone and that is not in the prefix cache is
+  written in place; otherwise ``append_slots`` copies it first (copy-on-write).
+
+Prefix-cache hashing of full blocks is not done here (the engine does it).
+"""
+
+from __future__ import annotations
+
+from paged_hf.block_pool import BlockPool, KVBlock
+
+
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens (ceil division)."""
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return -(-num_tokens // block_size)
+
+
+class BlockTable:
+    """Blocks of one sequence, allocated from (and returned to) a shared ``BlockPool``."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.pool = pool
+        self.block_size = block_size
+        self.blocks: list[KVBlock | None] = []
+        self.num_tokens = 0
+        self._num_freed = 0  # length of the None prefix of blocks
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Physical block ids, ``-1`` for blocks freed by ``free_blocks_before``."""
+        return [-1 if b is None else b.block_id for b in self.blocks]
+
+    def _tail_needs_copy(self) -> bool:
+        """True if the tail block is partially filled and must not be written in place
+        (shared with another table, or registered in the prefix cache)."""
+        if self.num_tokens % self.block_size == 0:
+            return False
+        tail = self.blocks[-1]
+        assert tail is not None, "a partially filled tail block cannot have slid out"
+        return tail.ref_cnt > 1
+
+    def num_new_blocks_needed(self, num_new_tokens: int) -> int:
+        """Blocks ``append_slots(num_new_tokens)`` would take from the pool, copy-on-write included."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if num_new_tokens == 0:
+            return 0
+        grow = num_blocks_for(self.num_tokens + num_new_tokens, self.block_size) - len(self.blocks)
+        return grow + int(self._tail_needs_copy())
+
+    def append_slots(self, num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """Reserves positions ``num_tokens .. num_tokens + num_new_tokens - 1``.
+
+        Returns ``(slots, copies)``: ``slots[i] = block_id * block_size + offset`` of each new
+        position in order; ``copies = [(src_block_id, dst_block_id)]`` lists copy-on-write
+        replacements of the tail block, whose storage the caller must copy before writing.
+        All blocks are allocated up front: on NoFreeBlocksError nothing changed.
+        """
+        num_needed = self.num_new_blocks_needed(num_new_tokens)
+        if num_new_tokens == 0:
+            return [], []
+        new_blocks = self.pool.get_new_blocks(num_needed)  # may raise; nothing changed yet
+        copies: list[tuple[int, int]] = []
+        if self._tail_needs_copy():
+            src, dst = self.blocks[-1], new_blocks.pop(0)
+            assert src is not None
+            self.blocks[-1] = dst
+            self.pool.free_blocks([src])
+            copies.append((src.block_id, dst.block_id))
+        self.blocks.extend(new_blocks)
+
+        bs = self.block_size
+        slots: list[int] = []
+        pos, end = self.num_tokens, self.num_tokens + num_new_tokens
+        while pos < end:
+            block = self.blocks[pos // bs]
+            assert block is not None
+            run_end = min(end, (pos // bs + 1) * bs)
+            base = block.block_id * bs - (pos // bs) * bs
+            slots.extend(range(base + pos, base + run_end))
+            pos = run_end
+        self.num_tokens = end
+        assert len(self.blocks) == num_blocks_for(self.num_tokens, bs)
+        return slots, copies
+
+    def fork(self) -> BlockTable:
+        """A new table sharing every held block (one more reference each) and the same length."""
+        child = BlockTable(self.pool, self.block_size)
+        self.pool.touch(b for b in self.blocks if b is not None)
+        child.blocks = list(self.blocks)
+        child.num_tokens = self.num_tokens
+        child._num_freed = self._num_freed
+        return child
+
+    def truncate(self, num_tokens: int) -> None:
+        """Rolls back to ``num_tokens`` tokens; blocks wholly past the new end are freed, tail first.
+
+        ValueError if ``num_tokens`` exceeds the current length or the new last token lies in a
+        block already freed by ``free_blocks_before``.
+        """
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"num_tokens must be in [0, {self.num_tokens}], got {num_tokens}")
+        keep = num_blocks_for(num_tokens, self.block_size)
+        if keep > 0 and self.blocks[keep - 1] is None:
+            raise ValueError(
+                f"cannot truncate to num_tokens={num_tokens}: position {num_tokens - 1} "
+                f"was already freed by free_blocks_before"
+            )
+        dropped = [b for b in self.blocks[keep:] if b is not None]
+        del self.blocks[keep:]
+        self._num_freed = min(self._num_freed, keep)
+        self.num_tokens = num_tokens
+        self.pool.free_blocks(reversed(dropped))
+
+    def free_blocks_before(self, position: int) -> None:
+        """Frees every block whose positions all lie below ``position`` (they become ``None``).
+
+        Blocks are freed tail first. ValueError if ``position > num_tokens``.
+        """
+        if position > self.num_tokens:
+            raise ValueError(f"position must be <= num_tokens={self.num_tokens}, got {position}")
+        stop = max(position, 0) // self.block_size
+        if stop <= self._num_freed:
+            return
+        dropped = self.blocks[self._num_freed:stop]
+        self.blocks[self._num_freed:stop] = [None] * len(dropped)
+        self._num_freed = stop
+        self.pool.free_blocks(reversed(dropped))  # type: ignore[arg-type]
+
+    def free(self) -> None:
+        """Releases every held block (tail first) and empties the table."""
+        held = [b for b in self.blocks if b is not None]
+        self.blocks = []
+        self.num_tokens = 0
+        self._num_freed = 0
+        self.pool.free_blocks(reversed(held))
+
+    def slot(self, position: int) -> int:
+        """Slot index (``block_id * block_size + offset``) of a held position."""
+        if not 0 <= position < self.num_tokens:
+            raise ValueError(f"position must be in [0, {self.num_tokens}), got {position}")
+        block = self.blocks[position // self.block_size]
+        if block is None:
+            raise ValueError(f"position {position} was freed by free_blocks_before")
+        return block.block_id * self.block_size + position % self.block_size

@@ -1,0 +1,72 @@
+"""Chained content hashes of full KV blocks, for prefix caching.
+
+A block's hash covers its parent's hash, its token ids and ``extra_keys`` (e.g. a LoRA or
+cache-salt id), so equal hashes imply equal prefixes up to a 64-bit collision; the pool
+still verifies token ids on a hit. Hashes are deterministic across processes and runs:
+they come from BLAKE2b over a type-tagged byte encoding, never Python's salted ``hash()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Sequence
+
+
+def _encode(value: object, out: list[bytes]) -> None:
+    """Appends an unambiguous byte encoding of ``value`` (None/bool/int/float/str/bytes/tuple/list)."""
+    if value is None:
+        out.append(b"N")
+    elif value is True or value is False:
+        out.append(b"T" if value else b"F")
+    elif isinstance(value, int):
+        out.append(b"I%d;" % value)
+    elif isinstance(value, float):
+        out.append(b"D" + value.hex().encode() + b";")
+    elif isinstance(value, str):
+        data = value.encode("utf-8")
+        out.append(b"S%d:" % len(data) + data)
+    elif isinstance(value, bytes):
+        out.append(b"B%d:" % len(value) + value)
+    elif isinstance(value, (tuple, list)):
+        out.append(b"(")
+        for item in value:
+            _encode(item, out)
+        out.append(b")")
+    else:
+        raise ValueError(
+            f"extra_keys may hold only None, bool, int, float, str, bytes and tuples of them; "
+            f"got {type(value).__name__}"
+        )
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    try:
+        ints = [operator.index(t) for t in token_ids]
+    except TypeError as exc:
+        raise ValueError(f"token_ids must be integers: {exc}") from None
+    return b"[" + b",".join(b"%d" % t for t in ints) + b"]"
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
+    """64-bit hash of ``(parent_hash, tuple(token_ids), extra_keys)``; ``None`` parent = first block."""
+    if parent_hash is not None and not isinstance(parent_hash, int):
+        raise ValueError(f"parent_hash must be an int or None, got {type(parent_hash).__name__}")
+    parts: list[bytes] = []
+    _encode(parent_hash, parts)
+    parts.append(_token_bytes(token_ids))
+    _encode(tuple(extra_keys), parts)
+    digest = hashlib.blake2b(b"".join(parts), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()) -> list[int]:
+    """One chained hash per full block of ``token_ids``; a partial tail block is not hashed."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    hashes: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys)
+        hashes.append(parent)
+    return hashes

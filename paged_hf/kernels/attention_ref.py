@@ -1,0 +1,85 @@
+"""Torch core shared by the paged attention references: attention over block tables, one chunk of blocks at a
+time with an online softmax (the same algorithm as the GPU kernels), so no dense copy of a whole batch's K/V
+is ever built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Upper bound on the score elements (batch x query heads x queries x keys) held per chunk.
+SCORE_ELEMENTS_PER_CHUNK = 1 << 22
+
+
+def paged_attention_core(
+    query: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of queries against the paged K/V of their sequences.
+
+    Args:
+        query: ``[B, num_heads, n, head_dim]``; query heads ``h`` read KV head ``h // (num_heads // num_kv_heads)``.
+        query_positions: ``[B, n]`` int64 position of each query; a query attends keys at positions
+            ``<= its own`` (and ``> position - sliding_window``). A negative position marks a padding query (output 0).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_tables: ``[B, max_blocks]`` int block ids; entries past a sequence's length must be valid ids.
+        seq_lens: ``[B]`` tokens held by each sequence (positions ``0 .. seq_len - 1``).
+        sinks: ``[num_heads]`` attention-sink logits that join each softmax denominator, or None.
+
+    Returns ``[B, num_heads, n, head_dim]`` in ``query.dtype``; computed in float32.
+    """
+    batch, num_heads, num_queries, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    assert group * num_kv_heads == num_heads, f"{num_heads=} is not a multiple of {num_kv_heads=}"
+    q = query.float().reshape(batch, num_kv_heads, group * num_queries, head_dim)
+
+    max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    num_blocks = min(block_tables.shape[1], -(-max_len // block_size))
+    keys_per_chunk = max(block_size, SCORE_ELEMENTS_PER_CHUNK // max(1, batch * num_heads * num_queries))
+    blocks_per_chunk = max(1, keys_per_chunk // block_size)
+
+    rows = group * num_queries
+    if sinks is None:
+        running_max = torch.full((batch, num_kv_heads, rows), float("-inf"), device=q.device)
+        running_sum = torch.zeros((batch, num_kv_heads, rows), device=q.device)
+    else:  # the sink is one more logit per head: start the softmax from it
+        sink = sinks.float().view(1, num_kv_heads, group, 1).expand(batch, -1, -1, num_queries)
+        running_max = sink.reshape(batch, num_kv_heads, rows).clone()
+        running_sum = torch.ones((batch, num_kv_heads, rows), device=q.device)
+    acc = torch.zeros((batch, num_kv_heads, rows, head_dim), device=q.device)
+
+    # [B, 1, group * n]: the position of each score row, as the rows are laid out (group-major).
+    row_positions = query_positions.unsqueeze(1).expand(batch, group, num_queries).reshape(batch, 1, rows)
+    for first in range(0, num_blocks, blocks_per_chunk):
+        ids = block_tables[:, first : first + blocks_per_chunk].long()
+        k = key_cache[ids].flatten(1, 2).float().transpose(1, 2)  # [B, kv_heads, L, D]
+        v = value_cache[ids].flatten(1, 2).float().transpose(1, 2)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, kv_heads, rows, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        key_positions = torch.arange(first * block_size, first * block_size + k.shape[2], device=q.device)
+        visible = key_positions.view(1, 1, 1, -1) <= row_positions.unsqueeze(-1)
+        if sliding_window is not None:
+            visible &= key_positions.view(1, 1, 1, -1) > (row_positions.unsqueeze(-1) - sliding_window)
+        scores = scores.masked_fill(~visible, float("-inf"))
+
+        chunk_max = torch.maximum(running_max, scores.amax(-1))
+        safe_max = torch.where(torch.isinf(chunk_max), torch.zeros_like(chunk_max), chunk_max)
+        probs = torch.exp(scores - safe_max.unsqueeze(-1))
+        correction = torch.exp(running_max - safe_max)
+        running_sum = running_sum * correction + probs.sum(-1)
+        acc = acc * correction.unsqueeze(-1) + torch.matmul(probs, v)
+        running_max = chunk_max
+
+    out = acc / running_sum.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    out = out.masked_fill((row_positions < 0).view(batch, 1, rows, 1), 0.0)
+    return out.view(batch, num_heads, num_queries, head_dim).to(query.dtype)

@@ -1,0 +1,101 @@
+"""Takes ``cache_implementation="paged"`` back from transformers' continuous batching (5.20 <= version < 6).
+
+transformers' ``generate`` reroutes the *keyword* ``cache_implementation="paged"`` to ``generate_batch`` (which
+drops the attention mask and most of generate's features), and silently builds a ``DynamicCache`` when the word
+comes through a ``GenerationConfig``. Here the keyword is taken out before that reroute and remembered in a
+context variable; the cache is then built where transformers builds its caches,
+``_prepare_cache_for_generation``, with the batch and length it knows, and generate runs its normal loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from contextvars import ContextVar
+
+from transformers.generation.utils import GenerationMixin
+
+TRANSFORMERS_VERSIONS = ("5.20", "6")
+
+# Set by ``generate`` for one call: the ``cache_config`` given with ``cache_implementation="paged"``.
+_paged_request: ContextVar[dict | None] = ContextVar("paged_hf_request", default=None)
+_originals: dict[str, object] = {}
+
+
+def _generate(self, *args, **kwargs):
+    if kwargs.get("cache_implementation") != "paged":
+        return _originals["generate"](self, *args, **kwargs)
+    kwargs.pop("cache_implementation")
+    token = _paged_request.set({"cache_config": kwargs.pop("cache_config", None)})
+    try:
+        return _originals["generate"](self, *args, **kwargs)
+    finally:
+        _paged_request.reset(token)
+
+
+def _prepare_cache_for_generation(
+    self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
+):
+    request = _paged_request.get()
+    if request is None and generation_config.cache_implementation != "paged":
+        return _originals["_prepare_cache_for_generation"](
+            self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
+        )
+    _paged_request.set(None)  # consumed: an assistant model's own generate keeps its default cache
+    if model_kwargs.get("cache") is not None:
+        raise ValueError(
+            "Passing both cache_implementation='paged' and a cache object is unsupported; pass one of the two"
+        )
+    if generation_config.use_cache is False:
+        return None
+    from ..cache import PagedCache  # noqa: PLC0415 - patches sit below the cache in the import order
+
+    options = dict((request or {}).get("cache_config") or generation_config.cache_config or {})
+    if options.get("num_blocks") is None and options.get("memory_budget") is None:
+        options["num_blocks"] = _blocks_for_generate(
+            generation_config, model_kwargs.get("attention_mask"), batch_size, max_cache_length,
+            options.get("block_size", 16),
+        )
+    model_kwargs["cache"] = PagedCache(self.config, **_checked_options(options))
+    if generation_config.is_assistant:
+        model_kwargs["cache"].activate_past_recording()
+    return None
+
+
+def _checked_options(options: dict) -> dict:
+    from ..config import CacheConfig  # noqa: PLC0415
+
+    CacheConfig.from_dict(options)  # unknown keys and bad values raise here, before any allocation
+    return options
+
+
+def _blocks_for_generate(generation_config, attention_mask, batch_size, max_cache_length, block_size) -> int:
+    """Blocks for the whole call: each row's real prompt tokens plus its new tokens, rounded up to blocks, for
+    every beam / returned sequence, plus one block per row for copy-on-write tails under beam search."""
+    if not isinstance(block_size, int) or block_size < 1:
+        block_size = 16  # CacheConfig reports the bad value
+    expansion = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+    if attention_mask is None:
+        per_row = [max_cache_length] * batch_size
+    else:
+        new_tokens = max(max_cache_length - attention_mask.shape[-1], 0)
+        per_row = [int(n) + new_tokens for n in attention_mask.sum(-1).tolist()]
+    blocks = sum(math.ceil(n / block_size) for n in per_row) * expansion
+    if (generation_config.num_beams or 1) > 1:
+        blocks += batch_size * expansion
+    return max(blocks, 1)
+
+
+def apply() -> None:
+    if _originals:
+        return
+    for name, replacement in (("generate", _generate), ("_prepare_cache_for_generation", _prepare_cache_for_generation)):
+        original = getattr(GenerationMixin, name)
+        _originals[name] = original
+        setattr(GenerationMixin, name, functools.wraps(original)(replacement))
+
+
+def undo() -> None:
+    for name, original in _originals.items():
+        setattr(GenerationMixin, name, original)
+    _originals.clear()

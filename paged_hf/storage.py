@@ -1,0 +1,83 @@
+"""Pool tensors of one attention layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V.
+
+A slot is ``block_id * block_size + offset``. Storage knows nothing of sequences: the block tables say which
+slots a sequence owns. Quantized formats subclass ``KVStorage`` and keep the same methods.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVStorage:
+    """K and V pools of one layer in the compute dtype (``kv_cache_dtype="auto"``).
+
+    Invariant: ``key_cache.shape == value_cache.shape == [num_blocks, block_size, num_kv_heads, head_dim]``.
+    Pools start zeroed, so a slot never holds NaN (a masked slot read by a dense kernel contributes exactly 0).
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
+    ) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.key_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.value_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.key_cache.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.key_cache.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.key_cache.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.key_cache.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.key_cache.nbytes + self.value_cache.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in this layer, K and V together."""
+        return self.nbytes // (self.num_blocks * self.block_size)
+
+    @staticmethod
+    def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Stores ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into ``slots`` ``[n]`` (int64)."""
+        flat_k = self.key_cache.view(-1, *self.key_cache.shape[2:])
+        flat_v = self.value_cache.view(-1, *self.value_cache.shape[2:])
+        flat_k.index_copy_(0, slots, key.to(self.dtype))
+        flat_v.index_copy_(0, slots, value.to(self.dtype))
+
+    def read_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``block_ids`` (any shape ``S``) as ``[*S, block_size, num_kv_heads, head_dim]``."""
+        return self.key_cache[block_ids], self.value_cache[block_ids]
+
+    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``slots`` (any shape ``S``) as ``[*S, num_kv_heads, head_dim]``."""
+        flat_k = self.key_cache.view(-1, *self.key_cache.shape[2:])
+        flat_v = self.value_cache.view(-1, *self.value_cache.shape[2:])
+        return flat_k[slots], flat_v[slots]
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies whole blocks ``src[i] -> dst[i]`` (copy-on-write, swap)."""
+        self.key_cache[dst] = self.key_cache[src]
+        self.value_cache[dst] = self.value_cache[src]
+
+    def grow(self, num_new_blocks: int) -> None:
+        """Appends ``num_new_blocks`` zeroed blocks (ids ``num_blocks ..``), keeping the existing content."""
+        extra = torch.zeros(
+            (num_new_blocks, *self.key_cache.shape[1:]), dtype=self.key_cache.dtype, device=self.key_cache.device
+        )
+        self.key_cache = torch.cat([self.key_cache, extra])
+        self.value_cache = torch.cat([self.value_cache, extra])

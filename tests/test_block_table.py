@@ -1,0 +1,248 @@
+"""BlockTable: slot arithmetic, copy-on-write, fork, truncate, sliding-window frees, atomicity."""
+
+import pytest
+
+from paged_hf.block_pool import BlockPool, NoFreeBlocksError
+from paged_hf.block_table import BlockTable, num_blocks_for
+
+
+def expected_slots(block_ids, block_size, start, stop):
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+
+
+def snapshot(pool, *tables):
+    return (
+        [b.block_id for b in pool.free_queue.blocks()],
+        [b.ref_cnt for b in pool.blocks],
+        [(t.block_ids, t.num_tokens) for t in tables],
+    )
+
+
+def test_num_blocks_for():
+    assert [num_blocks_for(n, 4) for n in (0, 1, 3, 4, 5, 8, 9)] == [0, 1, 1, 1, 2, 2, 3]
+    assert num_blocks_for(17, 16) == 2
+    with pytest.raises(ValueError, match="block_size"):
+        num_blocks_for(3, 0)
+    with pytest.raises(ValueError, match="num_tokens"):
+        num_blocks_for(-1, 4)
+
+
+def test_block_size_must_be_positive():
+    with pytest.raises(ValueError, match="block_size"):
+        BlockTable(BlockPool(2), 0)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("length", [1, 15, 16, 17])
+def test_append_slots_in_one_call(block_size, length):
+    pool = BlockPool(8)
+    pool.get_new_blocks(1)  # make block ids differ from logical indices
+    table = BlockTable(pool, block_size)
+    assert table.num_new_blocks_needed(length) == num_blocks_for(length, block_size)
+    slots, copies = table.append_slots(length)
+    assert copies == []
+    assert table.num_tokens == length
+    assert len(table.blocks) == num_blocks_for(length, block_size)
+    assert table.block_ids == list(range(1, 1 + len(table.blocks)))
+    assert slots == expected_slots(table.block_ids, block_size, 0, length)
+    assert slots[0] == block_size  # block 1, offset 0
+    assert [table.slot(p) for p in range(length)] == slots
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("length", [1, 15, 16, 17])
+def test_append_slots_token_by_token_matches_bulk(block_size, length):
+    pool = BlockPool(8)
+    table = BlockTable(pool, block_size)
+    slots = []
+    for _ in range(length):
+        new, copies = table.append_slots(1)
+        assert copies == [] and len(new) == 1
+        slots += new
+    assert slots == expected_slots(table.block_ids, block_size, 0, length)
+    assert len(set(slots)) == length
+
+
+def test_append_across_boundary_after_prefill():
+    pool = BlockPool(8)
+    table = BlockTable(pool, 4)
+    assert table.append_slots(3) == ([0, 1, 2], [])
+    assert table.num_new_blocks_needed(2) == 1
+    assert table.append_slots(2) == ([3, 4], [])  # fills block 0, opens block 1
+    assert table.block_ids == [0, 1]
+    assert table.append_slots(0) == ([], [])
+    with pytest.raises(ValueError, match="num_new_tokens"):
+        table.append_slots(-1)
+
+
+def test_fork_of_partial_tail_copies_on_write():
+    pool = BlockPool(8)
+    parent = BlockTable(pool, 4)
+    parent.append_slots(6)  # blocks 0 (full), 1 (2 of 4)
+    child = parent.fork()
+    assert child.block_ids == [0, 1] and child.num_tokens == 6
+    assert [b.ref_cnt for b in pool.blocks[:2]] == [2, 2]
+    assert child.num_new_blocks_needed(1) == 1  # the copy
+    slots, copies = child.append_slots(1)
+    assert copies == [(1, 2)]
+    assert slots == [2 * 4 + 2]
+    assert child.block_ids == [0, 2] and parent.block_ids == [0, 1]
+    assert [b.ref_cnt for b in pool.blocks[:3]] == [2, 1, 1]
+    # The parent now owns block 1 alone: it writes in place.
+    assert parent.num_new_blocks_needed(1) == 0
+    assert parent.append_slots(1) == ([1 * 4 + 2], [])
+    pool.check_invariants()
+
+
+def test_cow_and_new_block_in_one_append():
+    pool = BlockPool(8)
+    parent = BlockTable(pool, 4)
+    parent.append_slots(3)
+    child = parent.fork()
+    assert child.num_new_blocks_needed(3) == 2
+    slots, copies = child.append_slots(3)  # 1 into the copied tail, 2 into a new block
+    assert copies == [(0, 1)]
+    assert child.block_ids == [1, 2]
+    assert slots == [1 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
+
+
+def test_fork_of_full_blocks_shares_without_copies():
+    pool = BlockPool(8)
+    parent = BlockTable(pool, 4)
+    parent.append_slots(8)
+    child = parent.fork()
+    assert child.num_new_blocks_needed(1) == 1
+    slots, copies = child.append_slots(1)
+    assert copies == []
+    assert child.block_ids == [0, 1, 2] and slots == [8]
+    assert [b.ref_cnt for b in pool.blocks[:3]] == [2, 2, 1]
+    child.free()
+    assert [b.ref_cnt for b in pool.blocks[:3]] == [1, 1, 0]
+    parent.free()
+    assert pool.num_used_blocks == 0
+    pool.check_invariants()
+
+
+def test_hashed_partial_tail_after_truncate_is_copied():
+    pool = BlockPool(4)
+    table = BlockTable(pool, 4)
+    table.append_slots(4)
+    pool.cache_full_block(table.blocks[0], 77, [1, 2, 3, 4])
+    table.truncate(2)  # block 0 is now a partial tail but its cached contents must survive
+    slots, copies = table.append_slots(1)
+    assert copies == [(0, 1)] and slots == [1 * 4 + 2]
+    assert pool.get_cached_block(77, [1, 2, 3, 4]) is pool.blocks[0]
+    assert pool.blocks[0].ref_cnt == 0 and pool.num_cached_blocks == 1
+    pool.check_invariants()
+
+
+def test_truncate_frees_trailing_blocks_in_reverse():
+    pool = BlockPool(6)
+    table = BlockTable(pool, 4)
+    table.append_slots(13)  # blocks 0..3
+    table.truncate(5)
+    assert table.num_tokens == 5 and table.block_ids == [0, 1]
+    assert [b.block_id for b in pool.free_queue.blocks()] == [4, 5, 3, 2]
+    table.truncate(5)  # no-op
+    assert table.block_ids == [0, 1]
+    assert table.append_slots(1) == ([1 * 4 + 1], [])
+    table.truncate(0)
+    assert table.blocks == [] and pool.num_used_blocks == 0
+    with pytest.raises(ValueError, match="num_tokens"):
+        table.truncate(1)
+    with pytest.raises(ValueError, match="num_tokens"):
+        table.truncate(-1)
+    pool.check_invariants()
+
+
+def test_free_releases_tail_first():
+    pool = BlockPool(5)
+    table = BlockTable(pool, 2)
+    table.append_slots(5)  # blocks 0, 1, 2
+    table.free()
+    assert table.blocks == [] and table.num_tokens == 0
+    assert [b.block_id for b in pool.free_queue.blocks()] == [3, 4, 2, 1, 0]
+    table.free()  # freeing an empty table is a no-op
+    assert pool.num_used_blocks == 0
+    pool.check_invariants()
+
+
+def test_free_blocks_before_sliding_window():
+    pool = BlockPool(8)
+    table = BlockTable(pool, 4)
+    table.append_slots(10)  # blocks 0, 1, 2 (2 of 4)
+    table.free_blocks_before(3)  # block 0 still holds position 3
+    assert table.block_ids == [0, 1, 2]
+    table.free_blocks_before(8)
+    assert table.block_ids == [-1, -1, 2]
+    assert [b.block_id for b in pool.free_queue.blocks()][-2:] == [1, 0]  # freed tail first
+    table.free_blocks_before(8)  # idempotent
+    assert table.block_ids == [-1, -1, 2] and pool.num_used_blocks == 1
+    assert table.slot(9) == 2 * 4 + 1
+    with pytest.raises(ValueError, match="position"):
+        table.slot(5)
+    with pytest.raises(ValueError, match="position"):
+        table.free_blocks_before(11)
+    # Appending continues after the freed prefix; the freed entries stay None.
+    table.append_slots(3)
+    assert table.block_ids[:2] == [-1, -1] and table.num_tokens == 13
+    # Rolling back into freed blocks is refused; rolling back to held ones works.
+    with pytest.raises(ValueError, match="num_tokens"):
+        table.truncate(7)
+    table.truncate(9)
+    assert table.block_ids == [-1, -1, 2]
+    table.free()
+    assert pool.num_used_blocks == 0 and table.num_tokens == 0 and table.blocks == []
+    pool.check_invariants()
+
+
+def test_free_blocks_before_whole_table_then_append():
+    pool = BlockPool(4)
+    table = BlockTable(pool, 2)
+    table.append_slots(4)
+    table.free_blocks_before(4)
+    assert table.block_ids == [-1, -1] and pool.num_used_blocks == 0
+    assert [b.block_id for b in pool.free_queue.blocks()] == [2, 3, 1, 0]
+    assert table.append_slots(1) == ([2 * 2 + 0], [])  # the queue head: never-used block 2
+    assert table.block_ids == [-1, -1, 2]
+
+
+def test_fork_keeps_freed_prefix():
+    pool = BlockPool(8)
+    table = BlockTable(pool, 2)
+    table.append_slots(5)
+    table.free_blocks_before(4)
+    child = table.fork()
+    assert child.block_ids == [-1, -1, 2]
+    assert pool.blocks[2].ref_cnt == 2
+    child.free()
+    table.free()
+    assert pool.num_used_blocks == 0
+    pool.check_invariants()
+
+
+def test_append_failure_changes_nothing():
+    pool = BlockPool(3)
+    parent = BlockTable(pool, 4)
+    parent.append_slots(6)  # blocks 0, 1
+    child = parent.fork()
+    before = snapshot(pool, parent, child)
+    # The child needs a copy of block 1 plus one new block: 2 > 1 free.
+    assert child.num_new_blocks_needed(3) == 2
+    with pytest.raises(NoFreeBlocksError) as info:
+        child.append_slots(3)
+    assert info.value.num_needed == 2 and info.value.num_free == 1
+    assert snapshot(pool, parent, child) == before
+    pool.check_invariants()
+    # A smaller append fits.
+    assert child.append_slots(2) == ([2 * 4 + 2, 2 * 4 + 3], [(1, 2)])
+    pool.check_invariants()
+
+
+def test_append_failure_on_fresh_table():
+    pool = BlockPool(2)
+    table = BlockTable(pool, 4)
+    with pytest.raises(NoFreeBlocksError):
+        table.append_slots(9)
+    assert table.blocks == [] and table.num_tokens == 0 and pool.num_free_blocks == 2

@@ -1,0 +1,224 @@
+"""Stateful property test: random block-table traffic against a small BlockPool.
+
+Alongside the real objects it keeps a model: each table's logical tokens and a fake KV
+storage (block_id -> list of slot values). Appends write fresh token values into the returned
+slots after applying the returned copies, so any missing or wrong copy-on-write shows up as a
+table reading back a token it never wrote, or a cached block whose storage no longer matches
+its hashed token ids.
+"""
+
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from paged_hf.block_pool import BlockPool, NoFreeBlocksError
+from paged_hf.block_table import BlockTable, num_blocks_for
+from paged_hf.hashing import hash_prompt_blocks
+
+MAX_BLOCKS = 40
+index = st.integers(min_value=0, max_value=1_000)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    pool: BlockPool | None = None
+
+    @initialize(num_blocks=st.integers(8, 32), block_size=st.sampled_from([1, 2, 4, 16]),
+                enable_caching=st.booleans())
+    def setup(self, num_blocks, block_size, enable_caching):
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.bs = block_size
+        self.tables: list[BlockTable] = []
+        self.contents: list[list[int]] = []  # logical token values of each live table
+        self.storage: dict[int, list[int | None]] = {}
+        self.hashed_prefixes: list[list[int]] = []  # token prefixes registered in the cache
+        self.next_token = 0
+
+    # ------------------------------------------------------------------ helpers
+
+    def snapshot(self):
+        pool = self.pool
+        return (
+            [b.block_id for b in pool.free_queue.blocks()],
+            [(b.ref_cnt, b.block_hash, b.token_ids) for b in pool.blocks],
+            [(t.block_ids, t.num_tokens) for t in self.tables],
+        )
+
+    def append(self, table: BlockTable, content: list[int], n: int) -> bool:
+        before = self.snapshot()
+        old_ids, old_len = table.block_ids, table.num_tokens
+        expected_needed = table.num_new_blocks_needed(n)
+        try:
+            slots, copies = table.append_slots(n)
+        except NoFreeBlocksError as err:
+            assert err.num_needed == expected_needed > err.num_free == self.pool.num_free_blocks
+            assert self.snapshot() == before, "a failed append changed the pool or a table"
+            return False
+        assert expected_needed <= n + 1
+        assert len(slots) == n and table.num_tokens == old_len + n
+        assert len(copies) <= 1
+        for src, dst in copies:
+            assert old_len % self.bs != 0 and old_ids[-1] == src and table.block_ids[len(old_ids) - 1] == dst
+            self.storage[dst] = list(self.storage[src])
+        for slot in slots:
+            self.storage.setdefault(slot // self.bs, [None] * self.bs)[slot % self.bs] = self.next_token
+            content.append(self.next_token)
+            self.next_token += 1
+        assert slots == [table.slot(p) for p in range(old_len, old_len + n)]
+        return True
+
+    def pick(self, i):
+        k = i % len(self.tables)
+        return self.tables[k], self.contents[k], k
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(n=st.integers(0, 40))
+    def new_table(self, n):
+        table, content = BlockTable(self.pool, self.bs), []
+        self.append(table, content, n)
+        self.tables.append(table)
+        self.contents.append(content)
+
+    @precondition(lambda self: self.tables)
+    @rule(i=index, n=st.integers(1, 20))
+    def append_tokens(self, i, n):
+        table, content, _ = self.pick(i)
+        self.append(table, content, n)
+
+    @precondition(lambda self: self.tables)
+    @rule(i=index)
+    def fork(self, i):
+        table, content, _ = self.pick(i)
+        child = table.fork()
+        assert child.block_ids == table.block_ids and child.num_tokens == table.num_tokens
+        self.tables.append(child)
+        self.contents.append(list(content))
+
+    @precondition(lambda self: self.tables)
+    @rule(i=index, x=index)
+    def truncate(self, i, x):
+        table, content, _ = self.pick(i)
+        n = x % (table.num_tokens + 1)
+        keep = num_blocks_for(n, self.bs)
+        if keep > 0 and table.blocks[keep - 1] is None:
+            before = self.snapshot()
+            try:
+                table.truncate(n)
+            except ValueError:
+                assert self.snapshot() == before
+                return
+            raise AssertionError("truncate into freed blocks must raise ValueError")
+        table.truncate(n)
+        del content[n:]
+
+    @precondition(lambda self: self.tables)
+    @rule(i=index, x=index)
+    def free_blocks_before(self, i, x):
+        table, _, _ = self.pick(i)
+        position = x % (table.num_tokens + 1)
+        old_ids = table.block_ids
+        table.free_blocks_before(position)
+        expected = [-1 if (k + 1) * self.bs <= position else b for k, b in enumerate(old_ids)]
+        assert table.block_ids == expected
+
+    @precondition(lambda self: self.tables)
+    @rule(i=index, j=index)
+    def cache_full_block(self, i, j):
+        table, content, _ = self.pick(i)
+        full = table.num_tokens // self.bs
+        candidates = [k for k in range(full) if table.blocks[k] is not None and table.blocks[k].block_hash is None]
+        if not candidates:
+            return
+        k = candidates[j % len(candidates)]
+        prefix = content[: (k + 1) * self.bs]
+        block = table.blocks[k]
+        self.pool.cache_full_block(block, hash_prompt_blocks(prefix, self.bs)[k], prefix[k * self.bs:])
+        if self.pool.enable_caching:
+            self.hashed_prefixes.append(prefix)
+
+    @precondition(lambda self: self.hashed_prefixes)
+    @rule(j=index)
+    def new_table_from_prefix_hit(self, j):
+        prefix = self.hashed_prefixes[j % len(self.hashed_prefixes)]
+        hits = []
+        for k, h in enumerate(hash_prompt_blocks(prefix, self.bs)):
+            block = self.pool.get_cached_block(h, prefix[k * self.bs:(k + 1) * self.bs])
+            if block is None:
+                break
+            hits.append(block)
+        self.pool.touch(hits)
+        table = BlockTable(self.pool, self.bs)
+        table.blocks.extend(hits)
+        table.num_tokens = len(hits) * self.bs
+        self.tables.append(table)
+        self.contents.append(list(prefix[: table.num_tokens]))
+
+    @precondition(lambda self: self.tables)
+    @rule(i=index)
+    def free_table(self, i):
+        table, _, k = self.pick(i)
+        table.free()
+        assert table.blocks == [] and table.num_tokens == 0
+        del self.tables[k], self.contents[k]
+
+    @rule()
+    def evict_cached(self):
+        num_cached = self.pool.num_cached_blocks
+        assert self.pool.evict_cached_blocks() == num_cached
+        assert self.pool.num_cached_blocks == 0
+
+    @precondition(lambda self: self.pool is not None and self.pool.num_blocks < MAX_BLOCKS)
+    @rule(n=st.integers(0, 4))
+    def grow(self, n):
+        old = self.pool.num_blocks
+        self.pool.grow(n)
+        assert self.pool.num_blocks == old + n
+
+    # ------------------------------------------------------------------ invariants
+
+    @invariant()
+    def pool_consistent(self):
+        if self.pool is None:
+            return
+        self.pool.check_invariants()
+        refs = Counter(b.block_id for t in self.tables for b in t.blocks if b is not None)
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], (
+                f"{block}: ref_cnt {block.ref_cnt} but {refs[block.block_id]} table references")
+
+    @invariant()
+    def tables_consistent(self):
+        if self.pool is None:
+            return
+        for table, content in zip(self.tables, self.contents):
+            assert len(content) == table.num_tokens
+            assert len(table.blocks) == num_blocks_for(table.num_tokens, self.bs)
+            ids = table.block_ids
+            num_none = ids.count(-1)
+            assert ids[:num_none] == [-1] * num_none, "freed blocks must form a prefix"
+            for p in range(num_none * self.bs, table.num_tokens):
+                assert self.storage[ids[p // self.bs]][p % self.bs] == content[p], (
+                    f"position {p} reads back a token it did not write")
+
+    @invariant()
+    def cached_blocks_hold_their_tokens(self):
+        if self.pool is None:
+            return
+        for block in self.pool.blocks:
+            if block.block_hash is not None:
+                assert tuple(self.storage[block.block_id]) == block.token_ids
+
+    def teardown(self):
+        if self.pool is None:
+            return
+        for table in self.tables:
+            table.free()
+        assert self.pool.num_used_blocks == 0
+        assert self.pool.num_free_blocks == self.pool.num_blocks
+        self.pool.check_invariants()
+
+
+PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPoolMachine = PoolMachine.TestCase
