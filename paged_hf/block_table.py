@@ -51,7 +51,7 @@ class BlockTable:
             return False
         tail = self.blocks[-1]
         assert tail is not None, "a partially filled tail block cannot have slid out"
-        return tail.ref_cnt > 1
+        return tail.ref_cnt > 1 or tail.block_hash is not None
 
     def num_new_blocks_needed(self, num_new_tokens: int) -> int:
         """Blocks ``append_slots(num_new_tokens)`` would take from the pool, copy-on-write included."""

@@ -68,8 +68,6 @@ class PagedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, kwargs: dict | None = None, **unused):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         return self.cache._update_layer(self, key_states, value_states, kwargs)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -174,6 +172,12 @@ class PagedCache(Cache):
         free = group.pool.num_free_blocks if group.pool is not None else 0
         if needed <= free:
             return
+        if self._fixed_num_blocks is not None and not any(self.num_tokens):
+            raise ValueError(
+                f"num_blocks={group.pool.num_blocks} is too small for the batch: its prompts need {needed} blocks "
+                f"of {self.cache_config.block_size} tokens in the {group.name} pool. Pass num_blocks >= {needed} "
+                f"plus room for the new tokens (about batch_size * ceil(max_length / block_size) in all)"
+            )
         if self._fixed_num_blocks is not None:
             raise PagedCacheFullError(
                 f"PagedCache is out of blocks: the next forward needs {needed} new blocks in the {group.name} pool "
@@ -257,6 +261,8 @@ class PagedCache(Cache):
     def _update_layer(self, layer: PagedLayer, key_states, value_states, kwargs: dict | None):
         if self._plan is None or layer.layer_idx in self._plan.written_layers:
             self._plan = self._plan_step(key_states, kwargs)
+        if not layer.is_initialized:  # after planning: a pool too small fails before any tensor is allocated
+            layer.lazy_initialization(key_states, value_states)
         plan = self._plan
         plan.written_layers.add(layer.layer_idx)
         group_plan = plan.groups[id(layer.group)]

@@ -51,29 +51,36 @@ def _prepare_cache_for_generation(
     from ..cache import PagedCache  # noqa: PLC0415 - patches sit below the cache in the import order
 
     options = dict((request or {}).get("cache_config") or generation_config.cache_config or {})
-    if options.get("num_blocks") is None and options.get("memory_budget") is None:
+    config = _checked_config(options)
+    attention_mask = model_kwargs.get("attention_mask")
+    if config.num_blocks is None and config.memory_budget is None:
         options["num_blocks"] = _blocks_for_generate(
-            generation_config, model_kwargs.get("attention_mask"), batch_size, max_cache_length,
-            options.get("block_size", 16),
+            generation_config, attention_mask, batch_size, max_cache_length, config.block_size
         )
-    model_kwargs["cache"] = PagedCache(self.config, **_checked_options(options))
+    elif config.num_blocks is not None:
+        prompt_blocks = _prompt_blocks(generation_config, attention_mask, config.block_size)
+        if config.num_blocks < prompt_blocks:
+            raise ValueError(
+                f"cache_config num_blocks={config.num_blocks} is too small for the batch: its prompts alone need "
+                f"{prompt_blocks} blocks of {config.block_size} tokens; the whole call needs about "
+                f"{_blocks_for_generate(generation_config, attention_mask, batch_size, max_cache_length, config.block_size)}"
+                f" (or leave num_blocks unset and it is sized for you)"
+            )
+    model_kwargs["cache"] = PagedCache(self.config, **options)
     if generation_config.is_assistant:
         model_kwargs["cache"].activate_past_recording()
     return None
 
 
-def _checked_options(options: dict) -> dict:
+def _checked_config(options: dict):
     from ..config import CacheConfig  # noqa: PLC0415
 
-    CacheConfig.from_dict(options)  # unknown keys and bad values raise here, before any allocation
-    return options
+    return CacheConfig.from_dict(options)  # unknown keys and bad values raise here, before any allocation
 
 
 def _blocks_for_generate(generation_config, attention_mask, batch_size, max_cache_length, block_size) -> int:
     """Blocks for the whole call: each row's real prompt tokens plus its new tokens, rounded up to blocks, for
     every beam / returned sequence, plus one block per row for copy-on-write tails under beam search."""
-    if not isinstance(block_size, int) or block_size < 1:
-        block_size = 16  # CacheConfig reports the bad value
     expansion = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     if attention_mask is None:
         per_row = [max_cache_length] * batch_size
@@ -84,6 +91,14 @@ def _blocks_for_generate(generation_config, attention_mask, batch_size, max_cach
     if (generation_config.num_beams or 1) > 1:
         blocks += batch_size * expansion
     return max(blocks, 1)
+
+
+def _prompt_blocks(generation_config, attention_mask, block_size) -> int:
+    """Blocks the prompts alone take (0 when generate dropped an all-ones mask: the cache checks then)."""
+    if attention_mask is None:
+        return 0
+    expansion = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+    return sum(math.ceil(int(n) / block_size) for n in attention_mask.sum(-1).tolist()) * expansion
 
 
 def apply() -> None:

