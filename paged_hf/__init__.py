@@ -6,7 +6,8 @@
 
 from .attention import paged_attention_forward, register_attention, unregister_attention
 from .cache import PagedCache, PagedCacheFullError
-from .config import CacheConfig
+from .config import CacheConfig, EngineConfig, SamplingParams
+from .engine import CompletionOutput, PagedEngine, RequestOutput
 from . import patches
 
 __version__ = "0.1.0"
@@ -28,6 +29,11 @@ register()
 
 __all__ = [
     "CacheConfig",
+    "CompletionOutput",
+    "EngineConfig",
+    "PagedEngine",
+    "RequestOutput",
+    "SamplingParams",
     "PagedCache",
     "PagedCacheFullError",
     "paged_attention_forward",

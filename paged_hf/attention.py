@@ -8,6 +8,8 @@ without ``kwargs``) the function attends densely over the K/V and mask it was gi
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -41,19 +43,44 @@ def paged_attention_forward(
         return dense_attention(query, key, value, attention_mask, scale, softcap, s_aux), None
 
     plan, group_plan, storage, window = metadata
-    tables = group_plan.readable_block_tables
-    if plan.query_len == 1 and plan.all_real:
-        out = paged_decode_attention_ref(
-            query[:, :, 0], storage.key_cache, storage.value_cache, tables, plan.seq_lens,
-            scale, window, softcap, s_aux,
-        )
-        return out.unsqueeze(1), None
-    flat = plan.select_new_tokens(query)
-    out = paged_prefill_attention_ref(
-        flat, storage.key_cache, storage.value_cache, tables, plan.seq_lens, plan.cu_query_lens,
-        scale, window, softcap, s_aux,
-    )
+    flat = plan.select_new_tokens(query)  # [n, heads, head_dim], packed by sequence
+    out = paged_attention(flat, plan, group_plan, storage, scale, window, softcap, s_aux)
     return plan.scatter_new_tokens(out), None
+
+
+def paged_attention(flat_query, plan, group_plan, storage, scale, window, softcap, sinks) -> torch.Tensor:
+    """Attention of a plan's packed new tokens ``[n, heads, head_dim]`` over their sequences' blocks.
+
+    One-token sequences go through the batched decode path; longer ones through the varlen prefill path.
+    """
+    tables, seq_lens = group_plan.readable_block_tables, plan.seq_lens
+    pools = storage.attention_operands()
+    options = dict(scale=scale, sliding_window=window, softcap=softcap, sinks=sinks)
+    if plan.decode_only:
+        return paged_decode_attention_ref(flat_query, block_tables=tables, seq_lens=seq_lens, **pools, **options)
+    decode_seqs = [s for s, n in enumerate(plan.new_counts) if n == 1]
+    if len(decode_seqs) < 2:
+        return paged_prefill_attention_ref(
+            flat_query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=plan.cu_query_lens, **pools, **options
+        )
+    # mixed step (engine): batch the decodes, run the prefill chunks sequence by sequence
+    out = torch.empty_like(flat_query)
+    starts = plan.cu_query_lens
+    decode_rows = starts[decode_seqs]
+    decode_index = torch.tensor(decode_seqs, device=flat_query.device)
+    out[decode_rows] = paged_decode_attention_ref(
+        flat_query[decode_rows], block_tables=tables[decode_index], seq_lens=seq_lens[decode_index], **pools, **options
+    )
+    prefill_seqs = [s for s, n in enumerate(plan.new_counts) if n > 1]
+    prefill_index = torch.tensor(prefill_seqs, dtype=torch.long, device=flat_query.device)
+    lengths = [plan.new_counts[s] for s in prefill_seqs]
+    rows = torch.cat([torch.arange(int(starts[s]), int(starts[s]) + n) for s, n in zip(prefill_seqs, lengths)])
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.long)
+    out[rows] = paged_prefill_attention_ref(
+        flat_query[rows], block_tables=tables[prefill_index], seq_lens=seq_lens[prefill_index], cu_query_lens=cu,
+        **pools, **options,
+    )
+    return out
 
 
 def dense_attention(query, key, value, attention_mask, scale, softcap=None, sinks=None) -> torch.Tensor:

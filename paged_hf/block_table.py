@@ -97,6 +97,21 @@ class BlockTable:
         assert len(self.blocks) == num_blocks_for(self.num_tokens, bs)
         return slots, copies
 
+    def append_cached_blocks(self, blocks: list[KVBlock]) -> None:
+        """Appends full blocks found in the prefix cache (one more reference each) to a block-aligned table."""
+        assert self.num_tokens % self.block_size == 0, "cached blocks extend a block-aligned table only"
+        self.pool.touch(blocks)
+        self.blocks.extend(blocks)
+        self.num_tokens += len(blocks) * self.block_size
+
+    def restore(self, num_tokens: int, num_freed: int, blocks: list[KVBlock]) -> None:
+        """Refills an empty table with freshly allocated ``blocks`` (swap-in): ``num_freed`` ``None`` entries
+        (slid out of a window) then ``blocks``, holding ``num_tokens`` tokens. Takes over their references."""
+        assert not self.blocks and num_freed + len(blocks) == num_blocks_for(num_tokens, self.block_size)
+        self.blocks = [None] * num_freed + list(blocks)
+        self._num_freed = num_freed
+        self.num_tokens = num_tokens
+
     def fork(self) -> BlockTable:
         """A new table sharing every held block (one more reference each) and the same length."""
         child = BlockTable(self.pool, self.block_size)

@@ -19,7 +19,7 @@ from .block_pool import BlockPool, NoFreeBlocksError
 from .block_table import BlockTable
 from .config import CacheConfig
 from .step_plan import GroupPlan, StepPlan
-from .storage import KVStorage
+from .quant import bytes_per_block, check_kv_format, make_storage
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 STATE_SPACE_MODEL_TYPES = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm")
@@ -111,6 +111,8 @@ class PagedCache(Cache):
         self.cache_config = CacheConfig(block_size, num_blocks, kv_cache_dtype, memory_budget)
         self.text_config = config.get_text_config(decoder=True)
         _check_supported(config, self.text_config)
+        self.head_dim = _head_dim(self.text_config)
+        self.kv_format = check_kv_format(kv_cache_dtype, self.head_dim)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(self.text_config)
         self.groups: list[LayerGroup] = []
         by_window: dict[int | None, LayerGroup] = {}
@@ -142,7 +144,7 @@ class PagedCache(Cache):
             return cfg.num_blocks
         if cfg.memory_budget is None:
             return None  # grows on demand
-        per_block = sum(self._block_bytes(idx) for group in self.groups for idx in group.layer_indices)
+        per_block = sum(self.block_bytes(idx) for group in self.groups for idx in group.layer_indices)
         num_blocks = cfg.memory_budget // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -151,20 +153,20 @@ class PagedCache(Cache):
             )
         return num_blocks
 
-    def _block_bytes(self, layer_idx: int) -> int:
+    def block_bytes(self, layer_idx: int) -> int:
         cfg = self.text_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         dtype = getattr(cfg, "dtype", None) or torch.float32
         dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
-        return KVStorage.bytes_per_block(self.cache_config.block_size, num_kv_heads, head_dim, dtype)
+        return bytes_per_block(self.kv_format, self.cache_config.block_size, num_kv_heads, _head_dim(cfg), dtype)
 
     def _init_storage(self, layer: PagedLayer, key_states: torch.Tensor) -> None:
         group = layer.group
         num_blocks = group.pool.num_blocks if group.pool is not None else 1
         _, num_kv_heads, _, head_dim = key_states.shape
-        group.storages[layer.layer_idx] = KVStorage(
-            num_blocks, self.cache_config.block_size, num_kv_heads, head_dim, key_states.dtype, key_states.device
+        group.storages[layer.layer_idx] = make_storage(
+            self.kv_format, num_blocks, self.cache_config.block_size, num_kv_heads, head_dim,
+            key_states.dtype, key_states.device,
         )
 
     def _ensure_capacity(self, group: LayerGroup, needed: int) -> None:
@@ -247,13 +249,14 @@ class PagedCache(Cache):
 
         self.num_tokens = [h + n for h, n in zip(held, new_counts)]
         plan = StepPlan(
+            batch_size=batch,
             query_len=query_len,
-            seq_length_before=self.seq_length,
-            num_tokens_before=held,
             new_counts=new_counts,
             num_tokens=list(self.num_tokens),
             groups=group_plans,
             device=device,
+            token_index=StepPlan.left_padded_index(new_counts, query_len, device),
+            seq_length_before=self.seq_length,
         )
         self.seq_length += query_len
         return plan
@@ -383,10 +386,15 @@ class PagedCache(Cache):
             "blocks_total": blocks_total,
             "block_size": self.cache_config.block_size,
             "kv_cache_dtype": self.cache_config.kv_cache_dtype,
+            "bytes_per_token_per_layer": self.block_bytes(0) // self.cache_config.block_size,
             "bytes_allocated": bytes_allocated,
             "bytes_live": bytes_live,
             "utilization": bytes_live / bytes_allocated if bytes_allocated else 0.0,
         }
+
+
+def _head_dim(text_config) -> int:
+    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
 
 
 def _check_supported(config, text_config) -> None:

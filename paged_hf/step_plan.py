@@ -1,7 +1,10 @@
-"""Per-forward metadata of a ``PagedCache``: built once by the first layer's ``update``, read by every layer.
+"""Per-forward metadata of a paged cache: built once per forward, read by every layer.
 
-Layout: HF hands each layer ``[B, heads, q, head_dim]`` states; row ``b``'s real tokens of this forward are its
-last ``new_counts[b]`` columns. They are flattened row-major into ``n = sum(new_counts)`` tokens.
+HF hands each layer ``[B, heads, q, head_dim]`` states. The plan names the *sequences* of the forward and which
+of those ``B * q`` columns are their new tokens, packed sequence by sequence into ``n = sum(new_counts)`` tokens:
+- generate (``PagedCache``): one sequence per row; row ``b``'s new tokens are its last ``new_counts[b]`` columns
+  (the rest is left padding);
+- the engine: ``B == 1`` and the ``q`` columns are the sequences' tokens back to back (no padding).
 """
 
 from __future__ import annotations
@@ -55,32 +58,30 @@ class GroupPlan:
 class StepPlan:
     """One forward of a ``PagedCache``: token counts per row and each group's plan."""
 
-    query_len: int
-    seq_length_before: int  # columns of HF's padded timeline before this forward
-    num_tokens_before: list[int]
-    new_counts: list[int]
-    num_tokens: list[int]  # real tokens per row after this forward
+    batch_size: int  # HF rows
+    query_len: int  # HF columns
+    new_counts: list[int]  # per sequence: tokens written this forward
+    num_tokens: list[int]  # per sequence: tokens held after this forward
     groups: dict[int, GroupPlan]
     device: torch.device
+    token_index: torch.Tensor | None = None  # [n] column of each new token in the flattened [B * q]; None: all
+    seq_length_before: int = 0  # generate layout: columns of HF's padded timeline before this forward
     written_layers: set[int] = field(default_factory=set)
     _dense: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    @property
-    def batch_size(self) -> int:
-        return len(self.new_counts)
-
-    @property
-    def all_real(self) -> bool:
-        return all(n == self.query_len for n in self.new_counts)
+    @staticmethod
+    def left_padded_index(new_counts: list[int], query_len: int, device) -> torch.Tensor | None:
+        """``token_index`` of the generate layout: row ``b``'s last ``new_counts[b]`` columns."""
+        if all(n == query_len for n in new_counts):
+            return None
+        index = [row * query_len + col for row, count in enumerate(new_counts)
+                 for col in range(query_len - count, query_len)]
+        return torch.tensor(index, dtype=torch.long, device=device)
 
     @cached_property
-    def token_index(self) -> torch.Tensor | None:
-        """``[n]`` index of each real token in the flattened ``[B * q]`` columns; None when every column is real."""
-        if self.all_real:
-            return None
-        index = [row * self.query_len + col for row, count in enumerate(self.new_counts)
-                 for col in range(self.query_len - count, self.query_len)]
-        return torch.tensor(index, dtype=torch.long, device=self.device)
+    def decode_only(self) -> bool:
+        """Every sequence writes exactly one token (the batched decode path)."""
+        return all(n == 1 for n in self.new_counts)
 
     @cached_property
     def seq_lens(self) -> torch.Tensor:

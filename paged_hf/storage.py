@@ -52,6 +52,14 @@ class KVStorage:
     def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every pool tensor, indexed by block along dim 0 (what a block copy must move)."""
+        return {"key_cache": self.key_cache, "value_cache": self.value_cache}
+
+    def attention_operands(self) -> dict:
+        """The raw tensors a paged attention kernel reads (keyword arguments of the kernels' launchers)."""
+        return {"key_cache": self.key_cache, "value_cache": self.value_cache}
+
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Stores ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into ``slots`` ``[n]`` (int64)."""
         flat_k = self.key_cache.view(-1, *self.key_cache.shape[2:])
@@ -81,3 +89,13 @@ class KVStorage:
         )
         self.key_cache = torch.cat([self.key_cache, extra])
         self.value_cache = torch.cat([self.value_cache, extra])
+
+
+def copy_blocks_between(src: KVStorage, dst: KVStorage, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """Copies blocks ``src_ids`` of ``src`` into ``dst_ids`` of ``dst`` (same format; devices may differ: swap)."""
+    targets = dst.tensors()
+    for name, source in src.tensors().items():
+        target = targets[name]
+        if source.element_size() == 1 and source.dtype.is_floating_point:  # float8: copy its bytes
+            source, target = source.view(torch.uint8), target.view(torch.uint8)
+        target[dst_ids.to(target.device)] = source[src_ids.to(source.device)].to(target.device)

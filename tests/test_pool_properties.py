@@ -18,17 +18,19 @@ from paged_hf.block_table import BlockTable, num_blocks_for
 from paged_hf.hashing import hash_prompt_blocks
 
 MAX_BLOCKS = 40
+MAX_TABLES = 8
 index = st.integers(min_value=0, max_value=1_000)
 
 
 class PoolMachine(RuleBasedStateMachine):
     pool: BlockPool | None = None
 
-    @initialize(num_blocks=st.integers(8, 32), block_size=st.sampled_from([1, 2, 4, 16]),
-                enable_caching=st.booleans())
-    def setup(self, num_blocks, block_size, enable_caching):
+    @initialize(num_blocks=st.integers(8, 20), block_size=st.sampled_from([1, 2, 4, 16]),
+                enable_caching=st.booleans(), hash_mod=st.sampled_from([None, 3]))
+    def setup(self, num_blocks, block_size, enable_caching, hash_mod):
         self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
         self.bs = block_size
+        self.hash_mod = hash_mod  # 3: a deliberately weak hash, so collisions and duplicates happen
         self.tables: list[BlockTable] = []
         self.contents: list[list[int]] = []  # logical token values of each live table
         self.storage: dict[int, list[int | None]] = {}
@@ -45,7 +47,12 @@ class PoolMachine(RuleBasedStateMachine):
             [(t.block_ids, t.num_tokens) for t in self.tables],
         )
 
-    def append(self, table: BlockTable, content: list[int], n: int) -> bool:
+    def append(self, table: BlockTable, content: list[int], n: int, values: list[int] | None = None) -> bool:
+        """Appends ``n`` tokens (``values``, or fresh ones) to ``table`` and writes them to the fake storage."""
+        if values is None:
+            values = list(range(self.next_token, self.next_token + n))
+            self.next_token += n
+        assert len(values) == n
         before = self.snapshot()
         old_ids, old_len = table.block_ids, table.num_tokens
         expected_needed = table.num_new_blocks_needed(n)
@@ -61,12 +68,30 @@ class PoolMachine(RuleBasedStateMachine):
         for src, dst in copies:
             assert old_len % self.bs != 0 and old_ids[-1] == src and table.block_ids[len(old_ids) - 1] == dst
             self.storage[dst] = list(self.storage[src])
-        for slot in slots:
-            self.storage.setdefault(slot // self.bs, [None] * self.bs)[slot % self.bs] = self.next_token
-            content.append(self.next_token)
-            self.next_token += 1
+        for slot, value in zip(slots, values):
+            self.storage.setdefault(slot // self.bs, [None] * self.bs)[slot % self.bs] = value
+            content.append(value)
         assert slots == [table.slot(p) for p in range(old_len, old_len + n)]
         return True
+
+    def block_hashes(self, tokens: list[int]) -> list[int]:
+        hashes = hash_prompt_blocks(tokens, self.bs)
+        return hashes if self.hash_mod is None else [h % self.hash_mod for h in hashes]
+
+    def cache_blocks(self, table: BlockTable, content: list[int], ks: list[int]) -> None:
+        """Registers the (full, held, unhashed) blocks ``ks`` of ``table`` in the prefix cache."""
+        if not ks:
+            return
+        hashes = self.block_hashes(content[: (max(ks) + 1) * self.bs])
+        for k in ks:
+            prefix = content[: (k + 1) * self.bs]
+            self.pool.cache_full_block(table.blocks[k], hashes[k], prefix[k * self.bs:])
+            if self.pool.enable_caching:
+                self.hashed_prefixes.append(prefix)
+
+    def cacheable(self, table: BlockTable) -> list[int]:
+        full = table.num_tokens // self.bs
+        return [k for k in range(full) if table.blocks[k] is not None and table.blocks[k].block_hash is None]
 
     def pick(self, i):
         k = i % len(self.tables)
@@ -74,6 +99,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
 
+    @precondition(lambda self: len(self.tables) < MAX_TABLES)
     @rule(x=index)
     def new_table(self, x):
         n = x % (3 * self.bs + 1)  # 0 .. 3 blocks' worth
@@ -89,14 +115,19 @@ class PoolMachine(RuleBasedStateMachine):
         table, content, _ = self.pick(i)
         self.append(table, content, n)
 
-    @precondition(lambda self: self.tables)
-    @rule(i=index)
-    def fork(self, i):
+    @precondition(lambda self: 0 < len(self.tables) < MAX_TABLES)
+    @rule(i=index, then=st.sampled_from([None, "parent", "child"]), x=index)
+    def fork(self, i, then, x):
+        """Forks a table, then maybe appends to one side (a partial shared tail must be copied)."""
         table, content, _ = self.pick(i)
         child = table.fork()
         assert child.block_ids == table.block_ids and child.num_tokens == table.num_tokens
         self.tables.append(child)
         self.contents.append(list(content))
+        if then == "parent":
+            self.append(table, content, x % self.bs + 1)
+        elif then == "child":
+            self.append(child, self.contents[-1], x % self.bs + 1)
 
     @precondition(lambda self: self.tables)
     @rule(i=index, x=index)
@@ -130,41 +161,54 @@ class PoolMachine(RuleBasedStateMachine):
     def cache_full_blocks(self, i, j, in_order):
         """Hashes the full held blocks up to a random one (as the engine does), or one random block."""
         table, content, _ = self.pick(i)
-        full = table.num_tokens // self.bs
-        candidates = [k for k in range(full) if table.blocks[k] is not None and table.blocks[k].block_hash is None]
-        if not candidates:
-            return
-        last = candidates[j % len(candidates)]
-        hashes = hash_prompt_blocks(content[: (last + 1) * self.bs], self.bs)
-        for k in candidates if in_order else [last]:
-            if k > last:
-                break
-            prefix = content[: (k + 1) * self.bs]
-            self.pool.cache_full_block(table.blocks[k], hashes[k], prefix[k * self.bs:])
-            if self.pool.enable_caching:
-                self.hashed_prefixes.append(prefix)
+        candidates = self.cacheable(table)
+        if candidates:
+            last = candidates[j % len(candidates)]
+            self.cache_blocks(table, content, [k for k in candidates if k <= last] if in_order else [last])
 
-    @precondition(lambda self: self.hashed_prefixes)
-    @rule(j=index)
-    def new_table_from_prefix_hit(self, j):
-        prefix = self.hashed_prefixes[j % len(self.hashed_prefixes)]
+    def admit(self, tokens: list[int], extra: int) -> None:
+        """Admits a sequence as the engine does: verified prefix-cache hits over ``tokens``, then
+        the rest of ``tokens`` (recomputed) and ``extra`` fresh tokens."""
+        prefix = tokens
         hits = []
-        for k, h in enumerate(hash_prompt_blocks(prefix, self.bs)):
+        for k, h in enumerate(self.block_hashes(prefix)):
             block = self.pool.get_cached_block(h, prefix[k * self.bs:(k + 1) * self.bs])
             if block is None:
                 break
+            assert block.token_ids == tuple(prefix[k * self.bs:(k + 1) * self.bs])
             hits.append(block)
-        self.pool.touch(hits)
         table = BlockTable(self.pool, self.bs)
-        table.blocks.extend(hits)
-        table.num_tokens = len(hits) * self.bs
+        table.append_cached_blocks(hits)
+        assert table.block_ids == [b.block_id for b in hits] and table.num_tokens == len(hits) * self.bs
+        content = list(prefix[: table.num_tokens])
         self.tables.append(table)
-        self.contents.append(list(prefix[: table.num_tokens]))
+        self.contents.append(content)
+        rest = prefix[table.num_tokens:]
+        if self.append(table, content, len(rest), rest):
+            self.append(table, content, extra)
+
+    @precondition(lambda self: self.hashed_prefixes and len(self.tables) < MAX_TABLES)
+    @rule(j=index, x=index)
+    def new_table_from_prefix_hit(self, j, x):
+        self.admit(self.hashed_prefixes[j % len(self.hashed_prefixes)], x % (2 * self.bs))
 
     @precondition(lambda self: self.tables)
-    @rule(i=index)
-    def free_table(self, i):
-        table, _, k = self.pick(i)
+    @rule(i=index, x=index)
+    def finish_and_readmit(self, i, x):
+        """Caches a table's full blocks, frees it, and admits its tokens again (prefix hits on ref-0 blocks)."""
+        table, content, k = self.pick(i)
+        self.cache_blocks(table, content, self.cacheable(table))
+        table.free()
+        del self.tables[k], self.contents[k]
+        self.admit(content, x % self.bs)
+
+    @precondition(lambda self: self.tables)
+    @rule(i=index, cache_first=st.booleans())
+    def free_table(self, i, cache_first):
+        """Frees a table, optionally caching its full blocks first (a finished sequence)."""
+        table, content, k = self.pick(i)
+        if cache_first:
+            self.cache_blocks(table, content, self.cacheable(table))
         table.free()
         assert table.blocks == [] and table.num_tokens == 0
         del self.tables[k], self.contents[k]
@@ -226,5 +270,5 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.check_invariants()
 
 
-PoolMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+PoolMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
 TestPoolMachine = PoolMachine.TestCase

@@ -1,7 +1,5 @@
 """Quantized KV formats: round-trip error bounds, determinism, zero handling, QuantizedKVStorage, bad input."""
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -35,7 +33,8 @@ def error_bound(x: torch.Tensor, kv_format: str) -> torch.Tensor:
         lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
         span = hi - lo + lo.abs() * 2**-10 + HALF_TINY
         return (span / 15 * (1 + 2**-10) + HALF_TINY) / 2 + slack
-    mantissa_bits, fp8_max, subnormal = {"fp8_e4m3": (3, 448.0, 2.0**-10), "fp8_e5m2": (2, 57344.0, 2.0**-17)}[kv_format]
+    fp8 = {"fp8_e4m3": (3, 448.0, 2.0**-10), "fp8_e5m2": (2, 57344.0, 2.0**-17)}
+    mantissa_bits, fp8_max, subnormal = fp8[kv_format]
     scale = absmax / fp8_max * (1 + 2**-10) + HALF_TINY
     return x.abs() * 2.0 ** -(mantissa_bits + 1) + subnormal * scale + slack
 
@@ -210,7 +209,8 @@ def test_storage_reads_equal_reference_round_trip(kv_format, dtype):
     s.write(slots, key, value)
     k, v = s.read_slots(slots)
     assert k.dtype == dtype and k.shape == (6, HEADS, HEAD_DIM)
-    assert torch.equal(k, round_trip(key, kv_format).to(dtype)) and torch.equal(v, round_trip(value, kv_format).to(dtype))
+    assert torch.equal(k, round_trip(key, kv_format).to(dtype))
+    assert torch.equal(v, round_trip(value, kv_format).to(dtype))
     kb, vb = s.read_blocks(torch.tensor([[1, 2], [5, 0]]))
     assert kb.shape == (2, 2, BLOCK_SIZE, HEADS, HEAD_DIM) and kb.dtype == dtype
     assert torch.equal(kb[0, 0, 1], k[0]) and torch.equal(vb[1, 0, 2], v[2]) and torch.equal(kb[1, 1, 0], k[1])
@@ -228,8 +228,10 @@ def test_storage_bytes_do_not_depend_on_batch_or_slot(kv_format):
     a.write(torch.arange(8), key, value)  # tokens 0..7 -> blocks 0, 1, in one batch
     other = random_kv(2, HEADS, HEAD_DIM, seed=5)
     # tokens 0..7 -> blocks 4, 5 of b, in two batches, in another order and with unrelated tokens beside them
-    b.write(torch.tensor([17, 8, 16]), torch.stack([key[1], other[0], key[0]]), torch.stack([value[1], other[0], value[0]]))
-    b.write(torch.cat([torch.arange(18, 24), torch.tensor([9])]), torch.cat([key[2:], other[1:]]), torch.cat([value[2:], other[1:]]))
+    first, second = [key[1], other[0], key[0]], [value[1], other[0], value[0]]
+    b.write(torch.tensor([17, 8, 16]), torch.stack(first), torch.stack(second))
+    slots = torch.cat([torch.arange(18, 24), torch.tensor([9])])
+    b.write(slots, torch.cat([key[2:], other[1:]]), torch.cat([value[2:], other[1:]]))
     for pa, pb in zip(pools(a), pools(b)):
         if pa is not None:
             assert torch.equal(raw_bytes(pa[0:2]), raw_bytes(pb[4:6]))
@@ -245,7 +247,8 @@ def test_copy_blocks_copies_codes_and_scales(kv_format):
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
     for pool in pools(s):
         if pool is not None:
-            assert torch.equal(raw_bytes(pool[3]), raw_bytes(pool[0])) and torch.equal(raw_bytes(pool[5]), raw_bytes(pool[1]))
+            assert torch.equal(raw_bytes(pool[3]), raw_bytes(pool[0]))
+            assert torch.equal(raw_bytes(pool[5]), raw_bytes(pool[1]))
 
 
 @pytest.mark.parametrize("kv_format", FORMATS)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .kv_quant import dequantize_kv_ref
+
 # Upper bound on the score elements (batch x query heads x queries x keys) held per chunk.
 SCORE_ELEMENTS_PER_CHUNK = 1 << 22
 
@@ -22,6 +24,11 @@ def paged_attention_core(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+    key_zero: torch.Tensor | None = None,
+    value_zero: torch.Tensor | None = None,
+    kv_format: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of queries against the paged K/V of their sequences.
 
@@ -33,6 +40,9 @@ def paged_attention_core(
         block_tables: ``[B, max_blocks]`` int block ids; entries past a sequence's length must be valid ids.
         seq_lens: ``[B]`` tokens held by each sequence (positions ``0 .. seq_len - 1``).
         sinks: ``[num_heads]`` attention-sink logits that join each softmax denominator, or None.
+        key_scale, value_scale, key_zero, value_zero, kv_format: for quantized pools (see ``kv_quant``): codes in
+            the caches, ``[num_blocks, block_size, num_kv_heads]`` scales (and zeros); each chunk is dequantized
+            as it is read.
 
     Returns ``[B, num_heads, n, head_dim]`` in ``query.dtype``; computed in float32.
     """
@@ -61,8 +71,8 @@ def paged_attention_core(
     row_positions = query_positions.unsqueeze(1).expand(batch, group, num_queries).reshape(batch, 1, rows)
     for first in range(0, num_blocks, blocks_per_chunk):
         ids = block_tables[:, first : first + blocks_per_chunk].long()
-        k = key_cache[ids].flatten(1, 2).float().transpose(1, 2)  # [B, kv_heads, L, D]
-        v = value_cache[ids].flatten(1, 2).float().transpose(1, 2)
+        k = read_blocks(key_cache, key_scale, key_zero, kv_format, ids).flatten(1, 2).transpose(1, 2)
+        v = read_blocks(value_cache, value_scale, value_zero, kv_format, ids).flatten(1, 2).transpose(1, 2)
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, kv_heads, rows, L]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -83,3 +93,12 @@ def paged_attention_core(
     out = acc / running_sum.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
     out = out.masked_fill((row_positions < 0).view(batch, 1, rows, 1), 0.0)
     return out.view(batch, num_heads, num_queries, head_dim).to(query.dtype)
+
+
+def read_blocks(cache, scale, zero, kv_format: str, ids: torch.Tensor) -> torch.Tensor:
+    """Blocks ``ids`` of one pool as float32 ``[*ids.shape, block_size, num_kv_heads, head_dim]``."""
+    if kv_format == "auto":
+        return cache[ids].float()
+    raw = cache.view(torch.uint8) if cache.element_size() == 1 and cache.dtype.is_floating_point else cache
+    codes = raw[ids].view(cache.dtype)  # float8 has no CPU indexing kernel: index its bytes
+    return dequantize_kv_ref(codes, scale[ids], None if zero is None else zero[ids], kv_format, torch.float32)

@@ -9,9 +9,10 @@ the other tokens of the block.
 Formats (``q`` = stored code, ``s``/``z`` = float16 scale/zero of the vector, ``absmax = max |x|``):
 
 - ``int8``: symmetric, ``s = absmax / 127``, ``x ~ q * s`` with ``q`` in ``[-127, 127]``. Error <= ``s / 2`` =
-  ``absmax / 254`` (0.39%; plus up to 2^-25 absolute once ``s`` is a subnormal float16, ``absmax`` < 0.0078). Asymmetric int8 (scale + zero) was measured: 1.1x (Gaussian) to 1.5x (post-RoPE keys
-  of stories260K) lower mean error, but it costs 2 more bytes per vector, so int8 would save 1.88x instead of
-  1.94x over fp16 at head_dim 64; symmetric already keeps every vector within 0.4% of its absmax.
+  ``absmax / 254`` (0.39%; plus up to 2^-25 absolute once ``s`` is a subnormal float16, ``absmax`` < 0.0078).
+  Asymmetric int8 (scale + zero) was measured: 1.1x (Gaussian) to 1.5x (post-RoPE keys of stories260K) lower
+  mean error, but it costs 2 more bytes per vector, so int8 would save 1.88x instead of 1.94x over fp16 at
+  head_dim 64, and symmetric already keeps every vector within 0.4% of its absmax.
 - ``int4``: asymmetric (LMDeploy style), ``z = min``, ``s = (max - min) / 15``, ``x ~ q * s + z`` with ``q`` in
   ``[0, 15]``; two codes per uint8, even index in the low nibble. Error <= ``(max - min) / 30`` <= ``absmax / 15``
   (6.7%). Measured: 1.2x (Gaussian) to 1.8x (one-sided data; 1.5-1.7x on stories260K K/V) lower mean error than
@@ -52,7 +53,9 @@ def kv_data_dtype(kv_format: str) -> torch.dtype:
     if kv_format in _FP8_DTYPES:
         dtype = _FP8_DTYPES[kv_format]
         if dtype is None:
-            raise ValueError(f"kv_format={kv_format!r} needs torch float8 dtypes, which torch {torch.__version__} lacks")
+            raise ValueError(
+                f"kv_format={kv_format!r} needs torch float8 dtypes, which torch {torch.__version__} lacks"
+            )
         return dtype
     raise ValueError(f"kv_format={kv_format!r} is not one of {QUANTIZED_KV_FORMATS}")
 

