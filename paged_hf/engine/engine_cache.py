@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..block_pool import BlockPool
 from ..cache import PagedCache
 from ..quant import make_storage
 from ..step_plan import StepPlan
@@ -16,6 +17,8 @@ from ..step_plan import StepPlan
 class EngineCache(PagedCache):
     def __init__(self, config, block_size: int, num_blocks: int, kv_cache_dtype: str, dtype: torch.dtype, device):
         super().__init__(config, block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype)
+        for group in self.groups:  # the engine keeps finished blocks as a prefix cache
+            group.pool = BlockPool(num_blocks, enable_caching=True)
         cfg = self.text_config
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         for layer in self.layers:  # allocated up front: the engine's pool is sized once

@@ -1,10 +1,39 @@
-"""Paged decode attention: one query token per sequence against that sequence's blocks."""
+"""Paged decode attention: one query token per sequence against that sequence's blocks.
+
+``paged_decode_attention_ref`` is the torch reference (the CPU path and the test oracle);
+``paged_decode_attention`` is the Triton kernel with the same signature (flash-decoding):
+
+- grid ``(sequences, kv_heads, partitions)``: a program holds the ``group`` query heads that share one KV head
+  (GQA: each K/V tile is read once for the whole group) and walks one partition of ``partition_size`` tokens
+  of its sequence in tiles of ``BLOCK_N`` tokens, gathering each token's slot through the block table, so the
+  tile size does not depend on the block size;
+- K/V are dequantized in registers as they are loaded (every ``kv_format``: int8, fp8 e4m3/e5m2 decoded from
+  their bits, int4 nibbles), scores and the online softmax (running max, sum, accumulator) are float32;
+- each partition writes its partial max, sum and unnormalized output; a reduce kernel rescales and sums them
+  (and adds the attention sink, once). A batch whose block tables span a single partition skips the reduce.
+  The partition count comes from the block-table width, not from ``seq_lens``: no device-to-host sync.
+
+The Triton functions are decorated on first launch (``_kernels()``), not at import: ``import paged_hf`` imports
+this module without needing triton, and ``TRITON_INTERPRET`` (which ``triton.jit`` reads when it decorates) takes
+effect whenever it was set before the first launch.
+"""
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
 from .attention_ref import paged_attention_core
+from .kv_quant import kv_data_dim, kv_data_dtype, kv_has_zero
+
+# kv_format -> the FORMAT constexpr of the kernels.
+KV_FORMAT_IDS = {"auto": 0, "int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "int4": 4}
+PARTITION_SIZE = 512  # tokens per flash-decoding partition
+BLOCK_N = 64  # tokens per K/V tile inside a program
+_REDUCE_CHUNK = 32  # partitions merged per step of the reduce kernel
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def paged_decode_attention_ref(
@@ -40,3 +69,481 @@ def paged_decode_attention_ref(
         scale, sliding_window, softcap, sinks, key_scale, value_scale, key_zero, value_zero, kv_format,
     )
     return out.squeeze(2)
+
+
+# ----------------------------------------------------------------------------------------------- launcher
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+    key_zero: torch.Tensor | None = None,
+    value_zero: torch.Tensor | None = None,
+    kv_format: str = "auto",
+    *,
+    partition_size: int | None = None,
+) -> torch.Tensor:
+    """Triton flash-decoding; the arguments and result of ``paged_decode_attention_ref``.
+
+    ``partition_size`` (keyword only, a multiple of ``BLOCK_N``; default ``PARTITION_SIZE``) is the number of
+    tokens one program reads; tests shrink it to reach the multi-partition path with short sequences.
+    """
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    for launch in _decode_launches(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, sinks,
+        key_scale, value_scale, key_zero, value_zero, kv_format, out, partition_size,
+    ):
+        launch()
+    return out
+
+
+class Launch:
+    """One kernel launch, prepared: ``kernel[grid](*args, **meta)`` (kept apart so tests can compile it AOT)."""
+
+    def __init__(self, kernel, grid: tuple, args: tuple, meta: dict, options: dict | None = None) -> None:
+        self.kernel, self.grid, self.args, self.meta, self.options = kernel, grid, args, meta, options or {}
+
+    def __call__(self) -> None:
+        if all(self.grid):
+            self.kernel[self.grid](*self.args, **self.meta, **self.options)
+
+
+def _decode_launches(
+    query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, sinks,
+    key_scale, value_scale, key_zero, value_zero, kv_format, out, partition_size=None,
+) -> list[Launch]:
+    k = _kernels()
+    num_seqs, num_heads, head_dim = _check_query(query, "query")
+    pools = check_pools(
+        query, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, head_dim
+    )
+    group = num_heads // pools.num_kv_heads
+    if group * pools.num_kv_heads != num_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={pools.num_kv_heads}")
+    _check_index(block_tables, "block_tables", 2, query.device)
+    _check_index(seq_lens, "seq_lens", 1, query.device)
+    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+    if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
+        raise ValueError(
+            f"query has {num_seqs} sequences but block_tables {tuple(block_tables.shape)}, "
+            f"seq_lens {tuple(seq_lens.shape)}"
+        )
+    _check_sinks(sinks, num_heads, query.device)
+    partition = PARTITION_SIZE if partition_size is None else int(partition_size)
+    if partition <= 0 or partition % BLOCK_N:
+        raise ValueError(f"partition_size must be a positive multiple of {BLOCK_N}, got {partition}")
+    max_tokens = block_tables.shape[1] * pools.block_size
+    num_parts = max(1, -(-max_tokens // partition))
+    direct = num_parts == 1
+
+    g_pad = max(16, _next_pow2(group))  # tl.dot needs >= 16 rows
+    d_pad = max(16, _next_pow2(head_dim))
+    if direct:
+        part_m = part_l = part_acc = out  # unused
+    else:
+        part_m = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((num_seqs, num_heads, num_parts, head_dim), dtype=torch.float32, device=query.device)
+    flags = _feature_meta(sliding_window, softcap, sinks)
+    window = int(sliding_window) if sliding_window is not None else 0
+    cap = float(softcap) if softcap is not None else 1.0
+    args = (
+        query, *pools.data, *pools.side, block_tables, seq_lens, sinks, out, part_m, part_l, part_acc,
+        float(scale), cap, window, num_heads, num_parts,
+        *query.stride(), *pools.data_strides, *pools.side_strides, block_tables.stride(0), *out.stride(),
+    )
+    meta = dict(
+        GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=pools.block_size,
+        PARTITION=partition, BLOCK_N=BLOCK_N, FORMAT=KV_FORMAT_IDS[kv_format],
+        COMPUTE_FP32=query.dtype == torch.float32, DIRECT=direct, **flags,
+    )
+    launches = [
+        Launch(k.decode, (num_seqs, pools.num_kv_heads, num_parts), args, meta, dict(num_warps=4, num_stages=2))
+    ]
+    if not direct:
+        reduce_args = (part_m, part_l, part_acc, seq_lens, sinks, out, num_heads, num_parts, *out.stride())
+        reduce_meta = dict(
+            HEAD_DIM=head_dim, D_PAD=d_pad, PARTITION=partition, CHUNK=_REDUCE_CHUNK, USE_SINKS=sinks is not None
+        )
+        launches.append(Launch(k.reduce, (num_seqs, num_heads), reduce_args, reduce_meta, dict(num_warps=4)))
+    return launches
+
+
+# ------------------------------------------------------------------------------------ shared launcher checks
+
+
+class PoolOperands:
+    """Validated pools of one launch: ``data`` (K, V codes; float8 as uint8 views), ``side`` (K/V scales and
+    zeros, None where the format has none) and their strides."""
+
+    def __init__(self, data, side, data_strides, side_strides, block_size, num_kv_heads) -> None:
+        self.data, self.side = data, side
+        self.data_strides, self.side_strides = data_strides, side_strides
+        self.block_size, self.num_kv_heads = block_size, num_kv_heads
+
+
+def check_pools(
+    query, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format: str, head_dim: int
+) -> PoolOperands:
+    """Checks the pools against ``kv_format`` and ``head_dim`` (shapes, dtypes, strides, device)."""
+    if kv_format not in KV_FORMAT_IDS:
+        raise ValueError(f"kv_format={kv_format!r} is not one of {tuple(KV_FORMAT_IDS)}")
+    device = query.device
+    for name, pool in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if pool.dim() != 4:
+            raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, dim], got {tuple(pool.shape)}")
+        if pool.device != device:
+            raise ValueError(f"{name} is on {pool.device}, query on {device}")
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise ValueError(
+            f"key_cache {tuple(key_cache.shape)} {key_cache.dtype} and value_cache {tuple(value_cache.shape)} "
+            f"{value_cache.dtype} differ"
+        )
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError(f"key_cache strides {key_cache.stride()} != value_cache strides {value_cache.stride()}")
+    block_size, num_kv_heads, dim = key_cache.shape[1:]
+    if kv_format == "auto":
+        if key_cache.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"kv_format='auto' needs a float32/float16/bfloat16 pool, got {key_cache.dtype}")
+        expected_dim = head_dim
+    else:
+        if key_cache.dtype != kv_data_dtype(kv_format):
+            raise ValueError(f"kv_format={kv_format!r} stores {kv_data_dtype(kv_format)}, got {key_cache.dtype}")
+        expected_dim = kv_data_dim(kv_format, head_dim)
+    if dim != expected_dim:
+        raise ValueError(f"pools have last dim {dim}; kv_format={kv_format!r} with head_dim={head_dim} needs "
+                         f"{expected_dim}")
+    data = (key_cache, value_cache)
+    if key_cache.dtype.is_floating_point and key_cache.element_size() == 1:  # float8: the kernels decode bits
+        data = (key_cache.view(torch.uint8), value_cache.view(torch.uint8))
+
+    side_names = ("key_scale", "value_scale", "key_zero", "value_zero")
+    side = (key_scale, value_scale, key_zero, value_zero)
+    needed = {"key_scale", "value_scale"} if kv_format != "auto" else set()
+    if kv_format != "auto" and kv_has_zero(kv_format):
+        needed |= {"key_zero", "value_zero"}
+    present = [t for t in side if t is not None]
+    for name, t in zip(side_names, side):
+        if name in needed and t is None:
+            raise ValueError(f"kv_format={kv_format!r} needs {name}")
+        if name not in needed and t is not None:
+            raise ValueError(f"kv_format={kv_format!r} takes no {name}")
+        if t is None:
+            continue
+        if t.shape != key_cache.shape[:3] or t.dtype != torch.float16 or t.device != device:
+            raise ValueError(
+                f"{name} must be float16 {tuple(key_cache.shape[:3])} on {device}, got {t.dtype} "
+                f"{tuple(t.shape)} on {t.device}"
+            )
+        if t.stride() != present[0].stride():
+            raise ValueError(f"scale/zero pools must share strides, got {[p.stride() for p in present]}")
+    side_strides = present[0].stride() if present else (0, 0, 0)
+    return PoolOperands(data, side, key_cache.stride(), side_strides, block_size, num_kv_heads)
+
+
+def _check_query(query: torch.Tensor, name: str) -> tuple[int, int, int]:
+    if query.dim() != 3:
+        raise ValueError(f"{name} must be [tokens, num_heads, head_dim], got {tuple(query.shape)}")
+    if query.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32/float16/bfloat16, got {query.dtype}")
+    return tuple(query.shape)
+
+
+def _check_index(t: torch.Tensor, name: str, dim: int, device) -> None:
+    if t.dim() != dim or t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be a {dim}-d int32/int64 tensor, got {t.dtype} {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, query on {device}")
+
+
+def _check_sinks(sinks, num_heads: int, device) -> None:
+    if sinks is None:
+        return
+    if sinks.shape != (num_heads,) or not sinks.dtype.is_floating_point or sinks.device != device:
+        raise ValueError(f"sinks must be a float [{num_heads}] tensor on {device}, got {sinks.dtype} "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
+
+
+def _feature_meta(sliding_window, softcap, sinks) -> dict:
+    if sliding_window is not None and int(sliding_window) <= 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+    if softcap is not None and float(softcap) <= 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap}")
+    return dict(USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None, USE_SINKS=sinks is not None)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+# Plain functions until ``_kernels()`` decorates them (their bodies read ``tl`` and the jitted helpers from this
+# module's globals, which is where both triton's compiler and its interpreter look them up).
+
+tl = None  # triton.language, bound by _kernels()
+_STD_MAX = _STD_MIN = _STD_SUM = None  # triton's own combine functions (interpreter reductions)
+
+
+def triton_interpreting() -> bool:
+    """Whether triton runs kernels in its CPU interpreter (``TRITON_INTERPRET``, read as triton reads it)."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@functools.cache
+def _kernels():
+    """Imports triton and decorates this module's kernels (once, at the first launch).
+
+    Compiled, every function the kernels call is ``triton.jit``-ed. Interpreted, the helpers stay plain Python
+    (the interpreter re-patches ``triton.language`` on every call of a jitted function, ~10 ms each) and the
+    reductions go to ``tl.reduce`` with triton's own combine functions, which the interpreter maps to numpy:
+    this also works when triton was imported before ``TRITON_INTERPRET`` was set (then ``tl.max``, ``tl.sum``,
+    ``tl.zeros``... are compiled-mode functions the interpreter cannot call; the kernels use none of them).
+    """
+    global tl, _STD_MAX, _STD_MIN, _STD_SUM
+    global kv_columns, load_kv_tile, softcap_scores, row_max, row_min, row_sum, _decode_kernel, _decode_reduce_kernel
+    import triton
+    import triton.language as language
+
+    tl = language
+    if triton_interpreting():
+        standard = language.standard
+        _STD_MAX, _STD_MIN, _STD_SUM = standard._elementwise_max, standard._elementwise_min, standard._sum_combine
+        row_max, row_min, row_sum = _interpreted_max, _interpreted_min, _interpreted_sum
+    else:
+        kv_columns = triton.jit(kv_columns)
+        load_kv_tile = triton.jit(load_kv_tile)
+        softcap_scores = triton.jit(softcap_scores)
+        row_max, row_min, row_sum = triton.jit(_max), triton.jit(_min), triton.jit(_sum)
+    _decode_kernel = triton.jit(_decode_kernel)
+    _decode_reduce_kernel = triton.jit(_decode_reduce_kernel)
+    return _Kernels(
+        decode=_decode_kernel, reduce=_decode_reduce_kernel, kv_columns=kv_columns, load_kv_tile=load_kv_tile,
+        softcap_scores=softcap_scores, row_max=row_max, row_min=row_min, row_sum=row_sum,
+    )
+
+
+class _Kernels:
+    def __init__(self, **kernels) -> None:
+        self.__dict__.update(kernels)
+
+
+def _max(x, axis):
+    return tl.max(x, axis)
+
+
+def _min(x, axis):
+    return tl.min(x, axis)
+
+
+def _sum(x, axis):
+    return tl.sum(x, axis)
+
+
+def _interpreted_max(x, axis):
+    return tl.reduce(x, axis, _STD_MAX)
+
+
+def _interpreted_min(x, axis):
+    return tl.reduce(x, axis, _STD_MIN)
+
+
+def _interpreted_sum(x, axis):
+    return tl.reduce(x, axis, _STD_SUM)
+
+
+row_max = row_min = row_sum = None  # bound by _kernels()
+
+
+def kv_columns(stride_cd, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, FORMAT: tl.constexpr):
+    """Per output column ``d``: the element offset of its code within a token's row (int4: byte ``d // 2``), the
+    nibble shift (int4: low nibble for even ``d``) and whether ``d < HEAD_DIM``."""
+    d = tl.arange(0, D_PAD)
+    if FORMAT == 4:
+        cols = (d // 2).to(tl.int64) * stride_cd
+    else:
+        cols = d.to(tl.int64) * stride_cd
+    return cols, (d % 2) << 2, d < HEAD_DIM
+
+
+def load_kv_tile(Cache, Scale, Zero, row_off, side_off, valid, cols, shift, d_ok, FORMAT: tl.constexpr):
+    """K or V of ``row_off.shape[0]`` tokens as ``[N, D_PAD]``: the pool's dtype for "auto", else float32
+    dequantized like ``kv_quant.dequantize_kv_ref``. ``row_off``/``side_off``: each token's element offset in
+    the codes / scale pools; ``valid``: which tokens to read (others give 0); ``cols, shift, d_ok``: from
+    ``kv_columns``."""
+    mask = valid[:, None] & d_ok[None, :]
+    raw = tl.load(Cache + (row_off[:, None] + cols[None, :]), mask=mask, other=0)
+    if FORMAT == 0:  # auto
+        x = raw
+    else:
+        if FORMAT == 1:  # int8
+            codes = raw.to(tl.float32)
+        elif FORMAT == 4:  # int4: two codes per byte
+            codes = ((raw.to(tl.int32) >> shift[None, :]) & 15).to(tl.float32)
+        else:  # float8 bits (uint8): rebuild the float16 of the same value (e4m3: scaled by 2^-8)
+            bits = raw.to(tl.int32)
+            if FORMAT == 2:  # e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits
+                magnitude = ((bits & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+            else:  # e5m2: the top byte of a float16
+                magnitude = ((bits & 0x7F) << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            codes = tl.where(bits >= 128, -magnitude, magnitude)
+        s = tl.load(Scale + side_off, mask=valid, other=0.0).to(tl.float32)
+        x = codes * s[:, None]
+        if FORMAT == 4:
+            x = x + tl.load(Zero + side_off, mask=valid, other=0.0).to(tl.float32)[:, None]
+    return x
+
+
+def softcap_scores(s, cap):
+    """``tanh(s / cap) * cap`` (tanh from exp: the interpreter has no libdevice)."""
+    t = s / cap
+    e = tl.exp(-2.0 * tl.abs(t))
+    th = (1.0 - e) / (1.0 + e)
+    return tl.where(t < 0, -th, th) * cap
+
+
+def _decode_kernel(
+    Q, KC, VC, KS, VS, KZ, VZ, BlockTables, SeqLens, Sinks, Out, PartM, PartL, PartAcc,
+    scale, softcap, window, num_heads, num_parts,
+    stride_qs, stride_qh, stride_qd,
+    stride_cb, stride_co, stride_ch, stride_cd,
+    stride_sb, stride_so, stride_sh,
+    stride_bt,
+    stride_os, stride_oh, stride_od,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, FORMAT: tl.constexpr,
+    COMPUTE_FP32: tl.constexpr, DIRECT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+):
+    """One (sequence, KV head, partition): the GROUP query heads of the KV head against the partition's tokens."""
+    # Index math in int64: no overflow on large pools (and the interpreter skips its int32 overflow checks).
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    part = tl.program_id(2).to(tl.int64)
+    seq_len = tl.load(SeqLens + seq).to(tl.int64)
+    start = part * PARTITION
+    end = tl.minimum(start + PARTITION, seq_len)
+    lo = start
+    if USE_WINDOW:  # the query (position seq_len - 1) sees keys > seq_len - 1 - window
+        lo = tl.maximum(lo, seq_len - window)
+
+    g = tl.arange(0, G_PAD)
+    heads = kv_head * GROUP + g  # [G_PAD] int64
+    row_ok = g < GROUP
+    d = tl.arange(0, D_PAD).to(tl.int64)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        Q + (seq * stride_qs + heads[:, None] * stride_qh + d[None, :] * stride_qd),
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    if COMPUTE_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.full([G_PAD], 0.0, tl.float32)
+    acc = tl.full([G_PAD, D_PAD], 0.0, tl.float32)
+    table = BlockTables + seq * stride_bt
+    cols, shift, col_ok = kv_columns(stride_cd, HEAD_DIM, D_PAD, FORMAT)
+    head_off = kv_head * stride_ch
+    head_side_off = kv_head * stride_sh
+    n = tl.arange(0, BLOCK_N).to(tl.int64)
+    for tile in range((lo // BLOCK_N) * BLOCK_N, end, BLOCK_N):
+        pos = tile + n
+        valid = (pos >= lo) & (pos < end)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offset = pos % BLOCK_SIZE
+        row_off = block * stride_cb + offset * stride_co + head_off
+        side_off = block * stride_sb + offset * stride_so + head_side_off
+        k = load_kv_tile(KC, KS, KZ, row_off, side_off, valid, cols, shift, col_ok, FORMAT).to(q.dtype)
+        v = load_kv_tile(VC, VS, VZ, row_off, side_off, valid, cols, shift, col_ok, FORMAT).to(q.dtype)
+        if COMPUTE_FP32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        if USE_SOFTCAP:
+            s = softcap_scores(s, softcap)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, row_max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + row_sum(p, 1)
+        if COMPUTE_FP32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if DIRECT:
+        if USE_SINKS:  # the sink is one more logit of each head's softmax
+            sink = tl.load(Sinks + heads, mask=row_ok, other=0.0).to(tl.float32)
+            m_all = tl.maximum(m_i, sink)
+            alpha = tl.exp(m_i - m_all)
+            l_i = l_i * alpha + tl.exp(sink - m_all)
+            acc = acc * alpha[:, None]
+        out = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]
+        tl.store(
+            Out + (seq * stride_os + heads[:, None] * stride_oh + d[None, :] * stride_od),
+            out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        part_row = (seq * num_heads + heads) * num_parts + part  # [G_PAD]: row (seq, head, part) of the partials
+        tl.store(PartM + part_row, m_i, mask=row_ok)
+        tl.store(PartL + part_row, l_i, mask=row_ok)
+        tl.store(PartAcc + (part_row[:, None] * HEAD_DIM + d[None, :]), acc, mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _decode_reduce_kernel(
+    PartM, PartL, PartAcc, SeqLens, Sinks, Out, num_heads, num_parts,
+    stride_os, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr, CHUNK: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+):
+    """Merges the partitions of one (sequence, query head): rescale each partial to the global max, sum."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    seq_len = tl.load(SeqLens + seq).to(tl.int64)
+    used = tl.minimum((seq_len + PARTITION - 1) // PARTITION, num_parts)  # later partitions hold no token
+    base = (seq * num_heads + head) * num_parts
+    d = tl.arange(0, D_PAD).to(tl.int64)
+    d_ok = d < HEAD_DIM
+    c = tl.arange(0, CHUNK).to(tl.int64)
+    m_all = row_max(tl.full([CHUNK], float("-inf"), tl.float32), 0)
+    l_all = row_sum(tl.full([CHUNK], 0.0, tl.float32), 0)
+    acc = tl.full([D_PAD], 0.0, tl.float32)
+    for first in range(0, used, CHUNK):
+        rows = base + first + c
+        ok = first + c < used
+        pm = tl.load(PartM + rows, mask=ok, other=float("-inf"))
+        pl = tl.load(PartL + rows, mask=ok, other=0.0)
+        pa = tl.load(PartAcc + (rows[:, None] * HEAD_DIM + d[None, :]), mask=ok[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m_all, row_max(pm, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp(pm - m_safe)
+        alpha = tl.exp(m_all - m_safe)
+        l_all = l_all * alpha + row_sum(pl * w, 0)
+        acc = acc * alpha + row_sum(pa * w[:, None], 0)
+        m_all = m_new
+    if USE_SINKS:
+        sink = tl.load(Sinks + head).to(tl.float32)
+        m_fin = tl.maximum(m_all, sink)
+        alpha = tl.exp(m_all - m_fin)
+        l_all = l_all * alpha + tl.exp(sink - m_fin)
+        acc = acc * alpha
+    out = acc / tl.maximum(l_all, 1.1754943508222875e-38)
+    tl.store(Out + (seq * stride_os + head * stride_oh + d * stride_od), out.to(Out.dtype.element_ty), mask=d_ok)

@@ -1,10 +1,32 @@
-"""Paged prefill attention: variable-length query chunks against their paged past plus themselves, causal."""
+"""Paged prefill attention: variable-length query chunks against their paged past plus themselves, causal.
+
+``paged_prefill_attention_ref`` is the torch reference; ``paged_prefill_attention`` the Triton kernel with the same
+signature:
+
+- grid ``(query tiles, kv_heads)`` over the packed queries, without a device-to-host sync: sequence ``s`` owns
+  tiles ``cu_query_lens[s] // BLOCK_Q + s ..`` (at least ``ceil(q_len / BLOCK_Q)`` of them, so the grid is
+  ``total_queries // BLOCK_Q + S``); a program finds its sequence by counting the first tiles <= its own and
+  does nothing if its tile lies past its sequence's queries;
+- a program's rows are ``BLOCK_Q`` consecutive queries x the ``group`` query heads of its KV head (GQA: each K/V
+  tile is read once for the group), against the keys ``[0 or window start, last query position]`` in tiles of
+  ``BLOCK_N`` tokens gathered through the block table, dequantized as loaded, causal (and window) masked per row,
+  online softmax in float32 starting from the sink logit when there are sinks.
+
+Kernels are decorated on first launch (see ``paged_decode_attention``), with the same helpers.
+"""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from . import paged_decode_attention as _decode
 from .attention_ref import paged_attention_core
+from .paged_decode_attention import Launch, check_pools
+
+BLOCK_M = 64  # rows (queries x group heads) per program
+BLOCK_N = 64  # keys per tile
 
 
 def paged_prefill_attention_ref(
@@ -48,3 +70,197 @@ def paged_prefill_attention_ref(
         )
         out[start:end] = chunk.squeeze(0).transpose(0, 1)
     return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+    key_zero: torch.Tensor | None = None,
+    value_zero: torch.Tensor | None = None,
+    kv_format: str = "auto",
+) -> torch.Tensor:
+    """Triton varlen prefill; the arguments and result of ``paged_prefill_attention_ref``.
+
+    ``cu_query_lens`` must be consistent with ``query`` (``cu_query_lens[-1] == query.shape[0]``, non-decreasing)
+    and each ``q_len <= seq_len``; this is not checked on the device.
+    """
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    for launch in _prefill_launches(
+        query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sliding_window, softcap,
+        sinks, key_scale, value_scale, key_zero, value_zero, kv_format, out,
+    ):
+        launch()
+    return out
+
+
+def _prefill_launches(
+    query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sliding_window, softcap, sinks,
+    key_scale, value_scale, key_zero, value_zero, kv_format, out,
+) -> list[Launch]:
+    k = _kernels()
+    total, num_heads, head_dim = _decode._check_query(query, "query")
+    pools = check_pools(
+        query, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, head_dim
+    )
+    group = num_heads // pools.num_kv_heads
+    if group * pools.num_kv_heads != num_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={pools.num_kv_heads}")
+    for name, t, dim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1), ("cu_query_lens", cu_query_lens, 1)):
+        _decode._check_index(t, name, dim, query.device)
+    num_seqs = seq_lens.shape[0]
+    if block_tables.shape[0] != num_seqs or cu_query_lens.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"seq_lens {tuple(seq_lens.shape)} needs block_tables [{num_seqs}, max_blocks] and cu_query_lens "
+            f"[{num_seqs + 1}], got {tuple(block_tables.shape)} and {tuple(cu_query_lens.shape)}"
+        )
+    block_tables, seq_lens, cu_query_lens = block_tables.contiguous(), seq_lens.contiguous(), cu_query_lens.contiguous()
+    _decode._check_sinks(sinks, num_heads, query.device)
+    flags = _decode._feature_meta(sliding_window, softcap, sinks)
+
+    g_pad = _decode._next_pow2(group)
+    block_m = max(BLOCK_M, g_pad)
+    block_q = block_m // g_pad
+    d_pad = max(16, _decode._next_pow2(head_dim))
+    num_tiles = total // block_q + num_seqs
+    args = (
+        query, *pools.data, *pools.side, block_tables, seq_lens, cu_query_lens, sinks, out,
+        float(scale), float(softcap) if softcap is not None else 1.0,
+        int(sliding_window) if sliding_window is not None else 0, num_seqs,
+        *query.stride(), *pools.data_strides, *pools.side_strides, block_tables.stride(0), *out.stride(),
+    )
+    meta = dict(
+        GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=pools.block_size, BLOCK_N=BLOCK_N, FORMAT=_decode.KV_FORMAT_IDS[kv_format],
+        COMPUTE_FP32=query.dtype == torch.float32, S_PAD=_decode._next_pow2(max(num_seqs, 2)), **flags,
+    )
+    return [Launch(k.prefill, (num_tiles, pools.num_kv_heads), args, meta, dict(num_warps=4, num_stages=2))]
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+tl = None  # triton.language, bound by _kernels()
+kv_columns = load_kv_tile = softcap_scores = row_max = row_sum = None  # the decode module's, bound by _kernels()
+
+
+@functools.cache
+def _kernels():
+    """Decorates the prefill kernel on first launch; its helpers are the decode module's (already decorated)."""
+    global tl, kv_columns, load_kv_tile, softcap_scores, row_max, row_sum, _prefill_kernel
+    import triton
+
+    helpers = _decode._kernels()
+    tl = _decode.tl
+    kv_columns, load_kv_tile, softcap_scores = helpers.kv_columns, helpers.load_kv_tile, helpers.softcap_scores
+    row_max, row_sum = helpers.row_max, helpers.row_sum
+    _prefill_kernel = triton.jit(_prefill_kernel)
+    return _decode._Kernels(prefill=_prefill_kernel)
+
+
+def _prefill_kernel(
+    Q, KC, VC, KS, VS, KZ, VZ, BlockTables, SeqLens, CuQueryLens, Sinks, Out,
+    scale, softcap, window, num_seqs,
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_co, stride_ch, stride_cd,
+    stride_sb, stride_so, stride_sh,
+    stride_bt,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, S_PAD: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+):
+    """One (query tile, KV head): BLOCK_Q queries x GROUP heads against their causal (windowed) keys."""
+    tile = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    # The sequence of this tile: the last one whose first tile (cu_query_lens[s] // BLOCK_Q + s) is <= tile.
+    s_idx = tl.arange(0, S_PAD).to(tl.int64)
+    starts = tl.load(CuQueryLens + s_idx, mask=s_idx < num_seqs, other=0).to(tl.int64)
+    first_tiles = tl.where(s_idx < num_seqs, starts // BLOCK_Q + s_idx, tile + 1)
+    seq = row_sum((first_tiles <= tile).to(tl.int64), 0) - 1
+    q_start = tl.load(CuQueryLens + seq).to(tl.int64)
+    q_len = tl.load(CuQueryLens + seq + 1).to(tl.int64) - q_start
+    seq_len = tl.load(SeqLens + seq).to(tl.int64)
+    first_query = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # index of the tile's first query in the chunk
+    context = seq_len - q_len  # position of the chunk's first query
+
+    r = tl.arange(0, BLOCK_M).to(tl.int64)
+    qi = first_query + r // G_PAD
+    g = r % G_PAD
+    row_ok = (qi < q_len) & (g < GROUP)
+    heads = kv_head * GROUP + g
+    row_pos = tl.where(row_ok, context + qi, -1)  # -1: sees no key
+    d = tl.arange(0, D_PAD).to(tl.int64)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        Q + ((q_start + qi)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd),
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    if COMPUTE_FP32:
+        q = q.to(tl.float32)
+
+    if USE_SINKS:  # the sink is one more logit of each head's softmax: start from it
+        m_i = tl.load(Sinks + heads, mask=row_ok, other=0.0).to(tl.float32)
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, D_PAD], 0.0, tl.float32)
+
+    # Keys [lo, hi): up to the tile's last query (none for a tile past the chunk); from the window start of
+    # its first query.
+    hi = tl.where(first_query < q_len, context + tl.minimum(first_query + BLOCK_Q, q_len), 0)
+    lo = hi * 0
+    if USE_WINDOW:
+        lo = tl.maximum(lo, context + first_query - window + 1)
+    table = BlockTables + seq * stride_bt
+    cols, shift, col_ok = kv_columns(stride_cd, HEAD_DIM, D_PAD, FORMAT)
+    head_off = kv_head * stride_ch
+    head_side_off = kv_head * stride_sh
+    n = tl.arange(0, BLOCK_N).to(tl.int64)
+    for key_tile in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        pos = key_tile + n
+        valid = (pos >= lo) & (pos < hi)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offset = pos % BLOCK_SIZE
+        row_off = block * stride_cb + offset * stride_co + head_off
+        side_off = block * stride_sb + offset * stride_so + head_side_off
+        k = load_kv_tile(KC, KS, KZ, row_off, side_off, valid, cols, shift, col_ok, FORMAT).to(q.dtype)
+        v = load_kv_tile(VC, VS, VZ, row_off, side_off, valid, cols, shift, col_ok, FORMAT).to(q.dtype)
+        if COMPUTE_FP32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        if USE_SOFTCAP:
+            s = softcap_scores(s, softcap)
+        visible = valid[None, :] & (pos[None, :] <= row_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (pos[None, :] > row_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, row_max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + row_sum(p, 1)
+        if COMPUTE_FP32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]
+    tl.store(
+        Out + ((q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od),
+        out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+    )

@@ -1,0 +1,190 @@
+"""The OpenAI-compatible server, driven by the real `openai` client over 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the server needs fastapi (pip install 'paged_hf[server]')")
+uvicorn = pytest.importorskip("uvicorn", reason="the server needs uvicorn (pip install 'paged_hf[server]')")
+openai = pytest.importorskip("openai", reason="the tests drive the server with the openai client")
+httpx = pytest.importorskip("httpx", reason="the backpressure test sends raw requests")
+
+from paged_hf import PagedEngine  # noqa: E402
+from paged_hf.server.app import build_app  # noqa: E402
+from models import stories_model, stories_tokenizer, story_openings  # noqa: E402
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+class Server:
+    """uvicorn in a thread on a free loopback port; stopped by the fixture."""
+
+    def __init__(self, app) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def stories():
+    tok = stories_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return stories_model("sdpa"), tok
+
+
+@pytest.fixture(scope="module")
+def server(stories):
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=8, max_num_seqs=16, max_num_batched_tokens=256)
+    app = build_app(engine, "stories260K", max_queue_len=64)
+    running = Server(app)
+    yield running, engine
+    running.stop()
+    model.set_attn_implementation("sdpa")
+
+
+@pytest.fixture()
+def client(server):
+    running, _ = server
+    return openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server[0].url + "/metrics").text
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+def greedy_reference(stories, prompt: str, max_tokens: int, add_special_tokens: bool = True) -> str:
+    model, tok = stories
+    attn = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=add_special_tokens)
+    out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False)
+    model.set_attn_implementation(attn)
+    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_completions_greedy_equal_generate(stories, client):
+    prompt = story_openings()[0]
+    expected = greedy_reference(stories, prompt, 24)
+    out = client.completions.create(model="stories260K", prompt=prompt, max_tokens=24, temperature=0)
+    assert out.choices[0].text == expected
+    assert out.usage.completion_tokens == 24 and out.choices[0].finish_reason == "length"
+    streamed = client.completions.create(model="stories260K", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+
+
+def test_chat_stop_and_n(stories, client):
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    out = client.chat.completions.create(model="stories260K", messages=messages, max_tokens=20, temperature=0)
+    text = out.choices[0].message.content
+    assert out.choices[0].message.role == "assistant" and text
+    prompt = CHAT_TEMPLATE.replace("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+                                   "user: Tell me a story.\n")
+    # as transformers does, the chat template's text is tokenized without extra special tokens
+    assert text == greedy_reference(stories, prompt, 20, add_special_tokens=False)
+    chunks = client.chat.completions.create(model="stories260K", messages=messages, max_tokens=20, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    stop = greedy_reference(stories, story_openings()[0], 24).split()[2]
+    stopped = client.completions.create(model="stories260K", prompt=story_openings()[0], max_tokens=24,
+                                        temperature=0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
+    several = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=8,
+                                        temperature=1.0, n=3, seed=5)
+    assert sorted(c.index for c in several.choices) == [0, 1, 2]
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["stories260K"]
+
+
+def test_invalid_request_is_400_naming_the_field(server, client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="stories260K", prompt="Hi", max_tokens=4, top_p=0)
+    assert info.value.body["param"] == "top_p"
+    response = httpx.post(server[0].url + "/v1/completions", json={"prompt": "Hi", "max_tokens": "many"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+    response = httpx.post(server[0].url + "/v1/completions", json={"prompt": "word " * 600, "max_tokens": 4})
+    assert response.status_code == 400 and "max_model_len" in response.json()["error"]["message"]
+
+
+def test_load_32_streaming_clients_then_no_blocks_in_use(server):
+    running, engine = server
+
+    async def one(http, i):
+        body = {"prompt": story_openings()[i % 5], "max_tokens": 8 + i % 9, "temperature": 0, "stream": True}
+        async with http.stream("POST", running.url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            events = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        return len(events)
+
+    async def main():
+        limits = httpx.Limits(max_connections=32)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+            semaphore = asyncio.Semaphore(32)
+
+            async def bounded(i):
+                async with semaphore:
+                    return await one(http, i)
+
+            return await asyncio.wait_for(asyncio.gather(*(bounded(i) for i in range(128))), timeout=600)
+
+    counts = asyncio.run(main())
+    assert len(counts) == 128 and all(c >= 2 for c in counts)
+    time.sleep(0.6)
+    assert metric(server, "paged_hf_kv_cache_blocks_used") == 0
+    assert metric(server, "paged_hf_time_to_first_token_seconds_count") >= 128
+
+
+def test_dropped_stream_frees_its_blocks(server):
+    running, engine = server
+    body = {"prompt": story_openings()[1], "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", running.url + "/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # first chunk arrived: drop the connection mid-stream
+    deadline = time.time() + 30
+    while metric(server, "paged_hf_kv_cache_blocks_used") != 0:
+        assert time.time() < deadline, "the dropped request kept its blocks"
+        time.sleep(0.2)
+
+
+def test_flood_past_queue_limit_gets_503_and_admitted_requests_finish(stories):
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=8, max_num_seqs=2, max_num_batched_tokens=64)
+    running = Server(build_app(engine, "stories260K", max_queue_len=4))
+    try:
+        async def main():
+            async with httpx.AsyncClient(timeout=300) as http:
+                body = {"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+                return await asyncio.gather(*(http.post(running.url + "/v1/completions", json=body)
+                                              for _ in range(40)))
+
+        responses = asyncio.run(main())
+        codes = [r.status_code for r in responses]
+        assert 503 in codes and 200 in codes
+        assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 503)
+        assert all(len(r.json()["choices"][0]["text"]) > 0 for r in responses if r.status_code == 200)
+        time.sleep(0.6)
+        assert engine.get_stats()["kv_cache_used"] == 0
+    finally:
+        running.stop()
+        model.set_attn_implementation("sdpa")
