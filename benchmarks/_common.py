@@ -8,6 +8,7 @@ import importlib.util
 import os
 import platform
 import random
+import subprocess
 from pathlib import Path
 
 import torch
@@ -121,12 +122,26 @@ def kv_bytes_per_token(model) -> int:
     return 2 * kv_heads * head_dim * model.dtype.itemsize
 
 
+def source_version() -> str:
+    """The checkout's commit, and whether ``paged_hf`` differs from it (read-only git calls)."""
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, env=env, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "paged_hf"], cwd=ROOT, env=env,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "paged_hf (not a git checkout)"
+    return f"paged_hf at commit {commit}" + (" with uncommitted changes" if dirty else "")
+
+
 def machine() -> str:
-    cores = os.cpu_count()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (
-        f"{platform.processor() or platform.machine()}, {cores} CPU cores, no GPU; torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, Python {platform.python_version()}; "
-        f"load average at start {os.getloadavg()[0]:.1f} (other processes share the cores)"
+        f"{platform.machine()}, {os.cpu_count()} CPU cores, {gpu}; torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
+        f"Python {platform.python_version()}; load average at start {os.getloadavg()[0]:.1f} "
+        f"(other processes share the cores); {source_version()}"
     )
 
 

@@ -16,7 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from .cache import METADATA_KEY
-from .kernels import paged_decode_attention_ref, paged_prefill_attention_ref
+from .kernels.dispatch import decode_attention, prefill_attention
 
 ATTENTION_NAME = "paged"
 
@@ -52,15 +52,16 @@ def paged_attention(flat_query, plan, group_plan, storage, scale, window, softca
     """Attention of a plan's packed new tokens ``[n, heads, head_dim]`` over their sequences' blocks.
 
     One-token sequences go through the batched decode path; longer ones through the varlen prefill path.
+    Triton kernels on CUDA, the torch references elsewhere (``PAGED_HF_KERNELS=torch|triton`` forces either).
     """
     tables, seq_lens = group_plan.readable_block_tables, plan.seq_lens
     pools = storage.attention_operands()
     options = dict(scale=scale, sliding_window=window, softcap=softcap, sinks=sinks)
     if plan.decode_only:
-        return paged_decode_attention_ref(flat_query, block_tables=tables, seq_lens=seq_lens, **pools, **options)
+        return decode_attention(flat_query, block_tables=tables, seq_lens=seq_lens, **pools, **options)
     decode_seqs = [s for s, n in enumerate(plan.new_counts) if n == 1]
     if len(decode_seqs) < 2:
-        return paged_prefill_attention_ref(
+        return prefill_attention(
             flat_query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=plan.cu_query_lens, **pools, **options
         )
     # mixed step (engine): batch the decodes, run the prefill chunks sequence by sequence
@@ -68,7 +69,7 @@ def paged_attention(flat_query, plan, group_plan, storage, scale, window, softca
     starts = plan.cu_query_lens
     decode_rows = starts[decode_seqs]
     decode_index = torch.tensor(decode_seqs, device=flat_query.device)
-    out[decode_rows] = paged_decode_attention_ref(
+    out[decode_rows] = decode_attention(
         flat_query[decode_rows], block_tables=tables[decode_index], seq_lens=seq_lens[decode_index], **pools, **options
     )
     prefill_seqs = [s for s, n in enumerate(plan.new_counts) if n > 1]
@@ -76,7 +77,7 @@ def paged_attention(flat_query, plan, group_plan, storage, scale, window, softca
     lengths = [plan.new_counts[s] for s in prefill_seqs]
     rows = torch.cat([torch.arange(int(starts[s]), int(starts[s]) + n) for s, n in zip(prefill_seqs, lengths)])
     cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.long)
-    out[rows] = paged_prefill_attention_ref(
+    out[rows] = prefill_attention(
         flat_query[rows], block_tables=tables[prefill_index], seq_lens=seq_lens[prefill_index], cu_query_lens=cu,
         **pools, **options,
     )

@@ -42,8 +42,7 @@ class FreeBlockQueue:
     def __init__(self, blocks: list[KVBlock]) -> None:
         self._head = KVBlock(-1)  # sentinel before the first block
         self._tail = KVBlock(-1)  # sentinel after the last block
-        self._head.next_free = self._tail
-        self._tail.prev_free = self._head
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
         self._len = 0
         for block in blocks:
             self.append(block)
@@ -67,8 +66,7 @@ class FreeBlockQueue:
         """Unlinks ``block``, which must be in the queue."""
         prev, nxt = block.prev_free, block.next_free
         assert prev is not None and nxt is not None, f"{block} is not in the free queue"
-        prev.next_free = nxt
-        nxt.prev_free = prev
+        prev.next_free, nxt.prev_free = nxt, prev
         block.prev_free = block.next_free = None
         self._len -= 1
 
@@ -77,10 +75,8 @@ class FreeBlockQueue:
         assert block.prev_free is None and block.next_free is None, f"{block} is already queued"
         last = self._tail.prev_free
         assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
+        last.next_free, self._tail.prev_free = block, block
+        block.prev_free, block.next_free = last, self._tail
         self._len += 1
 
     def blocks(self) -> list[KVBlock]:
@@ -114,7 +110,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.enable_caching = enable_caching
         self.blocks: list[KVBlock] = [KVBlock(i) for i in range(num_blocks)]
-        self._free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue = FreeBlockQueue(self.blocks)  # read-only for callers: the pool keeps it consistent
         self._cached: dict[int, KVBlock] = {}
         self._num_cached = 0  # hashed blocks with ref_cnt 0
 
@@ -123,17 +119,13 @@ class BlockPool:
         return len(self.blocks)
 
     @property
-    def free_queue(self) -> FreeBlockQueue:
-        return self._free_queue
-
-    @property
     def num_free_blocks(self) -> int:
         """Allocatable blocks: free + cached."""
-        return len(self._free_queue)
+        return len(self.free_queue)
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self.blocks) - len(self._free_queue)
+        return len(self.blocks) - len(self.free_queue)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -148,11 +140,11 @@ class BlockPool:
         """
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        if num_blocks > len(self._free_queue):
-            raise NoFreeBlocksError(num_blocks, len(self._free_queue))
+        if num_blocks > len(self.free_queue):
+            raise NoFreeBlocksError(num_blocks, len(self.free_queue))
         out = []
         for _ in range(num_blocks):
-            block = self._free_queue.popleft()
+            block = self.free_queue.popleft()
             assert block.ref_cnt == 0, f"{block} was queued with ref_cnt != 0"
             if block.block_hash is not None:
                 self._drop_hash(block)
@@ -170,7 +162,7 @@ class BlockPool:
             assert block.ref_cnt > 0, f"freeing {block} with ref_cnt 0"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free_queue.append(block)
+                self.free_queue.append(block)
                 if block.block_hash is not None:
                     self._num_cached += 1
 
@@ -178,7 +170,7 @@ class BlockPool:
         """Adds one reference to each block; a block at ref_cnt 0 (a prefix hit) leaves the queue first."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self._free_queue.remove(block)
+                self.free_queue.remove(block)
                 if block.block_hash is not None:
                     self._num_cached -= 1
             block.ref_cnt += 1
@@ -227,7 +219,7 @@ class BlockPool:
         for block_id in range(start, start + num_new_blocks):
             block = KVBlock(block_id)
             self.blocks.append(block)
-            self._free_queue.append(block)
+            self.free_queue.append(block)
 
     def _drop_hash(self, block: KVBlock) -> None:
         assert block.block_hash is not None and self._cached.get(block.block_hash) is block
@@ -237,41 +229,34 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Raises AssertionError (even under ``python -O``) if the pool's bookkeeping is inconsistent."""
-
-        def check(cond: bool, msg: str) -> None:
-            if not cond:
-                raise AssertionError(msg)
-
-        queued = self._free_queue.blocks()
-        check(len(queued) == len(self._free_queue),
-              f"free queue holds {len(queued)} blocks but its length says {len(self._free_queue)}")
+        queued = self.free_queue.blocks()
+        _check(len(queued) == len(self.free_queue), f"free queue links hold {len(queued)} blocks, length says "
+               f"{len(self.free_queue)}")
         queued_ids = {b.block_id for b in queued}
-        check(len(queued_ids) == len(queued), "a block appears twice in the free queue")
-        num_free = num_cached = num_used = 0
+        _check(len(queued_ids) == len(queued), "a block appears twice in the free queue")
+        num_cached = 0
         for i, block in enumerate(self.blocks):
-            check(block.block_id == i, f"blocks[{i}] has block_id {block.block_id}")
-            check(block.ref_cnt >= 0, f"{block} has a negative ref_cnt")
+            _check(block.block_id == i, f"blocks[{i}] has block_id {block.block_id}")
             in_queue = block.block_id in queued_ids
-            check(in_queue == (block in self._free_queue), f"{block} has stale free-queue links")
-            check(in_queue == (block.ref_cnt == 0),
-                  f"{block}: in free queue = {in_queue} but ref_cnt = {block.ref_cnt}")
-            check((block.block_hash is None) == (block.token_ids is None),
-                  f"{block}: block_hash and token_ids must be set together")
+            _check(in_queue == (block in self.free_queue), f"{block} has stale free-queue links")
+            _check(block.ref_cnt >= 0 and in_queue == (block.ref_cnt == 0),
+                   f"{block}: in free queue = {in_queue} but ref_cnt = {block.ref_cnt}")
+            _check((block.block_hash is None) == (block.token_ids is None),
+                   f"{block}: block_hash and token_ids must be set together")
             if block.block_hash is not None:
-                check(self.enable_caching, f"{block} is hashed but caching is disabled")
-                check(self._cached.get(block.block_hash) is block,
-                      f"{block} is hashed but the hash map does not point to it")
-            if block.ref_cnt > 0:
-                num_used += 1
-            elif block.block_hash is not None:
-                num_cached += 1
-            else:
-                num_free += 1
+                _check(self.enable_caching, f"{block} is hashed but caching is disabled")
+                _check(self._cached.get(block.block_hash) is block, f"{block} is hashed but not in the hash map")
+                num_cached += block.ref_cnt == 0
         for block_hash, block in self._cached.items():
-            check(block.block_hash == block_hash, f"hash map entry {block_hash} points to {block}")
-            check(0 <= block.block_id < len(self.blocks) and self.blocks[block.block_id] is block,
-                  f"hash map entry {block_hash} points to a block outside the pool")
-        check(num_free + num_cached + num_used == len(self.blocks), "block states do not add up")
-        check(num_cached == self._num_cached,
-              f"cached-block counter is {self._num_cached} but {num_cached} blocks are cached")
-        check(num_free + num_cached == len(self._free_queue), "free queue length != free + cached")
+            _check(block.block_hash == block_hash, f"hash map entry {block_hash} points to {block}")
+            _check(0 <= block.block_id < len(self.blocks) and self.blocks[block.block_id] is block,
+                   f"hash map entry {block_hash} points to a block outside the pool")
+        # Every block is counted once: used (ref >= 1) + free/cached (queued) == num_blocks.
+        _check(self.num_used_blocks == sum(b.ref_cnt > 0 for b in self.blocks), "used-block count is wrong")
+        _check(num_cached == self._num_cached,
+               f"cached-block counter is {self._num_cached} but {num_cached} blocks are cached")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise AssertionError(msg)

@@ -35,10 +35,12 @@ def test_stories_left_padded_batch_matches(stories_batch, stories_reference, att
         cache_implementation="paged", cache_config={"block_size": block_size},
     )
     assert torch.equal(out.sequences, stories_reference.sequences)
+    # fp32 summation order differs from sdpa's: over 48 steps the logits drift by up to ~1.3e-5 (seen once)
     for got, expected in zip(out.logits, stories_reference.logits):
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
     # pads take no slot: the pool holds exactly the real tokens (one full-attention group for all layers)
-    lengths = [int(n) + 48 for n in stories_batch["attention_mask"].sum(-1)]
+    new_tokens = out.sequences.shape[1] - stories_batch["input_ids"].shape[1]
+    lengths = [int(n) + new_tokens - 1 for n in stories_batch["attention_mask"].sum(-1)]  # the last token is not fed
     stats = out.cache.stats()
     assert stats["blocks_used"] == sum(-(-n // block_size) for n in lengths)
     bytes_per_token = sum(s.bytes_per_token for s in out.cache.groups[0].storages.values())

@@ -164,17 +164,17 @@ def _decode_launches(
     meta = dict(
         GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=pools.block_size,
         PARTITION=partition, BLOCK_N=BLOCK_N, FORMAT=KV_FORMAT_IDS[kv_format],
-        COMPUTE_FP32=query.dtype == torch.float32, DIRECT=direct, **flags,
+        DOT=dot_mode(query.dtype), DIRECT=direct, **flags,
     )
-    launches = [
-        Launch(k.decode, (num_seqs, pools.num_kv_heads, num_parts), args, meta, dict(num_warps=4, num_stages=2))
-    ]
+    options = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)
+    launches = [Launch(k.decode, (num_seqs, pools.num_kv_heads, num_parts), args, meta, options)]
     if not direct:
         reduce_args = (part_m, part_l, part_acc, seq_lens, sinks, out, num_heads, num_parts, *out.stride())
         reduce_meta = dict(
             HEAD_DIM=head_dim, D_PAD=d_pad, PARTITION=partition, CHUNK=_REDUCE_CHUNK, USE_SINKS=sinks is not None
         )
-        launches.append(Launch(k.reduce, (num_seqs, num_heads), reduce_args, reduce_meta, dict(num_warps=4)))
+        options = dict(num_warps=4, enable_fp_fusion=True)
+        launches.append(Launch(k.reduce, (num_seqs, num_heads), reduce_args, reduce_meta, options))
     return launches
 
 
@@ -281,6 +281,18 @@ def _feature_meta(sliding_window, softcap, sinks) -> dict:
     return dict(USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None, USE_SINKS=sinks is not None)
 
 
+def dot_mode(dtype: torch.dtype) -> int:
+    """The ``DOT`` constexpr of the attention kernels for queries of ``dtype``: 0: the dots take K/V tiles and
+    probabilities in ``dtype`` (float16/bfloat16 tensor cores, float32 accumulation); 1: float32 queries, float32
+    dots in IEEE precision (not TF32); 2: bfloat16 rounding as in 0, dots in float32 (triton's interpreter
+    multiplies the raw bits of bfloat16 operands in ``tl.dot``)."""
+    if dtype == torch.float32:
+        return 1
+    if dtype == torch.bfloat16 and triton_interpreting():
+        return 2
+    return 0
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -314,7 +326,8 @@ def _kernels():
     ``tl.zeros``... are compiled-mode functions the interpreter cannot call; the kernels use none of them).
     """
     global tl, _STD_MAX, _STD_MIN, _STD_SUM
-    global kv_columns, load_kv_tile, softcap_scores, row_max, row_min, row_sum, _decode_kernel, _decode_reduce_kernel
+    global kv_columns, load_kv_tile, dot, softcap_scores, row_max, row_min, row_sum
+    global _decode_kernel, _decode_reduce_kernel
     import triton
     import triton.language as language
 
@@ -326,12 +339,13 @@ def _kernels():
     else:
         kv_columns = triton.jit(kv_columns)
         load_kv_tile = triton.jit(load_kv_tile)
+        dot = triton.jit(dot)
         softcap_scores = triton.jit(softcap_scores)
         row_max, row_min, row_sum = triton.jit(_max), triton.jit(_min), triton.jit(_sum)
     _decode_kernel = triton.jit(_decode_kernel)
     _decode_reduce_kernel = triton.jit(_decode_reduce_kernel)
     return _Kernels(
-        decode=_decode_kernel, reduce=_decode_reduce_kernel, kv_columns=kv_columns, load_kv_tile=load_kv_tile,
+        decode=_decode_kernel, reduce=_decode_reduce_kernel, kv_columns=kv_columns, load_kv_tile=load_kv_tile, dot=dot,
         softcap_scores=softcap_scores, row_max=row_max, row_min=row_min, row_sum=row_sum,
     )
 
@@ -407,6 +421,16 @@ def load_kv_tile(Cache, Scale, Zero, row_off, side_off, valid, cols, shift, d_ok
     return x
 
 
+def dot(a, b, DOT: tl.constexpr):
+    """``a @ b`` with float32 accumulation; ``DOT``: see ``dot_mode``."""
+    if DOT == 1:
+        return tl.dot(a, b, input_precision="ieee")
+    elif DOT == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
 def softcap_scores(s, cap):
     """``tanh(s / cap) * cap`` (tanh from exp: the interpreter has no libdevice)."""
     t = s / cap
@@ -425,7 +449,7 @@ def _decode_kernel(
     stride_os, stride_oh, stride_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, FORMAT: tl.constexpr,
-    COMPUTE_FP32: tl.constexpr, DIRECT: tl.constexpr,
+    DOT: tl.constexpr, DIRECT: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
     """One (sequence, KV head, partition): the GROUP query heads of the KV head against the partition's tokens."""
@@ -449,7 +473,7 @@ def _decode_kernel(
         Q + (seq * stride_qs + heads[:, None] * stride_qh + d[None, :] * stride_qd),
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
     )
-    if COMPUTE_FP32:
+    if DOT == 1:
         q = q.to(tl.float32)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -469,11 +493,7 @@ def _decode_kernel(
         side_off = block * stride_sb + offset * stride_so + head_side_off
         k = load_kv_tile(KC, KS, KZ, row_off, side_off, valid, cols, shift, col_ok, FORMAT).to(q.dtype)
         v = load_kv_tile(VC, VS, VZ, row_off, side_off, valid, cols, shift, col_ok, FORMAT).to(q.dtype)
-        if COMPUTE_FP32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
+        s = dot(q, tl.trans(k), DOT) * scale
         if USE_SOFTCAP:
             s = softcap_scores(s, softcap)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -482,11 +502,7 @@ def _decode_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + row_sum(p, 1)
-        if COMPUTE_FP32:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT)
         m_i = m_new
 
     if DIRECT:

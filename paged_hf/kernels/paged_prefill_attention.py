@@ -115,7 +115,8 @@ def _prefill_launches(
     group = num_heads // pools.num_kv_heads
     if group * pools.num_kv_heads != num_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={pools.num_kv_heads}")
-    for name, t, dim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1), ("cu_query_lens", cu_query_lens, 1)):
+    for name, t, dim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1),
+                         ("cu_query_lens", cu_query_lens, 1)):
         _decode._check_index(t, name, dim, query.device)
     num_seqs = seq_lens.shape[0]
     if block_tables.shape[0] != num_seqs or cu_query_lens.shape[0] != num_seqs + 1:
@@ -141,26 +142,28 @@ def _prefill_launches(
     meta = dict(
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=pools.block_size, BLOCK_N=BLOCK_N, FORMAT=_decode.KV_FORMAT_IDS[kv_format],
-        COMPUTE_FP32=query.dtype == torch.float32, S_PAD=_decode._next_pow2(max(num_seqs, 2)), **flags,
+        DOT=_decode.dot_mode(query.dtype), S_PAD=_decode._next_pow2(max(num_seqs, 2)), **flags,
     )
-    return [Launch(k.prefill, (num_tiles, pools.num_kv_heads), args, meta, dict(num_warps=4, num_stages=2))]
+    options = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)
+    return [Launch(k.prefill, (num_tiles, pools.num_kv_heads), args, meta, options)]
 
 
 # ----------------------------------------------------------------------------------------------- kernels
 
 tl = None  # triton.language, bound by _kernels()
-kv_columns = load_kv_tile = softcap_scores = row_max = row_sum = None  # the decode module's, bound by _kernels()
+kv_columns = load_kv_tile = dot = softcap_scores = row_max = row_sum = None  # the decode module's, bound by _kernels()
 
 
 @functools.cache
 def _kernels():
     """Decorates the prefill kernel on first launch; its helpers are the decode module's (already decorated)."""
-    global tl, kv_columns, load_kv_tile, softcap_scores, row_max, row_sum, _prefill_kernel
+    global tl, kv_columns, load_kv_tile, dot, softcap_scores, row_max, row_sum, _prefill_kernel
     import triton
 
     helpers = _decode._kernels()
     tl = _decode.tl
-    kv_columns, load_kv_tile, softcap_scores = helpers.kv_columns, helpers.load_kv_tile, helpers.softcap_scores
+    kv_columns, load_kv_tile, dot = helpers.kv_columns, helpers.load_kv_tile, helpers.dot
+    softcap_scores = helpers.softcap_scores
     row_max, row_sum = helpers.row_max, helpers.row_sum
     _prefill_kernel = triton.jit(_prefill_kernel)
     return _decode._Kernels(prefill=_prefill_kernel)
@@ -176,7 +179,7 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    FORMAT: tl.constexpr, COMPUTE_FP32: tl.constexpr, S_PAD: tl.constexpr,
+    FORMAT: tl.constexpr, DOT: tl.constexpr, S_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
     """One (query tile, KV head): BLOCK_Q queries x GROUP heads against their causal (windowed) keys."""
@@ -205,7 +208,7 @@ def _prefill_kernel(
         Q + ((q_start + qi)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd),
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
     )
-    if COMPUTE_FP32:
+    if DOT == 1:
         q = q.to(tl.float32)
 
     if USE_SINKS:  # the sink is one more logit of each head's softmax: start from it
@@ -236,11 +239,7 @@ def _prefill_kernel(
         side_off = block * stride_sb + offset * stride_so + head_side_off
         k = load_kv_tile(KC, KS, KZ, row_off, side_off, valid, cols, shift, col_ok, FORMAT).to(q.dtype)
         v = load_kv_tile(VC, VS, VZ, row_off, side_off, valid, cols, shift, col_ok, FORMAT).to(q.dtype)
-        if COMPUTE_FP32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
+        s = dot(q, tl.trans(k), DOT) * scale
         if USE_SOFTCAP:
             s = softcap_scores(s, softcap)
         visible = valid[None, :] & (pos[None, :] <= row_pos[:, None])
@@ -252,11 +251,7 @@ def _prefill_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + row_sum(p, 1)
-        if COMPUTE_FP32:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT)
         m_i = m_new
 
     out = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]

@@ -106,15 +106,19 @@ def _store_launches(
                          f"{tuple(slots.shape)} on {slots.device}")
     slots = slots.contiguous()
     cols = head_dim // 2 if kv_format == "int4" else head_dim  # int4: one column per packed pair
+    h_pad = _decode._next_pow2(num_kv_heads)
+    block_t = max(1, _STORE_ROWS // h_pad)
     args = (
-        key, value, slots, *pools.data, *pools.side,
+        key, value, slots, *pools.data, *pools.side, num_tokens,
         *key.stride(), *value.stride(), *pools.data_strides, *pools.side_strides,
     )
     meta = dict(
-        NUM_HEADS=num_kv_heads, COLS=cols, H_PAD=_decode._next_pow2(num_kv_heads), C_PAD=_decode._next_pow2(cols), BLOCK_SIZE=pools.block_size, FORMAT=_decode.KV_FORMAT_IDS[kv_format],
+        NUM_HEADS=num_kv_heads, COLS=cols, H_PAD=h_pad, C_PAD=_decode._next_pow2(cols), BLOCK_T=block_t,
+        BLOCK_SIZE=pools.block_size, FORMAT=_decode.KV_FORMAT_IDS[kv_format],
     )
     # Fused multiply-adds would change the float32 rounding the codes must reproduce.
-    return [Launch(k.store, (num_tokens,), args, meta, dict(num_warps=4, enable_fp_fusion=False))]
+    grid = (-(-num_tokens // block_t),)
+    return [Launch(k.store, grid, args, meta, dict(num_warps=4, enable_fp_fusion=False))]
 
 
 # ----------------------------------------------------------------------------------------------- kernels
