@@ -16,11 +16,13 @@ stdout and, when ``OUT`` is set, to ``$OUT/kernels.md``.
 
     python benchmarks/kernels.py                 # the full run (a few minutes on an H100/H200)
     python benchmarks/kernels.py --quick         # fewer shapes and repeats
+    python benchmarks/kernels.py --tune          # sweep the decode kernel's tile/partition/warps/stages instead
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -45,6 +47,8 @@ def main() -> int:
     parser.add_argument("--long-contexts", type=int, nargs="+", default=[16384, 32768])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="contexts 1k/8k, batches 1/16, 7 repeats")
+    parser.add_argument("--tune", action="store_true",
+                        help="only sweep the decode kernel's tile size, partition size, warps and stages")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py measures the Triton kernels on a CUDA GPU; no CUDA device is visible here "
@@ -65,6 +69,13 @@ def main() -> int:
 
     bench = Bench(args.repeats)
     device = torch.device("cuda")
+    if args.tune:
+        text = "\n".join(tune_decode(bench, device, args.formats, max(args.long_contexts))) + "\n"
+        print(text)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+            (Path(os.environ["OUT"]) / "kernels_tune.md").write_text(text)
+        return 0
     report = [f"# Paged attention kernels: {torch.cuda.get_device_name(0)}", "",
               f"torch {torch.__version__}, "
               f"triton {sys.modules['triton'].__version__}; {NUM_KV_HEADS} KV heads x group {GROUP}, head_dim "
@@ -295,6 +306,40 @@ class PrefillCase:
         self._dense = (key, value, mask)
         return lambda: torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
                                                                         enable_gqa=True)
+
+
+def tune_decode(bench: Bench, device, formats, context: int) -> list[str]:
+    """Decode time over BLOCK_N x PARTITION_SIZE x num_warps x num_stages (module settings, restored after)."""
+    from paged_hf.kernels import paged_decode_attention as decode  # noqa: PLC0415
+
+    saved = (decode.BLOCK_N, decode.PARTITION_SIZE, dict(decode.DECODE_OPTIONS))
+    rows = []
+    try:
+        for kv_format in formats:
+            for batch in (4, 64):
+                case = DecodeCase(batch, context, kv_format, device)
+                results = []
+                for block_n, partition, warps, stages in itertools.product((32, 64), (256, 512, 1024), (4, 8), (1, 2)):
+                    decode.BLOCK_N, decode.PARTITION_SIZE = block_n, partition
+                    decode.DECODE_OPTIONS.update(num_warps=warps, num_stages=stages)
+                    sec = bench.time(lambda: decode.paged_decode_attention(case.query, **case.kwargs))
+                    results.append((sec, block_n, partition, warps, stages))
+                results.sort()
+                best = results[0]
+                default = next(r for r in results if r[1:] == (saved[0], saved[1], saved[2]["num_warps"],
+                                                                saved[2]["num_stages"]))
+                rows.append([kv_format, batch, context, f"{best[0] * 1e6:.1f}", *best[1:],
+                             f"{default[0] * 1e6:.1f}", f"{case.kv_bytes / best[0] / 1e9:.0f}"])
+                del case
+                torch.cuda.empty_cache()
+    finally:
+        decode.BLOCK_N, decode.PARTITION_SIZE = saved[0], saved[1]
+        decode.DECODE_OPTIONS.clear()
+        decode.DECODE_OPTIONS.update(saved[2])
+    return ["# Decode tuning", "", f"Best of BLOCK_N (32, 64) x partition (256, 512, 1024) x warps (4, 8) x stages "
+            f"(1, 2); defaults BLOCK_N={saved[0]}, partition={saved[1]}, {saved[2]}.", "",
+            *table(["format", "batch", "context", "best us", "BLOCK_N", "partition", "warps", "stages",
+                    "default us", "best GB/s"], rows)]
 
 
 def spot_check(device) -> list[str]:

@@ -32,6 +32,7 @@ from .kv_quant import kv_data_dim, kv_data_dtype, kv_has_zero
 KV_FORMAT_IDS = {"auto": 0, "int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "int4": 4}
 PARTITION_SIZE = 512  # tokens per flash-decoding partition
 BLOCK_N = 64  # tokens per K/V tile inside a program
+DECODE_OPTIONS = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)  # launch options of the decode kernel
 _REDUCE_CHUNK = 32  # partitions merged per step of the reduce kernel
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -158,20 +159,19 @@ def _decode_launches(
     cap = float(softcap) if softcap is not None else 1.0
     args = (
         query, *pools.data, *pools.side, block_tables, seq_lens, sinks, out, part_m, part_l, part_acc,
-        float(scale), cap, window, num_heads, num_parts,
+        float(scale), cap, window, num_heads, num_parts, partition,
         *query.stride(), *pools.data_strides, *pools.side_strides, block_tables.stride(0), *out.stride(),
     )
     meta = dict(
-        GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=pools.block_size,
-        PARTITION=partition, BLOCK_N=BLOCK_N, FORMAT=KV_FORMAT_IDS[kv_format],
+        GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, PADDED=head_dim < d_pad,
+        BLOCK_SIZE=pools.block_size, BLOCK_N=BLOCK_N, FORMAT=KV_FORMAT_IDS[kv_format],
         DOT=dot_mode(query.dtype), DIRECT=direct, **flags,
     )
-    options = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)
-    launches = [Launch(k.decode, (num_seqs, pools.num_kv_heads, num_parts), args, meta, options)]
+    launches = [Launch(k.decode, (num_seqs, pools.num_kv_heads, num_parts), args, meta, dict(DECODE_OPTIONS))]
     if not direct:
-        reduce_args = (part_m, part_l, part_acc, seq_lens, sinks, out, num_heads, num_parts, *out.stride())
+        reduce_args = (part_m, part_l, part_acc, seq_lens, sinks, out, num_heads, num_parts, partition, *out.stride())
         reduce_meta = dict(
-            HEAD_DIM=head_dim, D_PAD=d_pad, PARTITION=partition, CHUNK=_REDUCE_CHUNK, USE_SINKS=sinks is not None
+            HEAD_DIM=head_dim, D_PAD=d_pad, CHUNK=_REDUCE_CHUNK, USE_SINKS=sinks is not None
         )
         options = dict(num_warps=4, enable_fp_fusion=True)
         launches.append(Launch(k.reduce, (num_seqs, num_heads), reduce_args, reduce_meta, options))
@@ -334,8 +334,12 @@ def _kernels():
     tl = language
     if triton_interpreting():
         standard = language.standard
-        _STD_MAX, _STD_MIN, _STD_SUM = standard._elementwise_max, standard._elementwise_min, standard._sum_combine
-        row_max, row_min, row_sum = _interpreted_max, _interpreted_min, _interpreted_sum
+        combines = [getattr(standard, name, None) for name in ("_elementwise_max", "_elementwise_min", "_sum_combine")]
+        if all(combines):
+            _STD_MAX, _STD_MIN, _STD_SUM = combines
+            row_max, row_min, row_sum = _interpreted_max, _interpreted_min, _interpreted_sum
+        else:  # another triton layout: tl.max & co. (fine when triton was imported with TRITON_INTERPRET set)
+            row_max, row_min, row_sum = _max, _min, _sum
     else:
         kv_columns = triton.jit(kv_columns)
         load_kv_tile = triton.jit(load_kv_tile)
@@ -345,8 +349,8 @@ def _kernels():
     _decode_kernel = triton.jit(_decode_kernel)
     _decode_reduce_kernel = triton.jit(_decode_reduce_kernel)
     return _Kernels(
-        decode=_decode_kernel, reduce=_decode_reduce_kernel, kv_columns=kv_columns, load_kv_tile=load_kv_tile, dot=dot,
-        softcap_scores=softcap_scores, row_max=row_max, row_min=row_min, row_sum=row_sum,
+        decode=_decode_kernel, reduce=_decode_reduce_kernel, kv_columns=kv_columns, load_kv_tile=load_kv_tile,
+        dot=dot, softcap_scores=softcap_scores, row_max=row_max, row_min=row_min, row_sum=row_sum,
     )
 
 
@@ -383,41 +387,48 @@ row_max = row_min = row_sum = None  # bound by _kernels()
 
 
 def kv_columns(stride_cd, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, FORMAT: tl.constexpr):
-    """Per output column ``d``: the element offset of its code within a token's row (int4: byte ``d // 2``), the
-    nibble shift (int4: low nibble for even ``d``) and whether ``d < HEAD_DIM``."""
-    d = tl.arange(0, D_PAD)
+    """The code columns of a token's row: element offsets and which are real. int4: ``D_PAD // 2`` bytes of two
+    codes each (contiguous, so the loads vectorize; ``load_kv_tile`` interleaves the nibbles)."""
     if FORMAT == 4:
-        cols = (d // 2).to(tl.int64) * stride_cd
+        c = tl.arange(0, D_PAD // 2)
+        return c.to(tl.int64) * stride_cd, c < HEAD_DIM // 2
     else:
-        cols = d.to(tl.int64) * stride_cd
-    return cols, (d % 2) << 2, d < HEAD_DIM
+        c = tl.arange(0, D_PAD)
+        return c.to(tl.int64) * stride_cd, c < HEAD_DIM
 
 
-def load_kv_tile(Cache, Scale, Zero, row_off, side_off, valid, cols, shift, d_ok, FORMAT: tl.constexpr):
+def load_kv_tile(Cache, Scale, Zero, row_off, side_off, valid, cols, col_ok, FORMAT: tl.constexpr,
+                 PADDED: tl.constexpr):
     """K or V of ``row_off.shape[0]`` tokens as ``[N, D_PAD]``: the pool's dtype for "auto", else float32
     dequantized like ``kv_quant.dequantize_kv_ref``. ``row_off``/``side_off``: each token's element offset in
-    the codes / scale pools; ``valid``: which tokens to read (others give 0); ``cols, shift, d_ok``: from
-    ``kv_columns``."""
-    mask = valid[:, None] & d_ok[None, :]
+    the codes / scale pools; ``valid``: which tokens to read (others give 0); ``cols, col_ok``: from
+    ``kv_columns``; ``PADDED``: whether ``head_dim < D_PAD`` (else a row mask alone, so loads vectorize)."""
+    if PADDED:
+        mask = valid[:, None] & col_ok[None, :]
+    else:
+        mask = valid[:, None]
     raw = tl.load(Cache + (row_off[:, None] + cols[None, :]), mask=mask, other=0)
     if FORMAT == 0:  # auto
         x = raw
     else:
-        if FORMAT == 1:  # int8
-            codes = raw.to(tl.float32)
-        elif FORMAT == 4:  # int4: two codes per byte
-            codes = ((raw.to(tl.int32) >> shift[None, :]) & 15).to(tl.float32)
-        else:  # float8 bits (uint8): rebuild the float16 of the same value (e4m3: scaled by 2^-8)
-            bits = raw.to(tl.int32)
-            if FORMAT == 2:  # e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits
-                magnitude = ((bits & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-            else:  # e5m2: the top byte of a float16
-                magnitude = ((bits & 0x7F) << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            codes = tl.where(bits >= 128, -magnitude, magnitude)
-        s = tl.load(Scale + side_off, mask=valid, other=0.0).to(tl.float32)
-        x = codes * s[:, None]
-        if FORMAT == 4:
-            x = x + tl.load(Zero + side_off, mask=valid, other=0.0).to(tl.float32)[:, None]
+        s = tl.load(Scale + side_off, mask=valid, other=0.0).to(tl.float32)[:, None]
+        if FORMAT == 4:  # int4: low nibble = even column, high nibble = odd column
+            z = tl.load(Zero + side_off, mask=valid, other=0.0).to(tl.float32)[:, None]
+            byte = raw.to(tl.int32)
+            low = (byte & 15).to(tl.float32) * s + z
+            high = (byte >> 4).to(tl.float32) * s + z
+            x = tl.reshape(tl.join(low, high), (raw.shape[0], 2 * raw.shape[1]))
+        else:
+            if FORMAT == 1:  # int8
+                codes = raw.to(tl.float32)
+            else:  # float8 bits (uint8): rebuild the float16 of the same value (e4m3: scaled by 2^-8)
+                bits = raw.to(tl.int32)
+                if FORMAT == 2:  # e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits
+                    magnitude = ((bits & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+                else:  # e5m2: the top byte of a float16
+                    magnitude = ((bits & 0x7F) << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                codes = tl.where(bits >= 128, -magnitude, magnitude)
+            x = codes * s
     return x
 
 
@@ -441,14 +452,14 @@ def softcap_scores(s, cap):
 
 def _decode_kernel(
     Q, KC, VC, KS, VS, KZ, VZ, BlockTables, SeqLens, Sinks, Out, PartM, PartL, PartAcc,
-    scale, softcap, window, num_heads, num_parts,
+    scale, softcap, window, num_heads, num_parts, partition,
     stride_qs, stride_qh, stride_qd,
     stride_cb, stride_co, stride_ch, stride_cd,
     stride_sb, stride_so, stride_sh,
     stride_bt,
     stride_os, stride_oh, stride_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, FORMAT: tl.constexpr,
+    PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FORMAT: tl.constexpr,
     DOT: tl.constexpr, DIRECT: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
@@ -458,8 +469,8 @@ def _decode_kernel(
     kv_head = tl.program_id(1).to(tl.int64)
     part = tl.program_id(2).to(tl.int64)
     seq_len = tl.load(SeqLens + seq).to(tl.int64)
-    start = part * PARTITION
-    end = tl.minimum(start + PARTITION, seq_len)
+    start = part * partition
+    end = tl.minimum(start + partition, seq_len)
     lo = start
     if USE_WINDOW:  # the query (position seq_len - 1) sees keys > seq_len - 1 - window
         lo = tl.maximum(lo, seq_len - window)
@@ -480,7 +491,7 @@ def _decode_kernel(
     l_i = tl.full([G_PAD], 0.0, tl.float32)
     acc = tl.full([G_PAD, D_PAD], 0.0, tl.float32)
     table = BlockTables + seq * stride_bt
-    cols, shift, col_ok = kv_columns(stride_cd, HEAD_DIM, D_PAD, FORMAT)
+    cols, col_ok = kv_columns(stride_cd, HEAD_DIM, D_PAD, FORMAT)
     head_off = kv_head * stride_ch
     head_side_off = kv_head * stride_sh
     n = tl.arange(0, BLOCK_N).to(tl.int64)
@@ -491,8 +502,8 @@ def _decode_kernel(
         offset = pos % BLOCK_SIZE
         row_off = block * stride_cb + offset * stride_co + head_off
         side_off = block * stride_sb + offset * stride_so + head_side_off
-        k = load_kv_tile(KC, KS, KZ, row_off, side_off, valid, cols, shift, col_ok, FORMAT).to(q.dtype)
-        v = load_kv_tile(VC, VS, VZ, row_off, side_off, valid, cols, shift, col_ok, FORMAT).to(q.dtype)
+        k = load_kv_tile(KC, KS, KZ, row_off, side_off, valid, cols, col_ok, FORMAT, PADDED).to(q.dtype)
+        v = load_kv_tile(VC, VS, VZ, row_off, side_off, valid, cols, col_ok, FORMAT, PADDED).to(q.dtype)
         s = dot(q, tl.trans(k), DOT) * scale
         if USE_SOFTCAP:
             s = softcap_scores(s, softcap)
@@ -525,16 +536,16 @@ def _decode_kernel(
 
 
 def _decode_reduce_kernel(
-    PartM, PartL, PartAcc, SeqLens, Sinks, Out, num_heads, num_parts,
+    PartM, PartL, PartAcc, SeqLens, Sinks, Out, num_heads, num_parts, partition,
     stride_os, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr, CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CHUNK: tl.constexpr,
     USE_SINKS: tl.constexpr,
 ):
     """Merges the partitions of one (sequence, query head): rescale each partial to the global max, sum."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(SeqLens + seq).to(tl.int64)
-    used = tl.minimum((seq_len + PARTITION - 1) // PARTITION, num_parts)  # later partitions hold no token
+    used = tl.minimum((seq_len + partition - 1) // partition, num_parts)  # later partitions hold no token
     base = (seq * num_heads + head) * num_parts
     d = tl.arange(0, D_PAD).to(tl.int64)
     d_ok = d < HEAD_DIM

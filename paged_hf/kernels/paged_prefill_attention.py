@@ -27,6 +27,7 @@ from .paged_decode_attention import Launch, check_pools
 
 BLOCK_M = 64  # rows (queries x group heads) per program
 BLOCK_N = 64  # keys per tile
+PREFILL_OPTIONS = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)  # launch options of the kernel
 
 
 def paged_prefill_attention_ref(
@@ -141,11 +142,11 @@ def _prefill_launches(
     )
     meta = dict(
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=pools.block_size, BLOCK_N=BLOCK_N, FORMAT=_decode.KV_FORMAT_IDS[kv_format],
-        DOT=_decode.dot_mode(query.dtype), S_PAD=_decode._next_pow2(max(num_seqs, 2)), **flags,
+        PADDED=head_dim < d_pad, BLOCK_SIZE=pools.block_size, BLOCK_N=BLOCK_N,
+        FORMAT=_decode.KV_FORMAT_IDS[kv_format], DOT=_decode.dot_mode(query.dtype),
+        S_PAD=_decode._next_pow2(max(num_seqs, 2)), **flags,
     )
-    options = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)
-    return [Launch(k.prefill, (num_tiles, pools.num_kv_heads), args, meta, options)]
+    return [Launch(k.prefill, (num_tiles, pools.num_kv_heads), args, meta, dict(PREFILL_OPTIONS))]
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -178,8 +179,8 @@ def _prefill_kernel(
     stride_bt,
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    FORMAT: tl.constexpr, DOT: tl.constexpr, S_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, FORMAT: tl.constexpr, DOT: tl.constexpr, S_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
     """One (query tile, KV head): BLOCK_Q queries x GROUP heads against their causal (windowed) keys."""
@@ -226,7 +227,7 @@ def _prefill_kernel(
     if USE_WINDOW:
         lo = tl.maximum(lo, context + first_query - window + 1)
     table = BlockTables + seq * stride_bt
-    cols, shift, col_ok = kv_columns(stride_cd, HEAD_DIM, D_PAD, FORMAT)
+    cols, col_ok = kv_columns(stride_cd, HEAD_DIM, D_PAD, FORMAT)
     head_off = kv_head * stride_ch
     head_side_off = kv_head * stride_sh
     n = tl.arange(0, BLOCK_N).to(tl.int64)
@@ -237,8 +238,8 @@ def _prefill_kernel(
         offset = pos % BLOCK_SIZE
         row_off = block * stride_cb + offset * stride_co + head_off
         side_off = block * stride_sb + offset * stride_so + head_side_off
-        k = load_kv_tile(KC, KS, KZ, row_off, side_off, valid, cols, shift, col_ok, FORMAT).to(q.dtype)
-        v = load_kv_tile(VC, VS, VZ, row_off, side_off, valid, cols, shift, col_ok, FORMAT).to(q.dtype)
+        k = load_kv_tile(KC, KS, KZ, row_off, side_off, valid, cols, col_ok, FORMAT, PADDED).to(q.dtype)
+        v = load_kv_tile(VC, VS, VZ, row_off, side_off, valid, cols, col_ok, FORMAT, PADDED).to(q.dtype)
         s = dot(q, tl.trans(k), DOT) * scale
         if USE_SOFTCAP:
             s = softcap_scores(s, softcap)
