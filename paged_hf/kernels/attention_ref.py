@@ -1,11 +1,15 @@
-"""Torch core shared by the paged attention references: attention over block tables, one chunk of blocks at a
-time with an online softmax (the same algorithm as the GPU kernels), so no dense copy of a whole batch's K/V
-is ever built.
+"""Torch core shared by the paged attention references: attention over block tables.
+
+A batch whose scores fit one chunk (``SCORE_ELEMENTS_PER_CHUNK``) gathers its blocks once and calls torch's fused
+``scaled_dot_product_attention`` with a position mask: the common CPU case, and the fastest torch way. Longer
+contexts, softcap and attention sinks go one chunk of blocks at a time with an online softmax (the same algorithm
+as the GPU kernels), so no dense copy of a whole batch's K/V beyond one chunk is ever built.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .kv_quant import dequantize_kv_ref
 
@@ -50,12 +54,15 @@ def paged_attention_core(
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     assert group * num_kv_heads == num_heads, f"{num_heads=} is not a multiple of {num_kv_heads=}"
-    q = query.float().reshape(batch, num_kv_heads, group * num_queries, head_dim)
-
     max_len = int(seq_lens.max()) if seq_lens.numel() else 0
     num_blocks = min(block_tables.shape[1], -(-max_len // block_size))
     keys_per_chunk = max(block_size, SCORE_ELEMENTS_PER_CHUNK // max(1, batch * num_heads * num_queries))
     blocks_per_chunk = max(1, keys_per_chunk // block_size)
+    if num_blocks <= blocks_per_chunk and softcap is None and sinks is None:
+        return _single_chunk_attention(query, query_positions, key_cache, value_cache, block_tables[:, :num_blocks],
+                                       scale, sliding_window, key_scale, value_scale, key_zero, value_zero, kv_format)
+
+    q = query.float().reshape(batch, num_kv_heads, group * num_queries, head_dim)
 
     rows = group * num_queries
     if sinks is None:
@@ -93,6 +100,25 @@ def paged_attention_core(
     out = acc / running_sum.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
     out = out.masked_fill((row_positions < 0).view(batch, 1, rows, 1), 0.0)
     return out.view(batch, num_heads, num_queries, head_dim).to(query.dtype)
+
+
+def _single_chunk_attention(query, query_positions, key_cache, value_cache, block_tables, scale, sliding_window,
+                            key_scale, value_scale, key_zero, value_zero, kv_format) -> torch.Tensor:
+    """``paged_attention_core`` for a batch whose keys are read at once: one gather, one fused SDPA call."""
+    batch, num_heads, num_queries, head_dim = query.shape
+    ids = block_tables.long()
+    k = read_blocks(key_cache, key_scale, key_zero, kv_format, ids).flatten(1, 2).transpose(1, 2)  # [B, kvh, L, D]
+    v = read_blocks(value_cache, value_scale, value_zero, kv_format, ids).flatten(1, 2).transpose(1, 2)
+    key_positions = torch.arange(k.shape[2], device=query.device).view(1, 1, -1)
+    rows = query_positions.unsqueeze(-1)  # [B, n, 1]
+    visible = key_positions <= rows
+    if sliding_window is not None:
+        visible &= key_positions > rows - sliding_window
+    out = F.scaled_dot_product_attention(query.float(), k, v, attn_mask=visible.unsqueeze(1), scale=scale,
+                                         enable_gqa=num_heads != k.shape[1])
+    # a padding query (negative position) sees no key: its row is undefined (NaN) in SDPA; it must be 0
+    out = out.masked_fill((query_positions < 0).view(batch, 1, num_queries, 1), 0.0)
+    return out.to(query.dtype)
 
 
 def read_blocks(cache, scale, zero, kv_format: str, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""The torch attention core of the paged path: its one-call SDPA path and its chunked online-softmax path both equal
+a naive dense oracle (gather each sequence's K/V, plain softmax), for every kv format, GQA, windows and padding
+queries. The kernels' tests compare Triton against this core, so the core is checked on its own here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_hf.kernels import attention_ref
+from paged_hf.kernels.attention_ref import paged_attention_core, read_blocks
+from paged_hf.kernels.kv_quant import quantize_kv_ref
+
+FORMATS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
+
+
+def _case(kv_format, block_size=8, num_kv_heads=2, group=3, head_dim=16, lengths=(1, 9, 30), queries=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(needed) + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key, value = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    if kv_format == "auto":
+        pools = dict(key_cache=key, value_cache=value)
+    else:
+        kd, ks, kz = quantize_kv_ref(key, kv_format)
+        vd, vs, vz = quantize_kv_ref(value, kv_format)
+        pools = dict(key_cache=kd, value_cache=vd, key_scale=ks, value_scale=vs, key_zero=kz, value_zero=vz,
+                     kv_format=kv_format)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.randint(0, num_blocks, (len(lengths), max(needed) + 1), generator=gen)
+    used = 0
+    for s, n in enumerate(needed):
+        tables[s, :n] = order[used : used + n]
+        used += n
+    query = torch.randn(len(lengths), num_kv_heads * group, queries, head_dim, generator=gen)
+    # the last `queries` positions of each sequence; positions before 0 are padding queries
+    positions = torch.stack([torch.arange(n - queries, n) for n in lengths])
+    positions = positions.clamp(min=-1)
+    return query, positions, pools, tables, torch.tensor(lengths)
+
+
+def _dense_oracle(query, positions, pools, tables, seq_lens, scale, window):
+    fmt = pools.get("kv_format", "auto")
+    k = read_blocks(pools["key_cache"], pools.get("key_scale"), pools.get("key_zero"), fmt, tables.long())
+    v = read_blocks(pools["value_cache"], pools.get("value_scale"), pools.get("value_zero"), fmt, tables.long())
+    batch, num_heads, num_queries, _ = query.shape
+    group = num_heads // k.shape[3]
+    out = torch.zeros_like(query)
+    for b in range(batch):
+        kb = k[b].flatten(0, 1)[: int(seq_lens[b])].repeat_interleave(group, dim=1)  # [L, heads, D]
+        vb = v[b].flatten(0, 1)[: int(seq_lens[b])].repeat_interleave(group, dim=1)
+        for i in range(num_queries):
+            pos = int(positions[b, i])
+            if pos < 0:
+                continue
+            lo = 0 if window is None else max(0, pos - window + 1)
+            scores = torch.einsum("hd,lhd->hl", query[b, :, i], kb[lo : pos + 1]) * scale
+            out[b, :, i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), vb[lo : pos + 1])
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_both_paths_equal_dense_oracle(kv_format, window, monkeypatch):
+    query, positions, pools, tables, seq_lens = _case(kv_format)
+    scale = 0.25
+    oracle = _dense_oracle(query, positions, pools, tables, seq_lens, scale, window)
+    one_call = paged_attention_core(query, positions, block_tables=tables, seq_lens=seq_lens, scale=scale,
+                                    sliding_window=window, **pools)
+    monkeypatch.setattr(attention_ref, "SCORE_ELEMENTS_PER_CHUNK", 1)  # one block per chunk: the online path
+    chunked = paged_attention_core(query, positions, block_tables=tables, seq_lens=seq_lens, scale=scale,
+                                   sliding_window=window, **pools)
+    torch.testing.assert_close(one_call, oracle, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked, oracle, atol=1e-5, rtol=1e-5)
+    assert (one_call[0, :, :2] == 0).all()  # the padding queries (positions < 0) of the 1-token sequence
+
+
+def test_one_call_path_is_taken_only_without_softcap_and_sinks(monkeypatch):
+    query, positions, pools, tables, seq_lens = _case("auto")
+    calls = []
+    real = attention_ref._single_chunk_attention
+    monkeypatch.setattr(attention_ref, "_single_chunk_attention", lambda *a: calls.append(1) or real(*a))
+    common = dict(block_tables=tables, seq_lens=seq_lens, scale=0.25, **pools)
+    paged_attention_core(query, positions, **common)
+    assert calls == [1]
+    paged_attention_core(query, positions, softcap=5.0, **common)
+    paged_attention_core(query, positions, sinks=torch.zeros(query.shape[1]), **common)
+    assert calls == [1]
