@@ -16,7 +16,6 @@ from .kernels.kv_quant import (
     kv_data_dim,
     kv_data_dtype,
     kv_has_zero,
-    quantize_kv_ref,
 )
 from .storage import KVStorage
 
@@ -49,11 +48,6 @@ def check_kv_format(kv_format: str, head_dim: int) -> str:
                 f"kv_cache_dtype={kv_format!r} needs torch float8 dtypes, which torch {torch.__version__} lacks"
             ) from None
     return fmt
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """Byte view of float8 codes (some CPU index ops lack float8 kernels); other tensors as they are."""
-    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
 
 
 class QuantizedKVStorage(KVStorage):
@@ -133,16 +127,6 @@ class QuantizedKVStorage(KVStorage):
         """Codes, scale and zero (or None) pools of ``which`` ("key" or "value")."""
         return getattr(self, f"{which}_cache"), getattr(self, f"{which}_scale"), getattr(self, f"{which}_zero")
 
-    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Quantizes ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into ``slots`` ``[n]`` (int64)."""
-        assert key.shape[1:] == value.shape[1:] == (self.key_cache.shape[2], self.head_dim), (key.shape, value.shape)
-        for which, states in (("key", key), ("value", value)):
-            data, scale, zero = quantize_kv_ref(states, self.kv_format)
-            for pool, new in zip(self._side(which), (data, scale, zero)):
-                if pool is not None:
-                    flat = _raw(pool).view(-1, *pool.shape[2:])
-                    flat.index_copy_(0, slots, _raw(new))
-
     def _dequantize(self, which: str, index) -> torch.Tensor:
         data, scale, zero = (None if pool is None else pool[index] for pool in self._side(which))
         return dequantize_kv_ref(data, scale, zero, self.kv_format, self._dtype)
@@ -156,12 +140,6 @@ class QuantizedKVStorage(KVStorage):
         block_ids, offsets = slots // self.block_size, slots % self.block_size
         index = (block_ids, offsets)
         return self._dequantize("key", index), self._dequantize("value", index)
-
-    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copies whole blocks ``src[i] -> dst[i]``: codes, scales and zeros."""
-        for name in self._pools():
-            pool = _raw(getattr(self, name))
-            pool[dst] = pool[src]
 
     def grow(self, num_new_blocks: int) -> None:
         """Appends ``num_new_blocks`` zeroed blocks (ids ``num_blocks ..``), keeping the existing content."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import dispatch
+
 
 class KVStorage:
     """K and V pools of one layer in the compute dtype (``kv_cache_dtype="auto"``).
@@ -61,11 +63,9 @@ class KVStorage:
         return {"key_cache": self.key_cache, "value_cache": self.value_cache}
 
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Stores ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into ``slots`` ``[n]`` (int64)."""
-        flat_k = self.key_cache.view(-1, *self.key_cache.shape[2:])
-        flat_v = self.value_cache.view(-1, *self.value_cache.shape[2:])
-        flat_k.index_copy_(0, slots, key.to(self.dtype))
-        flat_v.index_copy_(0, slots, value.to(self.dtype))
+        """Stores ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into ``slots`` ``[n]`` (int64), quantizing for
+        quantized formats (the ``store_kv`` kernel on CUDA, its torch reference elsewhere)."""
+        dispatch.store(key, value, slots, **self.attention_operands())
 
     def read_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``block_ids`` (any shape ``S``) as ``[*S, block_size, num_kv_heads, head_dim]``."""
@@ -78,9 +78,9 @@ class KVStorage:
         return flat_k[slots], flat_v[slots]
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copies whole blocks ``src[i] -> dst[i]`` (copy-on-write, swap)."""
-        self.key_cache[dst] = self.key_cache[src]
-        self.value_cache[dst] = self.value_cache[src]
+        """Copies whole blocks ``src[i] -> dst[i]`` of every pool tensor (copy-on-write); the destinations are
+        distinct and none is a source."""
+        dispatch.copy(src, dst, list(self.tensors().values()))
 
     def grow(self, num_new_blocks: int) -> None:
         """Appends ``num_new_blocks`` zeroed blocks (ids ``num_blocks ..``), keeping the existing content."""
