@@ -127,6 +127,21 @@ def single_ttft(model, tokenizer, system, question_pairs, args, num_blocks: int)
     return rows
 
 
+def burst_table(runs: dict, reference: dict | None) -> str:
+    rows = []
+    base = next(iter(runs.values()))["peak"]
+    for label, r in runs.items():
+        same = "" if reference is None else f"{sum(a == b for a, b in zip(reference['tokens'], r['tokens']))}/{len(r['tokens'])}"
+        rows.append([label, f"{r['peak']} ({r['peak_running']})", f"{1 - r['peak'] / base:.1%}",
+                     f"{statistics.mean(r['ttft']):.2f}", f"{statistics.median(r['ttft']):.2f}",
+                     f"{percentile(r['ttft'], 0.9):.2f}", f"{r['wall']:.1f}", f"{r['cpu']:.1f}", r["steps"],
+                     f"{r['hit_rate']:.1%}", same])
+    headers = ["prefix caching", "peak KV blocks (running then)", "fewer blocks than off", "TTFT mean s",
+               "TTFT p50 s", "TTFT p90 s", "total wall s", "total CPU s", "steps", "prefix hit rate",
+               "greedy tokens = off"]
+    return markdown_table(headers, rows)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="stories", choices=sorted(MODEL_ALIASES))
@@ -141,9 +156,13 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--resident", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run the burst with every request admitted at once (default: on; it repeats the "
-                             "full no-cache prefill, so it doubles the run time)")
+    parser.add_argument("--admission", choices=("chunked", "all", "both"), default="both",
+                        help="chunked: the burst under --max-num-batched-tokens; all: a budget that admits every "
+                             "request in the first step (all resident); both (default). Each runs the full "
+                             "no-cache prefill once")
+    parser.add_argument("--cold-burst", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --admission all/both: also run the all-at-once burst with the cache on but cold "
+                             "(default: on; it costs a full prefill)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -167,84 +186,67 @@ def main(argv=None) -> int:
     pairs = [(singles[2 * i], singles[2 * i + 1]) for i in range(args.repeats)]
     per_request = -(-needed // args.block_size)
     num_blocks = args.requests * (per_request + 1)  # every request at once, without sharing, fits
+    shared_blocks = len(system) // args.block_size
+    all_budget = sum(len(system) + len(q) for q in burst) + len(system) + args.question_tokens
 
     print(f"# prefix caching: {name}, {args.requests} requests")
     print(machine())
-    print(f"system prompt {len(system)} tokens ({len(system) // args.block_size} full blocks of {args.block_size}), "
-          f"questions {args.question_tokens} tokens, max_tokens {args.max_tokens}, greedy, EOS ignored; engine: "
-          f"max_num_batched_tokens {args.max_num_batched_tokens}, max_num_seqs {args.max_num_seqs}, "
-          f"{num_blocks} blocks (holds every request unshared), swap off")
+    print(f"system prompt {len(system)} tokens ({shared_blocks} full blocks of {args.block_size}), questions "
+          f"{args.question_tokens} tokens, max_tokens {args.max_tokens}, greedy, EOS ignored; engine: max_num_seqs "
+          f"{args.max_num_seqs}, {num_blocks} blocks (holds every request unshared), swap off")
 
     print("warm-up ...", flush=True)  # lazy imports and first-call costs, out of every timed run
     make_engine(model, tokenizer, args, True, num_blocks).generate(
         [system[:32] + questions[0][:8]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
 
-    results = {}
-    for caching in (False, True):
-        results[caching] = run_burst(model, tokenizer, system, burst, args, caching, num_blocks)
-        print(f"burst, prefix caching {'on' if caching else 'off'}: {results[caching]['wall']:.1f} s", flush=True)
+    chunked, resident = {}, {}
+    if args.admission in ("chunked", "both"):
+        for label, caching in (("off", False), ("on", True)):
+            chunked[label] = run_burst(model, tokenizer, system, burst, args, caching, num_blocks)
+            print(f"chunked burst, prefix caching {label}: {chunked[label]['wall']:.1f} s", flush=True)
+    if args.admission in ("all", "both"):
+        plan = [("off", False, None)]
+        if args.cold_burst:
+            plan.append(("on, cold burst", True, None))
+        plan.append(("on, prefix warmed by 1 request", True, singles[-1]))
+        for label, caching, warm_q in plan:
+            resident[label] = run_burst(model, tokenizer, system, burst, args, caching, num_blocks, all_budget, warm_q)
+            print(f"all-at-once burst, prefix caching {label}: {resident[label]['wall']:.1f} s", flush=True)
     singles_rows = single_ttft(model, tokenizer, system, pairs, args, num_blocks)
     cold = statistics.median(r[0] for r in singles_rows)
     warm = statistics.median(r[1] for r in singles_rows)
     print("single requests done", flush=True)
 
-    resident = {}
-    if args.resident:
-        # Every request admitted in the first step: the footprint of holding them all at once.
-        budget = sum(len(system) + len(q) for q in burst) + len(system) + args.question_tokens
-        for label, caching, warm_q in (("off", False, None), ("on, cold burst", True, None),
-                                       ("on, prefix warmed by 1 request", True, singles[-1])):
-            resident[label] = run_burst(model, tokenizer, system, burst, args, caching, num_blocks, budget, warm_q)
-            print(f"resident burst, prefix caching {label}: {resident[label]['wall']:.1f} s", flush=True)
-
-    off, on = results[False], results[True]
-    headers = ["prefix caching", "peak KV blocks (running then)", "TTFT mean s", "TTFT p50 s", "TTFT p90 s",
-               "total wall s", "total CPU s", "steps", "prefix hit rate", "single request TTFT s (median)"]
-    rows = []
-    for caching, label, single in ((False, "off", f"{cold:.3f} (cold)"), (True, "on", f"{warm:.3f} (warm: prefix hit)")):
-        r = results[caching]
-        rows.append([label, f"{r['peak']} ({r['peak_running']})", f"{statistics.mean(r['ttft']):.2f}",
-                     f"{statistics.median(r['ttft']):.2f}", f"{percentile(r['ttft'], 0.9):.2f}", f"{r['wall']:.1f}",
-                     f"{r['cpu']:.1f}", r["steps"], f"{r['hit_rate']:.1%}", single])
-    print()
-    print(markdown_table(headers, rows))
-    print()
-    fewer = 1 - on["peak"] / off["peak"]
-    speedup = cold / warm if warm else float("inf")
-    same = sum(a == b for a, b in zip(off["tokens"], on["tokens"]))
-    print(f"- peak blocks: {off['peak']} -> {on['peak']}: {fewer:.1%} fewer "
-          f"(goal >= {GOAL_BLOCKS:.0%}: {'met' if fewer >= GOAL_BLOCKS else 'MISSED'}); per running request at the "
-          f"peak: {off['peak'] / max(1, off['peak_running']):.1f} -> {on['peak'] / max(1, on['peak_running']):.1f} blocks")
-    print(f"- burst: mean TTFT {statistics.mean(off['ttft']):.2f} s -> {statistics.mean(on['ttft']):.2f} s "
-          f"({statistics.mean(off['ttft']) / statistics.mean(on['ttft']):.1f}x), total {off['wall']:.1f} s -> "
-          f"{on['wall']:.1f} s ({off['wall'] / on['wall']:.1f}x); prompt tokens served from the cache: {on['cached']} "
-          f"of {sum(len(system) + len(q) for q in burst)}")
-    print(f"- single request: cold TTFT {cold:.3f} s, warm (prefix hit) {warm:.3f} s: {speedup:.1f}x faster "
-          f"(goal >= {GOAL_TTFT:.0f}x: {'met' if speedup >= GOAL_TTFT else 'MISSED'}); per repeat (cold, warm, "
-          f"warm tokens from cache): " + ", ".join(f"({c:.3f}, {w:.3f}, {h})" for c, w, _, h in singles_rows))
-    print(f"- greedy tokens identical with and without prefix caching: {same}/{len(burst)} requests; "
-          f"preemptions {off['preemptions']} / {on['preemptions']}")
+    if chunked:
+        print(f"\nBurst of {len(burst)} requests, max_num_batched_tokens {args.max_num_batched_tokens} "
+              f"(requests admitted as the token budget allows):\n")
+        print(burst_table(chunked, chunked["off"]))
+        off, on = chunked["off"], chunked["on"]
+        print(f"\n- peak blocks {off['peak']} -> {on['peak']} ({1 - on['peak'] / off['peak']:.1%} fewer), with "
+              f"{off['peak_running']} and {on['peak_running']} requests resident at the peak (the token budget, not "
+              f"memory, sets how many are resident: compare the all-at-once table); blocks per resident request: "
+              f"{off['peak'] / max(1, off['peak_running']):.1f} -> {on['peak'] / max(1, on['peak_running']):.1f}")
+        print(f"- mean TTFT {statistics.mean(off['ttft']):.2f} s -> {statistics.mean(on['ttft']):.2f} s "
+              f"({statistics.mean(off['ttft']) / statistics.mean(on['ttft']):.1f}x); total {off['wall']:.1f} s -> "
+              f"{on['wall']:.1f} s ({off['wall'] / on['wall']:.1f}x); prompt tokens served from the cache: "
+              f"{on['cached']} of {sum(len(system) + len(q) for q in burst)}")
     if resident:
-        print()
-        print(f"All {len(burst)} requests resident at once (max_num_batched_tokens {budget}: every prompt is "
-              f"admitted and prefilled in the first step):")
-        print()
-        rows = []
-        base = resident["off"]["peak"]
-        for label, r in resident.items():
-            same = sum(a == b for a, b in zip(off["tokens"], r["tokens"]))
-            rows.append([label, f"{r['peak']} ({r['peak_running']})", f"{1 - r['peak'] / base:.1%}",
-                         f"{statistics.mean(r['ttft']):.2f}", f"{r['wall']:.1f}", f"{r['cpu']:.1f}", r["steps"],
-                         f"{r['hit_rate']:.1%}", f"{same}/{len(burst)}"])
-        print(markdown_table(["prefix caching", "peak KV blocks (running then)", "fewer than off", "TTFT mean s",
-                              "total wall s", "total CPU s", "steps", "prefix hit rate", "tokens = first table's off"],
-                             rows))
-        warm = resident["on, prefix warmed by 1 request"]
-        fewer = 1 - warm["peak"] / base
-        print(f"- resident footprint: {base} -> {warm['peak']} blocks: {fewer:.1%} fewer (goal >= {GOAL_BLOCKS:.0%}: "
-              f"{'met' if fewer >= GOAL_BLOCKS else 'MISSED'}); the ceiling for this shape is "
-              f"1 - (shared + N * unique) / (N * per request) = "
-              f"{1 - (len(system) // args.block_size + len(burst) * (per_request - len(system) // args.block_size)) / (len(burst) * per_request):.1%}")
+        print(f"\nBurst of {len(burst)} requests, max_num_batched_tokens {all_budget} (every request admitted and "
+              f"prefilled in the first step: all resident at once):\n")
+        print(burst_table(resident, resident["off"]))
+        base, warmed = resident["off"]["peak"], resident["on, prefix warmed by 1 request"]["peak"]
+        fewer = 1 - warmed / base
+        ceiling = 1 - (shared_blocks + len(burst) * (per_request - shared_blocks)) / (len(burst) * per_request)
+        print(f"\n- footprint of all {len(burst)} requests: {base} -> {warmed} blocks with the prefix cached: "
+              f"{fewer:.1%} fewer (goal >= {GOAL_BLOCKS:.0%}: {'met' if fewer >= GOAL_BLOCKS else 'MISSED'}); "
+              f"the most this shape allows, 1 - (shared + N x unique) / (N x per request), is {ceiling:.1%}")
+        if "on, cold burst" in resident:
+            print("- a cold burst admitted all at once shares nothing: every request is admitted before any block of "
+                  "the shared prefix has been computed and registered")
+    print(f"\n- single request: cold TTFT {cold:.3f} s, warm (prefix hit) {warm:.3f} s (medians of {len(pairs)}): "
+          f"{cold / warm:.1f}x faster (goal >= {GOAL_TTFT:.0f}x: {'met' if cold / warm >= GOAL_TTFT else 'MISSED'}); "
+          f"per repeat (cold s, warm s, warm tokens from the cache): "
+          + ", ".join(f"({c:.3f}, {w:.3f}, {h})" for c, w, _, h in singles_rows))
     return 0
 
 
