@@ -17,6 +17,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from .cache import METADATA_KEY
 from .kernels.dispatch import decode_attention, prefill_attention
+from .rotation import rotate, unrotate
 
 ATTENTION_NAME = "paged"
 
@@ -53,33 +54,39 @@ def paged_attention(flat_query, plan, group_plan, storage, scale, window, softca
 
     One-token sequences go through the batched decode path; longer ones through the varlen prefill path.
     Triton kernels on CUDA, the torch references elsewhere (``PAGED_HF_KERNELS=torch|triton`` forces either).
+    A storage whose vectors are stored rotated (quantized formats) gets the query rotated the same way (scores
+    are unchanged) and the output rotated back, in float32.
     """
+    rotation = storage.rotation
+    query = flat_query if rotation is None else rotate(flat_query, rotation)
+    options = dict(scale=scale, sliding_window=window, softcap=softcap, sinks=sinks, **storage.attention_operands())
+    out = _attend(query, plan, group_plan, options)
+    return out if rotation is None else unrotate(out, rotation).to(flat_query.dtype)
+
+
+def _attend(query, plan, group_plan, options) -> torch.Tensor:
     tables, seq_lens = group_plan.readable_block_tables, plan.seq_lens
-    pools = storage.attention_operands()
-    options = dict(scale=scale, sliding_window=window, softcap=softcap, sinks=sinks)
     if plan.decode_only:
-        return decode_attention(flat_query, block_tables=tables, seq_lens=seq_lens, **pools, **options)
+        return decode_attention(query, block_tables=tables, seq_lens=seq_lens, **options)
     decode_seqs = [s for s, n in enumerate(plan.new_counts) if n == 1]
     if len(decode_seqs) < 2:
-        return prefill_attention(
-            flat_query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=plan.cu_query_lens, **pools, **options
-        )
+        return prefill_attention(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=plan.cu_query_lens,
+                                 **options)
     # mixed step (engine): batch the decodes, run the prefill chunks sequence by sequence
-    out = torch.empty_like(flat_query)
+    out = torch.empty_like(query)
     starts = plan.cu_query_lens
     decode_rows = starts[decode_seqs]
-    decode_index = torch.tensor(decode_seqs, device=flat_query.device)
+    decode_index = torch.tensor(decode_seqs, device=query.device)
     out[decode_rows] = decode_attention(
-        flat_query[decode_rows], block_tables=tables[decode_index], seq_lens=seq_lens[decode_index], **pools, **options
+        query[decode_rows], block_tables=tables[decode_index], seq_lens=seq_lens[decode_index], **options
     )
     prefill_seqs = [s for s, n in enumerate(plan.new_counts) if n > 1]
-    prefill_index = torch.tensor(prefill_seqs, dtype=torch.long, device=flat_query.device)
+    prefill_index = torch.tensor(prefill_seqs, dtype=torch.long, device=query.device)
     lengths = [plan.new_counts[s] for s in prefill_seqs]
     rows = torch.cat([torch.arange(int(starts[s]), int(starts[s]) + n) for s, n in zip(prefill_seqs, lengths)])
     cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.long)
     out[rows] = prefill_attention(
-        flat_query[rows], block_tables=tables[prefill_index], seq_lens=seq_lens[prefill_index], cu_query_lens=cu,
-        **pools, **options,
+        query[rows], block_tables=tables[prefill_index], seq_lens=seq_lens[prefill_index], cu_query_lens=cu, **options
     )
     return out
 

@@ -1,5 +1,7 @@
 """Quantized KV storage: the pools of one layer hold quantized codes plus a float16 scale (and, for int4, a zero
-point) per token per KV head; see ``paged_hf.kernels.kv_quant`` for the formats and their error bounds.
+point) per token per KV head; see ``paged_hf.kernels.kv_quant`` for the formats and their error bounds. Every
+vector is rotated by ``rotation.kv_rotation(head_dim)`` before it is quantized (outliers spread over all
+channels); the attention rotates its query and un-rotates its output instead of un-rotating each key.
 
 ``kv_cache_dtype`` names: ``"auto"`` (the model dtype, plain ``KVStorage``), ``"int8"``, ``"fp8"`` (alias of
 ``"fp8_e4m3"``), ``"fp8_e5m2"``, ``"int4"``. Tokens are quantized when written and dequantized when read, so a
@@ -17,6 +19,8 @@ from .kernels.kv_quant import (
     kv_data_dtype,
     kv_has_zero,
 )
+from .kernels import dispatch
+from .rotation import kv_rotation, rotate, unrotate
 from .storage import KVStorage
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
@@ -56,8 +60,9 @@ class QuantizedKVStorage(KVStorage):
     Shapes: ``key_cache``/``value_cache`` ``[num_blocks, block_size, num_kv_heads, Dp]`` codes (``Dp = head_dim``,
     or ``head_dim // 2`` uint8 for int4); ``key_scale``/``value_scale`` ``[num_blocks, block_size, num_kv_heads]``
     float16; ``key_zero``/``value_zero`` the same for int4, else None. ``dtype`` is the compute dtype that reads
-    return. Invariant: a slot's bytes depend only on the K/V last written to it. Pools start zeroed, and zero
-    bytes read as exact 0.
+    return. The codes hold ``x @ rotation`` (``[head_dim, head_dim]`` float32, orthonormal); reads un-rotate.
+    Invariant: a slot's bytes depend only on the K/V last written to it. Pools start zeroed, and zero bytes read
+    as exact 0.
     """
 
     _POOL_NAMES = ("key_cache", "value_cache", "key_scale", "value_scale", "key_zero", "value_zero")
@@ -88,6 +93,7 @@ class QuantizedKVStorage(KVStorage):
         has_zero = kv_has_zero(fmt)
         self.key_zero = torch.zeros(data_shape[:3], dtype=_SCALE_DTYPE, device=device) if has_zero else None
         self.value_zero = torch.zeros(data_shape[:3], dtype=_SCALE_DTYPE, device=device) if has_zero else None
+        self.rotation = kv_rotation(head_dim, device)
 
     def _pools(self) -> list[str]:
         """Names of the pool tensors this format holds (data, scales, zeros)."""
@@ -127,9 +133,14 @@ class QuantizedKVStorage(KVStorage):
         """Codes, scale and zero (or None) pools of ``which`` ("key" or "value")."""
         return getattr(self, f"{which}_cache"), getattr(self, f"{which}_scale"), getattr(self, f"{which}_zero")
 
+    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Rotates and quantizes ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into ``slots`` ``[n]`` (int64)."""
+        dispatch.store(rotate(key, self.rotation), rotate(value, self.rotation), slots, **self.attention_operands())
+
     def _dequantize(self, which: str, index) -> torch.Tensor:
         data, scale, zero = (None if pool is None else pool[index] for pool in self._side(which))
-        return dequantize_kv_ref(data, scale, zero, self.kv_format, self._dtype)
+        rotated = dequantize_kv_ref(data, scale, zero, self.kv_format, torch.float32)
+        return unrotate(rotated, self.rotation).to(self._dtype)
 
     def read_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K and V of ``block_ids`` (any shape ``S``): ``[*S, block_size, num_kv_heads, head_dim]``."""

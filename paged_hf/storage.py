@@ -18,6 +18,9 @@ class KVStorage:
     Pools start zeroed, so a slot never holds NaN (a masked slot read by a dense kernel contributes exactly 0).
     """
 
+    # Orthonormal ``[head_dim, head_dim]`` the stored vectors are rotated by (see ``rotation``), or None.
+    rotation: torch.Tensor | None = None
+
     def __init__(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
     ) -> None:

@@ -15,6 +15,7 @@ from paged_hf.quant import (
     check_kv_format,
     make_storage,
 )
+from paged_hf.rotation import kv_rotation, rotate, unrotate
 from paged_hf.storage import KVStorage
 
 FORMATS = QUANTIZED_KV_FORMATS
@@ -46,6 +47,12 @@ RELATIVE_BOUND = {"int8": 1 / 254, "fp8_e4m3": 1 / 16, "fp8_e5m2": 1 / 8, "int4"
 
 def round_trip(x: torch.Tensor, kv_format: str) -> torch.Tensor:
     return dequantize_kv_ref(*quantize_kv_ref(x, kv_format), kv_format)
+
+
+def stored_round_trip(x: torch.Tensor, kv_format: str) -> torch.Tensor:
+    """What a ``QuantizedKVStorage`` reads back for ``x``: rotated, quantized, dequantized, rotated back (float32)."""
+    rotation = kv_rotation(x.shape[-1])
+    return unrotate(round_trip(rotate(x, rotation), kv_format), rotation)
 
 
 def random_kv(n: int, heads: int, head_dim: int, seed: int = 0) -> torch.Tensor:
@@ -209,8 +216,8 @@ def test_storage_reads_equal_reference_round_trip(kv_format, dtype):
     s.write(slots, key, value)
     k, v = s.read_slots(slots)
     assert k.dtype == dtype and k.shape == (6, HEADS, HEAD_DIM)
-    assert torch.equal(k, round_trip(key, kv_format).to(dtype))
-    assert torch.equal(v, round_trip(value, kv_format).to(dtype))
+    assert torch.equal(k, stored_round_trip(key, kv_format).to(dtype))
+    assert torch.equal(v, stored_round_trip(value, kv_format).to(dtype))
     kb, vb = s.read_blocks(torch.tensor([[1, 2], [5, 0]]))
     assert kb.shape == (2, 2, BLOCK_SIZE, HEADS, HEAD_DIM) and kb.dtype == dtype
     assert torch.equal(kb[0, 0, 1], k[0]) and torch.equal(vb[1, 0, 2], v[2]) and torch.equal(kb[1, 1, 0], k[1])
@@ -267,7 +274,8 @@ def test_grow_keeps_content_and_adds_zeroed_blocks(kv_format):
     assert torch.equal(new_k, torch.zeros_like(new_k))
     key = random_kv(1, HEADS, HEAD_DIM, seed=9)
     s.write(torch.tensor([(NUM_BLOCKS + 2) * BLOCK_SIZE + 1]), key, key)
-    assert torch.equal(s.read_slots(torch.tensor([(NUM_BLOCKS + 2) * BLOCK_SIZE + 1]))[0], round_trip(key, kv_format))
+    assert torch.equal(s.read_slots(torch.tensor([(NUM_BLOCKS + 2) * BLOCK_SIZE + 1]))[0],
+                       stored_round_trip(key, kv_format))
 
 
 @pytest.mark.parametrize("kv_format", FORMATS)
@@ -336,3 +344,36 @@ def test_fp8_without_torch_support_is_rejected(monkeypatch, name):
         with pytest.raises(ValueError, match="float8"):
             call()
     assert check_kv_format("int8", 8) == "int8"
+
+
+# ------------------------------------------------------------------------------------------------ rotation
+
+
+@pytest.mark.parametrize("head_dim", [1, 2, 6, 8, 64, 80, 96, 128, 256])
+def test_kv_rotation_is_orthonormal_and_fixed(head_dim):
+    r = kv_rotation(head_dim)
+    assert r.shape == (head_dim, head_dim) and r.dtype == torch.float32
+    torch.testing.assert_close(r @ r.T, torch.eye(head_dim), atol=1e-6, rtol=0)
+    assert torch.equal(r, kv_rotation(head_dim))  # depends on head_dim only: same tokens, same bytes
+    x = torch.randn(5, 3, head_dim)
+    torch.testing.assert_close(unrotate(rotate(x, r), r), x, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="head_dim"):
+        kv_rotation(0)
+
+
+def test_kv_rotation_spreads_an_outlier_channel():
+    x = torch.zeros(64)
+    x[5] = 10.0  # all the magnitude in one channel: per-vector int4 would give every other channel one level
+    rotated = rotate(x, kv_rotation(64))
+    assert torch.allclose(rotated.abs(), torch.full((64,), 10.0 / 8))  # a (signed) Hadamard row: flat magnitude
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_storage_holds_codes_of_the_rotated_vectors(kv_format):
+    s = storage(kv_format)
+    key, value = random_kv(4, HEADS, HEAD_DIM, seed=11), random_kv(4, HEADS, HEAD_DIM, seed=12)
+    s.write(torch.arange(4), key, value)
+    data, scale, zero = quantize_kv_ref(rotate(key, kv_rotation(HEAD_DIM)), kv_format)
+    assert torch.equal(raw_bytes(s.key_cache[0]), raw_bytes(data)) and torch.equal(s.key_scale[0], scale)
+    assert zero is None or torch.equal(s.key_zero[0], zero)
+    assert make_storage("auto", 2, 4, HEADS, HEAD_DIM, torch.float32, "cpu").rotation is None
