@@ -87,3 +87,27 @@ def test_one_call_path_is_taken_only_without_softcap_and_sinks(monkeypatch):
     paged_attention_core(query, positions, softcap=5.0, **common)
     paged_attention_core(query, positions, sinks=torch.zeros(query.shape[1]), **common)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("kv_format", ["auto", "int4"])
+def test_prefill_ref_batches_rows_like_one_call_per_sequence(kv_format, monkeypatch):
+    """The varlen prefill reference pads sequences into batched calls; splitting every sequence into its own call
+    (a chunk bound too small for two) must give the same rows, and each row must equal the dense oracle."""
+    from paged_hf.kernels.paged_prefill_attention import paged_prefill_attention_ref
+
+    _, _, pools, tables, seq_lens = _case(kv_format, lengths=(5, 17, 40, 9))
+    query_lens = [5, 1, 12, 3]
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(sum(query_lens), 6, 16, generator=gen)
+    cu = torch.tensor([0, 5, 6, 18, 21])
+    batched = paged_prefill_attention_ref(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
+                                          scale=0.3, **pools)
+    monkeypatch.setattr(attention_ref, "SCORE_ELEMENTS_PER_CHUNK", 6 * 12 * 40)
+    single = paged_prefill_attention_ref(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
+                                         scale=0.3, **pools)
+    torch.testing.assert_close(batched, single, atol=1e-5, rtol=1e-5)
+    for s, n in enumerate(query_lens):
+        rows = query[cu[s] : cu[s + 1]].transpose(0, 1).unsqueeze(0)  # [1, heads, n, D]
+        positions = torch.arange(int(seq_lens[s]) - n, int(seq_lens[s])).unsqueeze(0)
+        oracle = _dense_oracle(rows, positions, pools, tables[s : s + 1], seq_lens[s : s + 1], 0.3, None)
+        torch.testing.assert_close(batched[cu[s] : cu[s + 1]], oracle[0].transpose(0, 1), atol=1e-5, rtol=1e-5)

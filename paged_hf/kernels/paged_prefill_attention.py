@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from . import attention_ref as _attention_ref
 from . import paged_decode_attention as _decode
 from .attention_ref import paged_attention_core
 from .paged_decode_attention import Launch, check_pools
@@ -60,17 +61,37 @@ def paged_prefill_attention_ref(
     out = torch.empty_like(query)
     starts = cu_query_lens.tolist()
     lengths = seq_lens.tolist()
-    for seq, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
-        if end == start:
-            continue
-        positions = torch.arange(lengths[seq] - (end - start), lengths[seq], device=query.device).unsqueeze(0)
+    spans = [(s, a, b) for s, (a, b) in enumerate(zip(starts[:-1], starts[1:])) if b > a]
+    for batch in _batches(spans, lengths, query.shape[1]):
+        # the batch's query chunks, padded to its longest; padding rows get position -1 (they attend nothing)
+        width = max(b - a for _, a, b in batch)
+        padded = query.new_zeros(len(batch), width, *query.shape[1:])
+        positions = torch.full((len(batch), width), -1, dtype=torch.long, device=query.device)
+        for row, (seq, a, b) in enumerate(batch):
+            padded[row, : b - a] = query[a:b]
+            positions[row, : b - a] = torch.arange(lengths[seq] - (b - a), lengths[seq], device=query.device)
+        index = torch.tensor([seq for seq, _, _ in batch], device=block_tables.device)
         chunk = paged_attention_core(
-            query[start:end].transpose(0, 1).unsqueeze(0), positions, key_cache, value_cache,
-            block_tables[seq : seq + 1], seq_lens[seq : seq + 1], scale, sliding_window, softcap, sinks,
-            key_scale, value_scale, key_zero, value_zero, kv_format,
-        )
-        out[start:end] = chunk.squeeze(0).transpose(0, 1)
+            padded.transpose(1, 2), positions, key_cache, value_cache, block_tables[index], seq_lens[index],
+            scale, sliding_window, softcap, sinks, key_scale, value_scale, key_zero, value_zero, kv_format,
+        ).transpose(1, 2)
+        for row, (_, a, b) in enumerate(batch):
+            out[a:b] = chunk[row, : b - a]
     return out
+
+
+def _batches(spans: list, lengths: list[int], num_heads: int) -> list[list]:
+    """Consecutive sequences grouped so each group's padded scores fit one chunk of ``paged_attention_core``."""
+    groups, current, width, keys = [], [], 0, 0
+    for span in spans:
+        seq, a, b = span
+        new_width, new_keys = max(width, b - a), max(keys, lengths[seq])
+        if current and (len(current) + 1) * num_heads * new_width * new_keys > _attention_ref.SCORE_ELEMENTS_PER_CHUNK:
+            groups.append(current)
+            current, new_width, new_keys = [], b - a, lengths[seq]
+        current.append(span)
+        width, keys = new_width, new_keys
+    return groups + [current] if current else groups
 
 
 def paged_prefill_attention(
