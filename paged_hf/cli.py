@@ -73,6 +73,8 @@ def _add_model_and_engine_options(parser) -> None:
     parser.add_argument("--block-size", type=_positive_int, default=defaults.block_size)
     parser.add_argument("--num-blocks", type=_positive_int, default=None)
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype)
+    parser.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                        help="GiB for the KV pool (default: 4 on CPU, else --gpu-memory-utilization of free memory)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
     parser.add_argument("--max-num-seqs", type=_positive_int, default=defaults.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=defaults.max_num_batched_tokens)
@@ -86,7 +88,7 @@ def _add_model_and_engine_options(parser) -> None:
 
 def _engine_options(args) -> dict:
     return {name: getattr(args, name) for name in (
-        "block_size", "num_blocks", "kv_cache_dtype", "gpu_memory_utilization", "max_num_seqs",
+        "block_size", "num_blocks", "kv_cache_dtype", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
         "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "swap_space", "preemption_mode",
         "scheduling_policy")}
 

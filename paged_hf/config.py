@@ -83,14 +83,21 @@ def _check_number(name: str, value, low: float, high: float, low_open: bool = Fa
         raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
 
 
+DEFAULT_CPU_KV_CACHE_GIB = 4.0  # the KV pool of an auto-sized engine on CPU (vLLM's CPU default too)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Knobs of ``PagedEngine``, with vLLM's names.
 
     Attributes:
         block_size, kv_cache_dtype: as ``CacheConfig``.
-        num_blocks: KV blocks per layer group; None sizes the pool from ``gpu_memory_utilization``.
-        gpu_memory_utilization: fraction of the device's free memory (CPU: of available RAM) the KV pool may take.
+        num_blocks: KV blocks per layer group; None sizes the pool from ``kv_cache_memory`` or
+            ``gpu_memory_utilization``.
+        kv_cache_memory: GiB the KV pool may take; None: on CUDA ``gpu_memory_utilization`` of the free device
+            memory, on CPU ``DEFAULT_CPU_KV_CACHE_GIB`` (capped at half the available RAM, which also holds the
+            model and its activations).
+        gpu_memory_utilization: fraction of the device's free memory the KV pool may take (CUDA).
         max_num_seqs: sequences running at once. max_num_batched_tokens: tokens per forward (chunked prefill).
         max_model_len: longest prompt + output; None takes the model's ``max_position_embeddings``.
         enable_prefix_caching: reuse the KV of full blocks whose token prefix was already computed.
@@ -101,6 +108,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_dtype: str = "auto"
+    kv_cache_memory: float | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -113,6 +121,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype)
         _check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+        if self.kv_cache_memory is not None:
+            _check_number("kv_cache_memory", self.kv_cache_memory, 0.0, float("inf"), low_open=True)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_model_len", self.max_model_len, 1, allow_none=True)

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 import paged_hf
 from paged_hf import PagedEngine, SamplingParams
+from paged_hf.engine import engine as engine_module
 from models import stories_model, stories_tokenizer, story_openings, tiny_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -181,6 +182,19 @@ def test_engine_config_rejects_bad_values(stories):
         SamplingParams(top_p=0)
     with pytest.raises(TypeError):
         engine_for(stories, max_batch_size=3)
+    with pytest.raises(ValueError, match=r"kv_cache_memory must be in \(0.0, inf\]"):
+        engine_for(stories, kv_cache_memory=0)
+
+
+def test_auto_sized_pool_follows_the_memory_budget(stories, monkeypatch):
+    model, tok = stories
+    probe = paged_hf.PagedCache(model.config, block_size=16)
+    per_block = sum(probe.block_bytes(i) for i in range(model.config.num_hidden_layers))
+    engine = PagedEngine(model, tok, kv_cache_memory=100 * per_block / 2**30, swap_space=0)
+    assert engine.get_stats()["kv_cache_total"] == 100
+    # CPU without a budget: DEFAULT_CPU_KV_CACHE_GIB, not a fraction of all the RAM
+    monkeypatch.setattr(engine_module, "DEFAULT_CPU_KV_CACHE_GIB", 60 * per_block / 2**30)
+    assert PagedEngine(model, tok, swap_space=0).get_stats()["kv_cache_total"] == 60
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,

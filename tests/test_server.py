@@ -90,6 +90,11 @@ def test_completions_greedy_equal_generate(stories, client):
     assert out.usage.completion_tokens == 24 and out.choices[0].finish_reason == "length"
     streamed = client.completions.create(model="stories260K", prompt=prompt, max_tokens=24, temperature=0, stream=True)
     assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+    chunks = list(client.completions.create(model="stories260K", prompt=prompt, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == expected
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
 
 
 def test_chat_stop_and_n(stories, client):

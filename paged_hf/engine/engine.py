@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from ..cache import PagedCache
-from ..config import EngineConfig, SamplingParams
+from ..config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig, SamplingParams
 from .engine_cache import EngineCache
 from .kv_manager import KVCacheManager
 from .request import Request, RequestOutput, Sequence, SequenceStatus
@@ -59,16 +59,19 @@ class PagedEngine:
 
     # ----------------------------------------------------------------------------------- setup
     def _blocks_from_memory(self, model) -> int:
-        """Blocks that fit ``gpu_memory_utilization`` of free device memory (CPU: available RAM), capped at what
-        ``max_num_seqs`` sequences of ``max_model_len`` tokens can use."""
-        if model.device.type == "cuda":
-            free = torch.cuda.mem_get_info(model.device)[0]
+        """Blocks that fit the KV memory budget (``kv_cache_memory``, else the device default: see
+        ``EngineConfig``), capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use."""
+        if self.config.kv_cache_memory is not None:
+            budget = self.config.kv_cache_memory * GIB
+        elif model.device.type == "cuda":
+            budget = torch.cuda.mem_get_info(model.device)[0] * self.config.gpu_memory_utilization
         else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(DEFAULT_CPU_KV_CACHE_GIB * GIB, available / 2)
         probe = PagedCache(model.config, block_size=self.config.block_size, kv_cache_dtype=self.config.kv_cache_dtype)
         per_block = sum(probe.block_bytes(i) for i in range(len(probe.layers)))
         cap = self.config.max_num_seqs * math.ceil(self.max_model_len / self.config.block_size)
-        return max(1, min(int(free * self.config.gpu_memory_utilization) // per_block, cap))
+        return max(1, min(int(budget) // per_block, cap))
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()

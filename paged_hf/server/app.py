@@ -111,7 +111,7 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256) ->
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "paged_hf"}]}
 
-    async def run(raw: Request, prompts: list, params, chat: bool, stream: bool):
+    async def run(raw: Request, prompts: list, params, chat: bool, stream: bool, body_options=None):
         ids, queues = [], []
         try:
             for prompt in prompts:
@@ -131,7 +131,8 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256) ->
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if stream:
-            return StreamingResponse(_sse(loop, ids, queues, response_id, created, model_name, params.n, chat),
+            usage = body_options is not None and body_options.include_usage
+            return StreamingResponse(_sse(loop, ids, queues, response_id, created, model_name, params.n, chat, usage),
                                      media_type="text/event-stream")
         finals = await _collect(raw, loop, ids, queues)
         if finals is None:
@@ -146,7 +147,7 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256) ->
             params = body.sampling_params(DEFAULT_MAX_TOKENS, body.logprobs)
         except ValueError as error:
             return _bad_request(error)
-        return await run(raw, body.prompts(), params, chat=False, stream=body.stream)
+        return await run(raw, body.prompts(), params, chat=False, stream=body.stream, body_options=body.stream_options)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
@@ -154,7 +155,7 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256) ->
             params = body.sampling_params(DEFAULT_MAX_TOKENS)
         except ValueError as error:
             return _bad_request(error)
-        return await run(raw, [body.chat()], params, chat=True, stream=body.stream)
+        return await run(raw, [body.chat()], params, chat=True, stream=body.stream, body_options=body.stream_options)
 
     return app
 
@@ -209,8 +210,9 @@ def _response(finals, response_id: str, created: int, model: str, chat: bool):
             "model": model, "choices": choices, "usage": _usage(finals)}
 
 
-async def _sse(loop, ids, queues, response_id, created, model, n, chat):
-    """Server-sent events: one chunk per text delta of each choice, then ``[DONE]``."""
+async def _sse(loop, ids, queues, response_id, created, model, n, chat, include_usage=False):
+    """Server-sent events: one chunk per text delta of each choice, then (``include_usage``) a chunk with empty
+    ``choices`` and the usage of the whole request, then ``[DONE]``."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     merged: asyncio.Queue = asyncio.Queue()
 
@@ -224,7 +226,7 @@ async def _sse(loop, ids, queues, response_id, created, model, n, chat):
     pumps = [asyncio.create_task(pump(p, q)) for p, q in enumerate(queues)]
     sent: dict[int, int] = {}
     closed: set[int] = set()
-    done = 0
+    finals = []
 
     def chunk(index, text, reason, first=False):
         if chat:
@@ -236,7 +238,7 @@ async def _sse(loop, ids, queues, response_id, created, model, n, chat):
         return f"data: {json.dumps(body)}\n\n"
 
     try:
-        while done < len(queues):
+        while len(finals) < len(queues):
             p, out = await merged.get()
             if out.error:
                 yield f"data: {json.dumps(error_body(out.error, None, 'server_error'))}\n\n"
@@ -253,7 +255,11 @@ async def _sse(loop, ids, queues, response_id, created, model, n, chat):
                 if reason is not None:
                     closed.add(index)
             if out.finished:
-                done += 1
+                finals.append(out)
+        if include_usage:
+            body = {"id": response_id, "object": obj, "created": created, "model": model, "choices": [],
+                    "usage": _usage(finals)}
+            yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
     finally:  # normal end, or the client went away mid-stream: abort whatever still runs
         for task in pumps:

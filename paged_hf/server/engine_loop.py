@@ -30,6 +30,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._pending = 0  # submissions not yet added to the engine
+        self._added = 0  # requests added to the engine since ``stats`` was last refreshed (they wait)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -47,7 +48,7 @@ class EngineLoop:
     async def submit(self, prompt, params: SamplingParams) -> tuple[str, asyncio.Queue]:
         """Queues a request; returns its id and the queue its ``RequestOutput``s arrive on."""
         with self._lock:
-            if self._pending + self.stats["num_waiting"] >= self.max_queue_len:
+            if self._pending + self._added + self.stats["num_waiting"] >= self.max_queue_len:
                 raise QueueFullError(f"{self.max_queue_len} requests are already waiting")
             self._pending += 1
         outputs: asyncio.Queue = asyncio.Queue()
@@ -77,6 +78,12 @@ class EngineLoop:
         finally:
             with self._lock:
                 self._pending -= 1
+                self._added += future.exception() is None
+
+    def _refresh_stats(self) -> None:
+        stats = self.engine.get_stats()
+        with self._lock:
+            self.stats, self._added = stats, 0
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -86,7 +93,7 @@ class EngineLoop:
                 except queue.Empty:
                     break
             if not self.engine.has_unfinished_requests():
-                self.stats = self.engine.get_stats()
+                self._refresh_stats()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -99,4 +106,4 @@ class EngineLoop:
                     loop.call_soon_threadsafe(outputs.put_nowait, out)
                     if out.finished:
                         self._streams.pop(out.request_id, None)
-            self.stats = self.engine.get_stats()
+            self._refresh_stats()

@@ -12,6 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..config import SamplingParams
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False  # a last chunk, before [DONE], with empty choices and the request's usage
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -21,6 +27,7 @@ class _Sampling(BaseModel):
     top_p: float = 1.0
     n: int = 1
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
