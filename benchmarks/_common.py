@@ -15,7 +15,7 @@ import torch
 import transformers
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
+SHARED = Path(os.environ.get("PAGED_HF_SHARED") or ROOT.parent / "shared")  # the env var: a copy elsewhere
 STORIES = SHARED / "models" / "stories260K"
 STORIES_TEXT = SHARED / "data" / "tinystories_sample.txt"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

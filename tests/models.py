@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+SHARED = Path(os.environ.get("PAGED_HF_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
 STORIES = SHARED / "models" / "stories260K"
 STORIES_TEXT = SHARED / "data" / "tinystories_sample.txt"
 VOCAB = 512  # the stories260K tokenizer's, so every tiny model can use it
