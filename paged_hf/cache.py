@@ -24,6 +24,7 @@ from .quant import bytes_per_block, check_kv_format, make_storage
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 STATE_SPACE_MODEL_TYPES = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm")
 METADATA_KEY = "paged_hf_metadata"
+GROWTH_DIVISOR = 4  # a growable pool grows by at least 1 / GROWTH_DIVISOR of its size
 
 
 class PagedCacheFullError(RuntimeError):
@@ -189,7 +190,8 @@ class PagedCache(Cache):
                 f"cache_config={{'num_blocks': ...}}; or leave num_blocks and memory_budget unset to let it grow."
             )
         current = group.pool.num_blocks if group.pool is not None else 0
-        extra = max(needed - free, current)  # at least double: amortized growth
+        # grow by at least a quarter: amortized O(1) copies per block, at most ~20% of the pool idle after a grow
+        extra = max(needed - free, -(-current // GROWTH_DIVISOR))
         if group.pool is None:
             group.pool = BlockPool(extra, enable_caching=False)
         else:

@@ -63,6 +63,17 @@ def test_memory_budget_sizes_pool():
         paged_hf.PagedCache(model.config, block_size=4, memory_budget=10)
 
 
+def test_growable_pool_grows_by_a_quarter_not_by_doubling():
+    model = tiny_model("llama", "paged")
+    cache = paged_hf.PagedCache(model.config, block_size=4)
+    model.generate(**left_padded_batch(), max_new_tokens=60, do_sample=False, cache=cache)
+    stats = cache.stats()
+    # the last new token is never fed back, so each row holds prompt + 59 tokens; pads take no block
+    assert stats["blocks_used"] == sum(-(-(n + 59) // 4) for n in (3, 9, 14, 6))
+    # doubling would leave up to half the pool idle; growing by >= 1/4 keeps at least 80% of it in use
+    assert stats["blocks_used"] / stats["blocks_total"] >= 0.8, stats
+
+
 @pytest.mark.parametrize("attention", ["paged", "sdpa"])
 def test_sliding_layers_hold_only_their_window(attention):
     model = tiny_model("mistral", attention)  # window 6, every layer sliding
