@@ -66,11 +66,11 @@ def test_memory_budget_sizes_pool():
 def test_growable_pool_grows_by_a_quarter_not_by_doubling():
     model = tiny_model("llama", "paged")
     cache = paged_hf.PagedCache(model.config, block_size=4)
-    model.generate(**left_padded_batch(), max_new_tokens=60, do_sample=False, cache=cache)
+    model.generate(**left_padded_batch(), max_new_tokens=40, do_sample=False, cache=cache)
     stats = cache.stats()
-    # the last new token is never fed back, so each row holds prompt + 59 tokens; pads take no block
-    assert stats["blocks_used"] == sum(-(-(n + 59) // 4) for n in (3, 9, 14, 6))
-    # doubling would leave up to half the pool idle; growing by >= 1/4 keeps at least 80% of it in use
+    # the last new token is never fed back, so each row holds prompt + 39 tokens; pads take no block
+    assert stats["blocks_used"] == sum(-(-(n + 39) // 4) for n in (3, 9, 14, 6))
+    # doubling leaves up to half the pool idle (here 49 of 80 blocks); growing by >= 1/4 keeps >= 80% in use
     assert stats["blocks_used"] / stats["blocks_total"] >= 0.8, stats
 
 
