@@ -203,6 +203,13 @@ class BlockPool:
             return None
         return block
 
+    def uncache_block(self, block: KVBlock) -> None:
+        """Drops the hash of a hashed block (used or cached): its content is not what the hash promised."""
+        assert block.block_hash is not None, f"{block} is not hashed"
+        self._drop_hash(block)
+        if block.ref_cnt == 0:
+            self._num_cached -= 1
+
     def evict_cached_blocks(self) -> int:
         """Drops the hash of every ref-0 block (they become plain free blocks); returns how many."""
         evicted = [b for b in self._cached.values() if b.ref_cnt == 0]

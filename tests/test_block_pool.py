@@ -266,3 +266,20 @@ def test_hash_prompt_blocks_chains_full_blocks_only():
     assert hash_prompt_blocks(tokens, 4, extra_keys=("x",)) != hashes
     with pytest.raises(ValueError, match="block_size"):
         hash_prompt_blocks(tokens, 0)
+
+
+def test_uncache_block_in_use_and_cached():
+    pool = BlockPool(4)
+    used, cached = pool.get_new_blocks(2)
+    pool.cache_full_block(used, 11, (1, 2))
+    pool.cache_full_block(cached, 12, (3, 4))
+    pool.free_blocks([cached])
+    assert pool.num_cached_blocks == 1
+    pool.uncache_block(used)  # still in use: only the hash goes
+    pool.uncache_block(cached)  # in the free queue: it becomes a plain free block
+    assert used.block_hash is None and cached.block_hash is None and used.ref_cnt == 1
+    assert pool.get_cached_block(11, (1, 2)) is None and pool.get_cached_block(12, (3, 4)) is None
+    assert pool.num_cached_blocks == 0 and pool.num_free_blocks == 3
+    pool.check_invariants()
+    with pytest.raises(AssertionError, match="not hashed"):
+        pool.uncache_block(used)

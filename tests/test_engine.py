@@ -100,6 +100,46 @@ def test_staggered_arrivals_and_prefix_hits(stories, prompts, references):
     assert_all_freed(engine)
 
 
+def test_burst_admitted_in_one_step_shares_the_prefix_it_computes(stories, prompts, references):
+    """Requests admitted in the same step hit the blocks an earlier one of them fills in that very forward."""
+    system = story_openings()[0] + " " + story_openings()[1]
+    burst = [system + " " + p for p in prompts[:4]]
+    expected = engine_for(stories, block_size=4, enable_prefix_caching=False).generate(burst, GREEDY, use_tqdm=False)
+    engine = engine_for(stories, block_size=4, max_num_batched_tokens=4096)
+    ids = [engine.add_request(p, GREEDY) for p in burst]
+    engine.step()  # the whole burst is admitted and prefilled in this one step
+    shared = min(engine.requests[i].metrics.num_prefix_cached_tokens for i in ids[1:])
+    assert shared >= len(engine.requests[ids[0]].prompt_token_ids) // 2, "later requests must hit the first's blocks"
+    assert engine.requests[ids[0]].metrics.num_prefix_cached_tokens == 0
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out.outputs[0].token_ids
+    assert [outs[i] for i in ids] == [o.outputs[0].token_ids for o in expected]
+    assert_all_freed(engine)
+
+
+def test_failed_forward_unregisters_the_blocks_it_was_to_fill(stories, monkeypatch):
+    engine = engine_for(stories, block_size=4)
+    prompt = story_openings()[0] * 2
+    real = engine.runner.execute
+
+    def exploding(scheduled):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "execute", exploding)
+    out = engine.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "error" and "device lost" in out.error
+    assert engine.get_stats()["kv_cache_cached_blocks"] == 0, "blocks never filled must not stay in the cache"
+    monkeypatch.setattr(engine.runner, "execute", real)
+    again = engine.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert again.metrics.num_prefix_cached_tokens == 0
+    reference = engine_for(stories, block_size=4, enable_prefix_caching=False).generate([prompt], GREEDY,
+                                                                                        use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert_all_freed(engine)
+
+
 def test_prefix_hit_is_faster_in_tokens_computed(stories):
     engine = engine_for(stories, block_size=4)
     system = story_openings()[0] * 3

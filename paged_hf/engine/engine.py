@@ -150,14 +150,16 @@ class PagedEngine:
             try:
                 seqs, logits = self.runner.execute(plan.scheduled)
             except Exception as error:  # the forward failed: fail this batch's requests, keep the engine
+                self.kv.end_step(failed=True)
                 for seq, _, _ in plan.scheduled:
                     self._fail(seq.request, error)
                     touched[seq.request.request_id] = seq.request
                 seqs, logits = [], None
+            else:
+                self.kv.end_step(failed=False)
             for seq, count, _ in plan.scheduled:
                 if seq.status is SequenceStatus.RUNNING:
                     seq.num_computed_tokens += count
-                    self.kv.cache_full_blocks(seq)
             for row, (seq, result) in enumerate(zip(seqs, sample(seqs, logits) if seqs else [])):
                 touched[seq.request.request_id] = seq.request
                 if result.error is not None:

@@ -32,6 +32,7 @@ class KVCacheManager:
         self._cpu_storages: list[dict] | None = None
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self._step_registered: list[KVBlock] = []  # blocks registered for the step being scheduled / run
 
     # ------------------------------------------------------------------------------- capacity
     @property
@@ -99,11 +100,16 @@ class KVCacheManager:
         """Per group ``(slots, copies)`` for the next ``num_new_tokens`` tokens; the caller checked capacity."""
         return [self._window_adjusted(g, t, seq).append_slots(num_new_tokens) for g, t in zip(self.groups, seq.tables)]
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Registers the newly computed full blocks of ``seq`` in the prefix cache."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Registers in the prefix cache the full blocks among the first ``num_tokens`` of ``seq``.
+
+        Called when a step is scheduled, for the tokens it will have computed: a request admitted later in the same
+        step can then hit blocks that this step's forward fills, which is correct because every layer stores the
+        whole step's K/V before it attends. ``end_step(failed=True)`` unregisters them if the forward fails.
+        """
         if not self.prefix_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        full = num_tokens // self.block_size
         if full <= seq.num_cached_blocks:
             return
         self.update_hashes(seq)
@@ -112,7 +118,17 @@ class KVCacheManager:
             block = table.blocks[i]
             if block.block_hash is None:
                 pool.cache_full_block(block, seq.block_hashes[i], seq.token_ids[i * bs : (i + 1) * bs])
+                if block.block_hash is not None:
+                    self._step_registered.append(block)
         seq.num_cached_blocks = full
+
+    def end_step(self, failed: bool) -> None:
+        """Closes a step: after a failed forward, the blocks registered for it hold no K/V: unregister them."""
+        if failed:
+            for block in self._step_registered:
+                if block.block_hash is not None:
+                    self.groups[0].pool.uncache_block(block)
+        self._step_registered = []
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (copy-on-write of the partial tail later)."""

@@ -140,5 +140,7 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted)
 
     def kv_reserve(self, seq: Sequence, count: int, scheduled: list) -> None:
-        """Allocates the slots of ``count`` tokens of ``seq`` (capacity was checked) and schedules them."""
+        """Allocates the slots of ``count`` tokens of ``seq`` (capacity was checked), schedules them, and registers
+        the blocks they fill in the prefix cache (later admissions of this step may hit them)."""
         scheduled.append((seq, count, self.kv.append_slots(seq, count)))
+        self.kv.cache_full_blocks(seq, seq.num_computed_tokens + count)
