@@ -84,19 +84,25 @@ def text_token_ids(tokenizer) -> list[int]:
     return torch.randint(3, tokenizer.vocab_size, (4096,), generator=generator).tolist()
 
 
-def make_batch(tokenizer, lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
-    """Left-padded ``input_ids`` / ``attention_mask``: row ``i`` holds ``lengths[i]`` real tokens of the sample
-    text (repeated as needed), read from a seeded offset, after the BOS token where the tokenizer adds one."""
+def text_prompts(tokenizer, lengths: list[int], seed: int) -> list[list[int]]:
+    """One prompt of ``lengths[i]`` token ids per entry: BOS (where the tokenizer adds one), then the sample text
+    (repeated as needed) read from a seeded random offset."""
     stream = text_token_ids(tokenizer)
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
     rng = random.Random(seed)
-    rows = []
+    prompts = []
     for length in lengths:
         body = length - 1 if adds_bos else length
         start = rng.randrange(len(stream))
-        repeated = stream * (2 + body // len(stream))
-        rows.append(([bos] if adds_bos else []) + repeated[start : start + body])
+        prompts.append(([bos] if adds_bos else []) + (stream * (2 + body // len(stream)))[start : start + body])
+    return prompts
+
+
+def make_batch(tokenizer, lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
+    """Left-padded ``input_ids`` / ``attention_mask``: row ``i`` holds ``lengths[i]`` real tokens of the sample
+    text (repeated as needed), read from a seeded offset, after the BOS token where the tokenizer adds one."""
+    rows = text_prompts(tokenizer, lengths, seed)
     width = max(len(row) for row in rows)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows], dtype=torch.long)

@@ -51,7 +51,7 @@ import torch
 from paged_hf import PagedEngine
 from paged_hf.quant import KV_CACHE_DTYPES
 
-from _common import ModelUnavailable, load_model, machine, markdown_table, text_token_ids
+from _common import ModelUnavailable, load_model, machine, markdown_table, text_prompts
 
 MODEL_ALIASES = {"stories": "stories260K", "stories260K": "stories260K", "smollm2": "smollm2"}
 DEFAULT_RATES = {"stories260K": "2,4,8,inf", "smollm2": "0.3,0.5,inf"}
@@ -104,20 +104,6 @@ def parse_rates(text: str) -> list[float]:
     if not rates or any(r <= 0 for r in rates):
         raise argparse.ArgumentTypeError(f"rates must be positive numbers or inf, got {text!r}")
     return rates
-
-
-def make_prompts(tokenizer, lengths: list[int], seed: int) -> list[list[int]]:
-    """One prompt of ``lengths[i]`` token ids per request: BOS (where the tokenizer adds one) + a cut of the text."""
-    stream = text_token_ids(tokenizer)
-    bos = tokenizer.bos_token_id
-    adds_bos = bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
-    rng = random.Random(seed)
-    prompts = []
-    for length in lengths:
-        body = length - 1 if adds_bos else length
-        start = rng.randrange(len(stream))
-        prompts.append(([bos] if adds_bos else []) + (stream * (2 + body // len(stream)))[start : start + body])
-    return prompts
 
 
 async def one_request(http, url: str, prompt: list[int], max_tokens: int, model: str) -> Record:
@@ -237,12 +223,12 @@ async def bench(server_url: str, model: str, tokenizer, args, lengths, max_token
 
     limits = httpx.Limits(max_connections=args.requests + 8, max_keepalive_connections=args.requests + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as http:
-        warm = await one_request(http, server_url, make_prompts(tokenizer, [lengths[0]], args.seed - 1)[0], 4, model)
+        warm = await one_request(http, server_url, text_prompts(tokenizer, [lengths[0]], args.seed - 1)[0], 4, model)
         if warm.error:
             raise RuntimeError(f"warm-up request failed: {warm.error}")
         rows, notes = [], []
         for index, rate in enumerate(args.rates):
-            prompts = make_prompts(tokenizer, lengths, args.seed + 1000 * (index + 1))
+            prompts = text_prompts(tokenizer, lengths, args.seed + 1000 * (index + 1))
             records, duration, peak = await run_rate(http, server_url, model, prompts, max_tokens, rate,
                                                      args.seed + index)
             idle = await idle_metrics(http, server_url)
