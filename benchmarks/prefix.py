@@ -127,9 +127,9 @@ def single_ttft(model, tokenizer, system, question_pairs, args, num_blocks: int)
     return rows
 
 
-def burst_table(runs: dict, reference: dict | None) -> str:
+def burst_table(runs: dict, reference: dict | None, base: int) -> str:
+    """One row per run; ``base``: the blocks of the burst without sharing; ``reference``: the run without caching."""
     rows = []
-    base = next(iter(runs.values()))["peak"]
     for label, r in runs.items():
         same = "" if reference is None else f"{sum(a == b for a, b in zip(reference['tokens'], r['tokens']))}/{len(r['tokens'])}"
         rows.append([label, f"{r['peak']} ({r['peak_running']})", f"{1 - r['peak'] / base:.1%}",
@@ -160,9 +160,11 @@ def main(argv=None) -> int:
                         help="chunked: the burst under --max-num-batched-tokens; all: a budget that admits every "
                              "request in the first step (all resident); both (default). Each runs the full "
                              "no-cache prefill once")
-    parser.add_argument("--cold-burst", action=argparse.BooleanOptionalAction, default=True,
-                        help="with --admission all/both: also run the all-at-once burst with the cache on but cold "
-                             "(default: on; it costs a full prefill)")
+    parser.add_argument("--bursts", default="off,cold,warm",
+                        help="with --admission all/both, the all-at-once bursts to run (comma-separated): off = no "
+                             "prefix caching (a full prefill per request), cold = caching on, nothing cached yet "
+                             "(the burst shares what its first request computes), warm = the prefix cached by one "
+                             "earlier request. Default: all three")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -205,11 +207,12 @@ def main(argv=None) -> int:
             chunked[label] = run_burst(model, tokenizer, system, burst, args, caching, num_blocks)
             print(f"chunked burst, prefix caching {label}: {chunked[label]['wall']:.1f} s", flush=True)
     if args.admission in ("all", "both"):
-        plan = [("off", False, None)]
-        if args.cold_burst:
-            plan.append(("on, cold burst", True, None))
-        plan.append(("on, prefix warmed by 1 request", True, singles[-1]))
-        for label, caching, warm_q in plan:
+        kinds = {"off": ("off", False, None), "cold": ("on, cold burst", True, None),
+                 "warm": ("on, prefix warmed by 1 request", True, singles[-1])}
+        wanted = [k.strip() for k in args.bursts.split(",") if k.strip()]
+        if not wanted or any(k not in kinds for k in wanted):
+            parser.error(f"--bursts takes a comma-separated subset of {sorted(kinds)}, got {args.bursts!r}")
+        for label, caching, warm_q in (kinds[k] for k in wanted):
             resident[label] = run_burst(model, tokenizer, system, burst, args, caching, num_blocks, all_budget, warm_q)
             print(f"all-at-once burst, prefix caching {label}: {resident[label]['wall']:.1f} s", flush=True)
     singles_rows = single_ttft(model, tokenizer, system, pairs, args, num_blocks)
@@ -220,7 +223,7 @@ def main(argv=None) -> int:
     if chunked:
         print(f"\nBurst of {len(burst)} requests, max_num_batched_tokens {args.max_num_batched_tokens} "
               f"(requests admitted as the token budget allows):\n")
-        print(burst_table(chunked, chunked["off"]))
+        print(burst_table(chunked, chunked["off"], chunked["off"]["peak"]))
         off, on = chunked["off"], chunked["on"]
         print(f"\n- peak blocks {off['peak']} -> {on['peak']} ({1 - on['peak'] / off['peak']:.1%} fewer), with "
               f"{off['peak_running']} and {on['peak_running']} requests resident at the peak (the token budget, not "
@@ -233,16 +236,18 @@ def main(argv=None) -> int:
     if resident:
         print(f"\nBurst of {len(burst)} requests, max_num_batched_tokens {all_budget} (every request admitted and "
               f"prefilled in the first step: all resident at once):\n")
-        print(burst_table(resident, resident["off"]))
-        base, warmed = resident["off"]["peak"], resident["on, prefix warmed by 1 request"]["peak"]
-        fewer = 1 - warmed / base
-        ceiling = 1 - (shared_blocks + len(burst) * (per_request - shared_blocks)) / (len(burst) * per_request)
-        print(f"\n- footprint of all {len(burst)} requests: {base} -> {warmed} blocks with the prefix cached: "
-              f"{fewer:.1%} fewer (goal >= {GOAL_BLOCKS:.0%}: {'met' if fewer >= GOAL_BLOCKS else 'MISSED'}); "
-              f"the most this shape allows, 1 - (shared + N x unique) / (N x per request), is {ceiling:.1%}")
-        if "on, cold burst" in resident:
-            print("- a cold burst admitted all at once shares nothing: every request is admitted before any block of "
-                  "the shared prefix has been computed and registered")
+        unshared = len(burst) * per_request  # every request's blocks, nothing shared: what "off" holds
+        base = resident["off"]["peak"] if "off" in resident else unshared
+        print(burst_table(resident, resident.get("off"), base))
+        ceiling = 1 - (shared_blocks + len(burst) * (per_request - shared_blocks)) / unshared
+        print(f"\n- without sharing the {len(burst)} requests hold {unshared} blocks"
+              f"{'' if 'off' in resident else ' (computed: no off run)'}; the most sharing this shape allows, "
+              f"1 - (shared + N x unique) / (N x per request), is {ceiling:.1%} fewer")
+        for label in ("on, prefix warmed by 1 request", "on, cold burst"):
+            if label in resident:
+                fewer = 1 - resident[label]["peak"] / base
+                print(f"- {label}: {base} -> {resident[label]['peak']} blocks, {fewer:.1%} fewer (goal >= "
+                      f"{GOAL_BLOCKS:.0%}: {'met' if fewer >= GOAL_BLOCKS else 'MISSED'})")
     print(f"\n- single request: cold TTFT {cold:.3f} s, warm (prefix hit) {warm:.3f} s (medians of {len(pairs)}): "
           f"{cold / warm:.1f}x faster (goal >= {GOAL_TTFT:.0f}x: {'met' if cold / warm >= GOAL_TTFT else 'MISSED'}); "
           f"per repeat (cold s, warm s, warm tokens from the cache): "
