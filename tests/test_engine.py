@@ -247,23 +247,37 @@ def test_randomized_soak_keeps_invariants(data):
                          preemption_mode=data.draw(st.sampled_from(["recompute", "swap", "auto"])),
                          swap_space=data.draw(st.sampled_from([0.0, 0.001])), max_model_len=40)
     pending = data.draw(st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12), st.integers(0, 6),
-                                           st.booleans()), min_size=1, max_size=8))
-    added, aborted = {}, set()
+                                           st.booleans(), st.integers(0, 2)), min_size=1, max_size=8))
+    shared = [list(range(3, 3 + 4 * k)) for k in (0, 2, 4)]  # prefixes of 0, 2 and 4 blocks: hits, same-step too
+    added, prompts, finished = {}, {}, {}
     step = 0
     while pending or engine.has_unfinished_requests():
         for item in [p for p in pending if p[2] <= step]:
             pending.remove(item)
-            length, max_tokens, _, abort = item
-            ids = torch.randint(3, 500, (length,)).tolist()
-            rid = engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-            added[rid] = abort
+            length, max_tokens, _, abort, prefix = item
+            ids = (shared[prefix] + torch.randint(3, 500, (length,)).tolist())[:28]  # + 12 <= max_model_len
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            if -(-(len(ids) + max_tokens - 1) // 4) > engine.get_stats()["kv_cache_total"]:
+                with pytest.raises(ValueError, match="could never finish"):  # rejected up front, not livelocked
+                    engine.add_request(ids, params)
+                continue
+            rid = engine.add_request(ids, params)
+            added[rid], prompts[rid] = abort, (ids, max_tokens)
         for out in engine.step():
             assert out.error is None
+            if out.finished and out.outputs[0].finish_reason == "length":
+                finished[out.request_id] = out.outputs[0].token_ids
         for rid, abort in added.items():
             if abort and rid in engine.requests and step % 3 == 2:
                 engine.abort(rid)
-                aborted.add(rid)
         engine.check_invariants()
         step += 1
         assert step < 2000, "the engine stopped making progress"
+    # every completed request has the tokens it gets alone, without sharing or preemption
+    alone = PagedEngine(model, None, block_size=4, num_blocks=64, enable_prefix_caching=False)
+    for rid, tokens in finished.items():
+        ids, max_tokens = prompts[rid]
+        ref = alone.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                             use_tqdm=False)[0]
+        assert tokens == ref.outputs[0].token_ids, f"request {rid} differs from its run alone"
     assert_all_freed(engine)

@@ -104,9 +104,15 @@ class PagedEngine:
             raise ValueError("prompt is empty")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate")
-        need = math.ceil((len(ids) + 1) / self.config.block_size)
+        # the longest the sequence can get; its last token is sampled, never stored
+        stored = max(len(ids), min(len(ids) + params.max_tokens, self.max_model_len) - 1)
+        need = self.kv.blocks_to_hold(stored)
         if need > self.kv.num_total_blocks:
-            raise ValueError(f"prompt needs {need} blocks but the pool has {self.kv.num_total_blocks} (num_blocks)")
+            raise ValueError(
+                f"the request needs up to {need} blocks ({len(ids)} prompt tokens + max_tokens={params.max_tokens}) "
+                f"but the pool has {self.kv.num_total_blocks} (num_blocks): it could never finish; lower max_tokens "
+                f"or raise num_blocks"
+            )
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")

@@ -43,6 +43,13 @@ class KVCacheManager:
     def num_total_blocks(self) -> int:
         return self.groups[0].pool.num_blocks
 
+    def blocks_to_hold(self, num_tokens: int) -> int:
+        """Blocks the worst group needs to hold one sequence of ``num_tokens`` tokens (a window group holds only
+        its window)."""
+        full = num_blocks_for(num_tokens, self.block_size)
+        return max(full if g.window is None else min(full, num_blocks_for(g.window, self.block_size) + 1)
+                   for g in self.groups)
+
     def blocks_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks the worst group needs to give ``seq`` room for ``num_new_tokens`` more tokens."""
         return max(self._window_adjusted(g, t, seq).num_new_blocks_needed(num_new_tokens)
