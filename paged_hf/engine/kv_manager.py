@@ -27,12 +27,20 @@ class KVCacheManager:
         self.prefix_caching = enable_prefix_caching and all(g.window is None for g in self.groups)
         per_block = sum(cache.block_bytes(idx) for g in self.groups for idx in g.layer_indices)
         self.num_cpu_blocks = int(swap_space_bytes // per_block) if per_block else 0
-        self.cpu_pools = [BlockPool(self.num_cpu_blocks, enable_caching=False) for _ in self.groups] \
-            if self.num_cpu_blocks else []
+        self._cpu_pools: list[BlockPool] | None = None  # built on the first swap (see cpu_pools)
         self._cpu_storages: list[dict] | None = None
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
         self._step_registered: list[KVBlock] = []  # blocks registered for the step being scheduled / run
+
+    @property
+    def cpu_pools(self) -> list[BlockPool]:
+        """One pool of swap blocks per group, built on first use: a tiny model's 4 GiB swap space is ~200k blocks,
+        about a second of Python objects that an engine which never swaps should not pay for."""
+        if self._cpu_pools is None:
+            self._cpu_pools = [BlockPool(self.num_cpu_blocks, enable_caching=False) for _ in self.groups] \
+                if self.num_cpu_blocks else []
+        return self._cpu_pools
 
     # ------------------------------------------------------------------------------- capacity
     @property
@@ -148,13 +156,14 @@ class KVCacheManager:
         for table in seq.tables:
             table.free()
         seq.tables = []
-        for pool, blocks in zip(self.cpu_pools, seq.swapped_blocks):
-            pool.free_blocks(reversed(blocks[2]))
+        if seq.swapped_blocks:
+            for pool, blocks in zip(self.cpu_pools, seq.swapped_blocks):
+                pool.free_blocks(reversed(blocks[2]))
         seq.swapped_blocks = []
 
     # ----------------------------------------------------------------------------------- swap
     def can_swap_out(self, seq: Sequence) -> bool:
-        if not self.cpu_pools:
+        if not self.num_cpu_blocks:
             return False
         return all(sum(b is not None for b in t.blocks) <= p.num_free_blocks for t, p in zip(seq.tables, self.cpu_pools))
 
@@ -217,5 +226,5 @@ class KVCacheManager:
                 assert block.ref_cnt == refs.get(block.block_id, 0), (
                     f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {refs.get(block.block_id, 0)} tables"
                 )
-        for pool in self.cpu_pools:
+        for pool in self._cpu_pools or []:
             pool.check_invariants()
