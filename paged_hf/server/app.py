@@ -111,7 +111,7 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256) ->
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "paged_hf"}]}
 
-    async def run(raw: Request, prompts: list, params, chat: bool, stream: bool, body_options=None):
+    async def run(raw: Request, body, prompts: list, params, chat: bool):
         ids, queues = [], []
         try:
             for prompt in prompts:
@@ -130,10 +130,11 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256) ->
             return _bad_request(error)
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        if stream:
-            usage = body_options is not None and body_options.include_usage
-            return StreamingResponse(_sse(loop, ids, queues, response_id, created, model_name, params.n, chat, usage),
-                                     media_type="text/event-stream")
+        if body.stream:
+            return StreamingResponse(
+                _sse(loop, ids, queues, response_id, created, model_name, params.n, chat, body.include_usage),
+                media_type="text/event-stream",
+            )
         finals = await _collect(raw, loop, ids, queues)
         if finals is None:
             return Response(status_code=499)
@@ -147,7 +148,7 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256) ->
             params = body.sampling_params(DEFAULT_MAX_TOKENS, body.logprobs)
         except ValueError as error:
             return _bad_request(error)
-        return await run(raw, body.prompts(), params, chat=False, stream=body.stream, body_options=body.stream_options)
+        return await run(raw, body, body.prompts(), params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
@@ -155,7 +156,7 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256) ->
             params = body.sampling_params(DEFAULT_MAX_TOKENS)
         except ValueError as error:
             return _bad_request(error)
-        return await run(raw, [body.chat()], params, chat=True, stream=body.stream, body_options=body.stream_options)
+        return await run(raw, body, [body.chat()], params, chat=True)
 
     return app
 

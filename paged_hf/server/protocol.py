@@ -41,6 +41,11 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
 
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk (``stream_options.include_usage``)."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
     def sampling_params(self, default_max_tokens: int, logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
