@@ -72,7 +72,7 @@ def _attend(query, plan, group_plan, options) -> torch.Tensor:
     if len(decode_seqs) < 2:
         return prefill_attention(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=plan.cu_query_lens,
                                  **options)
-    # mixed step (engine): batch the decodes, run the prefill chunks sequence by sequence
+    # mixed step (engine): the decodes through the batched decode path, the prefill chunks through the varlen one
     out = torch.empty_like(query)
     starts = plan.cu_query_lens
     decode_rows = starts[decode_seqs]
