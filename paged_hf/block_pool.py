@@ -102,30 +102,54 @@ class NoFreeBlocksError(RuntimeError):
 class BlockPool:
     """Owns the blocks, the free queue and the hash -> block map. No requests, no tensors.
 
-    ``blocks[i].block_id == i``. With ``enable_caching=False`` no block is ever hashed.
+    Blocks are made lazily: ids ``>= next_fresh`` have never been handed out, so they are free, unhashed and need
+    no Python object (a pool of 10 million blocks costs nothing to construct). ``get_new_blocks`` hands out fresh
+    ids first, in id order, then recycled blocks from the head of the free queue (LRU: a cached block survives as
+    long as possible). With ``enable_caching=False`` no block is ever hashed.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         self.enable_caching = enable_caching
-        self.blocks: list[KVBlock] = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)  # read-only for callers: the pool keeps it consistent
+        self._num_blocks = num_blocks
+        self._next_fresh = 0  # ids >= this were never handed out
+        self._made: list[KVBlock] = []  # the objects of ids < len(_made); made on first use
+        self._recycled = FreeBlockQueue([])  # blocks freed since they were handed out, eviction order
         self._cached: dict[int, KVBlock] = {}
         self._num_cached = 0  # hashed blocks with ref_cnt 0
 
+    def block(self, block_id: int) -> KVBlock:
+        """The object of ``block_id`` (made on first access)."""
+        if not 0 <= block_id < self._num_blocks:
+            raise IndexError(f"block_id {block_id} is outside the pool of {self._num_blocks} blocks")
+        made = self._made
+        if block_id >= len(made):
+            made.extend(KVBlock(i) for i in range(len(made), block_id + 1))
+        return made[block_id]
+
+    @property
+    def blocks(self) -> "_BlockList":
+        """Every block, by id (``blocks[i].block_id == i``); iterating makes every object (tests, audits)."""
+        return _BlockList(self)
+
+    @property
+    def free_queue(self) -> "_FreeQueueView":
+        """The free blocks in allocation order: fresh ids, then the recycled queue (read-only)."""
+        return _FreeQueueView(self)
+
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return self._num_blocks
 
     @property
     def num_free_blocks(self) -> int:
         """Allocatable blocks: free + cached."""
-        return len(self.free_queue)
+        return self._num_blocks - self._next_fresh + len(self._recycled)
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self.blocks) - len(self.free_queue)
+        return self._next_fresh - len(self._recycled)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -133,18 +157,24 @@ class BlockPool:
         return self._num_cached
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
-        """Pops ``num_blocks`` from the free queue head, each returned with ref_cnt 1 and no hash.
-
-        A popped cached block is evicted (its hash leaves the map). Raises NoFreeBlocksError,
-        changing nothing, if fewer than ``num_blocks`` are free.
-        """
+        """Hands out ``num_blocks`` blocks, each with ref_cnt 1 and no hash: fresh ids first, then the free queue's
+        head (a popped cached block is evicted: its hash leaves the map). Raises NoFreeBlocksError, changing
+        nothing, if fewer than ``num_blocks`` are free."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        if num_blocks > len(self.free_queue):
-            raise NoFreeBlocksError(num_blocks, len(self.free_queue))
+        if num_blocks > self.num_free_blocks:
+            raise NoFreeBlocksError(num_blocks, self.num_free_blocks)
+        fresh = min(num_blocks, self._num_blocks - self._next_fresh)
         out = []
-        for _ in range(num_blocks):
-            block = self.free_queue.popleft()
+        if fresh:
+            first = self._next_fresh
+            self.block(first + fresh - 1)  # makes the objects
+            out = self._made[first : first + fresh]
+            for block in out:
+                block.ref_cnt = 1
+            self._next_fresh += fresh
+        for _ in range(num_blocks - fresh):
+            block = self._recycled.popleft()
             assert block.ref_cnt == 0, f"{block} was queued with ref_cnt != 0"
             if block.block_hash is not None:
                 self._drop_hash(block)
@@ -162,7 +192,7 @@ class BlockPool:
             assert block.ref_cnt > 0, f"freeing {block} with ref_cnt 0"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                self._recycled.append(block)
                 if block.block_hash is not None:
                     self._num_cached += 1
 
@@ -170,7 +200,8 @@ class BlockPool:
         """Adds one reference to each block; a block at ref_cnt 0 (a prefix hit) leaves the queue first."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                assert block.block_id < self._next_fresh, f"{block} was never handed out"
+                self._recycled.remove(block)
                 if block.block_hash is not None:
                     self._num_cached -= 1
             block.ref_cnt += 1
@@ -219,14 +250,10 @@ class BlockPool:
         return len(evicted)
 
     def grow(self, num_new_blocks: int) -> None:
-        """Adds ``num_new_blocks`` free blocks with the next ids, appended at the queue tail."""
+        """Adds ``num_new_blocks`` fresh blocks with the next ids (handed out before any recycled block)."""
         if num_new_blocks < 0:
             raise ValueError(f"num_new_blocks must be >= 0, got {num_new_blocks}")
-        start = len(self.blocks)
-        for block_id in range(start, start + num_new_blocks):
-            block = KVBlock(block_id)
-            self.blocks.append(block)
-            self.free_queue.append(block)
+        self._num_blocks += num_new_blocks
 
     def _drop_hash(self, block: KVBlock) -> None:
         assert block.block_hash is not None and self._cached.get(block.block_hash) is block
@@ -235,33 +262,79 @@ class BlockPool:
         block.token_ids = None
 
     def check_invariants(self) -> None:
-        """Raises AssertionError (even under ``python -O``) if the pool's bookkeeping is inconsistent."""
-        queued = self.free_queue.blocks()
-        _check(len(queued) == len(self.free_queue), f"free queue links hold {len(queued)} blocks, length says "
-               f"{len(self.free_queue)}")
+        """Raises AssertionError (even under ``python -O``) if the pool's bookkeeping is inconsistent.
+
+        Costs O(blocks made so far), never O(num_blocks): fresh ids without an object are free by construction.
+        """
+        queued = self._recycled.blocks()
+        _check(len(queued) == len(self._recycled), f"free queue links hold {len(queued)} blocks, length says "
+               f"{len(self._recycled)}")
         queued_ids = {b.block_id for b in queued}
         _check(len(queued_ids) == len(queued), "a block appears twice in the free queue")
-        num_cached = 0
-        for i, block in enumerate(self.blocks):
+        _check(0 <= self._next_fresh <= self._num_blocks, f"next fresh id {self._next_fresh} is outside the pool")
+        num_cached = num_used = 0
+        for i, block in enumerate(self._made):
             _check(block.block_id == i, f"blocks[{i}] has block_id {block.block_id}")
+            if i >= self._next_fresh:
+                _check(block.ref_cnt == 0 and block.block_hash is None and block not in self._recycled,
+                       f"{block} was never handed out but is not plain free")
+                continue
             in_queue = block.block_id in queued_ids
-            _check(in_queue == (block in self.free_queue), f"{block} has stale free-queue links")
+            _check(in_queue == (block in self._recycled), f"{block} has stale free-queue links")
             _check(block.ref_cnt >= 0 and in_queue == (block.ref_cnt == 0),
                    f"{block}: in free queue = {in_queue} but ref_cnt = {block.ref_cnt}")
             _check((block.block_hash is None) == (block.token_ids is None),
                    f"{block}: block_hash and token_ids must be set together")
+            num_used += block.ref_cnt > 0
             if block.block_hash is not None:
                 _check(self.enable_caching, f"{block} is hashed but caching is disabled")
                 _check(self._cached.get(block.block_hash) is block, f"{block} is hashed but not in the hash map")
                 num_cached += block.ref_cnt == 0
+        _check(len(self._made) >= self._next_fresh, "a handed-out block has no object")
         for block_hash, block in self._cached.items():
             _check(block.block_hash == block_hash, f"hash map entry {block_hash} points to {block}")
-            _check(0 <= block.block_id < len(self.blocks) and self.blocks[block.block_id] is block,
+            _check(0 <= block.block_id < len(self._made) and self._made[block.block_id] is block,
                    f"hash map entry {block_hash} points to a block outside the pool")
-        # Every block is counted once: used (ref >= 1) + free/cached (queued) == num_blocks.
-        _check(self.num_used_blocks == sum(b.ref_cnt > 0 for b in self.blocks), "used-block count is wrong")
+        # Every block is counted once: used (ref >= 1) + free/cached (queued or fresh) == num_blocks.
+        _check(self.num_used_blocks == num_used, "used-block count is wrong")
         _check(num_cached == self._num_cached,
                f"cached-block counter is {self._num_cached} but {num_cached} blocks are cached")
+
+
+class _BlockList(Sequence):
+    """``pool.blocks``: a read-only list of every block by id, made on access."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.num_blocks
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._pool.block(i) for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        return self._pool.block(index)
+
+
+class _FreeQueueView:
+    """``pool.free_queue``: the free blocks in the order ``get_new_blocks`` hands them out."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.num_free_blocks
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return block.block_id >= self._pool._next_fresh or block in self._pool._recycled
+
+    def blocks(self) -> list[KVBlock]:
+        """The free blocks, first handed out first (O(n); for tests and audits)."""
+        pool = self._pool
+        fresh = [pool.block(i) for i in range(pool._next_fresh, pool.num_blocks)]
+        return fresh + pool._recycled.blocks()
 
 
 def _check(cond: bool, msg: str) -> None:

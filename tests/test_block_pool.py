@@ -1,5 +1,7 @@
 """BlockPool, FreeBlockQueue and block hashing."""
 
+import time
+
 import pytest
 
 from paged_hf.block_pool import BlockPool, FreeBlockQueue, KVBlock, NoFreeBlocksError
@@ -106,14 +108,28 @@ def test_num_blocks_must_be_positive():
         BlockPool(-3)
 
 
-def test_grow_appends_free_blocks_at_tail():
+def test_huge_pool_constructs_without_an_object_per_block():
+    start = time.perf_counter()
+    pool = BlockPool(10_000_000)
+    # ~5 s with an object per block; the bound is loose so that a loaded machine cannot fail it
+    assert time.perf_counter() - start < 1.0
+    assert pool.num_free_blocks == 10_000_000
+    got = pool.get_new_blocks(3)
+    assert [b.block_id for b in got] == [0, 1, 2]
+    pool.free_blocks(reversed(got))
+    assert pool.num_free_blocks == 10_000_000 and pool.num_used_blocks == 0
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [3, 4]  # fresh before recycled
+    pool.check_invariants()  # O(blocks made), not O(num_blocks)
+
+
+def test_grow_adds_fresh_blocks_handed_out_before_recycled_ones():
     pool = BlockPool(2)
     a = pool.get_new_blocks(1)
-    pool.free_blocks(a)  # queue: 1, 0
+    pool.free_blocks(a)  # queue: 1 (fresh), 0 (recycled)
     pool.grow(3)
     assert pool.num_blocks == 5
     assert [b.block_id for b in pool.blocks] == [0, 1, 2, 3, 4]
-    assert queue_ids(pool) == [1, 0, 2, 3, 4]
+    assert queue_ids(pool) == [1, 2, 3, 4, 0]  # never-used ids first: a recycled (maybe cached) block lives longest
     pool.grow(0)
     assert pool.num_blocks == 5
     with pytest.raises(ValueError, match="num_new_blocks"):

@@ -1,0 +1,147 @@
+"""Host overhead of one engine step: step wall time minus the model forward's wall time.
+
+A step is schedule -> forward -> sample -> update. Everything but the forward is host work that a GPU waits on.
+This measures it on stories260K (a tiny real model, so the forward is short and the host work shows) with every
+sequence in decode: ``N`` requests of 32-token prompts are admitted and prefilled, then ``--steps`` decode steps
+are timed. The forward is timed with hooks on the model (pre-hook to hook), so it includes the paged attention's
+per-layer work but not the engine's planning before it. "scheduler" is ``engine.scheduler.schedule()`` alone.
+
+``--compare REF`` runs the same measurement on commit ``REF`` of this repository (a temporary git worktree,
+imported in a subprocess) and prints both side by side in one run, interleaved per batch size.
+
+    python benchmarks/overhead.py                         # 1, 64, 256, 1024 running decodes
+    python benchmarks/overhead.py --compare HEAD~5 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure(num_seqs: int, steps: int, warmup: int) -> dict:
+    """Median per-step times (ms) with ``num_seqs`` decoding sequences; imports paged_hf from ``sys.path``."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import load_model  # noqa: PLC0415
+
+    import paged_hf  # noqa: PLC0415
+
+    model, tokenizer = load_model("stories260K", attn_implementation="paged")
+    prompts = [[1] + [(7 * i + j) % 500 + 3 for j in range(31)] for i in range(num_seqs)]
+    engine = paged_hf.PagedEngine(
+        model, tokenizer, max_num_seqs=max(num_seqs, 1), max_num_batched_tokens=max(2048, num_seqs),
+        block_size=16, num_blocks=num_seqs * 8 + 32, enable_prefix_caching=False, max_model_len=512,
+    )
+    params = paged_hf.SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+
+    forward_times: list[float] = []
+    started = [0.0]
+    model.register_forward_pre_hook(lambda *_: started.__setitem__(0, time.perf_counter()))
+    model.register_forward_hook(lambda *_: forward_times.append(time.perf_counter() - started[0]))
+    scheduler = engine.scheduler
+    schedule = scheduler.schedule
+    schedule_times: list[float] = []
+
+    def timed_schedule(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = schedule(*args, **kwargs)
+        schedule_times.append(time.perf_counter() - t0)
+        return out
+
+    scheduler.schedule = timed_schedule
+    with torch.inference_mode():
+        while engine.get_stats()["num_waiting"] or any_prefilling(engine):
+            engine.step()
+        for _ in range(warmup):
+            engine.step()
+        step_times, forward_times[:], schedule_times[:] = [], [], []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            step_times.append(time.perf_counter() - t0)
+    assert len(forward_times) == steps, "every timed step must run exactly one forward"
+    host = [s - f for s, f in zip(step_times, forward_times)]
+    ms = lambda values: round(1e3 * statistics.median(values), 3)  # noqa: E731
+    return {"num_seqs": num_seqs, "step": ms(step_times), "forward": ms(forward_times), "host": ms(host),
+            "scheduler": ms(schedule_times), "running": engine.get_stats()["num_running"]}
+
+
+def any_prefilling(engine) -> bool:
+    """Whether a running sequence still has prompt tokens to compute (read through the public stats where possible)."""
+    scheduler = engine.scheduler
+    return any(seq.num_computed_tokens < len(seq.token_ids) - 1 for seq in scheduler.running)
+
+
+def run_at(source: Path, args, num_seqs: int) -> dict:
+    """``measure`` in a fresh interpreter importing paged_hf from ``source`` (a checkout root)."""
+    env = {**os.environ, "PYTHONPATH": f"{source}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    code = (f"import json, sys; sys.path.insert(0, {str(source)!r}); sys.path.insert(0, {str(ROOT / 'benchmarks')!r});"
+            f"import torch; torch.set_num_threads({args.threads});"
+            f"from overhead import measure; print('RESULT', json.dumps(measure({num_seqs}, {args.steps}, {args.warmup})))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=source)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"measurement at {source} failed:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-seqs", type=int, nargs="+", default=[1, 64, 256, 1024])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compare", metavar="REF", default=None, help="a git commit to measure beside this tree")
+    args = parser.parse_args(argv)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import machine  # noqa: PLC0415
+
+    print(machine())
+    sources = [("this tree", ROOT)]
+    tmp = None
+    if args.compare:
+        tmp = tempfile.mkdtemp(prefix="overhead-")
+        subprocess.run(["git", "worktree", "add", "--detach", tmp, args.compare], cwd=ROOT, check=True,
+                       capture_output=True)
+        sources.insert(0, (f"{args.compare}", Path(tmp)))
+    try:
+        rows = []
+        for n in args.num_seqs:
+            for label, source in sources:
+                result = run_at(source, args, n)
+                rows.append((label, result))
+                print(f"  {label:>10}  n={n:5d}  " + "  ".join(f"{k}={v}" for k, v in result.items()), flush=True)
+    finally:
+        if tmp:
+            subprocess.run(["git", "worktree", "remove", "--force", tmp], cwd=ROOT, capture_output=True)
+
+    print("\nms per step (median); host = step - forward")
+    header = "| running decodes | " + " | ".join(f"{label} host | {label} scheduler | {label} forward"
+                                               for label, _ in sources) + " |"
+    print(header)
+    print("|" + "---|" * (1 + 3 * len(sources)))
+    for n in args.num_seqs:
+        cells = []
+        for label, _ in sources:
+            result = next(r for lab, r in rows if lab == label and r["num_seqs"] == n)
+            cells += [f"{result['host']:.2f}", f"{result['scheduler']:.2f}", f"{result['forward']:.2f}"]
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
