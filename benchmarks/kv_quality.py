@@ -275,7 +275,7 @@ def run_model(name: str, args, texts: dict[str, str]) -> None:
     results = []
     for fmt in args.formats:
         cache = paged_hf.PagedCache(model.config, block_size=16, kv_cache_dtype=fmt)
-        result = FormatResult(fmt, cache.stats()["bytes_per_token_per_layer"])
+        result = FormatResult(fmt, cache.stats().bytes_per_token // model.config.num_hidden_layers)
         for label, wins in text_windows.items():
             result.ppl[label] = chunked_nll(model, wins, fmt, args.chunk)
             print(f"  {fmt:9s} {label}: PPL {result.ppl[label].ppl:.4f} ({result.ppl[label].seconds:.0f} s)", flush=True)

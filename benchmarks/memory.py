@@ -42,7 +42,7 @@ class Trace:
     allocated: list[int] = field(default_factory=list)
     live: list[int] = field(default_factory=list)
     transient: list[int] = field(default_factory=list)  # peak while this forward regrew tensors (approximate)
-    stats: dict | None = None
+    stats: object | None = None  # PagedCacheStats
     seconds: float = 0.0
 
     @property
@@ -74,7 +74,7 @@ def run(model, batch, gen_kwargs, name: str, cache=None, per_token_bytes: int = 
         cache_now = output.cache
         if isinstance(cache_now, paged_hf.PagedCache):
             stats = cache_now.stats()
-            allocated, live = stats["bytes_allocated"], stats["bytes_live"]
+            allocated, live = stats.kv_cache_bytes, stats.kv_cache_bytes_live
             tensors = _paged_tensors(cache_now)
         else:
             tensors = _dense_tensors(cache_now)
@@ -115,7 +115,7 @@ def report(traces: list[Trace], expected_live: int) -> str:
         ["wasted (peak allocated - live)", *(mib(t.peak_allocated - t.peak_live) for t in traces)],
         ["allocated vs DynamicCache", *(f"{t.peak_allocated / traces[0].peak_allocated:.3f}x" for t in traces)],
         ["blocks used / total", *(
-            f"{t.stats['blocks_used']} / {t.stats['blocks_total']}" if t.stats else "-" for t in traces
+            f"{t.stats.kv_cache_used} / {t.stats.kv_cache_total}" if t.stats else "-" for t in traces
         )],
         ["generate wall time", *(f"{t.seconds:.1f} s" for t in traces)],
     ]

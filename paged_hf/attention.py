@@ -1,22 +1,19 @@
 """The ``"paged"`` attention implementation: reads K/V straight from a ``PagedCache``'s blocks.
 
-``PagedCache.update`` puts the step's plan into the layer's ``kwargs`` (the same dict transformers then passes
-to the attention function). Without a plan (no cache, another cache class, or a model that calls ``update``
-without ``kwargs``) the function attends densely over the K/V and mask it was given, so a model loaded with
-``attn_implementation="paged"`` works everywhere.
+``PagedCache.update`` (and the engine's cache) puts the forward's ``AttentionMetadata`` into the layer's ``kwargs``
+(the same dict transformers then passes to the attention function). Without metadata (no cache, another cache
+class, or a model that calls ``update`` without ``kwargs``) the function attends densely over the K/V and mask it
+was given, so a model loaded with ``attn_implementation="paged"`` works everywhere.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from .cache import METADATA_KEY
-from .kernels.dispatch import decode_attention, prefill_attention
+from .metadata import METADATA_KEY
 from .rotation import rotate, unrotate
 
 ATTENTION_NAME = "paged"
@@ -43,52 +40,39 @@ def paged_attention_forward(
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale)
         return dense_attention(query, key, value, attention_mask, scale, softcap, s_aux), None
 
-    plan, group_plan, storage, window = metadata
-    flat = plan.select_new_tokens(query)  # [n, heads, head_dim], packed by sequence
-    out = paged_attention(flat, plan, group_plan, storage, scale, window, softcap, s_aux)
-    return plan.scatter_new_tokens(out), None
+    metadata, group, storage = metadata  # AttentionMetadata, GroupMetadata, KVStorage
+    flat = metadata.select_new_tokens(query)  # [n, heads, head_dim], packed by sequence
+    out = paged_attention(flat, metadata, group, storage, scale, softcap, s_aux)
+    return metadata.scatter_new_tokens(out), None
 
 
-def paged_attention(flat_query, plan, group_plan, storage, scale, window, softcap, sinks) -> torch.Tensor:
-    """Attention of a plan's packed new tokens ``[n, heads, head_dim]`` over their sequences' blocks.
+def paged_attention(flat_query, metadata, group, storage, scale, softcap, sinks) -> torch.Tensor:
+    """Attention of a forward's packed new tokens ``[n, heads, head_dim]`` over their sequences' blocks.
 
-    One-token sequences go through the batched decode path; longer ones through the varlen prefill path.
-    Triton kernels on CUDA, the torch references elsewhere (``PAGED_HF_KERNELS=torch|triton`` forces either).
-    A storage whose vectors are stored rotated (quantized formats) gets the query rotated the same way (scores
-    are unchanged) and the output rotated back, in float32.
+    The first ``num_decodes`` sequences (one token each) go through the batched decode kernel, the rest through
+    the varlen prefill kernel: two slices of the packed batch, no per-layer index building. The storage's kernel
+    set (Triton on CUDA, the torch references elsewhere) was chosen when its pool was made. A storage whose vectors
+    are stored rotated (quantized formats) gets the query rotated the same way (scores are unchanged) and the output
+    rotated back, in float32.
     """
     rotation = storage.rotation
     query = flat_query if rotation is None else rotate(flat_query, rotation)
-    options = dict(scale=scale, sliding_window=window, softcap=softcap, sinks=sinks, **storage.attention_operands())
-    out = _attend(query, plan, group_plan, options)
+    kernels = storage.kernels
+    options = dict(scale=scale, sliding_window=group.window, softcap=softcap, sinks=sinks,
+                   **storage.attention_operands())
+    tables, seq_lens = group.block_tables, metadata.seq_lens
+    if metadata.decode_only:
+        out = kernels.decode_attention(query, block_tables=tables, seq_lens=seq_lens, **options)
+    elif metadata.num_decodes == 0:
+        out = kernels.prefill_attention(query, block_tables=tables, seq_lens=seq_lens,
+                                        cu_query_lens=metadata.query_start_loc, **options)
+    else:  # mixed engine step: decodes first, then prefill chunks
+        d = metadata.num_decodes
+        out = torch.empty_like(query)
+        out[:d] = kernels.decode_attention(query[:d], block_tables=tables[:d], seq_lens=seq_lens[:d], **options)
+        out[d:] = kernels.prefill_attention(query[d:], block_tables=tables[d:], seq_lens=seq_lens[d:],
+                                            cu_query_lens=metadata.prefill_query_start_loc, **options)
     return out if rotation is None else unrotate(out, rotation).to(flat_query.dtype)
-
-
-def _attend(query, plan, group_plan, options) -> torch.Tensor:
-    tables, seq_lens = group_plan.readable_block_tables, plan.seq_lens
-    if plan.decode_only:
-        return decode_attention(query, block_tables=tables, seq_lens=seq_lens, **options)
-    decode_seqs = [s for s, n in enumerate(plan.new_counts) if n == 1]
-    if len(decode_seqs) < 2:
-        return prefill_attention(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=plan.cu_query_lens,
-                                 **options)
-    # mixed step (engine): the decodes through the batched decode path, the prefill chunks through the varlen one
-    out = torch.empty_like(query)
-    starts = plan.cu_query_lens
-    decode_rows = starts[decode_seqs]
-    decode_index = torch.tensor(decode_seqs, device=query.device)
-    out[decode_rows] = decode_attention(
-        query[decode_rows], block_tables=tables[decode_index], seq_lens=seq_lens[decode_index], **options
-    )
-    prefill_seqs = [s for s, n in enumerate(plan.new_counts) if n > 1]
-    prefill_index = torch.tensor(prefill_seqs, dtype=torch.long, device=query.device)
-    lengths = [plan.new_counts[s] for s in prefill_seqs]
-    rows = torch.cat([torch.arange(int(starts[s]), int(starts[s]) + n) for s, n in zip(prefill_seqs, lengths)])
-    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.long)
-    out[rows] = prefill_attention(
-        query[rows], block_tables=tables[prefill_index], seq_lens=seq_lens[prefill_index], cu_query_lens=cu, **options
-    )
-    return out
 
 
 def dense_attention(query, key, value, attention_mask, scale, softcap=None, sinks=None) -> torch.Tensor:

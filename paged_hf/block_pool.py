@@ -109,8 +109,8 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         self.enable_caching = enable_caching
         self._num_blocks = num_blocks
         self._next_fresh = 0  # ids >= this were never handed out
@@ -155,6 +155,11 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         """Hashed blocks with ref_cnt 0 (in the free queue, reusable on a prefix hit)."""
         return self._num_cached
+
+    @property
+    def high_water(self) -> int:
+        """Ids below this have been handed out at least once (storage behind the pool must cover them)."""
+        return self._next_fresh
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
         """Hands out ``num_blocks`` blocks, each with ref_cnt 1 and no hash: fresh ids first, then the free queue's

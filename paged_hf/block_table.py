@@ -8,7 +8,7 @@ Invariants:
   of ``blocks``; every other entry holds one reference to its block.
 * Append-only, except ``truncate`` (rollback) and ``free_blocks_before`` (sliding windows).
 * Only a tail block that this table owns alone and that is not in the prefix cache is
-  written in place; otherwise ``append_slots`` copies it first (copy-on-write).
+  written in place; otherwise ``append`` copies it first (copy-on-write).
 
 Prefix-cache hashing of full blocks is not done here (the engine does it).
 """
@@ -40,6 +40,11 @@ class BlockTable:
         self._num_freed = 0  # length of the None prefix of blocks
 
     @property
+    def num_freed(self) -> int:
+        """Leading entries freed by ``free_blocks_before`` (``None`` in ``blocks``)."""
+        return self._num_freed
+
+    @property
     def block_ids(self) -> list[int]:
         """Physical block ids, ``-1`` for blocks freed by ``free_blocks_before``."""
         return [-1 if b is None else b.block_id for b in self.blocks]
@@ -54,7 +59,7 @@ class BlockTable:
         return tail.ref_cnt > 1 or tail.block_hash is not None
 
     def num_new_blocks_needed(self, num_new_tokens: int) -> int:
-        """Blocks ``append_slots(num_new_tokens)`` would take from the pool, copy-on-write included."""
+        """Blocks ``append(num_new_tokens)`` would take from the pool, copy-on-write included."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if num_new_tokens == 0:
@@ -62,17 +67,17 @@ class BlockTable:
         grow = num_blocks_for(self.num_tokens + num_new_tokens, self.block_size) - len(self.blocks)
         return grow + int(self._tail_needs_copy())
 
-    def append_slots(self, num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
-        """Reserves positions ``num_tokens .. num_tokens + num_new_tokens - 1``.
+    def append(self, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Reserves positions ``num_tokens .. num_tokens + num_new_tokens - 1`` (position ``p`` lives in
+        ``blocks[p // block_size]`` at offset ``p % block_size``).
 
-        Returns ``(slots, copies)``: ``slots[i] = block_id * block_size + offset`` of each new
-        position in order; ``copies = [(src_block_id, dst_block_id)]`` lists copy-on-write
-        replacements of the tail block, whose storage the caller must copy before writing.
-        All blocks are allocated up front: on NoFreeBlocksError nothing changed.
+        Returns ``copies = [(src_block_id, dst_block_id)]``: copy-on-write replacements of the tail block, whose
+        storage the caller must copy before writing. All blocks are allocated up front: on NoFreeBlocksError
+        nothing changed.
         """
         num_needed = self.num_new_blocks_needed(num_new_tokens)
         if num_new_tokens == 0:
-            return [], []
+            return []
         new_blocks = self.pool.get_new_blocks(num_needed)  # may raise; nothing changed yet
         copies: list[tuple[int, int]] = []
         if self._tail_needs_copy():
@@ -82,20 +87,9 @@ class BlockTable:
             self.pool.free_blocks([src])
             copies.append((src.block_id, dst.block_id))
         self.blocks.extend(new_blocks)
-
-        bs = self.block_size
-        slots: list[int] = []
-        pos, end = self.num_tokens, self.num_tokens + num_new_tokens
-        while pos < end:
-            block = self.blocks[pos // bs]
-            assert block is not None
-            run_end = min(end, (pos // bs + 1) * bs)
-            base = block.block_id * bs - (pos // bs) * bs
-            slots.extend(range(base + pos, base + run_end))
-            pos = run_end
-        self.num_tokens = end
-        assert len(self.blocks) == num_blocks_for(self.num_tokens, bs)
-        return slots, copies
+        self.num_tokens += num_new_tokens
+        assert len(self.blocks) == num_blocks_for(self.num_tokens, self.block_size)
+        return copies
 
     def append_cached_blocks(self, blocks: list[KVBlock]) -> None:
         """Appends full blocks found in the prefix cache (one more reference each) to a block-aligned table."""
@@ -163,12 +157,3 @@ class BlockTable:
         self.num_tokens = 0
         self._num_freed = 0
         self.pool.free_blocks(reversed(held))
-
-    def slot(self, position: int) -> int:
-        """Slot index (``block_id * block_size + offset``) of a held position."""
-        if not 0 <= position < self.num_tokens:
-            raise ValueError(f"position must be in [0, {self.num_tokens}), got {position}")
-        block = self.blocks[position // self.block_size]
-        if block is None:
-            raise ValueError(f"position {position} was freed by free_blocks_before")
-        return block.block_id * self.block_size + position % self.block_size

@@ -139,7 +139,12 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request (vLLM's names). ``temperature == 0`` is greedy."""
+    """How to sample one request (vLLM's names). ``temperature == 0`` is greedy.
+
+    ``logprobs=k``: each generated token's logprob (and its rank) plus the ``k`` most likely tokens';
+    ``prompt_logprobs=k``: the same for every prompt token after the first. Logprobs are those of the model's raw
+    distribution (before penalties, temperature and filtering), as a plain forward over prompt + output gives them.
+    """
 
     n: int = 1
     max_tokens: int = 16
@@ -155,6 +160,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     logits_processors: tuple | list | None = None
 
@@ -172,6 +178,7 @@ class SamplingParams:
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_int("seed", self.seed, 0, allow_none=True)
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")

@@ -114,9 +114,9 @@ def run_demo(model_dir: str | None = None, max_new_tokens: int = 64, kv_cache_dt
           f"{len(dense_cache.layers)} layers, {model.dtype}")
     rows = [
         ("DynamicCache (transformers default)", dense_bytes),
-        (f"PagedCache, pool ({stats['blocks_used']}/{stats['blocks_total']} blocks of {stats['block_size']} used)",
-         stats["bytes_allocated"]),
-        ("PagedCache, bytes holding tokens", stats["bytes_live"]),
+        (f"PagedCache, pool ({stats.kv_cache_used}/{stats.kv_cache_total} blocks of {stats.block_size} used)",
+         stats.kv_cache_bytes),
+        ("PagedCache, bytes holding tokens", stats.kv_cache_bytes_live),
     ]
     width = max(len(label) for label, _ in rows)
     print(f"  {'cache':<{width}}  {'KV memory':>10}  {'vs DynamicCache':>15}")

@@ -94,6 +94,7 @@ class QuantizedKVStorage(KVStorage):
         self.key_zero = torch.zeros(data_shape[:3], dtype=_SCALE_DTYPE, device=device) if has_zero else None
         self.value_zero = torch.zeros(data_shape[:3], dtype=_SCALE_DTYPE, device=device) if has_zero else None
         self.rotation = kv_rotation(head_dim, device)
+        self.kernels = dispatch.select(self.key_cache.device)
 
     def _pools(self) -> list[str]:
         """Names of the pool tensors this format holds (data, scales, zeros)."""
@@ -135,7 +136,7 @@ class QuantizedKVStorage(KVStorage):
 
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Rotates and quantizes ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into ``slots`` ``[n]`` (int64)."""
-        dispatch.store(rotate(key, self.rotation), rotate(value, self.rotation), slots, **self.attention_operands())
+        self.kernels.store(rotate(key, self.rotation), rotate(value, self.rotation), slots, **self.attention_operands())
 
     def _dequantize(self, which: str, index) -> torch.Tensor:
         data, scale, zero = (None if pool is None else pool[index] for pool in self._side(which))
@@ -151,13 +152,6 @@ class QuantizedKVStorage(KVStorage):
         block_ids, offsets = slots // self.block_size, slots % self.block_size
         index = (block_ids, offsets)
         return self._dequantize("key", index), self._dequantize("value", index)
-
-    def grow(self, num_new_blocks: int) -> None:
-        """Appends ``num_new_blocks`` zeroed blocks (ids ``num_blocks ..``), keeping the existing content."""
-        for name in self._pools():
-            pool = getattr(self, name)
-            extra = torch.zeros((num_new_blocks, *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
-            setattr(self, name, torch.cat([pool, extra]))
 
 
 def make_storage(

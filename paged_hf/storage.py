@@ -27,6 +27,7 @@ class KVStorage:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.key_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.value_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kernels = dispatch.select(self.key_cache.device)
 
     @property
     def num_blocks(self) -> int:
@@ -68,7 +69,7 @@ class KVStorage:
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Stores ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into ``slots`` ``[n]`` (int64), quantizing for
         quantized formats (the ``store_kv`` kernel on CUDA, its torch reference elsewhere)."""
-        dispatch.store(key, value, slots, **self.attention_operands())
+        self.kernels.store(key, value, slots, **self.attention_operands())
 
     def read_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``block_ids`` (any shape ``S``) as ``[*S, block_size, num_kv_heads, head_dim]``."""
@@ -83,15 +84,28 @@ class KVStorage:
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies whole blocks ``src[i] -> dst[i]`` of every pool tensor (copy-on-write); the destinations are
         distinct and none is a source."""
-        dispatch.copy(src, dst, list(self.tensors().values()))
+        self.kernels.copy(src, dst, list(self.tensors().values()))
 
     def grow(self, num_new_blocks: int) -> None:
-        """Appends ``num_new_blocks`` zeroed blocks (ids ``num_blocks ..``), keeping the existing content."""
-        extra = torch.zeros(
-            (num_new_blocks, *self.key_cache.shape[1:]), dtype=self.key_cache.dtype, device=self.key_cache.device
-        )
-        self.key_cache = torch.cat([self.key_cache, extra])
-        self.value_cache = torch.cat([self.value_cache, extra])
+        """Appends ``num_new_blocks`` zeroed blocks (ids ``num_blocks ..``), keeping the existing content.
+
+        One pool tensor at a time: the old and the grown copy of a single tensor are alive together, never two
+        whole pools; on CUDA the old one's memory goes back to the device before the next tensor grows.
+        """
+        for name in list(self.tensors()):
+            pool = getattr(self, name)
+            grown = torch.zeros((pool.shape[0] + num_new_blocks, *pool.shape[1:]), dtype=pool.dtype,
+                                device=pool.device)
+            raw = grown.view(torch.uint8) if _is_float8(pool) else grown
+            raw[: pool.shape[0]] = pool.view(torch.uint8) if _is_float8(pool) else pool
+            setattr(self, name, grown)
+            del pool, raw, grown
+            if self.key_cache.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _is_float8(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point and t.element_size() == 1
 
 
 def copy_blocks_between(src: KVStorage, dst: KVStorage, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
@@ -99,6 +113,6 @@ def copy_blocks_between(src: KVStorage, dst: KVStorage, src_ids: torch.Tensor, d
     targets = dst.tensors()
     for name, source in src.tensors().items():
         target = targets[name]
-        if source.element_size() == 1 and source.dtype.is_floating_point:  # float8: copy its bytes
+        if _is_float8(source):  # float8: copy its bytes
             source, target = source.view(torch.uint8), target.view(torch.uint8)
         target[dst_ids.to(target.device)] = source[src_ids.to(source.device)].to(target.device)

@@ -101,11 +101,18 @@ def test_no_free_blocks_error_leaves_pool_unchanged():
     pool.check_invariants()
 
 
-def test_num_blocks_must_be_positive():
-    with pytest.raises(ValueError, match="num_blocks"):
-        BlockPool(0)
+def test_num_blocks_must_not_be_negative_and_an_empty_pool_grows():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(-3)
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(2.5)
+    pool = BlockPool(0)  # a growable cache's pool before its first forward
+    assert pool.num_free_blocks == 0
+    with pytest.raises(NoFreeBlocksError):
+        pool.get_new_blocks(1)
+    pool.grow(2)
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [0, 1]
+    pool.check_invariants()
 
 
 def test_huge_pool_constructs_without_an_object_per_block():

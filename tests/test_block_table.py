@@ -10,6 +10,20 @@ def expected_slots(block_ids, block_size, start, stop):
     return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, stop)]
 
 
+def slot_of(table, position):
+    """Where ``position`` of ``table`` lives: what the attention metadata computes from the table's row."""
+    block = table.blocks[position // table.block_size]
+    assert block is not None, f"position {position} was freed"
+    return block.block_id * table.block_size + position % table.block_size
+
+
+def append_slots(table, num_new_tokens):
+    """``table.append`` plus the slots of the new positions, for checking the layout."""
+    start = table.num_tokens
+    copies = table.append(num_new_tokens)
+    return [slot_of(table, p) for p in range(start, start + num_new_tokens)], copies
+
+
 def snapshot(pool, *tables):
     return (
         [b.block_id for b in pool.free_queue.blocks()],
@@ -39,14 +53,14 @@ def test_append_slots_in_one_call(block_size, length):
     pool.get_new_blocks(1)  # make block ids differ from logical indices
     table = BlockTable(pool, block_size)
     assert table.num_new_blocks_needed(length) == num_blocks_for(length, block_size)
-    slots, copies = table.append_slots(length)
+    slots, copies = append_slots(table, length)
     assert copies == []
     assert table.num_tokens == length
     assert len(table.blocks) == num_blocks_for(length, block_size)
     assert table.block_ids == list(range(1, 1 + len(table.blocks)))
     assert slots == expected_slots(table.block_ids, block_size, 0, length)
     assert slots[0] == block_size  # block 1, offset 0
-    assert [table.slot(p) for p in range(length)] == slots
+    assert [slot_of(table, p) for p in range(length)] == slots
     pool.check_invariants()
 
 
@@ -57,7 +71,7 @@ def test_append_slots_token_by_token_matches_bulk(block_size, length):
     table = BlockTable(pool, block_size)
     slots = []
     for _ in range(length):
-        new, copies = table.append_slots(1)
+        new, copies = append_slots(table, 1)
         assert copies == [] and len(new) == 1
         slots += new
     assert slots == expected_slots(table.block_ids, block_size, 0, length)
@@ -67,41 +81,41 @@ def test_append_slots_token_by_token_matches_bulk(block_size, length):
 def test_append_across_boundary_after_prefill():
     pool = BlockPool(8)
     table = BlockTable(pool, 4)
-    assert table.append_slots(3) == ([0, 1, 2], [])
+    assert append_slots(table, 3) == ([0, 1, 2], [])
     assert table.num_new_blocks_needed(2) == 1
-    assert table.append_slots(2) == ([3, 4], [])  # fills block 0, opens block 1
+    assert append_slots(table, 2) == ([3, 4], [])  # fills block 0, opens block 1
     assert table.block_ids == [0, 1]
-    assert table.append_slots(0) == ([], [])
+    assert append_slots(table, 0) == ([], [])
     with pytest.raises(ValueError, match="num_new_tokens"):
-        table.append_slots(-1)
+        append_slots(table, -1)
 
 
 def test_fork_of_partial_tail_copies_on_write():
     pool = BlockPool(8)
     parent = BlockTable(pool, 4)
-    parent.append_slots(6)  # blocks 0 (full), 1 (2 of 4)
+    append_slots(parent, 6)  # blocks 0 (full), 1 (2 of 4)
     child = parent.fork()
     assert child.block_ids == [0, 1] and child.num_tokens == 6
     assert [b.ref_cnt for b in pool.blocks[:2]] == [2, 2]
     assert child.num_new_blocks_needed(1) == 1  # the copy
-    slots, copies = child.append_slots(1)
+    slots, copies = append_slots(child, 1)
     assert copies == [(1, 2)]
     assert slots == [2 * 4 + 2]
     assert child.block_ids == [0, 2] and parent.block_ids == [0, 1]
     assert [b.ref_cnt for b in pool.blocks[:3]] == [2, 1, 1]
     # The parent now owns block 1 alone: it writes in place.
     assert parent.num_new_blocks_needed(1) == 0
-    assert parent.append_slots(1) == ([1 * 4 + 2], [])
+    assert append_slots(parent, 1) == ([1 * 4 + 2], [])
     pool.check_invariants()
 
 
 def test_cow_and_new_block_in_one_append():
     pool = BlockPool(8)
     parent = BlockTable(pool, 4)
-    parent.append_slots(3)
+    append_slots(parent, 3)
     child = parent.fork()
     assert child.num_new_blocks_needed(3) == 2
-    slots, copies = child.append_slots(3)  # 1 into the copied tail, 2 into a new block
+    slots, copies = append_slots(child, 3)  # 1 into the copied tail, 2 into a new block
     assert copies == [(0, 1)]
     assert child.block_ids == [1, 2]
     assert slots == [1 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
@@ -110,10 +124,10 @@ def test_cow_and_new_block_in_one_append():
 def test_fork_of_full_blocks_shares_without_copies():
     pool = BlockPool(8)
     parent = BlockTable(pool, 4)
-    parent.append_slots(8)
+    append_slots(parent, 8)
     child = parent.fork()
     assert child.num_new_blocks_needed(1) == 1
-    slots, copies = child.append_slots(1)
+    slots, copies = append_slots(child, 1)
     assert copies == []
     assert child.block_ids == [0, 1, 2] and slots == [8]
     assert [b.ref_cnt for b in pool.blocks[:3]] == [2, 2, 1]
@@ -127,10 +141,10 @@ def test_fork_of_full_blocks_shares_without_copies():
 def test_hashed_partial_tail_after_truncate_is_copied():
     pool = BlockPool(4)
     table = BlockTable(pool, 4)
-    table.append_slots(4)
+    append_slots(table, 4)
     pool.cache_full_block(table.blocks[0], 77, [1, 2, 3, 4])
     table.truncate(2)  # block 0 is now a partial tail but its cached contents must survive
-    slots, copies = table.append_slots(1)
+    slots, copies = append_slots(table, 1)
     assert copies == [(0, 1)] and slots == [1 * 4 + 2]
     assert pool.get_cached_block(77, [1, 2, 3, 4]) is pool.blocks[0]
     assert pool.blocks[0].ref_cnt == 0 and pool.num_cached_blocks == 1
@@ -140,13 +154,13 @@ def test_hashed_partial_tail_after_truncate_is_copied():
 def test_truncate_frees_trailing_blocks_in_reverse():
     pool = BlockPool(6)
     table = BlockTable(pool, 4)
-    table.append_slots(13)  # blocks 0..3
+    append_slots(table, 13)  # blocks 0..3
     table.truncate(5)
     assert table.num_tokens == 5 and table.block_ids == [0, 1]
     assert [b.block_id for b in pool.free_queue.blocks()] == [4, 5, 3, 2]
     table.truncate(5)  # no-op
     assert table.block_ids == [0, 1]
-    assert table.append_slots(1) == ([1 * 4 + 1], [])
+    assert append_slots(table, 1) == ([1 * 4 + 1], [])
     table.truncate(0)
     assert table.blocks == [] and pool.num_used_blocks == 0
     with pytest.raises(ValueError, match="num_tokens"):
@@ -159,7 +173,7 @@ def test_truncate_frees_trailing_blocks_in_reverse():
 def test_free_releases_tail_first():
     pool = BlockPool(5)
     table = BlockTable(pool, 2)
-    table.append_slots(5)  # blocks 0, 1, 2
+    append_slots(table, 5)  # blocks 0, 1, 2
     table.free()
     assert table.blocks == [] and table.num_tokens == 0
     assert [b.block_id for b in pool.free_queue.blocks()] == [3, 4, 2, 1, 0]
@@ -171,7 +185,7 @@ def test_free_releases_tail_first():
 def test_free_blocks_before_sliding_window():
     pool = BlockPool(8)
     table = BlockTable(pool, 4)
-    table.append_slots(10)  # blocks 0, 1, 2 (2 of 4)
+    append_slots(table, 10)  # blocks 0, 1, 2 (2 of 4)
     table.free_blocks_before(3)  # block 0 still holds position 3
     assert table.block_ids == [0, 1, 2]
     table.free_blocks_before(8)
@@ -179,13 +193,12 @@ def test_free_blocks_before_sliding_window():
     assert [b.block_id for b in pool.free_queue.blocks()][-2:] == [1, 0]  # freed tail first
     table.free_blocks_before(8)  # idempotent
     assert table.block_ids == [-1, -1, 2] and pool.num_used_blocks == 1
-    assert table.slot(9) == 2 * 4 + 1
-    with pytest.raises(ValueError, match="position"):
-        table.slot(5)
+    assert slot_of(table, 9) == 2 * 4 + 1
+    assert table.blocks[5 // 4] is None and table.num_freed == 2
     with pytest.raises(ValueError, match="position"):
         table.free_blocks_before(11)
     # Appending continues after the freed prefix; the freed entries stay None.
-    table.append_slots(3)
+    append_slots(table, 3)
     assert table.block_ids[:2] == [-1, -1] and table.num_tokens == 13
     # Rolling back into freed blocks is refused; rolling back to held ones works.
     with pytest.raises(ValueError, match="num_tokens"):
@@ -200,18 +213,18 @@ def test_free_blocks_before_sliding_window():
 def test_free_blocks_before_whole_table_then_append():
     pool = BlockPool(4)
     table = BlockTable(pool, 2)
-    table.append_slots(4)
+    append_slots(table, 4)
     table.free_blocks_before(4)
     assert table.block_ids == [-1, -1] and pool.num_used_blocks == 0
     assert [b.block_id for b in pool.free_queue.blocks()] == [2, 3, 1, 0]
-    assert table.append_slots(1) == ([2 * 2 + 0], [])  # the queue head: never-used block 2
+    assert append_slots(table, 1) == ([2 * 2 + 0], [])  # the queue head: never-used block 2
     assert table.block_ids == [-1, -1, 2]
 
 
 def test_fork_keeps_freed_prefix():
     pool = BlockPool(8)
     table = BlockTable(pool, 2)
-    table.append_slots(5)
+    append_slots(table, 5)
     table.free_blocks_before(4)
     child = table.fork()
     assert child.block_ids == [-1, -1, 2]
@@ -225,18 +238,18 @@ def test_fork_keeps_freed_prefix():
 def test_append_failure_changes_nothing():
     pool = BlockPool(3)
     parent = BlockTable(pool, 4)
-    parent.append_slots(6)  # blocks 0, 1
+    append_slots(parent, 6)  # blocks 0, 1
     child = parent.fork()
     before = snapshot(pool, parent, child)
     # The child needs a copy of block 1 plus one new block: 2 > 1 free.
     assert child.num_new_blocks_needed(3) == 2
     with pytest.raises(NoFreeBlocksError) as info:
-        child.append_slots(3)
+        append_slots(child, 3)
     assert info.value.num_needed == 2 and info.value.num_free == 1
     assert snapshot(pool, parent, child) == before
     pool.check_invariants()
     # A smaller append fits.
-    assert child.append_slots(2) == ([2 * 4 + 2, 2 * 4 + 3], [(1, 2)])
+    assert append_slots(child, 2) == ([2 * 4 + 2, 2 * 4 + 3], [(1, 2)])
     pool.check_invariants()
 
 
@@ -244,5 +257,5 @@ def test_append_failure_on_fresh_table():
     pool = BlockPool(2)
     table = BlockTable(pool, 4)
     with pytest.raises(NoFreeBlocksError):
-        table.append_slots(9)
+        append_slots(table, 9)
     assert table.blocks == [] and table.num_tokens == 0 and pool.num_free_blocks == 2

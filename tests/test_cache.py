@@ -37,8 +37,8 @@ def test_pool_too_small_for_batch_fails_before_allocation():
     cache = paged_hf.PagedCache(model.config, block_size=4, num_blocks=3)
     with pytest.raises(ValueError, match=r"num_blocks=3 is too small for the batch: its prompts need 10 blocks"):
         model.generate(**batch, max_new_tokens=2, cache=cache)
-    assert all(not group.storages for group in cache.groups), "no pool tensor may be allocated"
-    assert cache.stats()["blocks_used"] == 0
+    assert all(not group.storages for group in cache.kv.groups), "no pool tensor may be allocated"
+    assert cache.stats().kv_cache_used == 0
 
 
 def test_pool_exhaustion_mid_generate_says_how_to_size():
@@ -49,7 +49,7 @@ def test_pool_exhaustion_mid_generate_says_how_to_size():
         model.generate(**batch, max_new_tokens=20, cache=cache)
     cache.check_invariants()
     cache.reset()
-    assert cache.stats()["blocks_used"] == 0
+    assert cache.stats().kv_cache_used == 0
 
 
 def test_memory_budget_sizes_pool():
@@ -57,8 +57,8 @@ def test_memory_budget_sizes_pool():
     per_block = 2 * 4 * 2 * 16 * 4 * model.config.num_hidden_layers  # K+V, block 4, 2 heads, dim 16, fp32
     cache = paged_hf.PagedCache(model.config, block_size=4, memory_budget=per_block * 50 + 7)
     model.generate(**left_padded_batch(), max_new_tokens=4, cache=cache)
-    assert cache.stats()["blocks_total"] == 50
-    assert cache.stats()["bytes_allocated"] == per_block * 50
+    assert cache.stats().kv_cache_total == 50
+    assert cache.stats().kv_cache_bytes == per_block * 50
     with pytest.raises(ValueError, match="memory_budget=10 bytes is below one block"):
         paged_hf.PagedCache(model.config, block_size=4, memory_budget=10)
 
@@ -69,9 +69,9 @@ def test_growable_pool_grows_by_a_quarter_not_by_doubling():
     model.generate(**left_padded_batch(), max_new_tokens=40, do_sample=False, cache=cache)
     stats = cache.stats()
     # the last new token is never fed back, so each row holds prompt + 39 tokens; pads take no block
-    assert stats["blocks_used"] == sum(-(-(n + 39) // 4) for n in (3, 9, 14, 6))
+    assert stats.kv_cache_used == sum(-(-(n + 39) // 4) for n in (3, 9, 14, 6))
     # doubling leaves up to half the pool idle (here 49 of 80 blocks); growing by >= 1/4 keeps >= 80% in use
-    assert stats["blocks_used"] / stats["blocks_total"] >= 0.8, stats
+    assert stats.kv_cache_used / stats.kv_cache_total >= 0.8, stats
 
 
 @pytest.mark.parametrize("attention", ["paged", "sdpa"])
@@ -82,19 +82,19 @@ def test_sliding_layers_hold_only_their_window(attention):
     out = model.generate(**batch, max_new_tokens=30, do_sample=False, pad_token_id=0, cache=cache)
     reference = tiny_model("mistral").generate(**batch, max_new_tokens=30, do_sample=False, pad_token_id=0)
     assert torch.equal(out, reference)
-    (group,) = cache.groups
+    (group,) = cache.kv.groups
     assert group.window == 6
-    for table in group.tables:
+    for table in (seq.tables[0] for seq in cache.rows):
         held = [b for b in table.blocks if b is not None]
         assert len(held) <= 6 // 2 + 1, "a row holds at most its window (plus the partly filled edge blocks)"
     cache.check_invariants()
     cache.reset()
-    assert cache.stats()["blocks_used"] == 0
+    assert cache.stats().kv_cache_used == 0
 
 
 def test_hybrid_model_has_one_group_per_layer_kind():
     cache = paged_hf.PagedCache(tiny_model("gemma2").config)
-    assert [(g.window, g.layer_indices) for g in cache.groups] == [(6, [0, 2]), (None, [1])]
+    assert [(g.window, g.layer_indices) for g in cache.kv.groups] == [(6, [0, 2]), (None, [1])]
     assert cache.is_sliding == [True, False, True]
 
 
@@ -129,9 +129,9 @@ def test_crop_rolls_back_tokens_and_blocks():
     model = tiny_model("llama", "paged")
     cache = paged_hf.PagedCache(model.config, block_size=4)
     model(input_ids=torch.arange(3, 13).view(1, 10), cache=cache, use_cache=True)
-    assert cache.stats()["blocks_used"] == 3
+    assert cache.stats().kv_cache_used == 3
     cache.crop(-5)
-    assert cache.get_seq_length() == 5 and cache.stats()["blocks_used"] == 2
+    assert cache.get_seq_length() == 5 and cache.stats().kv_cache_used == 2
     with pytest.raises(ValueError, match="negative number of tokens"):
         cache.crop(3)
     cache.check_invariants()

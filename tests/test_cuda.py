@@ -105,4 +105,4 @@ def test_engine_on_cuda_equals_cpu_engine():
     engine = PagedEngine(stories_model("paged").to(CUDA), tok, **options)
     out = engine.generate([prompts[0]], forks, use_tqdm=False)[0]
     assert all(c.token_ids[:8] == ref[0].outputs[0].token_ids for c in out.outputs)
-    assert engine.get_stats()["kv_cache_used"] == 0
+    assert engine.get_stats().kv_cache_used == 0

@@ -11,6 +11,7 @@ from transformers import DynamicCache
 import paged_hf
 from paged_hf import PagedEngine, SamplingParams
 from paged_hf.engine import engine as engine_module
+from paged_hf.kv_manager import block_id_bytes
 from models import stories_model, stories_tokenizer, story_openings, tiny_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -166,9 +167,9 @@ def test_parallel_samples_share_prompt_blocks(stories, prompts):
     request_id = engine.add_request(prompts[0], params)
     engine.step()  # prefill of sample 0; samples 1 and 2 fork its blocks
     seqs = engine.requests[request_id].sequences
-    shared = {id(b) for b in seqs[0].tables[0].blocks[:-1]}
-    assert all({id(b) for b in s.tables[0].blocks[:-1]} == shared for s in seqs[1:])
-    assert all(b.ref_cnt == 3 for b in seqs[0].tables[0].blocks[:-1])
+    shared = {id(b) for b in seqs[0].kv.tables[0].blocks[:-1]}
+    assert all({id(b) for b in s.kv.tables[0].blocks[:-1]} == shared for s in seqs[1:])
+    assert all(b.ref_cnt == 3 for b in seqs[0].kv.tables[0].blocks[:-1])
     engine.check_invariants()
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -228,8 +229,7 @@ def test_engine_config_rejects_bad_values(stories):
 
 def test_auto_sized_pool_follows_the_memory_budget(stories, monkeypatch):
     model, tok = stories
-    probe = paged_hf.PagedCache(model.config, block_size=16)
-    per_block = sum(probe.block_bytes(i) for i in range(model.config.num_hidden_layers))
+    per_block = block_id_bytes(model.config.get_text_config(decoder=True), 16, "auto", dtype=model.dtype)
     engine = PagedEngine(model, tok, kv_cache_memory=100 * per_block / 2**30, swap_space=0)
     assert engine.get_stats()["kv_cache_total"] == 100
     # CPU without a budget: DEFAULT_CPU_KV_CACHE_GIB, not a fraction of all the RAM

@@ -443,14 +443,15 @@ def test_dispatch_routes_to_both_sides(monkeypatch):
     results = {}
     for side in ("torch", "triton"):
         monkeypatch.setenv("PAGED_HF_KERNELS", side)
-        decode = dispatch.decode_attention(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, **pools)
-        prefill = dispatch.prefill_attention(prefill_query, block_tables=tables, seq_lens=seq_lens,
-                                             cu_query_lens=cu, scale=0.125, **pools)
-        storage = make_storage("int8", 2, 16, 1, 64, torch.float32, DEVICE)
-        dispatch.store(query[:, :1], query[:, 1:2], torch.tensor([3, 17], device=DEVICE),
-                       **storage.attention_operands())
-        dispatch.copy(torch.tensor([0], device=DEVICE), torch.tensor([1], device=DEVICE),
-                      list(storage.tensors().values()))
+        kernels = dispatch.select(DEVICE)
+        assert kernels.triton == (side == "triton")
+        decode = kernels.decode_attention(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, **pools)
+        prefill = kernels.prefill_attention(prefill_query, block_tables=tables, seq_lens=seq_lens,
+                                            cu_query_lens=cu, scale=0.125, **pools)
+        storage = make_storage("int8", 2, 16, 1, 64, torch.float32, DEVICE)  # picks its kernels when made
+        assert storage.kernels.triton == (side == "triton")
+        storage.write(torch.tensor([3, 17], device=DEVICE), query[:, :1], query[:, 1:2])
+        storage.copy_blocks(torch.tensor([0], device=DEVICE), torch.tensor([1], device=DEVICE))
         results[side] = (decode, prefill, [t.clone() for t in storage.tensors().values()])
     assert_close(results["triton"][0], results["torch"][0], torch.float32)
     assert_close(results["triton"][1], results["torch"][1], torch.float32)
@@ -516,10 +517,11 @@ def test_kernel_modules_without_triton_then_interpreter_after_triton_import():
         "from kernels_alone import paged_decode_attention as decode\n"
         "assert not dispatch.triton_available() and not dispatch.use_triton('cpu')\n"
         "k, v = torch.zeros(4, 8, 1, 64), torch.zeros(4, 8, 1, 64)\n"
-        "dispatch.store(torch.randn(32, 1, 64), torch.randn(32, 1, 64), torch.arange(32), k, v)\n"
-        "dispatch.copy(torch.tensor([0]), torch.tensor([1]), [k.clone(), v.clone()])\n"
+        "kernels = dispatch.select('cpu')\n"
+        "kernels.store(torch.randn(32, 1, 64), torch.randn(32, 1, 64), torch.arange(32), k, v)\n"
+        "kernels.copy(torch.tensor([0]), torch.tensor([1]), [k.clone(), v.clone()])\n"
         "q, t, n = torch.randn(2, 2, 64), torch.tensor([[0, 1], [2, 3]]), torch.tensor([9, 16])\n"
-        "ref = dispatch.decode_attention(q, k, v, t, n, 0.125)\n"
+        "ref = kernels.decode_attention(q, k, v, t, n, 0.125)\n"
         "assert 'triton' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n"
         "assert decode._kernels.cache_info().currsize == 0  # nothing decorated\n"
         "del sys.modules['triton']\n"

@@ -42,9 +42,9 @@ def test_stories_left_padded_batch_matches(stories_batch, stories_reference, att
     new_tokens = out.sequences.shape[1] - stories_batch["input_ids"].shape[1]
     lengths = [int(n) + new_tokens - 1 for n in stories_batch["attention_mask"].sum(-1)]  # the last token is not fed
     stats = out.cache.stats()
-    assert stats["blocks_used"] == sum(-(-n // block_size) for n in lengths)
-    bytes_per_token = sum(s.bytes_per_token for s in out.cache.groups[0].storages.values())
-    assert stats["bytes_live"] == sum(lengths) * bytes_per_token
+    assert stats.kv_cache_used == sum(-(-n // block_size) for n in lengths)
+    bytes_per_token = sum(s.bytes_per_token for s in out.cache.kv.groups[0].storages.values())
+    assert stats.kv_cache_bytes_live == sum(lengths) * bytes_per_token
 
 
 def test_stories_generation_config_and_explicit_cache(stories_batch, stories_reference):
@@ -56,7 +56,7 @@ def test_stories_generation_config_and_explicit_cache(stories_batch, stories_ref
     assert torch.equal(out, stories_reference.sequences)
     cache.check_invariants()
     cache.reset()
-    assert cache.stats()["blocks_used"] == 0
+    assert cache.stats().kv_cache_used == 0
 
 
 def test_stories_continuation_reuses_cache():

@@ -1,6 +1,6 @@
 """The batching engine: continuous batching, chunked prefill, prefix caching and preemption on stock models."""
 
 from .engine import PagedEngine
-from .request import CompletionOutput, RequestOutput
+from .request import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 
-__all__ = ["CompletionOutput", "PagedEngine", "RequestOutput"]
+__all__ = ["CompletionOutput", "Logprob", "PagedEngine", "RequestOutput", "RequestOutputKind"]

@@ -1,29 +1,33 @@
 """``PagedEngine``: continuous batching over a stock transformers model.
 
-One ``step()`` = schedule -> one forward of every scheduled sequence -> sample -> stop checks. Requests join
-and leave at every step; blocks are freed the moment a sequence finishes, aborts or fails.
+One ``step()`` reads schedule -> execute -> update from output: the scheduler picks the sequences and their tokens
+(and allocates their blocks), the runner runs one forward and returns the logits, the sampler draws every row at
+once, the scheduler applies the tokens (finishing on EOS, stop tokens and lengths), and the output stage decodes
+new text where a request needs it (streams, stop strings) and builds the outputs. Requests join and leave at
+every step; blocks are freed the moment a sequence finishes, aborts or fails.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
-import os
 import time
 from collections.abc import Iterator
 
 import torch
 
-from ..cache import PagedCache
 from ..config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig, SamplingParams
-from .engine_cache import EngineCache
-from .kv_manager import KVCacheManager
-from .request import Request, RequestOutput, Sequence, SequenceStatus
+from ..kv_manager import KVManager, available_memory, block_id_bytes
+from ..kv_stats import EngineStats
+from .detokenizer import IncrementalDetokenizer, decoder_for, find_stop
+from .request import Request, RequestOutput, RequestOutputKind, Sequence, SequenceStatus
 from .runner import ModelRunner
-from .sampler import sample
-from .scheduler import Scheduler
+from .sampler import position_logprobs, sample
+from .scheduler import Scheduler, SchedulerOutput
 
 GIB = 1 << 30
+logger = logging.getLogger("paged_hf")
 
 
 class PagedEngine:
@@ -45,31 +49,34 @@ class PagedEngine:
         self.tokenizer = tokenizer
         text_config = model.config.get_text_config(decoder=True)
         self.max_model_len = self.config.max_model_len or getattr(text_config, "max_position_embeddings", 4096)
-        num_blocks = self.config.num_blocks or self._blocks_from_memory(model)
-        self.cache = EngineCache(model.config, self.config.block_size, num_blocks, self.config.kv_cache_dtype,
-                                 model.dtype, model.device)
-        self.kv = KVCacheManager(self.cache, self.config.enable_prefix_caching, int(self.config.swap_space * GIB))
-        self.scheduler = Scheduler(self.config, self.kv)
-        self.runner = ModelRunner(model, self.cache)
-        self.requests: dict[str, Request] = {}
+        num_blocks = self.config.num_blocks or self._blocks_from_memory(model, text_config)
+        self.kv = KVManager(text_config, self.config.block_size, self.config.kv_cache_dtype, num_blocks,
+                            enable_prefix_caching=self.config.enable_prefix_caching,
+                            swap_space_bytes=int(self.config.swap_space * GIB))
+        self.kv.allocate_all(model.dtype, model.device)
         self.eos_token_ids = self._eos_token_ids()
+        self.scheduler = Scheduler(self.config, self.kv, self.eos_token_ids, self.max_model_len)
+        self.runner = ModelRunner(model, self.kv)
+        self._decode = decoder_for(tokenizer) if tokenizer is not None else None
+        self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._generated_tokens = 0
         self._busy_seconds = 0.0
+        logger.info("PagedEngine: %d KV blocks of %d tokens (%s, %.2f GiB) on %s, max_model_len %d",
+                    num_blocks, self.config.block_size, self.config.kv_cache_dtype,
+                    self.kv.stats().kv_cache_bytes / GIB, model.device, self.max_model_len)
 
     # ----------------------------------------------------------------------------------- setup
-    def _blocks_from_memory(self, model) -> int:
+    def _blocks_from_memory(self, model, text_config) -> int:
         """Blocks that fit the KV memory budget (``kv_cache_memory``, else the device default: see
         ``EngineConfig``), capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use."""
         if self.config.kv_cache_memory is not None:
             budget = self.config.kv_cache_memory * GIB
         elif model.device.type == "cuda":
-            budget = torch.cuda.mem_get_info(model.device)[0] * self.config.gpu_memory_utilization
+            budget = available_memory(model.device) * self.config.gpu_memory_utilization
         else:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = min(DEFAULT_CPU_KV_CACHE_GIB * GIB, available / 2)
-        probe = PagedCache(model.config, block_size=self.config.block_size, kv_cache_dtype=self.config.kv_cache_dtype)
-        per_block = sum(probe.block_bytes(i) for i in range(len(probe.layers)))
+            budget = min(DEFAULT_CPU_KV_CACHE_GIB * GIB, available_memory(model.device) / 2)
+        per_block = block_id_bytes(text_config, self.config.block_size, self.config.kv_cache_dtype, dtype=model.dtype)
         cap = self.config.max_num_seqs * math.ceil(self.max_model_len / self.config.block_size)
         return max(1, min(int(budget) // per_block, cap))
 
@@ -96,8 +103,13 @@ class PagedEngine:
 
     # -------------------------------------------------------------------------------- requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> str:
-        """Queues a request; raises ``ValueError`` (and queues nothing) for a prompt that can never run."""
+                    priority: int = 0, cache_salt: str | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
+        """Queues a request; raises ``ValueError`` (and queues nothing) for a prompt that can never run.
+
+        ``output_kind`` says what ``step()`` returns for it: everything so far (default), only what is new
+        (streaming), or one output when it finishes.
+        """
         params = params or SamplingParams()
         text, ids = self._prompt_ids(prompt)
         if not ids:
@@ -116,7 +128,9 @@ class PagedEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
-        request = Request(request_id, text, ids, params, priority, cache_salt)
+        request = Request(request_id, text, ids, params, priority, cache_salt, RequestOutputKind(output_kind))
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
         self.requests[request_id] = request
         self.scheduler.add(request.sequences[0])
         return request_id
@@ -126,99 +140,132 @@ class PagedEngine:
         request = self.requests.pop(request_id, None)
         if request is not None:
             for seq in request.sequences:
-                self._finish(seq, "abort")
-
-    def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
-        if seq.status is SequenceStatus.FINISHED:
-            return
-        self.scheduler.remove(seq)
-        self.kv.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        if seq.request.finished:
-            seq.request.metrics.finished_time = time.monotonic()
+                self.scheduler.finish(seq, "abort")
 
     def _fail(self, request: Request, error: BaseException) -> None:
         request.error = error
         for seq in request.sequences:
-            self._finish(seq, "error")
+            self.scheduler.finish(seq, "error")
+        logger.warning("request %s failed: %s: %s", request.request_id, type(error).__name__, error)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ------------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Runs one iteration; returns the outputs of the requests that progressed or finished."""
+        """Runs one iteration; returns the outputs of the requests that progressed or finished (per their
+        ``output_kind``)."""
         started = time.perf_counter()
-        plan = self.scheduler.schedule()
+        output = self.scheduler.schedule()
         touched: dict[str, Request] = {}
-        if plan.scheduled:
+        if output.scheduled:
             try:
-                seqs, logits = self.runner.execute(plan.scheduled)
+                model_output = self.runner.execute(output)
             except Exception as error:  # the forward failed: fail this batch's requests, keep the engine
                 self.kv.end_step(failed=True)
-                for seq, _, _ in plan.scheduled:
-                    self._fail(seq.request, error)
-                    touched[seq.request.request_id] = seq.request
-                seqs, logits = [], None
+                for item in output.scheduled:
+                    self._fail(item.seq.request, error)
+                    touched[item.seq.request.request_id] = item.seq.request
             else:
                 self.kv.end_step(failed=False)
-            for seq, count, _ in plan.scheduled:
-                if seq.status is SequenceStatus.RUNNING:
-                    seq.num_computed_tokens += count
-            for row, (seq, result) in enumerate(zip(seqs, sample(seqs, logits) if seqs else [])):
-                touched[seq.request.request_id] = seq.request
-                if result.error is not None:
-                    self._fail(seq.request, result.error)
-                elif seq.status is SequenceStatus.RUNNING:
-                    if seq.index == 0:
-                        self._fork_pending(seq, logits[row])
-                    self._append(seq, result)
+                self._update(output, model_output, touched)
         self._busy_seconds += time.perf_counter() - started
+        return self._outputs(touched)
+
+    def _update(self, output: SchedulerOutput, model_output, touched: dict[str, Request]) -> None:
+        """Samples, applies the tokens, and post-processes the sequences that got one."""
+        sampled: list[Sequence] = []
+        rows: list[int] = []
+        for row, item in zip(model_output.sample_rows, (i for i in output.scheduled if i.samples)):
+            seq = item.seq
+            sampled.append(seq)
+            rows.append(row)
+            if seq.index == 0 and len(seq.token_ids) == seq.num_prompt_tokens:  # the prompt is done: fork samples
+                for sibling in seq.request.sequences[1:]:
+                    if sibling.status is SequenceStatus.FORK_PENDING:
+                        sampled.append(sibling)
+                        rows.append(row)
+        for index, (first, count) in model_output.prompt_rows.items():
+            self._record_prompt_logprobs(output.scheduled[index], model_output.logits[first : first + count])
+        for item in output.scheduled:  # a chunk that samples nothing still progresses (prompt logprobs)
+            if item.seq.request.prompt_logprobs is not None:
+                touched[item.seq.request.request_id] = item.seq.request
+        if not sampled:
+            self.scheduler.update_from_output(output, [], [])
+            return
+        logits = model_output.logits
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        result = sample(logits.index_select(0, index), sampled, self._decode_token if self._decode else None)
+        for row, error in result.errors.items():
+            self._fail(sampled[row].request, error)
+            touched[sampled[row].request.request_id] = sampled[row].request
+        receiving = [seq.status is not SequenceStatus.FINISHED for seq in sampled]
+        self.scheduler.update_from_output(output, sampled, result.token_ids)
+        now = time.monotonic()
+        for seq, got, entry in zip(sampled, receiving, result.logprobs):
+            if not got:
+                continue
+            request = seq.request
+            touched[request.request_id] = request
+            self._generated_tokens += 1
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if entry is not None:
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += entry[seq.token_ids[-1]].logprob
+            self._process_text(seq)
+
+    def _record_prompt_logprobs(self, item, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens after positions ``item.start ..`` (once, even if recomputed later)."""
+        request = item.seq.request
+        recorded = len(request.prompt_logprobs)  # entries for prompt tokens 0 .. recorded - 1
+        targets = request.prompt_token_ids[item.start + 1 : item.start + 1 + logits.shape[0]]
+        skip = max(0, recorded - (item.start + 1))
+        if skip >= len(targets):
+            return
+        chosen = torch.tensor(targets[skip:], dtype=torch.long, device=logits.device)
+        entries = position_logprobs(logits[skip:], chosen, [request.params.prompt_logprobs] * len(chosen),
+                                    self._decode_token if self._decode else None)
+        request.prompt_logprobs.extend(entries)
+
+    def _decode_token(self, token_id: int) -> str:
+        return self._decode([token_id])
+
+    def _process_text(self, seq: Sequence) -> None:
+        """Extends the text where the request needs it now (streams, stop strings) and applies stop strings; a
+        request that only wants its final output is decoded once, when it finishes."""
+        if self._decode is None:
+            return
+        request, params = seq.request, seq.request.params
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self._decode, seq.num_prompt_tokens)
+        per_step = params.stop or request.output_kind is not RequestOutputKind.FINAL_ONLY
+        finished = seq.status is SequenceStatus.FINISHED
+        if per_step:
+            delta = seq.detokenizer.update(seq.token_ids)
+            stop_applies = params.stop and (not finished or seq.finish_reason == "length")
+            if stop_applies and delta and seq.num_output_tokens >= params.min_tokens:
+                longest = max(len(s) for s in params.stop)
+                found = find_stop(seq.detokenizer.text, len(delta), params.stop, longest)
+                if found is not None:
+                    seq.detokenizer.truncate(found[1])
+                    if finished:
+                        seq.finish_reason, seq.stop_reason = "stop", found[0]
+                    else:
+                        self.scheduler.finish(seq, "stop", found[0])
+                    return
+        if seq.status is SequenceStatus.FINISHED:  # not by a stop string (that returned above)
+            seq.detokenizer.finish(seq.token_ids)
+
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
-            outputs.append(RequestOutput.of(request))
             if request.finished:
                 self.requests.pop(request.request_id, None)
+            elif request.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
+            outputs.append(RequestOutput.of(request))
         return outputs
-
-    def _fork_pending(self, leader: Sequence, logits: torch.Tensor) -> None:
-        """After sample 0's prompt is computed, samples 1..n-1 share its blocks and sample from its logits."""
-        for sibling in leader.request.sequences[1:]:
-            if sibling.status is SequenceStatus.FORK_PENDING:
-                self.kv.fork(leader, sibling)
-                sibling.status = SequenceStatus.RUNNING
-                self.scheduler.running.append(sibling)
-                (result,) = sample([sibling], logits.unsqueeze(0))
-                if result.error is not None:
-                    self._fail(sibling.request, result.error)
-                    return
-                self._append(sibling, result)
-
-    def _append(self, seq: Sequence, result) -> None:
-        request, params = seq.request, seq.request.params
-        seq.token_ids.append(result.token_id)
-        self._generated_tokens += 1
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = time.monotonic()
-        if params.logprobs is not None:
-            seq.logprobs.append({"token_id": result.token_id, "logprob": result.logprob, "top": result.top_logprobs})
-        num_output = len(seq.output_token_ids)
-        if self.tokenizer is not None:
-            seq.output_text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        token = result.token_id
-        if token in params.stop_token_ids:
-            return self._finish(seq, "stop", token)
-        if not params.ignore_eos and token in self.eos_token_ids and num_output >= params.min_tokens:
-            return self._finish(seq, "stop", None)
-        for stop in params.stop:
-            at = seq.output_text.find(stop)
-            if at >= 0 and num_output >= params.min_tokens:
-                seq.output_text = seq.output_text[:at]
-                return self._finish(seq, "stop", stop)
-        if num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            return self._finish(seq, "length")
-        return None
 
     # ------------------------------------------------------------------------------- front ends
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
@@ -234,11 +281,13 @@ class PagedEngine:
         order = []
         for prompt, p in zip(prompts, params_list):
             try:
-                order.append(self.add_request(prompt, p))
+                order.append(self.add_request(prompt, p, output_kind=RequestOutputKind.FINAL_ONLY))
             except ValueError as error:
                 failed = Request(f"rejected-{next(self._ids)}", prompt if isinstance(prompt, str) else None, [],
                                  p or SamplingParams())
-                self._fail(failed, error)
+                failed.error = error
+                for seq in failed.sequences:
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
                 order.append(failed.request_id)
                 results[failed.request_id] = RequestOutput.of(failed)
         bar = _progress(len(order) - len(results), use_tqdm)
@@ -252,17 +301,14 @@ class PagedEngine:
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yields the text of sample 0 as it grows (deltas); other queued requests progress meanwhile."""
-        request_id = self.add_request(prompt, params)
-        sent = 0
+        request_id = self.add_request(prompt, params, output_kind=RequestOutputKind.DELTA)
         try:
             while True:
                 outputs = {o.request_id: o for o in self.step()}
                 out = outputs.get(request_id)
                 if out is not None:
-                    text = out.outputs[0].text
-                    if len(text) > sent:
-                        yield text[sent:]
-                        sent = len(text)
+                    if out.outputs[0].text:
+                        yield out.outputs[0].text
                     if out.finished:
                         if out.error:
                             raise RuntimeError(out.error)
@@ -270,32 +316,22 @@ class PagedEngine:
         finally:
             self.abort(request_id)
 
-    def get_stats(self) -> dict:
-        groups = self.cache.groups
-        used = sum(g.pool.num_used_blocks for g in groups)
-        total = sum(g.pool.num_blocks for g in groups)
-        block_bytes = sum(self.cache.block_bytes(i) for i in range(len(self.cache.layers))) // len(groups)
-        queried = self.kv.prefix_queried_tokens
-        return {
-            "kv_cache_used": used,
-            "kv_cache_total": total,
-            "kv_cache_utilization": used / total if total else 0.0,
-            "kv_cache_bytes_used": used * block_bytes,
-            "kv_cache_cached_blocks": sum(g.pool.num_cached_blocks for g in groups),
-            "prefix_cache_hit_rate": self.kv.prefix_hit_tokens / queried if queried else 0.0,
-            "preemption_count": self.scheduler.num_preemptions,
-            "num_swapped_out": self.scheduler.num_swapped_out,
-            "num_swapped_in": self.scheduler.num_swapped_in,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_swapped": len(self.scheduler.swapped),
-            "generated_tokens": self._generated_tokens,
-            "generation_tokens_per_s": self._generated_tokens / self._busy_seconds if self._busy_seconds else 0.0,
-        }
+    def get_stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(
+            **self.kv.stats().__dict__,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_swapped=len(scheduler.swapped),
+            preemption_count=scheduler.num_preemptions,
+            num_swapped_out=scheduler.num_swapped_out,
+            num_swapped_in=scheduler.num_swapped_in,
+            generated_tokens=self._generated_tokens,
+            generation_tokens_per_s=self._generated_tokens / self._busy_seconds if self._busy_seconds else 0.0,
+        )
 
     def check_invariants(self) -> None:
-        live = [s for r in self.requests.values() for s in r.sequences if s.status is not SequenceStatus.FINISHED]
-        self.kv.check_invariants(live)
+        self.kv.check_invariants()
 
 
 def _progress(total: int, enabled: bool):

@@ -1,7 +1,7 @@
-"""Requests and their vLLM-shaped outputs.
+"""Requests, their sequences, and their vLLM-shaped outputs.
 
-A ``Request`` holds one prompt and ``n`` ``Sequence``s (parallel samples). Sequences are what the scheduler
-runs: each owns block tables (one per layer group) and a count of tokens whose K/V is in the pool.
+A ``Request`` holds one prompt and ``n`` ``Sequence``s (parallel samples). Sequences are what the scheduler runs:
+each holds a ``SequenceKV`` (its blocks) and a count of tokens whose K/V is in the pool.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import SamplingParams
+from ..kv_manager import SequenceKV
+from .detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -23,40 +25,78 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request carries (vLLM's names).
+
+    CUMULATIVE: everything so far, at every step; DELTA: only what is new since the last output (streaming);
+    FINAL_ONLY: one output, when the request finishes (``generate``: no per-step text work at all).
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's logprob entry: the token's log-probability under the model's raw distribution, its rank (1 = most
+    likely) and its text (None when the engine has no tokenizer)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# One generated (or prompt) position: token id -> Logprob, holding the chosen token and the top-k.
+PositionLogprobs = dict[int, Logprob]
+
+
 class Sequence:
     """One sample of a request. ``token_ids`` = prompt + generated; K/V exists for ``num_computed_tokens``."""
 
-    request: "Request"
-    index: int
-    token_ids: list[int]
-    status: SequenceStatus = SequenceStatus.WAITING
-    num_computed_tokens: int = 0
-    tables: list = field(default_factory=list)  # BlockTable per layer group, empty while WAITING
-    swapped_blocks: list = field(default_factory=list)  # per group: CPU block ids, while SWAPPED
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks of token_ids
-    num_cached_blocks: int = 0  # leading full blocks already registered in the prefix cache
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    output_text: str = ""
-    logprobs: list = field(default_factory=list)
-    generator: torch.Generator | None = None
+    __slots__ = ("request", "index", "token_ids", "status", "num_computed_tokens", "kv", "finish_reason",
+                 "stop_reason", "logprobs", "cumulative_logprob", "generator", "detokenizer", "num_sent_tokens",
+                 "num_sent_logprobs", "sent_text_length")
+
+    def __init__(self, request: "Request", index: int, token_ids: list[int]) -> None:
+        self.request = request
+        self.index = index
+        self.token_ids = token_ids
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.kv: SequenceKV | None = None  # set by the scheduler when the sequence first gets blocks
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[PositionLogprobs] = []
+        self.cumulative_logprob = 0.0
+        self.generator: torch.Generator | None = None
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.num_sent_tokens = 0  # DELTA outputs: what the last output already carried
+        self.num_sent_logprobs = 0
+        self.sent_text_length = 0
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.request.prompt_token_ids)
 
     @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < len(self.token_ids) - 1
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.request.prompt_token_ids):]
 
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def output_text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request.request_id}#{self.index}, {self.status.value}, {len(self.token_ids)} tokens)"
 
 
 @dataclass
@@ -84,6 +124,7 @@ class Request:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -91,8 +132,11 @@ class Request:
         self.params = params
         self.priority = priority
         self.cache_salt = cache_salt
+        self.output_kind = output_kind
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.error: BaseException | None = None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.num_sent_prompt_logprobs = 0
         self.sequences = [Sequence(self, i, list(prompt_token_ids)) for i in range(params.n)]
         for seq in self.sequences[1:]:
             seq.status = SequenceStatus.FORK_PENDING
@@ -107,19 +151,25 @@ class Request:
 
 @dataclass
 class CompletionOutput:
+    """One sample of a request (vLLM's shape). ``logprobs``: one ``{token_id: Logprob}`` per generated token when
+    the request asked for them (``SamplingParams(logprobs=k)``), else None."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: str | int | None = None
-    logprobs: list | None = None
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
 class RequestOutput:
+    """A request's progress (vLLM's shape); ``error`` names what failed when ``finish_reason == "error"``.
+
+    ``prompt_logprobs``: one entry per prompt token (None for the first) when asked (``prompt_logprobs=k``).
+    """
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -127,18 +177,38 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @staticmethod
     def of(request: Request) -> "RequestOutput":
-        outputs = [
-            CompletionOutput(
-                index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
-            )
-            for seq in request.sequences
-        ]
+        """The output of ``request`` now, per its ``output_kind`` (a DELTA output marks what it carried as sent)."""
+        delta = request.output_kind is RequestOutputKind.DELTA
+        wants_logprobs = request.params.logprobs is not None
+        outputs = []
+        for seq in request.sequences:
+            prompt_len = len(request.prompt_token_ids)
+            if delta:
+                tokens = seq.token_ids[prompt_len + seq.num_sent_tokens:]
+                text = seq.output_text[seq.sent_text_length:]
+                logprobs = seq.logprobs[seq.num_sent_logprobs:] if wants_logprobs else None
+                seq.num_sent_tokens += len(tokens)
+                seq.sent_text_length += len(text)
+                seq.num_sent_logprobs += len(logprobs or ())
+            else:
+                tokens = seq.token_ids[prompt_len:]
+                text = seq.output_text
+                logprobs = list(seq.logprobs) if wants_logprobs else None
+            outputs.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=tokens, finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason, logprobs=logprobs,
+                cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+            ))
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is not None and delta:
+            prompt_logprobs = prompt_logprobs[request.num_sent_prompt_logprobs:]
+            request.num_sent_prompt_logprobs += len(prompt_logprobs)
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, outputs, request.finished,
             request.metrics, None if request.error is None else f"{type(request.error).__name__}: {request.error}",
+            None if prompt_logprobs is None else list(prompt_logprobs),
         )

@@ -1,73 +1,92 @@
 """One forward of the stock HF model over every scheduled sequence.
 
 The scheduled tokens are laid back to back in one row (``input_ids`` ``[1, T]``) with each token's own position;
-the step plan tells the ``"paged"`` attention which tokens belong to which sequence and where their blocks are.
-Only the rows whose next token is sampled get logits (``logits_to_keep``).
+the ``AttentionMetadata`` (built once, on the model's device) tells the ``"paged"`` attention which tokens belong to
+which sequence and where their blocks are. Only the rows whose next token is sampled get logits
+(``logits_to_keep``), plus the prompt positions of requests that asked for prompt logprobs.
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 
-from ..step_plan import GroupPlan, StepPlan
-from .engine_cache import EngineCache
-from .request import Sequence
+from ..kv_manager import KVManager
+from ..metadata import AttentionMetadata, build_metadata
+from .forward_cache import EngineCache
+from .scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelOutput:
+    """Logits of one step: ``logits[i]`` predicts the token after position ``positions[i]`` of sequence
+    ``output.scheduled[sequence[i]]``. The last row of each sampling sequence comes first, in scheduled order."""
+
+    logits: torch.Tensor  # [R, vocab]
+    sample_rows: list[int]  # rows of `logits` holding each sampling sequence's next-token logits, scheduled order
+    prompt_rows: dict[int, tuple[int, int]]  # scheduled index -> (first row, count) of its prompt-logprob rows
 
 
 class ModelRunner:
-    def __init__(self, model, cache: EngineCache) -> None:
+    def __init__(self, model, kv: KVManager) -> None:
         self.model = model
-        self.cache = cache
+        self.kv = kv
+        self.cache = EngineCache(kv)
         self.device = model.device
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
 
-    def _plan(self, scheduled: list) -> tuple[StepPlan, list[int], list[int], list[int], list[Sequence]]:
-        input_ids, positions, new_counts, num_tokens = [], [], [], []
-        slots = [[] for _ in self.cache.groups]
-        copies = [[] for _ in self.cache.groups]
-        sample_rows, sample_seqs = [], []
-        for seq, count, per_group in scheduled:
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + count])
-            positions.extend(range(start, start + count))
-            new_counts.append(count)
-            num_tokens.append(start + count)
-            for g, (group_slots, group_copies) in enumerate(per_group):
-                slots[g].extend(group_slots)
-                copies[g].extend(group_copies)
-            if start + count == len(seq.token_ids):
-                sample_rows.append(len(input_ids) - 1)
-                sample_seqs.append(seq)
-        groups = {}
-        for g, group in enumerate(self.cache.groups):
-            src = dst = None
-            if copies[g]:
-                src = torch.tensor([c[0] for c in copies[g]], dtype=torch.long, device=self.device)
-                dst = torch.tensor([c[1] for c in copies[g]], dtype=torch.long, device=self.device)
-            groups[id(group)] = GroupPlan(
-                slots=torch.tensor(slots[g], dtype=torch.long, device=self.device), copy_src=src, copy_dst=dst,
-                block_ids=[seq.tables[g].block_ids for seq, _, _ in scheduled],
-                block_size=group.block_size, device=self.device,
-            )
-        plan = StepPlan(batch_size=1, query_len=len(input_ids), new_counts=new_counts, num_tokens=num_tokens,
-                        groups=groups, device=self.device)
-        return plan, input_ids, positions, sample_rows, sample_seqs
+    def prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
+        """``input_ids`` ``[1, T]`` and the metadata of the step (host work only; nothing runs on the model)."""
+        scheduled = output.scheduled
+        input_ids: list[int] = []
+        for item in scheduled:
+            tokens = item.seq.token_ids
+            if item.num_tokens == 1:
+                input_ids.append(tokens[item.start])
+            else:
+                input_ids.extend(tokens[item.start : item.start + item.num_tokens])
+        metadata = build_metadata(
+            self.kv, [item.seq.kv for item in scheduled], [item.start for item in scheduled],
+            [item.num_tokens for item in scheduled], output.num_decodes, self.device,
+        )
+        return torch.tensor([input_ids], dtype=torch.long).to(self.device, non_blocking=True), metadata
 
     @torch.inference_mode()
-    def execute(self, scheduled: list) -> tuple[list[Sequence], torch.Tensor]:
-        """Runs the step; returns the sequences to sample and their logits ``[len(seqs), vocab]``."""
-        plan, input_ids, positions, rows, seqs = self._plan(scheduled)
-        self.cache.begin_step(plan)
-        kwargs = {}
-        keep = torch.tensor(rows or [len(input_ids) - 1], dtype=torch.long, device=self.device)
-        if self.keeps_logits:
-            kwargs["logits_to_keep"] = keep
-        out = self.model(
-            input_ids=torch.tensor([input_ids], dtype=torch.long, device=self.device),
-            position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
-            cache=self.cache, use_cache=True, **kwargs,
-        )
+    def execute(self, output: SchedulerOutput) -> ModelOutput:
+        """Runs the step's block copies, then the forward; returns the logits the step needs."""
+        self.kv.apply_copies(output.copies)
+        input_ids, metadata = self.prepare(output)
+        ends = metadata.query_start_loc[1:] - 1  # [S]: each sequence's last token row
+        keep_rows: list[torch.Tensor] = []
+        sample_index = [i for i, item in enumerate(output.scheduled) if item.samples]
+        prompt_rows: dict[int, tuple[int, int]] = {}
+        first = len(sample_index)
+        keep_rows.append(ends[torch.tensor(sample_index, dtype=torch.long, device=self.device)]
+                         if len(sample_index) != len(output.scheduled) else ends)
+        for i, item in enumerate(output.scheduled):
+            if item.seq.request.params.prompt_logprobs is not None and item.seq.index == 0:
+                count = _prompt_positions(item)
+                if count:
+                    start = int(metadata.query_start_loc[i])
+                    keep_rows.append(torch.arange(start, start + count, device=self.device))
+                    prompt_rows[i] = (first, count)
+                    first += count
+        keep = torch.cat(keep_rows) if len(keep_rows) > 1 else keep_rows[0]
+        self.cache.metadata = metadata
+        kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
+        try:
+            out = self.model(input_ids=input_ids, position_ids=metadata.positions.unsqueeze(0), cache=self.cache,
+                             attention_mask=self.no_mask, use_cache=True, **kwargs)
+        finally:
+            self.cache.metadata = None
         logits = out.logits[0] if self.keeps_logits else out.logits[0, keep]
-        return seqs, logits[: len(seqs)]
+        return ModelOutput(logits, list(range(len(sample_index))), prompt_rows)
+
+
+def _prompt_positions(item) -> int:
+    """Prompt positions of this chunk whose next token is a prompt token (their logits score the prompt)."""
+    prompt_len = len(item.seq.request.prompt_token_ids)
+    return max(0, min(item.start + item.num_tokens, prompt_len - 1) - item.start)

@@ -1,8 +1,13 @@
-"""Per-request sampling from the last-token logits of one engine step.
+"""Batched sampling from one engine step's logits: tensor ops over the whole batch, per-row parameters as tensors.
 
-Each sequence samples with its own ``torch.Generator`` when its request has a ``seed`` (so its text does not
-depend on which other requests share the batch). A failure in one request's logits processors fails that
-request only.
+Rows are processed in float32: user logits processors (per row, the only Python loop, for rows that have them),
+penalties (rows that use them), then greedy rows take the argmax and the other rows are tempered and filtered
+(top-k, top-p, min-p as row-wise thresholds) and sampled. A request with a ``seed`` samples with its own
+``torch.Generator``, so its tokens do not depend on the rest of the batch; the others share one draw.
+
+Logprobs are those of the model's raw distribution (``log_softmax`` of the logits, before any processing), as a
+plain forward over prompt + output gives them: the sampled token's, its rank, and the top ``k``.
+A failing logits processor fails its row only.
 """
 
 from __future__ import annotations
@@ -11,82 +16,141 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SamplingParams
-from .request import Sequence
+from .request import Logprob, PositionLogprobs, Sequence
 
 
 @dataclass
-class Sample:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None
-    error: BaseException | None = None
+class SamplerOutput:
+    """Per row: the sampled token id, its logprobs entry (None when not asked) and the error that failed it."""
+
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]
+    errors: dict[int, BaseException]
 
 
-def _plain_greedy(params: SamplingParams) -> bool:
-    return (params.greedy and params.repetition_penalty == 1.0 and not params.presence_penalty
-            and not params.frequency_penalty and not params.logits_processors and params.logprobs is None)
+def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None) -> SamplerOutput:
+    """Samples one token per row of ``logits`` ``[R, vocab]`` for ``seqs[r]`` (its request's ``SamplingParams``).
+
+    ``decode_token(id) -> str`` names the tokens of logprob entries (None: no text).
+    """
+    params = [seq.request.params for seq in seqs]
+    raw = logits
+    logits = logits.float()
+    errors: dict[int, BaseException] = {}
+    if any(p.logits_processors for p in params):
+        logits = logits.clone()
+        for row, (seq, p) in enumerate(zip(seqs, params)):
+            try:
+                for processor in p.logits_processors:
+                    logits[row] = processor(list(seq.output_token_ids), logits[row])
+            except Exception as error:  # noqa: BLE001 - a user's logits processor may raise anything
+                errors[row] = error
+    penalized = [r for r, p in enumerate(params) if p.repetition_penalty != 1.0 or p.presence_penalty
+                 or p.frequency_penalty]
+    if penalized:
+        logits = _apply_penalties(logits if logits is not raw else logits.clone(), penalized, seqs, params)
+
+    greedy = [p.temperature == 0.0 for p in params]
+    tokens = torch.argmax(logits, dim=-1)
+    sampled_rows = [r for r, g in enumerate(greedy) if not g]
+    if sampled_rows:
+        index = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
+        probs = torch.softmax(_filter(logits.index_select(0, index), [params[r] for r in sampled_rows]), dim=-1)
+        drawn = _draw(probs, [seqs[r].generator for r in sampled_rows])
+        tokens = tokens.index_copy(0, index, drawn)
+    token_ids = tokens.tolist()
+
+    logprobs: list[PositionLogprobs | None] = [None] * len(seqs)
+    asked = [r for r, p in enumerate(params) if p.logprobs is not None and r not in errors]
+    if asked:
+        index = torch.tensor(asked, dtype=torch.long, device=logits.device)
+        entries = position_logprobs(raw.index_select(0, index), tokens.index_select(0, index),
+                                    [params[r].logprobs for r in asked], decode_token)
+        for r, entry in zip(asked, entries):
+            logprobs[r] = entry
+    return SamplerOutput(token_ids, logprobs, errors)
 
 
-def apply_penalties(logits: torch.Tensor, seq: Sequence, params: SamplingParams) -> torch.Tensor:
+def position_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_k: list[int],
+                      decode_token=None) -> list[PositionLogprobs]:
+    """For each row of raw ``logits`` ``[R, vocab]``: the chosen token's and the ``top_k[r]`` best tokens'
+    ``Logprob`` (raw ``log_softmax``, computed in float32; rank 1 = the most likely token)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = chosen.view(-1, 1)
+    chosen_lp = logprobs.gather(1, chosen)
+    ranks = (logprobs > chosen_lp).sum(1) + 1
+    k = max(top_k)
+    top = torch.topk(logprobs, k, dim=-1) if k else None
+    chosen_l, chosen_lp_l, ranks_l = chosen.view(-1).tolist(), chosen_lp.view(-1).tolist(), ranks.tolist()
+    top_ids = top.indices.tolist() if top is not None else None
+    top_lps = top.values.tolist() if top is not None else None
+    out = []
+    for r, want in enumerate(top_k):
+        entry: PositionLogprobs = {}
+        for rank, (tid, lp) in enumerate(zip(top_ids[r][:want], top_lps[r][:want]) if want else (), start=1):
+            entry[tid] = Logprob(lp, rank, decode_token(tid) if decode_token else None)
+        token = chosen_l[r]
+        if token not in entry:
+            entry[token] = Logprob(chosen_lp_l[r], ranks_l[r], decode_token(token) if decode_token else None)
+        out.append(entry)
+    return out
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], params) -> torch.Tensor:
     """vLLM's penalties: repetition over prompt + output, presence and frequency over the output."""
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
-        values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    if params.presence_penalty or params.frequency_penalty:
-        output = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-        if output.numel():
-            counts = torch.bincount(output, minlength=logits.shape[-1]).to(logits.dtype)
-            logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    vocab = logits.shape[-1]
+    for r in rows:
+        p, seq = params[r], seqs[r]
+        row = logits[r]
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            seen[torch.tensor(seq.token_ids, dtype=torch.long, device=logits.device)] = True
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row = torch.where(seen, penalized, row)
+        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+            output = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(output, minlength=vocab).to(logits.dtype)
+            row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+        logits[r] = row
     return logits
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p (removed tokens get -inf)."""
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(-1) - probs > params.top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if params.min_p > 0.0:
+def _filter(logits: torch.Tensor, params) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p as row-wise thresholds (removed tokens get -inf)."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    logits = logits / temperature.unsqueeze(1)
+    vocab = logits.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        if any(k < vocab for k in top_k):  # keep logits >= the k-th largest (ties at the k-th stay)
+            kth = sorted_logits.gather(1, torch.tensor(top_k, device=device).view(-1, 1) - 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        if any(p < 1.0 for p in top_p):  # drop tokens once the more likely ones already hold top_p
+            probs = torch.softmax(sorted_logits, dim=-1)
+            threshold = torch.tensor(top_p, dtype=probs.dtype, device=device).view(-1, 1)
+            drop_sorted = probs.cumsum(-1) - probs > threshold
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+    min_p = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_p):
         probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+        threshold = torch.tensor(min_p, dtype=probs.dtype, device=device).view(-1, 1) * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 
-def sample_one(logits: torch.Tensor, seq: Sequence) -> Sample:
-    params = seq.request.params
-    logits = logits.float().clone()
-    for processor in params.logits_processors:
-        logits = processor(list(seq.output_token_ids), logits)
-    logits = apply_penalties(logits, seq, params)
-    if params.greedy:
-        token = int(torch.argmax(logits))
-        dist = logits
-    else:
-        dist = filter_logits(logits, params)
-        token = int(torch.multinomial(torch.softmax(dist, dim=-1), 1, generator=seq.generator))
-    if params.logprobs is None:
-        return Sample(token)
-    logprobs = torch.log_softmax(dist, dim=-1)
-    top = torch.topk(logprobs, params.logprobs) if params.logprobs else None
-    top_logprobs = {} if top is None else {int(i): float(v) for v, i in zip(top.values, top.indices)}
-    return Sample(token, float(logprobs[token]), top_logprobs)
-
-
-def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[Sample]:
-    """One ``Sample`` per row of ``logits`` ``[len(seqs), vocab]``; errors are returned, not raised."""
-    if all(_plain_greedy(s.request.params) for s in seqs):
-        return [Sample(int(t)) for t in torch.argmax(logits, dim=-1).tolist()]
-    samples = []
-    for row, seq in enumerate(seqs):
-        try:
-            samples.append(sample_one(logits[row], seq))
-        except Exception as error:  # noqa: BLE001 - a user's logits processor may raise anything
-            samples.append(Sample(-1, error=error))
-    return samples
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs``: rows with a generator draw from it alone, the others in one batched draw."""
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    shared = [r for r, g in enumerate(generators) if g is None]
+    if shared:
+        index = torch.tensor(shared, dtype=torch.long, device=probs.device)
+        out[index] = torch.multinomial(probs.index_select(0, index), 1).view(-1)
+    for r, generator in enumerate(generators):
+        if generator is not None:  # on the generator's device, so the draw is the same on any model device
+            out[r] = torch.multinomial(probs[r].to(generator.device), 1, generator=generator)[0]
+    return out

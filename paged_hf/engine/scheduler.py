@@ -1,20 +1,24 @@
-"""Iteration-level scheduler: which sequences run in the next forward, and how many tokens each.
+"""Iteration-level scheduler: which sequences run in the next forward and how many tokens each, and every change
+to a sequence's state after the forward (``update_from_output``).
 
-Each step: running sequences first (decodes, then prefill chunks still under way), then swapped-out sequences
-come back, then waiting ones are admitted, all within ``max_num_batched_tokens`` and ``max_num_seqs``. When
-blocks run out a victim is preempted: the newest sequence under "fcfs", the lowest priority (largest value)
-under "priority"; by swap to CPU or by recompute (drop its KV, prefill it again later).
+Each step: running sequences first (oldest / most important first), then swapped-out sequences come back, then
+waiting ones are admitted, all within ``max_num_batched_tokens`` and ``max_num_seqs``. When blocks run out a victim
+is preempted: the newest sequence under "fcfs", the lowest priority (largest value) under "priority"; by swap to
+CPU or by recompute (drop its KV, prefill it again later). The output lists one-token sequences (decodes) first.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import EngineConfig
-from .kv_manager import KVCacheManager
+from ..kv_manager import BlockCopy, KVManager
 from .request import Sequence, SequenceStatus
+
+logger = logging.getLogger("paged_hf")
 
 # "auto" preemption swaps a sequence with at least this many computed blocks (recomputing it would cost more
 # than copying its blocks both ways); shorter ones are recomputed.
@@ -22,125 +26,198 @@ AUTO_SWAP_MIN_BLOCKS = 4
 
 
 @dataclass
+class ScheduledSequence:
+    """``seq`` computes tokens ``start .. start + num_tokens - 1`` this step; ``samples``: the last of them is its
+    newest token, so the step samples the next one."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool
+
+
+@dataclass
 class SchedulerOutput:
-    # (sequence, tokens to compute this step, per layer group (slots, copy-on-write copies)), in running order
-    scheduled: list[tuple[Sequence, int, list]]
-    preempted: list[Sequence]
+    """One step's work: the scheduled sequences (decodes first), and the block copies to run before the forward."""
+
+    scheduled: list[ScheduledSequence]
+    num_decodes: int
+    copies: list[BlockCopy] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVManager, eos_token_ids: set[int], max_model_len: int) -> None:
         self.config = config
         self.kv = kv
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_swapped_out = 0
         self.num_swapped_in = 0
+        self._priority = config.scheduling_policy == "priority"
+        self._has_windows = any(g.window is not None for g in kv.groups)
 
     def _order(self, seq: Sequence) -> tuple:
         """Sort key: who runs first (and, reversed, who is preempted first)."""
         arrival = seq.request.metrics.arrival_time
-        if self.config.scheduling_policy == "priority":
+        if self._priority:
             return (seq.request.priority, arrival, seq.index)
         return (arrival, seq.index)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        if self.config.scheduling_policy == "priority":
+        if self._priority:
             self.waiting = deque(sorted(self.waiting, key=self._order))
 
-    def remove(self, seq: Sequence) -> None:
-        for queue in (self.waiting, self.running, self.swapped):
-            if seq in queue:
-                queue.remove(seq)
+    def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        """Ends ``seq``: out of every queue, its blocks freed."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        if seq.kv is not None:
+            self.kv.discard(seq.kv)
+            seq.kv = None
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq.request.finished:
+            seq.request.metrics.finished_time = time.monotonic()
 
     # ------------------------------------------------------------------------------ preemption
-    def _preempt(self, victim: Sequence, preempted: list[Sequence]) -> None:
+    def _preempt(self, victim: Sequence) -> None:
         self.running.remove(victim)
         victim.request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         mode = self.config.preemption_mode
         blocks = victim.num_computed_tokens // self.kv.block_size
         swap = mode == "swap" or (mode == "auto" and blocks >= AUTO_SWAP_MIN_BLOCKS)
-        if swap and self.kv.can_swap_out(victim):
-            self.kv.swap_out(victim)
+        if swap and self.kv.can_swap_out(victim.kv):
+            self.kv.swap_out(victim.kv)
             victim.status = SequenceStatus.SWAPPED
             self.swapped.append(victim)
             self.num_swapped_out += 1
+            logger.debug("preempted %r by swap (%d blocks)", victim, blocks)
         else:
-            self.kv.free(victim)
+            self.kv.free(victim.kv)
             victim.num_computed_tokens = 0
-            victim.num_cached_blocks = 0
             victim.status = SequenceStatus.WAITING
             self.waiting.appendleft(victim)
-            if self.config.scheduling_policy == "priority":
+            if self._priority:
                 self.waiting = deque(sorted(self.waiting, key=self._order))
-        preempted.append(victim)
+            logger.debug("preempted %r by recompute", victim)
 
     # -------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list = []
-        preempted: list[Sequence] = []
+        decodes: list[ScheduledSequence] = []
+        prefills: list[ScheduledSequence] = []
+        preempted = False
         self.running.sort(key=self._order)
+        kv = self.kv
 
         # 1. running sequences, oldest / most important first; decodes take one token
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            count = min(seq.num_uncomputed_tokens, budget)
-            while self.kv.blocks_to_append(seq, count) > self.kv.num_free_blocks:
+            count = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if self._has_windows:
+                kv.slide_windows(seq.kv)
+            while not kv.can_append(seq.kv, count):
                 victim = max(self.running[index:], key=self._order)
-                self._preempt(victim, preempted)
+                self._preempt(victim)
+                preempted = True
                 if victim is seq:
                     break
             else:
-                self.kv_reserve(seq, count, scheduled)
+                self._reserve(seq, count, decodes if count == 1 else prefills)
                 budget -= count
                 index += 1
                 continue
-            # seq itself was preempted: later ones have lower priority, stop here
-            break
+            break  # seq itself was preempted: later ones have lower priority, stop here
 
         # 2. swapped sequences come back first, unless this step had to preempt
         while self.swapped and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            need = self.kv.swap_in_blocks(seq) + 1
-            if need > self.kv.num_free_blocks:
+            if kv.swap_in_blocks(seq.kv) + 1 > kv.num_free_blocks:
                 break
             self.swapped.popleft()
-            self.kv.swap_in(seq)
+            kv.swap_in(seq.kv)
             seq.status = SequenceStatus.RUNNING
             self.num_swapped_in += 1
             self.running.append(seq)
-            count = min(seq.num_uncomputed_tokens, budget)
-            if self.kv.blocks_to_append(seq, count) > self.kv.num_free_blocks:
+            count = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if not kv.can_append(seq.kv, count):
                 break  # runs next step
-            self.kv_reserve(seq, count, scheduled)
+            self._reserve(seq, count, decodes if count == 1 else prefills)
             budget -= count
 
         # 3. waiting sequences (new, or preempted by recompute), in order: no overtaking
         while self.waiting and not self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.kv.find_prefix_hits(seq)
-            count = min(len(seq.token_ids) - len(hits) * self.kv.block_size, budget)
-            if self.kv.admission_blocks(seq, hits, count) > self.kv.num_free_blocks:
+            if seq.kv is None:
+                seq.kv = kv.new_sequence()
+            # prompt logprobs need the logits of every prompt position: such a request computes its whole prompt
+            hits = [] if seq.request.params.prompt_logprobs is not None else \
+                kv.find_prefix_hits(seq.kv, seq.token_ids, seq.request.cache_salt)
+            count = min(len(seq.token_ids) - len(hits) * kv.block_size, budget)
+            if kv.admission_blocks(hits, count) > kv.num_free_blocks:
                 break
             self.waiting.popleft()
-            self.kv.admit(seq, hits)
-            if seq.request.metrics.first_scheduled_time is None:
+            first_admission = seq.request.metrics.first_scheduled_time is None
+            kv.admit(seq.kv, hits, len(seq.token_ids), count_query=seq.index == 0 or seq.request.params.n == 1)
+            seq.num_computed_tokens = len(hits) * kv.block_size
+            if first_admission:
                 seq.request.metrics.first_scheduled_time = time.monotonic()
                 seq.request.metrics.num_prefix_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self.kv_reserve(seq, count, scheduled)
+            self._reserve(seq, count, decodes if count == 1 else prefills)
             budget -= count
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(decodes + prefills, len(decodes), kv.take_copies())
 
-    def kv_reserve(self, seq: Sequence, count: int, scheduled: list) -> None:
+    def _reserve(self, seq: Sequence, count: int, out: list[ScheduledSequence]) -> None:
         """Allocates the slots of ``count`` tokens of ``seq`` (capacity was checked), schedules them, and registers
         the blocks they fill in the prefix cache (later admissions of this step may hit them)."""
-        scheduled.append((seq, count, self.kv.append_slots(seq, count)))
-        self.kv.cache_full_blocks(seq, seq.num_computed_tokens + count)
+        start = seq.num_computed_tokens
+        self.kv.append(seq.kv, count)
+        self.kv.cache_full_blocks(seq.kv, seq.token_ids, start + count, seq.request.cache_salt)
+        out.append(ScheduledSequence(seq, start, count, start + count == len(seq.token_ids)))
+
+    # -------------------------------------------------------------------------- after the step
+    def update_from_output(self, output: SchedulerOutput, sampled: list[Sequence], token_ids: list[int]) -> None:
+        """Advances the scheduled sequences past their computed tokens, forks the samples waiting for a prompt
+        that just completed, and appends each sampled token (``sampled[i]`` gets ``token_ids[i]``), finishing
+        sequences on EOS, a stop token, ``max_tokens`` or ``max_model_len``. Stop strings are the caller's."""
+        for item in output.scheduled:
+            if item.seq.status is SequenceStatus.RUNNING:
+                item.seq.num_computed_tokens += item.num_tokens
+        for seq in sampled:
+            if seq.status is SequenceStatus.FORK_PENDING:
+                leader = seq.request.sequences[0]
+                seq.kv = self.kv.fork(leader.kv)
+                seq.num_computed_tokens = leader.num_computed_tokens
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+        for seq, token in zip(sampled, token_ids):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.token_ids.append(token)
+            params = seq.request.params
+            num_output = len(seq.token_ids) - len(seq.request.prompt_token_ids)
+            if token in params.stop_token_ids:
+                self.finish(seq, "stop", token)
+            elif not params.ignore_eos and token in self.eos_token_ids and num_output >= params.min_tokens:
+                self.finish(seq, "stop", None)
+            elif num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                self.finish(seq, "length")

@@ -2,8 +2,8 @@
 
 ``use_triton(device)``: True on CUDA when triton imports; the environment variable ``PAGED_HF_KERNELS`` forces
 either side: ``torch`` (always the references) or ``triton`` (always the kernels: on CPU only under
-``TRITON_INTERPRET=1``, triton's interpreter, else a ValueError says why). ``decode_attention``,
-``prefill_attention``, ``store`` and ``copy`` take the arguments of the references and run one or the other.
+``TRITON_INTERPRET=1``, triton's interpreter, else a ValueError says why). ``select(device)`` makes that choice
+once and returns the ``KernelSet`` a pool's storage keeps: the hot path never reads the environment.
 
 triton is imported only when a kernel is chosen (and once to see whether it imports), so ``import paged_hf``
 works without it. The interpreter is fixed by ``TRITON_INTERPRET`` when the kernels are first launched.
@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -58,35 +60,27 @@ def use_triton(device) -> bool:
     return device.type == "cuda" and triton_available()
 
 
-def decode_attention(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """``paged_decode_attention`` (Triton) or ``paged_decode_attention_ref`` on ``query.device``."""
-    from . import paged_decode_attention as module
+@dataclass(frozen=True)
+class KernelSet:
+    """The paged-path functions one device runs: the Triton kernels or their torch references (same signatures).
 
-    fn = module.paged_decode_attention if use_triton(query.device) else module.paged_decode_attention_ref
-    return fn(query, *args, **kwargs)
+    Chosen once per pool (``select``), so no kernel call reads the environment or imports anything.
+    """
 
-
-def prefill_attention(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """``paged_prefill_attention`` (Triton) or ``paged_prefill_attention_ref`` on ``query.device``."""
-    from . import paged_prefill_attention as module
-
-    fn = module.paged_prefill_attention if use_triton(query.device) else module.paged_prefill_attention_ref
-    return fn(query, *args, **kwargs)
+    decode_attention: Callable
+    prefill_attention: Callable
+    store: Callable
+    copy: Callable
+    triton: bool
 
 
-def store(key: torch.Tensor, *args, **kwargs) -> None:
-    """``store_kv`` (Triton) or ``store_kv_ref``: writes K/V (quantized per ``kv_format``) into their slots."""
-    from . import store_kv as module
+def select(device) -> KernelSet:
+    """The kernels for ``device`` as ``use_triton`` decides (reads ``PAGED_HF_KERNELS`` now, once)."""
+    from . import copy_blocks, paged_decode_attention, paged_prefill_attention, store_kv  # noqa: PLC0415
 
-    fn = module.store_kv if use_triton(key.device) else module.store_kv_ref
-    fn(key, *args, **kwargs)
-
-
-def copy(src_ids: torch.Tensor, dst_ids: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """``copy_blocks`` (Triton) or ``copy_blocks_ref`` on the device of the pools."""
-    from . import copy_blocks as module
-
-    if not tensors:
-        return
-    fn = module.copy_blocks if use_triton(tensors[0].device) else module.copy_blocks_ref
-    fn(src_ids, dst_ids, tensors)
+    if use_triton(device):
+        return KernelSet(paged_decode_attention.paged_decode_attention, paged_prefill_attention.paged_prefill_attention,
+                         store_kv.store_kv, copy_blocks.copy_blocks, triton=True)
+    return KernelSet(paged_decode_attention.paged_decode_attention_ref,
+                     paged_prefill_attention.paged_prefill_attention_ref, store_kv.store_kv_ref,
+                     copy_blocks.copy_blocks_ref, triton=False)

@@ -58,13 +58,14 @@ class ServerMetrics:
         else:
             self._last[out.request_id] = now
 
-    def render(self, stats: dict) -> bytes:
-        self.blocks_used.set(stats["kv_cache_used"])
-        self.blocks_total.set(stats["kv_cache_total"])
-        self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
-        self.preemptions.set(stats["preemption_count"])
-        self.running.set(stats["num_running"])
-        self.waiting.set(stats["num_waiting"])
+    def render(self, stats) -> bytes:
+        """The series, with the gauges set from ``stats`` (an ``EngineStats``)."""
+        self.blocks_used.set(stats.kv_cache_used)
+        self.blocks_total.set(stats.kv_cache_total)
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        self.preemptions.set(stats.preemption_count)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
         return generate_latest(self.registry)
 
 

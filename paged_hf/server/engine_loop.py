@@ -48,7 +48,7 @@ class EngineLoop:
     async def submit(self, prompt, params: SamplingParams) -> tuple[str, asyncio.Queue]:
         """Queues a request; returns its id and the queue its ``RequestOutput``s arrive on."""
         with self._lock:
-            if self._pending + self._added + self.stats["num_waiting"] >= self.max_queue_len:
+            if self._pending + self._added + self.stats.num_waiting >= self.max_queue_len:
                 raise QueueFullError(f"{self.max_queue_len} requests are already waiting")
             self._pending += 1
         outputs: asyncio.Queue = asyncio.Queue()

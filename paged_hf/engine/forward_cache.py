@@ -1,0 +1,60 @@
+"""The ``Cache`` the engine hands the model for one forward: its layers store K/V where the step's metadata says
+and pass the metadata to the ``"paged"`` attention. The pools and tables are the engine's ``KVManager``'s; the
+scheduler, not this object, decides what each forward holds."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..kv_manager import KVManager, LayerGroup
+from ..metadata import METADATA_KEY, AttentionMetadata, write_layer_kv
+
+
+class _EngineLayer(CacheLayerMixin):
+    def __init__(self, cache: "EngineCache", layer_idx: int, group: LayerGroup) -> None:
+        super().__init__()
+        self.cache, self.layer_idx, self.group = cache, layer_idx, group
+        self.is_sliding = group.window is not None
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # the engine allocates its pools up front
+        pass
+
+    def update(self, key_states, value_states, *args, kwargs: dict | None = None, **unused):
+        metadata = self.cache.metadata
+        group = metadata.groups[self.group.index]
+        storage = self.group.storages[self.layer_idx]
+        write_layer_kv(storage, metadata, group, key_states, value_states)
+        if kwargs is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: layer {self.layer_idx} called cache.update without kwargs, so the paged "
+                f"attention cannot receive the step's block tables; the engine needs a model that passes kwargs"
+            )
+        kwargs[METADATA_KEY] = (metadata, group, storage)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class EngineCache(Cache):
+    """One forward's view of a ``KVManager``: set ``metadata`` before calling the model."""
+
+    def __init__(self, kv: KVManager) -> None:
+        super().__init__(layers=[_EngineLayer(self, idx, kv.group_of[idx]) for idx in sorted(kv.group_of)])
+        self.metadata: AttentionMetadata | None = None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+# A prepared 4D mask makes transformers' mask builders return it as is: the paged attention never reads a mask,
+# so an engine forward skips building a [1, 1, T, T] one.
+NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)

@@ -1,0 +1,78 @@
+"""Typed statistics of a KV cache and of the engine: one vocabulary for ``PagedCache.stats()``,
+``PagedEngine.get_stats()``, the server's ``/metrics`` and the benchmarks.
+
+Block counts are summed over layer groups (a hybrid model's full and sliding pools). The objects are frozen
+dataclasses; ``stats["name"]`` and ``stats.as_dict()`` serve code that reads them as dicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+class _StatsMapping:
+    def __getitem__(self, name: str):
+        try:
+            return getattr(self, name)
+        except AttributeError:
+            raise KeyError(name) from None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class KVCacheStats(_StatsMapping):
+    """The pool of a ``KVManager``.
+
+    kv_cache_used / kv_cache_total: blocks in use / in the pools; kv_cache_utilization: their ratio;
+    kv_cache_cached_blocks: unused blocks kept for prefix hits; kv_cache_bytes: bytes of the pool tensors;
+    prefix_cache_hit_rate: prompt tokens found cached / prompt tokens looked up (0 without prefix caching).
+    """
+
+    kv_cache_used: int
+    kv_cache_total: int
+    kv_cache_cached_blocks: int
+    block_size: int
+    kv_cache_dtype: str
+    kv_cache_bytes: int
+    prefix_cache_hit_rate: float
+
+    @property
+    def kv_cache_utilization(self) -> float:
+        return self.kv_cache_used / self.kv_cache_total if self.kv_cache_total else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "kv_cache_utilization": self.kv_cache_utilization}
+
+
+@dataclass(frozen=True)
+class PagedCacheStats(KVCacheStats):
+    """``PagedCache.stats()``: the pool, plus the bytes of slots holding real tokens (pads never take one).
+
+    kv_cache_bytes_live / kv_cache_bytes: how much of the allocated pool holds tokens (``live_fraction``).
+    """
+
+    kv_cache_bytes_live: int
+    bytes_per_token: int  # one token's K and V in every layer
+
+    @property
+    def live_fraction(self) -> float:
+        return self.kv_cache_bytes_live / self.kv_cache_bytes if self.kv_cache_bytes else 0.0
+
+    def as_dict(self) -> dict:
+        return {**super().as_dict(), "live_fraction": self.live_fraction}
+
+
+@dataclass(frozen=True)
+class EngineStats(KVCacheStats):
+    """``PagedEngine.get_stats()``: the pool, the scheduler's queues and counters, and throughput."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    preemption_count: int
+    num_swapped_out: int
+    num_swapped_in: int
+    generated_tokens: int
+    generation_tokens_per_s: float

@@ -1,0 +1,145 @@
+"""Per-forward attention metadata: built once per forward, on the model's device, read by every layer.
+
+A forward runs ``S`` sequences; sequence ``s`` holds ``starts[s]`` tokens before it and adds ``counts[s]`` new ones,
+packed sequence by sequence into ``n = sum(counts)`` token rows. Sequences ``0 .. num_decodes - 1`` add exactly one
+token each (the batched decode path); the rest are prefill chunks (the varlen path). The engine schedules its
+decodes first; ``generate`` runs either all-decode or all-prefill forwards.
+
+Everything a layer needs is a tensor built here: no layer builds lists, splits batches in Python or syncs with the
+host. Block tables come from the ``KVManager``'s persistent rows (one ``index_select``), and each new token's slot is
+computed from them (``table[seq, pos // block_size] * block_size + pos % block_size``). The table width is rounded
+up to a power of two, so it changes only as often as the longest sequence doubles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_manager import KVManager, SequenceKV
+
+METADATA_KEY = "paged_hf_metadata"  # the layer kwargs entry the "paged" attention reads: (AttentionMetadata, group)
+
+
+@dataclass
+class GroupMetadata:
+    """One layer group's view of the forward."""
+
+    block_tables: torch.Tensor  # [S, width] int32: block ids per sequence, 0 where none (never read)
+    slot_mapping: torch.Tensor  # [n] int64: where each new token's K/V is written
+    block_size: int
+    window: int | None
+
+
+@dataclass
+class AttentionMetadata:
+    """One forward of a paged cache (see the module docstring).
+
+    ``token_index`` maps the packed tokens to HF's ``[B, q]`` layout: ``None`` when every column is a new token
+    (the engine's one row, or an unpadded batch), else the flattened column of each packed token (generate's left
+    padding: row ``b``'s new tokens are its last ``counts[b]`` columns).
+    """
+
+    num_seqs: int
+    num_decodes: int
+    num_tokens: int
+    max_query_len: int
+    seq_lens: torch.Tensor  # [S] int64: tokens held after this forward
+    query_start_loc: torch.Tensor  # [S + 1] int64: cumulative counts
+    prefill_query_start_loc: torch.Tensor | None  # [S - num_decodes + 1]: query_start_loc of the prefill part
+    positions: torch.Tensor  # [n] int64: position of each new token
+    groups: list[GroupMetadata]
+    device: torch.device
+    batch_size: int = 1  # HF rows
+    query_len: int = 0  # HF columns
+    token_index: torch.Tensor | None = None
+    seq_length_before: int = 0  # generate: columns of HF's padded timeline before this forward
+    _dense: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decodes == self.num_seqs
+
+    def select_new_tokens(self, states: torch.Tensor) -> torch.Tensor:
+        """``[B, heads, q, head_dim]`` -> ``[n, heads, head_dim]``, the new tokens only."""
+        flat = states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[3])
+        return flat if self.token_index is None else flat.index_select(0, self.token_index)
+
+    def scatter_new_tokens(self, flat: torch.Tensor) -> torch.Tensor:
+        """``[n, heads, head_dim]`` -> ``[B, q, heads, head_dim]``, zeros in padding columns."""
+        if self.token_index is None:
+            return flat.view(self.batch_size, self.query_len, *flat.shape[1:])
+        out = flat.new_zeros((self.batch_size * self.query_len, *flat.shape[1:]))
+        out.index_copy_(0, self.token_index, flat)
+        return out.view(self.batch_size, self.query_len, *flat.shape[1:])
+
+    def dense_slots(self, group: GroupMetadata) -> torch.Tensor:
+        """``[B, L]`` slot of each column HF's mask expects for generate's left-padded layout (``get_mask_sizes``
+        before this forward). Padding columns and positions outside a window map to slot 0: the mask hides them."""
+        key = id(group)
+        if key not in self._dense:
+            seq_after = self.seq_length_before + self.query_len
+            window = group.window
+            first = 0 if window is None else max(self.seq_length_before - window + 1, 0)
+            columns = torch.arange(first, seq_after, device=self.device)
+            pads = seq_after - self.seq_lens
+            positions = columns.unsqueeze(0) - pads.unsqueeze(1)  # real position of each column, < 0 for pads
+            clamped = positions.clamp_min(0)
+            tables = group.block_tables.long()
+            block_index = (clamped // group.block_size).clamp_max(tables.shape[1] - 1)
+            slots = tables.gather(1, block_index) * group.block_size + clamped % group.block_size
+            self._dense[key] = torch.where(positions >= 0, slots, torch.zeros_like(slots))
+        return self._dense[key]
+
+
+def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], counts: list[int], num_decodes: int,
+                   device, token_index: torch.Tensor | None = None, batch_size: int = 1,
+                   query_len: int | None = None, seq_length_before: int = 0) -> AttentionMetadata:
+    """Metadata of a forward whose sequences ``seqs`` already have slots for their ``counts`` new tokens.
+
+    ``starts[s]``: tokens ``seqs[s]`` held before the forward. The first ``num_decodes`` counts must be 1.
+    """
+    num_seqs = len(seqs)
+    counts_t = torch.tensor(counts, dtype=torch.long)
+    starts_t = torch.tensor(starts, dtype=torch.long)
+    seq_lens = starts_t + counts_t
+    query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.long)
+    torch.cumsum(counts_t, 0, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1]) if num_seqs else 0
+    if num_decodes == num_seqs:  # one token per sequence: no expansion
+        token_seq, positions = torch.arange(num_seqs), starts_t
+    else:
+        token_seq = torch.repeat_interleave(torch.arange(num_seqs), counts_t)
+        positions = torch.arange(num_tokens) - query_start_loc[token_seq] + starts_t[token_seq]
+    longest = max((s + c for s, c in zip(starts, counts)), default=1)
+    width = _bucket(-(-longest // kv.block_size))
+    rows = torch.tensor([seq.row for seq in seqs], dtype=torch.long)
+    groups = []
+    for group in kv.groups:
+        tables = group.rows.gather(rows, width)
+        slots = tables[token_seq, positions // kv.block_size].long() * kv.block_size + positions % kv.block_size
+        groups.append(GroupMetadata(tables.to(device, non_blocking=True), slots.to(device, non_blocking=True),
+                                    kv.block_size, group.window))
+    prefill_loc = None
+    if 0 < num_decodes < num_seqs:
+        prefill_loc = (query_start_loc[num_decodes:] - num_decodes).to(device, non_blocking=True)
+    return AttentionMetadata(
+        num_seqs=num_seqs, num_decodes=num_decodes, num_tokens=num_tokens, max_query_len=max(counts, default=0),
+        seq_lens=seq_lens.to(device, non_blocking=True), query_start_loc=query_start_loc.to(device, non_blocking=True),
+        prefill_query_start_loc=prefill_loc, positions=positions.to(device, non_blocking=True), groups=groups,
+        device=torch.device(device), batch_size=batch_size, query_len=num_tokens if query_len is None else query_len,
+        token_index=token_index, seq_length_before=seq_length_before,
+    )
+
+
+def _bucket(num_blocks: int) -> int:
+    """The table width for ``num_blocks`` blocks: the next power of two (at least 1)."""
+    return 1 << max(0, num_blocks - 1).bit_length()
+
+
+def write_layer_kv(storage, metadata: AttentionMetadata, group: GroupMetadata, key_states: torch.Tensor,
+                   value_states: torch.Tensor) -> None:
+    """Stores one layer's new K/V (``[B, kv_heads, q, head_dim]``, new tokens per ``metadata``) at their slots."""
+    storage.write(group.slot_mapping, metadata.select_new_tokens(key_states),
+                  metadata.select_new_tokens(value_states))
