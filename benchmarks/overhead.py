@@ -28,8 +28,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(num_seqs: int, steps: int, warmup: int) -> dict:
-    """Median per-step times (ms) with ``num_seqs`` decoding sequences; imports paged_hf from ``sys.path``."""
+def measure(num_seqs: int, steps: int, warmup: int, output_kind: str = "final_only") -> dict:
+    """Median per-step times (ms) with ``num_seqs`` decoding sequences; imports paged_hf from ``sys.path``.
+
+    ``output_kind``: what each step returns per request ("final_only" as ``generate`` asks, "delta" as a stream,
+    "cumulative"); an engine without output kinds returns cumulative outputs whatever is asked."""
+    import inspect
+
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,8 +49,13 @@ def measure(num_seqs: int, steps: int, warmup: int) -> dict:
         block_size=16, num_blocks=num_seqs * 8 + 32, enable_prefix_caching=False, max_model_len=512,
     )
     params = paged_hf.SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+    kind = {}
+    if "output_kind" in inspect.signature(engine.add_request).parameters:
+        from paged_hf.engine.request import RequestOutputKind  # noqa: PLC0415
+
+        kind = {"output_kind": RequestOutputKind(output_kind)}
     for prompt in prompts:
-        engine.add_request(prompt, params)
+        engine.add_request(prompt, params, **kind)
 
     forward_times: list[float] = []
     started = [0.0]
@@ -90,7 +100,8 @@ def run_at(source: Path, args, num_seqs: int) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{source}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     code = (f"import json, sys; sys.path.insert(0, {str(source)!r}); sys.path.insert(0, {str(ROOT / 'benchmarks')!r});"
             f"import torch; torch.set_num_threads({args.threads});"
-            f"from overhead import measure; print('RESULT', json.dumps(measure({num_seqs}, {args.steps}, {args.warmup})))")
+            f"from overhead import measure; print('RESULT', json.dumps(measure({num_seqs}, {args.steps}, {args.warmup}, "
+            f"{args.output_kind!r})))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=source)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
@@ -105,6 +116,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compare", metavar="REF", default=None, help="a git commit to measure beside this tree")
+    parser.add_argument("--output-kind", choices=["final_only", "delta", "cumulative"], default="final_only",
+                        help="what each step returns per request (default: as generate asks)")
     args = parser.parse_args(argv)
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))

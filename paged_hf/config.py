@@ -192,3 +192,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that reads or changes the logits first (the sampler's argmax-only fast path)."""
+        return (self.temperature == 0.0 and self.repetition_penalty == 1.0 and not self.presence_penalty
+                and not self.frequency_penalty and not self.logits_processors and self.logprobs is None)

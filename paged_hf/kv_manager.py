@@ -256,6 +256,13 @@ class KVManager:
                 return False
         return True
 
+    def try_append(self, seq: SequenceKV, num_new_tokens: int) -> bool:
+        """``append`` if every group has room (True), else nothing changes (False)."""
+        if not self.can_append(seq, num_new_tokens):
+            return False
+        self.append(seq, num_new_tokens)
+        return True
+
     def reserve(self, seqs: list[SequenceKV], counts: list[int]) -> None:
         """Makes room for ``counts[i]`` more tokens of each of ``seqs``: grows a growable pool, else raises
         ``PagedCacheFullError`` (``ValueError`` when the pool cannot even hold the prompts) before allocating."""
@@ -311,7 +318,8 @@ class KVManager:
             if copies:
                 start -= 1
                 self._record(g, copies, "device")
-            group.rows.write(seq.row, start, [b.block_id for b in table.blocks[start:]])
+            if len(table.blocks) > start:
+                group.rows.write(seq.row, start, [b.block_id for b in table.blocks[start:]])
 
     def truncate(self, seq: SequenceKV, num_tokens: int) -> None:
         """Rolls ``seq`` back to ``num_tokens`` tokens (assisted decoding). RuntimeError if a sliding-window group

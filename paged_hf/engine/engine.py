@@ -60,6 +60,7 @@ class PagedEngine:
         self._decode = decoder_for(tokenizer) if tokenizer is not None else None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._forks_pending: set[str] = set()  # requests with n > 1 whose other samples wait for the prompt
         self._generated_tokens = 0
         self._busy_seconds = 0.0
         logger.info("PagedEngine: %d KV blocks of %d tokens (%s, %.2f GiB) on %s, max_model_len %d",
@@ -132,12 +133,15 @@ class PagedEngine:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         self.requests[request_id] = request
+        if params.n > 1:
+            self._forks_pending.add(request_id)
         self.scheduler.add(request.sequences[0])
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its blocks; unknown or finished ids are ignored."""
         request = self.requests.pop(request_id, None)
+        self._forks_pending.discard(request_id)
         if request is not None:
             for seq in request.sequences:
                 self.scheduler.finish(seq, "abort")
@@ -174,22 +178,20 @@ class PagedEngine:
 
     def _update(self, output: SchedulerOutput, model_output, touched: dict[str, Request]) -> None:
         """Samples, applies the tokens, and post-processes the sequences that got one."""
-        sampled: list[Sequence] = []
-        rows: list[int] = []
-        for row, item in zip(model_output.sample_rows, (i for i in output.scheduled if i.samples)):
-            seq = item.seq
-            sampled.append(seq)
-            rows.append(row)
-            if seq.index == 0 and len(seq.token_ids) == seq.num_prompt_tokens:  # the prompt is done: fork samples
-                for sibling in seq.request.sequences[1:]:
-                    if sibling.status is SequenceStatus.FORK_PENDING:
-                        sampled.append(sibling)
-                        rows.append(row)
+        sampled = [item.seq for item in output.scheduled if item.samples]
+        rows = list(model_output.sample_rows)
+        if self._forks_pending:  # a request with n > 1 whose prompt completes now: its other samples join
+            for row, seq in list(zip(rows, sampled)):
+                if seq.index == 0 and seq.request.request_id in self._forks_pending:
+                    self._forks_pending.discard(seq.request.request_id)
+                    for sibling in seq.request.sequences[1:]:
+                        if sibling.status is SequenceStatus.FORK_PENDING:
+                            sampled.append(sibling)
+                            rows.append(row)
         for index, (first, count) in model_output.prompt_rows.items():
-            self._record_prompt_logprobs(output.scheduled[index], model_output.logits[first : first + count])
-        for item in output.scheduled:  # a chunk that samples nothing still progresses (prompt logprobs)
-            if item.seq.request.prompt_logprobs is not None:
-                touched[item.seq.request.request_id] = item.seq.request
+            item = output.scheduled[index]
+            self._record_prompt_logprobs(item, model_output.logits[first : first + count])
+            touched[item.seq.request.request_id] = item.seq.request  # progress, even without a token
         if not sampled:
             self.scheduler.update_from_output(output, [], [])
             return
@@ -202,18 +204,21 @@ class PagedEngine:
         receiving = [seq.status is not SequenceStatus.FINISHED for seq in sampled]
         self.scheduler.update_from_output(output, sampled, result.token_ids)
         now = time.monotonic()
+        final_only = RequestOutputKind.FINAL_ONLY
         for seq, got, entry in zip(sampled, receiving, result.logprobs):
             if not got:
                 continue
             request = seq.request
-            touched[request.request_id] = request
             self._generated_tokens += 1
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             if entry is not None:
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob += entry[seq.token_ids[-1]].logprob
-            self._process_text(seq)
+            if self._decode is not None:
+                self._process_text(seq)
+            if request.output_kind is not final_only or seq.status is SequenceStatus.FINISHED:
+                touched[request.request_id] = request
 
     def _record_prompt_logprobs(self, item, logits: torch.Tensor) -> None:
         """Logprobs of the prompt tokens after positions ``item.start ..`` (once, even if recomputed later)."""
@@ -237,10 +242,12 @@ class PagedEngine:
         if self._decode is None:
             return
         request, params = seq.request, seq.request.params
-        if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(self._decode, seq.num_prompt_tokens)
         per_step = params.stop or request.output_kind is not RequestOutputKind.FINAL_ONLY
         finished = seq.status is SequenceStatus.FINISHED
+        if not per_step and not finished:
+            return
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self._decode, seq.num_prompt_tokens)
         if per_step:
             delta = seq.detokenizer.update(seq.token_ids)
             stop_applies = params.stop and (not finished or seq.finish_reason == "length")
@@ -262,6 +269,7 @@ class PagedEngine:
         for request in touched.values():
             if request.finished:
                 self.requests.pop(request.request_id, None)
+                self._forks_pending.discard(request.request_id)
             elif request.output_kind is RequestOutputKind.FINAL_ONLY:
                 continue
             outputs.append(RequestOutput.of(request))

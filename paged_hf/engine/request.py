@@ -146,6 +146,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
+        if len(self.sequences) == 1:
+            return self.sequences[0].status is SequenceStatus.FINISHED
         return all(seq.status is SequenceStatus.FINISHED for seq in self.sequences)
 
 

@@ -41,16 +41,13 @@ class ModelRunner:
     def prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
         """``input_ids`` ``[1, T]`` and the metadata of the step (host work only; nothing runs on the model)."""
         scheduled = output.scheduled
-        input_ids: list[int] = []
-        for item in scheduled:
-            tokens = item.seq.token_ids
-            if item.num_tokens == 1:
-                input_ids.append(tokens[item.start])
-            else:
-                input_ids.extend(tokens[item.start : item.start + item.num_tokens])
+        d = output.num_decodes
+        input_ids = [item.seq.token_ids[item.start] for item in scheduled[:d]]
+        for item in scheduled[d:]:
+            input_ids.extend(item.seq.token_ids[item.start : item.start + item.num_tokens])
         metadata = build_metadata(
             self.kv, [item.seq.kv for item in scheduled], [item.start for item in scheduled],
-            [item.num_tokens for item in scheduled], output.num_decodes, self.device,
+            [item.num_tokens for item in scheduled], d, self.device,
         )
         return torch.tensor([input_ids], dtype=torch.long).to(self.device, non_blocking=True), metadata
 

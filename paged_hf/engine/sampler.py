@@ -34,6 +34,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None) -> Sam
     ``decode_token(id) -> str`` names the tokens of logprob entries (None: no text).
     """
     params = [seq.request.params for seq in seqs]
+    if all(p.plain_greedy for p in params):  # the common fast path: one argmax over the batch
+        return SamplerOutput(torch.argmax(logits, dim=-1).tolist(), [None] * len(seqs), {})
     raw = logits
     logits = logits.float()
     errors: dict[int, BaseException] = {}

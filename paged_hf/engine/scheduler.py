@@ -25,7 +25,7 @@ logger = logging.getLogger("paged_hf")
 AUTO_SWAP_MIN_BLOCKS = 4
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     """``seq`` computes tokens ``start .. start + num_tokens - 1`` this step; ``samples``: the last of them is its
     newest token, so the step samples the next one."""
@@ -62,6 +62,7 @@ class Scheduler:
         self.num_swapped_out = 0
         self.num_swapped_in = 0
         self._priority = config.scheduling_policy == "priority"
+        self._running_sorted = True  # ``running`` is in ``_order``; appending may break that
         self._has_windows = any(g.window is not None for g in kv.groups)
 
     def _order(self, seq: Sequence) -> tuple:
@@ -123,7 +124,9 @@ class Scheduler:
         decodes: list[ScheduledSequence] = []
         prefills: list[ScheduledSequence] = []
         preempted = False
-        self.running.sort(key=self._order)
+        if not self._running_sorted:
+            self.running.sort(key=self._order)
+            self._running_sorted = True
         kv = self.kv
 
         # 1. running sequences, oldest / most important first; decodes take one token
@@ -133,14 +136,14 @@ class Scheduler:
             count = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if self._has_windows:
                 kv.slide_windows(seq.kv)
-            while not kv.can_append(seq.kv, count):
+            while not kv.try_append(seq.kv, count):
                 victim = max(self.running[index:], key=self._order)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                self._reserve(seq, count, decodes if count == 1 else prefills)
+                self._schedule(seq, count, decodes if count == 1 else prefills)
                 budget -= count
                 index += 1
                 continue
@@ -155,11 +158,11 @@ class Scheduler:
             kv.swap_in(seq.kv)
             seq.status = SequenceStatus.RUNNING
             self.num_swapped_in += 1
-            self.running.append(seq)
+            self._join_running(seq)
             count = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            if not kv.can_append(seq.kv, count):
+            if not kv.try_append(seq.kv, count):
                 break  # runs next step
-            self._reserve(seq, count, decodes if count == 1 else prefills)
+            self._schedule(seq, count, decodes if count == 1 else prefills)
             budget -= count
 
         # 3. waiting sequences (new, or preempted by recompute), in order: no overtaking
@@ -181,17 +184,23 @@ class Scheduler:
                 seq.request.metrics.first_scheduled_time = time.monotonic()
                 seq.request.metrics.num_prefix_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._reserve(seq, count, decodes if count == 1 else prefills)
+            self._join_running(seq)
+            kv.append(seq.kv, count)  # admission_blocks checked the room
+            self._schedule(seq, count, decodes if count == 1 else prefills)
             budget -= count
         return SchedulerOutput(decodes + prefills, len(decodes), kv.take_copies())
 
-    def _reserve(self, seq: Sequence, count: int, out: list[ScheduledSequence]) -> None:
-        """Allocates the slots of ``count`` tokens of ``seq`` (capacity was checked), schedules them, and registers
-        the blocks they fill in the prefix cache (later admissions of this step may hit them)."""
+    def _join_running(self, seq: Sequence) -> None:
+        if self.running and self._order(seq) < self._order(self.running[-1]):
+            self._running_sorted = False
+        self.running.append(seq)
+
+    def _schedule(self, seq: Sequence, count: int, out: list[ScheduledSequence]) -> None:
+        """Schedules ``count`` tokens of ``seq`` (their slots are allocated) and registers the blocks they fill in
+        the prefix cache (later admissions of this step may hit them)."""
         start = seq.num_computed_tokens
-        self.kv.append(seq.kv, count)
-        self.kv.cache_full_blocks(seq.kv, seq.token_ids, start + count, seq.request.cache_salt)
+        if self.kv.prefix_caching:
+            self.kv.cache_full_blocks(seq.kv, seq.token_ids, start + count, seq.request.cache_salt)
         out.append(ScheduledSequence(seq, start, count, start + count == len(seq.token_ids)))
 
     # -------------------------------------------------------------------------- after the step
@@ -208,7 +217,7 @@ class Scheduler:
                 seq.kv = self.kv.fork(leader.kv)
                 seq.num_computed_tokens = leader.num_computed_tokens
                 seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
+                self._join_running(seq)
         for seq, token in zip(sampled, token_ids):
             if seq.status is not SequenceStatus.RUNNING:
                 continue
