@@ -46,9 +46,10 @@ FAMILIES = {
 DENSE_ATTENTION = {"gemma2": "eager"}
 
 
-def tiny_model(family: str, attn_implementation: str | None = None, seed: int = 0):
+def tiny_model(family: str, attn_implementation: str | None = None, seed: int = 0, **overrides):
+    """A random ``family`` model; ``overrides`` change its config (e.g. ``num_hidden_layers=1``)."""
     config_cls, model_cls, extra = FAMILIES[family]
-    config = config_cls(**{**_COMMON, **extra})
+    config = config_cls(**{**_COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config)
     model.eval()
