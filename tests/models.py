@@ -61,6 +61,27 @@ def dense_attention(family: str) -> str:
     return DENSE_ATTENTION.get(family, "sdpa")
 
 
+@torch.no_grad()
+def chunked_nll(model, ids: torch.Tensor, kv_format: str, chunk: int = 16) -> float:
+    """Mean NLL (nats) of tokens 1..n-1 of ``ids`` ``[n]``, fed through a ``PagedCache(kv_cache_dtype=kv_format)``
+    ``chunk`` tokens at a time, so that each chunk attends to the past as the cache stores it."""
+    import paged_hf
+
+    cache = paged_hf.PagedCache(model.config, block_size=16, kv_cache_dtype=kv_format)
+    logits = [model(input_ids=ids[None, b : b + chunk], cache=cache, use_cache=True).logits[0]
+              for b in range(0, len(ids), chunk)]
+    logprobs = torch.log_softmax(torch.cat(logits).double(), dim=-1)
+    return -logprobs[:-1].gather(1, ids[1:, None]).mean().item()
+
+
+def story_text_ids(tokenizer, num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` tokens of the first two stories of ../shared/data/tinystories_sample.txt."""
+    stories = sample_stories()
+    ids = tokenizer(stories[0] + " " + stories[1])["input_ids"][:num_tokens]
+    assert len(ids) == num_tokens
+    return torch.tensor(ids)
+
+
 def require_stories():
     if not STORIES.is_dir():
         pytest.skip(f"real model absent: {STORIES} (tests read ../shared/models; see its README)")
@@ -81,12 +102,16 @@ def stories_model(attn_implementation: str = "sdpa"):
     ).eval()
 
 
-def story_openings() -> list[str]:
-    """First sentence of each story in ../shared/data/tinystories_sample.txt."""
+def sample_stories() -> list[str]:
+    """The stories of ../shared/data/tinystories_sample.txt."""
     if not STORIES_TEXT.is_file():
         pytest.skip(f"sample text absent: {STORIES_TEXT}")
-    stories = [s.strip() for s in STORIES_TEXT.read_text().split("<|endoftext|>") if s.strip()]
-    return [s.split(". ")[0] + "." for s in stories]
+    return [s.strip() for s in STORIES_TEXT.read_text().split("<|endoftext|>") if s.strip()]
+
+
+def story_openings() -> list[str]:
+    """First sentence of each story in ../shared/data/tinystories_sample.txt."""
+    return [s.split(". ")[0] + "." for s in sample_stories()]
 
 
 def smollm2_dir():

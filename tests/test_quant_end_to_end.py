@@ -16,10 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import paged_hf
 from paged_hf import PagedEngine, SamplingParams
 from models import (
-    STORIES_TEXT, dense_attention, require_stories, stories_model, stories_tokenizer, story_openings, tiny_model,
+    chunked_nll, dense_attention, stories_model, stories_tokenizer, story_openings, story_text_ids, tiny_model,
 )
 
 FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2", "int4")
@@ -85,23 +84,7 @@ MAX_ABS_DELTA_NLL = {"int8": 0.015, "fp8_e4m3": 0.035, "fp8_e5m2": 0.45, "int4":
 
 @pytest.fixture(scope="module")
 def nll_text():
-    require_stories()
-    if not STORIES_TEXT.is_file():
-        pytest.skip(f"sample text absent: {STORIES_TEXT}")
-    stories = [s.strip() for s in STORIES_TEXT.read_text().split("<|endoftext|>") if s.strip()]
-    ids = stories_tokenizer()(stories[0] + " " + stories[1])["input_ids"][:NLL_TOKENS]
-    assert len(ids) == NLL_TOKENS
-    return torch.tensor(ids)
-
-
-@torch.no_grad()
-def chunked_nll(model, ids: torch.Tensor, kv_format: str) -> float:
-    """Mean NLL of tokens 1..n-1 of ``ids``, fed through a ``PagedCache(kv_cache_dtype=kv_format)`` in chunks."""
-    cache = paged_hf.PagedCache(model.config, block_size=16, kv_cache_dtype=kv_format)
-    logits = [model(input_ids=ids[None, b : b + NLL_CHUNK], cache=cache, use_cache=True).logits[0]
-              for b in range(0, len(ids), NLL_CHUNK)]
-    logprobs = torch.log_softmax(torch.cat(logits).double(), dim=-1)
-    return -logprobs[:-1].gather(1, ids[1:, None]).mean().item()
+    return story_text_ids(stories_tokenizer(), NLL_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -111,14 +94,14 @@ def auto_nll(nll_text):
         full = torch.log_softmax(model(input_ids=nll_text[None]).logits[0].double(), dim=-1)
     reference = -full[:-1].gather(1, nll_text[1:, None]).mean().item()
     model.set_attn_implementation("paged")
-    auto = chunked_nll(model, nll_text, "auto")
+    auto = chunked_nll(model, nll_text, "auto", NLL_CHUNK)
     assert auto == pytest.approx(reference, abs=1e-5), "the paged cache in 'auto' must not change the NLL"
     return auto
 
 
 @pytest.mark.parametrize("kv_format", FORMATS)
 def test_quantized_kv_nll_on_stories260k_stays_close_to_auto(nll_text, auto_nll, kv_format):
-    delta = chunked_nll(stories_model("paged"), nll_text, kv_format) - auto_nll
+    delta = chunked_nll(stories_model("paged"), nll_text, kv_format, NLL_CHUNK) - auto_nll
     assert abs(delta) <= MAX_ABS_DELTA_NLL[kv_format], f"{kv_format}: ΔNLL {delta:+.4f} nats/token vs auto"
 
 
