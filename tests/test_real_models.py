@@ -77,7 +77,6 @@ def test_stories_continuation_reuses_cache():
 @pytest.fixture(scope="module")
 def smollm2():
     directory = smollm2_dir()
-    pytest.importorskip("gguf", reason="gguf is needed to load SmolLM2 from its GGUF file")
     gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
     tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
     tok.padding_side = "left"
