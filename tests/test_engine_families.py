@@ -1,4 +1,4 @@
-"""The engine beyond Llama: tiny Mistral (every layer a sliding window of 6) and Gemma2 (sliding and full layers
+"""The engine beyond Llama: tiny Llama (the baseline), Mistral (every layer a sliding window of 6) and Gemma2 (sliding and full layers
 alternate, attention and final logit softcapping) against ``generate`` + ``DynamicCache`` + the family's dense
 attention (sdpa; eager for Gemma2), greedy tokens and their logprobs, with chunked prefill and preemption.
 
@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from paged_hf import PagedEngine, SamplingParams
 from models import tiny_model
 
-FAMILIES = ("mistral", "gemma2")
+FAMILIES = ("llama", "mistral", "gemma2")  # llama: the full-attention baseline of the same checks
 LENGTHS = (3, 9, 14, 20, 7, 17)
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
