@@ -1,5 +1,15 @@
+import os
 import sys
 from pathlib import Path
+
+# One intra-op thread per test process (and its subprocesses) unless OMP_NUM_THREADS says otherwise. The models are
+# tiny, so a second thread buys little, and on a busy 2-core machine two threads per process ran the suite ~4x
+# slower (spin-waiting for a core): -n 2 took 15 min with two threads per worker, 4 min with one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/models.py
 
