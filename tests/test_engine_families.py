@@ -1,6 +1,7 @@
-"""The engine beyond Llama: tiny Llama (the baseline), Mistral (every layer a sliding window of 6) and Gemma2 (sliding and full layers
-alternate, attention and final logit softcapping) against ``generate`` + ``DynamicCache`` + the family's dense
-attention (sdpa; eager for Gemma2), greedy tokens and their logprobs, with chunked prefill and preemption.
+"""The engine beyond Llama: tiny Mistral (every layer a sliding window of 6) and Gemma2 (sliding and full layers
+alternate, attention and final logit softcapping), and tiny Llama as the baseline, against ``generate`` +
+``DynamicCache`` + the family's dense attention (sdpa; eager for Gemma2): greedy tokens and their logprobs, with
+chunked prefill and preemption.
 
 Prompts are longer than the window, so the sliding layers free blocks while a sequence runs; a preempted sequence
 is recomputed (or swapped back) past its window.
