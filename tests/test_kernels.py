@@ -407,12 +407,15 @@ def test_copy_blocks_strided_and_odd_sizes():
     pool = buffer[::2]  # 4 blocks, stride 2 blocks
     narrow = torch.randint(0, 255, (4, 3, 3), dtype=torch.uint8, device=DEVICE)
     expected = [pool.clone(), narrow.clone()]
+    interleaved = buffer[1::2].clone()
     src, dst = torch.tensor([3, 0], device=DEVICE), torch.tensor([1, 2], device=DEVICE)
     copy_blocks(src, dst, [pool, narrow])
     copy_blocks_ref(src, dst, expected)
     assert torch.equal(pool, expected[0]) and torch.equal(narrow, expected[1])
-    assert torch.equal(buffer[1::2], buffer[1::2].clone())  # untouched interleaved blocks
+    assert torch.equal(buffer[1::2], interleaved), "the blocks between the pool's blocks must stay untouched"
+    before = buffer.clone()
     copy_blocks(src[:0], dst[:0], [pool])
+    assert torch.equal(buffer, before), "an empty id list copies nothing"
 
 
 # ------------------------------------------------------------------------------------------------ dispatch

@@ -1,0 +1,78 @@
+"""The engine beyond Llama: tiny Mistral (every layer a sliding window of 6) and Gemma2 (sliding and full layers
+alternate, attention and final logit softcapping), and tiny Llama as the baseline, against ``generate`` +
+``DynamicCache`` + the family's dense attention (sdpa; eager for Gemma2): greedy tokens and their logprobs, with
+chunked prefill and preemption.
+
+Prompts are longer than the window, so the sliding layers free blocks while a sequence runs; a preempted sequence
+is recomputed (or swapped back) past its window.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from paged_hf import PagedEngine, SamplingParams
+from models import tiny_model
+
+FAMILIES = ("llama", "mistral", "gemma2")  # llama: the full-attention baseline of the same checks
+LENGTHS = (3, 9, 14, 20, 7, 17)
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+
+
+def token_logprobs(completion) -> list[float]:
+    """The logprob of each sampled token of a ``CompletionOutput`` (the one place that knows the format)."""
+    return [entry["logprob"] for entry in completion.logprobs]
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in LENGTHS]
+
+
+_references: dict = {}
+
+
+def references(family: str) -> list[tuple[list[int], list[float]]]:
+    """(greedy tokens, their logprobs) of each prompt alone, by generate on DynamicCache with the dense attention."""
+    if family not in _references:
+        model = tiny_model(family)
+        refs = []
+        for ids in prompts():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 return_dict_in_generate=True, output_logits=True,
+                                 cache=DynamicCache(config=model.config))
+            tokens = out.sequences[0, len(ids):].tolist()
+            logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+            refs.append((tokens, logprobs))
+        _references[family] = refs
+    return _references[family]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"block_size": 4, "max_num_batched_tokens": 5},  # prompts cross chunk, block and window boundaries
+        {"block_size": 4, "num_blocks": 10, "preemption_mode": "recompute", "max_num_batched_tokens": 7},
+        {"block_size": 4, "num_blocks": 10, "preemption_mode": "swap", "swap_space": 0.001},
+    ],
+    ids=["default", "chunked", "recompute", "swap"],
+)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_equals_generate(family, options):
+    engine = PagedEngine(tiny_model(family), None, **{"num_blocks": 128, **options})
+    outs = engine.generate(prompts(), GREEDY, use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outs, references(family)):
+        assert out.outputs[0].token_ids == tokens
+        torch.testing.assert_close(token_logprobs(out.outputs[0]), logprobs, atol=2e-5, rtol=0)
+    stats = engine.get_stats()
+    if options.get("preemption_mode"):
+        assert stats["preemption_count"] > 0, "the tiny pool must force preemption"
+    if options.get("preemption_mode") == "swap":
+        assert stats["num_swapped_out"] > 0 and stats["num_swapped_in"] == stats["num_swapped_out"]
+    engine.check_invariants()
+    assert stats["kv_cache_used"] == 0
