@@ -1,112 +1,158 @@
-"""BlockTable slots when a sequence's blocks are not consecutive in the pool (the normal case once blocks are freed
-and reused): ``test_block_table.py`` builds its tables from a fresh pool, where block ids come out 0, 1, 2, ... and
-a slot computed from the first block's id (``first_id * block_size + position``) looks right.
+"""Slots when a sequence's blocks are not consecutive in the pool (the normal case once blocks are freed and
+reused). A fresh pool hands out ids 0, 1, 2, ..., where a slot computed from the first block's id
+(``first_id * block_size + position``) looks right; these tables hold scattered ids.
 
-Every check here compares slots with the definition, ``block_ids[p // block_size] * block_size + p % block_size``,
-on tables whose block ids are not consecutive, and checks that no two live positions share a slot.
+Every check compares the slot mapping the attention metadata computes (``metadata.build_metadata``, from the
+persistent block-table rows) with the definition, ``block_ids[p // block_size] * block_size + p % block_size``,
+and checks that no two live positions share a slot and that the rows equal a rebuild from the tables.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from paged_hf.block_pool import BlockPool
-from paged_hf.block_table import BlockTable
+from models import tiny_model
+from paged_hf.kv_manager import KVManager
+from paged_hf.metadata import build_metadata
 
 
-def expected_slots(table: BlockTable, start: int, stop: int) -> list[int]:
-    bs, ids = table.block_size, table.block_ids
-    return [ids[p // bs] * bs + p % bs for p in range(start, stop)]
+@pytest.fixture(scope="module")
+def config():
+    return tiny_model("llama").config
+
+
+def definition(seq, block_size: int, start: int, stop: int) -> list[int]:
+    ids = seq.tables[0].block_ids
+    return [ids[p // block_size] * block_size + p % block_size for p in range(start, stop)]
 
 
 def consecutive(ids: list[int]) -> bool:
     return all(b == a + 1 for a, b in zip(ids, ids[1:]))
 
 
-def assert_slots_are_a_bijection(*tables: BlockTable) -> None:
-    """Each held position has the slot of its definition (``slot``), and no two positions of the tables share one."""
-    seen = set()
-    for table in tables:
-        slots = [table.slot(p) for p in range(table.num_tokens)]
-        assert slots == expected_slots(table, 0, table.num_tokens)
-        seen.update(slots)
-    assert len(seen) == sum(t.num_tokens for t in tables), "two positions share a slot"
+def append(kv: KVManager, seq, count: int) -> list[int]:
+    """Appends ``count`` tokens to ``seq`` and returns the slots the metadata gives them."""
+    start = seq.num_tokens
+    kv.append(seq, count)
+    kv.apply_copies(kv.take_copies())
+    metadata = build_metadata(kv, [seq], [start], [count], num_decodes=int(count == 1), device="cpu")
+    return metadata.groups[0].slot_mapping.tolist()
 
 
-def scattered_pool(block_size=4) -> tuple[BlockPool, BlockTable]:
-    """A full pool of 9 blocks grown by three tables in turn; the first and the third are freed: the free queue is
-    6, 3, 0, 8, 5, 2 (each table frees its tail first), and the second table keeps 1, 4, 7."""
-    pool = BlockPool(9)
-    tables = [BlockTable(pool, block_size) for _ in range(3)]
+def assert_slots_are_a_bijection(kv: KVManager, *seqs) -> None:
+    """One forward over every held position of ``seqs``: each gets its definition's slot, no two share one."""
+    bs = kv.block_size
+    metadata = build_metadata(kv, list(seqs), [0] * len(seqs), [s.num_tokens for s in seqs], 0, "cpu")
+    slots = metadata.groups[0].slot_mapping.tolist()
+    expected = [slot for s in seqs for slot in definition(s, bs, 0, s.num_tokens)]
+    assert slots == expected
+    assert len(set(slots)) == len(slots), "two positions share a slot"
+    kv.check_invariants()  # includes: every row equals its table
+
+
+def scattered(config, block_size=4):
+    """A full pool of 9 blocks grown by three sequences in turn; the first and third are freed: the second keeps
+    blocks 1, 4, 7 and the free queue holds the others, scattered."""
+    kv = KVManager(config, block_size, "auto", num_blocks=9)
+    seqs = [kv.new_sequence() for _ in range(3)]
     for _ in range(3):
-        for table in tables:
-            table.append_slots(block_size)
-    tables[0].free()
-    tables[2].free()
-    assert tables[1].block_ids == [1, 4, 7] and pool.num_free_blocks == 6
-    return pool, tables[1]
+        for seq in seqs:
+            kv.append(seq, block_size)
+    kv.discard(seqs[0])
+    kv.discard(seqs[2])
+    assert seqs[1].tables[0].block_ids == [1, 4, 7] and kv.num_free_blocks == 6
+    return kv, seqs[1]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_interleaved_growth_gives_each_table_scattered_blocks(block_size):
-    pool = BlockPool(64)
-    a, b = BlockTable(pool, block_size), BlockTable(pool, block_size)
-    slots_a, slots_b = [], []
+def test_interleaved_growth_gives_each_sequence_scattered_blocks(config, block_size):
+    kv = KVManager(config, block_size, "auto", num_blocks=64)
+    a, b = kv.new_sequence(), kv.new_sequence()
     for step, length in enumerate([3, 1, block_size, 2 * block_size + 1, 1, block_size - 1 or 1]):
-        for table, slots in ((a, slots_a), (b, slots_b)):
-            start = table.num_tokens
-            new, copies = table.append_slots(length + step % 2)
-            assert copies == [] and new == expected_slots(table, start, table.num_tokens)
-            slots.extend(new)
-    assert not consecutive(a.block_ids) and not consecutive(b.block_ids)
-    assert slots_a == expected_slots(a, 0, a.num_tokens) and slots_b == expected_slots(b, 0, b.num_tokens)
-    assert_slots_are_a_bijection(a, b)
-    pool.check_invariants()
+        for seq in (a, b):
+            start = seq.num_tokens
+            new = append(kv, seq, length + step % 2)
+            assert new == definition(seq, block_size, start, seq.num_tokens)
+    assert not consecutive(a.tables[0].block_ids) and not consecutive(b.tables[0].block_ids)
+    assert_slots_are_a_bijection(kv, a, b)
 
 
 @pytest.mark.parametrize("start", [0, 1, 3, 4])
-def test_one_append_across_reused_blocks(start):
-    """A single ``append_slots`` call whose run spans several blocks that are not neighbours in the pool."""
-    pool, held = scattered_pool()
-    table = BlockTable(pool, 4)
+def test_one_append_across_reused_blocks(config, start):
+    """A single append whose run spans several blocks that are not neighbours in the pool."""
+    kv, held = scattered(config)
+    seq = kv.new_sequence()
     if start:
-        table.append_slots(start)
-    new, copies = table.append_slots(13)
-    assert copies == []
-    assert not consecutive(table.block_ids), table.block_ids
-    assert new == expected_slots(table, start, start + 13)
-    assert_slots_are_a_bijection(table, held)
-    pool.check_invariants()
+        append(kv, seq, start)
+    new = append(kv, seq, 13)
+    assert not consecutive(seq.tables[0].block_ids), seq.tables[0].block_ids
+    assert new == definition(seq, 4, start, start + 13)
+    assert_slots_are_a_bijection(kv, seq, held)
 
 
-def test_copy_on_write_into_a_reused_block():
-    pool, held = scattered_pool()
-    parent = BlockTable(pool, 4)
-    parent.append_slots(6)  # two reused blocks, the second half full
-    child = parent.fork()
-    new, copies = child.append_slots(5)  # the copied tail, then a new block
-    (src, dst), = copies
-    assert src == parent.block_ids[1] and dst == child.block_ids[1] and dst != src
-    assert new == expected_slots(child, 6, 11)
-    assert not consecutive(child.block_ids), child.block_ids
-    parent_new, parent_copies = parent.append_slots(3)  # the parent owns its tail alone again: in place
-    assert parent_copies == [] and parent_new == expected_slots(parent, 6, 9)
-    # shared positions 0..3 have the same slots in both; every other position is the table's own
-    assert [parent.slot(p) for p in range(4)] == [child.slot(p) for p in range(4)]
-    own = {child.slot(p) for p in range(4, 11)} | {parent.slot(p) for p in range(4, 9)}
-    assert len(own) == 12 and not own & {held.slot(p) for p in range(held.num_tokens)}
-    pool.check_invariants()
+def test_copy_on_write_into_a_reused_block(config):
+    kv, held = scattered(config)
+    parent = kv.new_sequence()
+    append(kv, parent, 6)  # two reused blocks, the second half full
+    child = kv.fork(parent)
+    kv.append(child, 5)  # the copied tail, then a new block
+    (copy,) = kv.take_copies()
+    assert copy.src == (parent.tables[0].block_ids[1],) and copy.dst == (child.tables[0].block_ids[1],)
+    assert copy.dst != copy.src and not consecutive(child.tables[0].block_ids)
+    metadata = build_metadata(kv, [child], [6], [5], 0, "cpu")
+    assert metadata.groups[0].slot_mapping.tolist() == definition(child, 4, 6, 11)
+    assert append(kv, parent, 3) == definition(parent, 4, 6, 9)  # the parent owns its tail alone again
+    assert not kv.take_copies()
+    assert definition(parent, 4, 0, 4) == definition(child, 4, 0, 4)  # the shared first block
+    own = set(definition(child, 4, 4, 11)) | set(definition(parent, 4, 4, 9))
+    assert len(own) == 12 and not own & set(definition(held, 4, 0, held.num_tokens))
+    kv.check_invariants()
 
 
-def test_truncate_then_regrow_on_reused_blocks():
-    pool, held = scattered_pool()
-    table = BlockTable(pool, 4)
-    table.append_slots(14)
-    table.truncate(5)
-    other = BlockTable(pool, 4)
-    other.append_slots(7)  # takes the blocks the truncate freed, among others
-    new, _ = table.append_slots(10)
-    assert new == expected_slots(table, 5, 15)
-    assert not consecutive(table.block_ids), table.block_ids
-    assert_slots_are_a_bijection(table, other, held)
-    pool.check_invariants()
+def test_truncate_then_regrow_on_reused_blocks(config):
+    kv, held = scattered(config)
+    seq = kv.new_sequence()
+    append(kv, seq, 14)
+    kv.truncate(seq, 5)
+    other = kv.new_sequence()
+    append(kv, other, 7)  # takes the blocks the truncate freed, among others
+    assert append(kv, seq, 10) == definition(seq, 4, 5, 15)
+    assert not consecutive(seq.tables[0].block_ids), seq.tables[0].block_ids
+    assert_slots_are_a_bijection(kv, seq, other, held)
+
+
+def test_rows_after_many_appends_and_frees_equal_a_rebuild(config):
+    """The persistent rows, updated in place through appends, forks, copy-on-write, truncation, window frees and
+    frees, equal block tables rebuilt from scratch (what the metadata gathers for a forward)."""
+    kv = KVManager(tiny_model("mistral").config, 2, "auto", num_blocks=200)  # sliding window 6
+    generator = torch.Generator().manual_seed(0)
+    live = []
+    for step in range(300):
+        action = int(torch.randint(0, 6, (1,), generator=generator))
+        if action <= 2 or not live:
+            seq = kv.new_sequence() if action == 0 or not live else live[int(torch.randint(0, len(live), (1,),
+                                                                                          generator=generator))]
+            if seq not in live:
+                live.append(seq)
+            kv.slide_windows(seq)
+            count = int(torch.randint(1, 5, (1,), generator=generator))
+            if kv.can_append(seq, count):
+                kv.append(seq, count)
+        elif action == 3:
+            live.append(kv.fork(live[int(torch.randint(0, len(live), (1,), generator=generator))]))
+        elif action == 4:
+            seq = live[int(torch.randint(0, len(live), (1,), generator=generator))]
+            if seq.num_tokens > 1 and seq.tables[0].num_freed == 0:
+                kv.truncate(seq, seq.num_tokens - 1)
+        else:
+            kv.discard(live.pop(int(torch.randint(0, len(live), (1,), generator=generator))))
+        kv.take_copies()
+    assert live
+    width = max(len(s.tables[0].blocks) for s in live)
+    rows = torch.tensor([s.row for s in live])
+    gathered = kv.groups[0].rows.gather(rows, width)
+    rebuilt = torch.tensor([[max(b, 0) for b in s.tables[0].block_ids] + [0] * (width - len(s.tables[0].blocks))
+                            for s in live], dtype=gathered.dtype)
+    assert torch.equal(gathered, rebuilt)
+    kv.check_invariants()

@@ -24,7 +24,7 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, l
 
 def token_logprobs(completion) -> list[float]:
     """The logprob of each sampled token of a ``CompletionOutput`` (the one place that knows the format)."""
-    return [entry["logprob"] for entry in completion.logprobs]
+    return [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
 
 
 def prompts() -> list[list[int]]:

@@ -24,7 +24,7 @@ BLOCK_SIZE = 4
 
 def token_logprobs(completion) -> list[float]:
     """The logprob of each sampled token of a ``CompletionOutput`` (the one place that knows the format)."""
-    return [entry["logprob"] for entry in completion.logprobs]
+    return [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2", "int4")
 
 def token_logprobs(completion) -> list[float]:
     """The logprob of each sampled token of a ``CompletionOutput`` (the one place that knows the format)."""
-    return [entry["logprob"] for entry in completion.logprobs]
+    return [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
 
 
 # ------------------------------------------------------------------------------ 1. paged == dense over the same K/V

@@ -33,7 +33,8 @@ STOP_WITHIN = 1.5  # seconds from the client leaving to the engine holding nothi
 def logprob_entries(completion) -> list[tuple[float, dict[int, float]]]:
     """(logprob of the sampled token, {token id: logprob} of the top alternatives) per token of a
     ``CompletionOutput``: the one place that knows the engine's logprobs format."""
-    return [(entry["logprob"], entry["top"]) for entry in completion.logprobs]
+    return [(entry[token].logprob, {tid: lp.logprob for tid, lp in entry.items() if lp.rank <= len(entry)})
+            for entry, token in zip(completion.logprobs, completion.token_ids)]
 
 
 @pytest.fixture(scope="module")
