@@ -10,6 +10,7 @@ from .attention import paged_attention_forward, register_attention, unregister_a
 from .cache import PagedCache, PagedCacheFullError
 from .config import CacheConfig, EngineConfig, SamplingParams
 from .engine import CompletionOutput, PagedEngine, RequestOutput
+from .llm import LLM
 from . import patches
 from .patches import default_paged as _default_paged
 
@@ -56,6 +57,7 @@ __all__ = [
     "CacheConfig",
     "CompletionOutput",
     "EngineConfig",
+    "LLM",
     "PagedEngine",
     "RequestOutput",
     "SamplingParams",
