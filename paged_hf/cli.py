@@ -8,6 +8,10 @@ happen inside the handlers, so ``paged-hf --help`` stays quick.
     paged-hf serve [MODEL] [--gguf-file F] [--host 127.0.0.1] [--port 8000] [engine options]
     paged-hf generate [MODEL] [--prompt P ...] [--prompts-file F] [--output out.jsonl] [engine options]
     paged-hf bench NAME [args ...]      (runs benchmarks/NAME.py of a source checkout)
+    paged-hf run [--kv-cache-dtype F] [--cache-config JSON] (-- COMMAND ... | -m MODULE ...)
+
+``run`` passes its program's arguments through untouched, which argparse cannot do after an option-like token,
+so ``main`` hands everything after ``run`` to ``paged_hf.run.main``; its subparser here only lists it in --help.
 """
 
 from __future__ import annotations
@@ -204,6 +208,14 @@ def _run_bench(args) -> int:
     return 0
 
 
+def _add_run(subcommands) -> None:
+    subcommands.add_parser(
+        "run", add_help=False,
+        help="run an unmodified program with cache_implementation='paged' as generate()'s default "
+             "(paged-hf run --help)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paged-hf",
@@ -215,11 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(subcommands)
     _add_generate(subcommands)
     _add_bench(subcommands)
+    _add_run(subcommands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``paged-hf`` console script; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:
+        from .run import main as run_main  # noqa: PLC0415
+
+        return run_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.handler(args)
 

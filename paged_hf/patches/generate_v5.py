@@ -5,28 +5,40 @@ drops the attention mask and most of generate's features), and silently builds a
 comes through a ``GenerationConfig``. Here the keyword is taken out before that reroute and remembered in a
 context variable; the cache is then built where transformers builds its caches,
 ``_prepare_cache_for_generation``, with the batch and length it knows, and generate runs its normal loop.
+
+While ``default_paged`` is on, a call that does not choose its own cache is treated as if it had said
+``cache_implementation="paged"``, except that a model the paged cache cannot hold (``NotImplementedError``:
+encoder-decoder, state-space, ...) keeps transformers' default cache, with a warning.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from contextvars import ContextVar
 
 from transformers.generation.utils import GenerationMixin
 
+from . import default_paged
+
 TRANSFORMERS_VERSIONS = ("5.20", "6")
 
-# Set by ``generate`` for one call: the ``cache_config`` given with ``cache_implementation="paged"``.
+# Set by ``generate`` for one call: the ``cache_config`` given with ``cache_implementation="paged"``, and
+# ``by_default`` when the call named no cache and ``default_paged`` chose the paged one.
 _paged_request: ContextVar[dict | None] = ContextVar("paged_hf_request", default=None)
 _originals: dict[str, object] = {}
 
 
 def _generate(self, *args, **kwargs):
-    if kwargs.get("cache_implementation") != "paged":
+    if kwargs.get("cache_implementation") == "paged":
+        kwargs.pop("cache_implementation")
+        request = {"cache_config": kwargs.pop("cache_config", None), "by_default": False}
+    elif default_paged.applies(self, args, kwargs):
+        request = {"cache_config": default_paged.cache_config(), "by_default": True}
+    else:
         return _originals["generate"](self, *args, **kwargs)
-    kwargs.pop("cache_implementation")
-    token = _paged_request.set({"cache_config": kwargs.pop("cache_config", None)})
+    token = _paged_request.set(request)
     try:
         return _originals["generate"](self, *args, **kwargs)
     finally:
@@ -48,9 +60,38 @@ def _prepare_cache_for_generation(
         )
     if generation_config.use_cache is False:
         return None
+    if request is not None and request["by_default"]:
+        return _prepare_default_paged_cache(
+            self, request, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
+            *args, **kwargs,
+        )
+    options = dict((request or {}).get("cache_config") or generation_config.cache_config
+                   or default_paged.cache_config() or {})
+    _build_paged_cache(self, options, generation_config, model_kwargs, batch_size, max_cache_length)
+    return None
+
+
+def _prepare_default_paged_cache(
+    self, request, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
+):
+    """The paged cache for a call that named none, or transformers' own for a model the paged cache cannot hold."""
+    supports_cache = getattr(self, "_supports_default_dynamic_cache", lambda: True)()
+    if supports_cache:
+        try:
+            _build_paged_cache(self, dict(request["cache_config"] or {}), generation_config, model_kwargs,
+                               batch_size, max_cache_length)
+            return None
+        except NotImplementedError as error:
+            warnings.warn(f"paged_hf: generate() of {type(self).__name__} keeps transformers' default cache: {error}",
+                          RuntimeWarning, stacklevel=2)
+    return _originals["_prepare_cache_for_generation"](
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
+    )
+
+
+def _build_paged_cache(self, options, generation_config, model_kwargs, batch_size, max_cache_length) -> None:
     from ..cache import PagedCache  # noqa: PLC0415 - patches sit below the cache in the import order
 
-    options = dict((request or {}).get("cache_config") or generation_config.cache_config or {})
     config = _checked_config(options)
     attention_mask = model_kwargs.get("attention_mask")
     if config.num_blocks is None and config.memory_budget is None:
@@ -69,7 +110,6 @@ def _prepare_cache_for_generation(
     model_kwargs["cache"] = PagedCache(self.config, **options)
     if generation_config.is_assistant:
         model_kwargs["cache"].activate_past_recording()
-    return None
 
 
 def _checked_config(options: dict):
@@ -111,6 +151,7 @@ def apply() -> None:
 
 
 def undo() -> None:
+    default_paged.disable()
     for name, original in _originals.items():
         setattr(GenerationMixin, name, original)
     _originals.clear()

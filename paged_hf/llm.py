@@ -1,0 +1,361 @@
+"""``LLM``: vLLM's offline API (``vllm.LLM``) on a transformers model, served by ``PagedEngine``.
+
+A script written for vLLM runs by changing its import::
+
+    from paged_hf import LLM, SamplingParams          # was: from vllm import LLM, SamplingParams
+
+    llm = LLM(model="path/to/model")                  # a model folder, a .gguf file, or a hub name
+    outputs = llm.generate(["Once upon a time"], SamplingParams(temperature=0.8, max_tokens=64))
+    print(outputs[0].outputs[0].text)
+
+The model and tokenizer load through transformers (``AutoModelForCausalLM``, ``AutoTokenizer``); requests run on
+``PagedEngine``, whose ``RequestOutput`` / ``CompletionOutput`` have vLLM's shape. ``SamplingParams`` reach the
+engine unchanged. vLLM keywords that only tune vLLM's own machinery (CUDA graphs, custom all-reduce, stats logging)
+are accepted and have nothing to do here; any other keyword this class cannot honour raises ``ValueError``
+naming it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields, replace
+
+import torch
+
+from .config import EngineConfig, SamplingParams
+from .engine import PagedEngine, RequestOutput
+
+GIB = 1 << 30
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+ENGINE_OPTIONS = tuple(f.name for f in fields(EngineConfig))
+# vLLM keyword -> the value(s) this class can honour (None: any value; it tunes machinery that does not exist here).
+VLLM_KEYWORDS: dict[str, tuple | None] = {
+    "tensor_parallel_size": (1,), "pipeline_parallel_size": (1,), "quantization": (None,), "cpu_offload_gb": (0,),
+    "enable_chunked_prefill": (True, None), "distributed_executor_backend": (None,), "compilation_config": (None,),
+    "enforce_eager": None, "max_seq_len_to_capture": None, "disable_custom_all_reduce": None,
+    "disable_log_stats": None,
+}
+WHY_NOT = {
+    "tensor_parallel_size": "one process serves the model; tensor parallelism is not wired into LLM yet",
+    "pipeline_parallel_size": "pipeline parallelism is not supported",
+    "quantization": "load a quantized checkpoint through transformers (its quantization_config is read as usual) "
+                    "or quantize the KV blocks with kv_cache_dtype",
+    "cpu_offload_gb": "weight offloading is not supported",
+    "enable_chunked_prefill": "the engine always chunks prefills within max_num_batched_tokens",
+    "distributed_executor_backend": "there is one process, no executor to choose",
+    "compilation_config": "the model runs eagerly",
+}
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+# generation_config.json field -> SamplingParams field, as vLLM reads a model's defaults.
+GENERATION_DEFAULTS = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
+                       ("repetition_penalty", "repetition_penalty"), ("max_new_tokens", "max_tokens"))
+
+
+class LLM:
+    """vLLM's ``LLM`` on a transformers model.
+
+    Args:
+        model: a model folder, a ``.gguf`` file (or a folder with ``gguf_file=``), a hub name, or a loaded
+            ``PreTrainedModel`` (kept where it is unless ``dtype`` / ``device`` say otherwise).
+        tokenizer: a path or hub name, or a tokenizer object; None loads the model's.
+        dtype: "auto" (the checkpoint's dtype), "float32"/"float", "bfloat16", "float16"/"half", or a torch dtype.
+        device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
+        seed: seeds torch's global RNG once the model is loaded (what requests without their own
+            ``SamplingParams.seed`` draw from), as vLLM does in-process; None leaves it alone.
+        generation_config: "auto" takes default sampling parameters from the model's generation_config (as vLLM),
+            "vllm" ignores them, or a folder holding a generation_config.json.
+        skip_tokenizer_init: no tokenizer: prompts must be token ids and outputs carry no text.
+        trust_remote_code, revision, tokenizer_revision, gguf_file: passed to ``from_pretrained``.
+        **options: ``PagedEngine`` options (``EngineConfig``: ``max_num_seqs``, ``kv_cache_dtype``,
+            ``enable_prefix_caching``, ``gpu_memory_utilization``, ``max_model_len``, ``block_size``,
+            ``swap_space``, ...), vLLM's ``num_gpu_blocks_override`` (= ``num_blocks``) and
+            ``kv_cache_memory_bytes``, and the vLLM keywords of ``VLLM_KEYWORDS``.
+    """
+
+    def __init__(self, model, tokenizer=None, *, tokenizer_mode: str = "auto", skip_tokenizer_init: bool = False,
+                 trust_remote_code: bool = False, dtype="auto", device: str = "auto", seed: int | None = 0,
+                 revision: str | None = None, tokenizer_revision: str | None = None, gguf_file: str | None = None,
+                 generation_config: str = "auto", **options) -> None:
+        engine_options = _engine_options(options)
+        if tokenizer_mode != "auto":
+            raise ValueError(f"tokenizer_mode must be 'auto' (transformers' AutoTokenizer), got {tokenizer_mode!r}")
+        torch_dtype = _torch_dtype(dtype)
+        target = _device(device)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        self.model = _load_model(model, torch_dtype, target, trust_remote_code, revision, gguf_file)
+        self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(
+            tokenizer, model, trust_remote_code, tokenizer_revision or revision, gguf_file)
+        self._default_params = _default_sampling_params(self.model, generation_config)
+        self.llm_engine = PagedEngine(self.model, self.tokenizer, **engine_options)
+        if seed is not None:
+            torch.manual_seed(seed)
+
+    # ---------------------------------------------------------------------------------------- front ends
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | Callable = True, lora_request=None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Completes ``prompts``: a string, ``{"prompt": ...}``, ``{"prompt_token_ids": [...]}`` (vLLM's
+        TextPrompt / TokensPrompt, optionally with ``cache_salt``), a list of token ids, or a list of any of these.
+        Returns one ``RequestOutput`` per prompt, in order. A prompt that cannot run raises ``ValueError`` before
+        any work starts; a request that fails while running raises ``RuntimeError`` at the end."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: LLM serves one set of weights (merge the adapter)")
+        prompts = _prompt_list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
+        if any(priorities) and self.llm_engine.config.scheduling_policy != "priority":
+            raise ValueError("priority needs scheduling_policy='priority' (the LLM was built with "
+                             f"{self.llm_engine.config.scheduling_policy!r}, which ignores it)")
+        return self._run(prompts, params, priorities, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable = True, lora_request=None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list | None = None,
+             chat_template_kwargs: Mapping | None = None) -> list[RequestOutput]:
+        """Answers one conversation (a list of ``{"role", "content"}`` messages) or a list of them, rendered with
+        the tokenizer's chat template (or ``chat_template``)."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init=True")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                list(conversation), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools, tokenize=False,
+                **dict(chat_template_kwargs or {}))
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds the specials
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's generation_config defaults (unless ``generation_config="vllm"``)."""
+        return self._default_params
+
+    def get_stats(self) -> dict:
+        """``PagedEngine.get_stats()`` plus the memory of the model and the KV pool on their device: ``device``,
+        ``model_memory_gib`` (parameters and buffers), ``kv_cache_memory_gib`` (the pool's tensors), and on CUDA
+        ``gpu_memory_used`` (GiB torch holds on the device, what nvidia-smi shows for the process less the CUDA
+        context), on CPU ``cpu_memory_used`` (the process's resident memory, GiB)."""
+        stats = dict(self.llm_engine.get_stats())
+        device = self.model.device
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        stats["device"] = str(device)
+        stats["model_memory_gib"] = sum(t.numel() * t.element_size() for t in tensors) / GIB
+        stats["kv_cache_memory_gib"] = self.llm_engine.cache.stats()["bytes_allocated"] / GIB
+        if device.type == "cuda":
+            stats["gpu_memory_used"] = torch.cuda.memory_reserved(device) / GIB
+        else:
+            stats.update(_host_memory())
+        return stats
+
+    # ------------------------------------------------------------------------------------------ running
+    def _params_list(self, sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self._default_params] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"sampling_params has {len(params)} entries for {count} prompts")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params must be paged_hf.SamplingParams (or a list of them), got {p!r}")
+        return params
+
+    def _run(self, prompts, params, priorities, use_tqdm) -> list[RequestOutput]:
+        engine, request_ids = self.llm_engine, []
+        try:  # add_request validates each prompt and queues nothing for a bad one: fail before any work, as vLLM
+            for (prompt, cache_salt), p, priority in zip(prompts, params, priorities):
+                request_ids.append(engine.add_request(prompt, p, priority=priority, cache_salt=cache_salt))
+        except Exception:
+            for request_id in request_ids:
+                engine.abort(request_id)
+            raise
+        pending, done = set(request_ids), {}
+        bar = _progress_bar(len(request_ids), use_tqdm)
+        while pending and engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        if pending:
+            raise RuntimeError(f"the engine stopped with requests {sorted(pending)} unfinished")
+        outputs = [done[request_id] for request_id in request_ids]
+        failed = [o for o in outputs if o.error is not None]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed; request {failed[0].request_id}: "
+                               f"{failed[0].error}")
+        return outputs
+
+
+# ------------------------------------------------------------------------------------------- arguments
+def _engine_options(options: dict) -> dict:
+    engine = {name: options.pop(name) for name in ENGINE_OPTIONS if name in options}
+    if "num_gpu_blocks_override" in options:
+        engine.setdefault("num_blocks", options.pop("num_gpu_blocks_override"))
+    if "kv_cache_memory_bytes" in options:
+        value = options.pop("kv_cache_memory_bytes")
+        if value is not None:
+            engine.setdefault("kv_cache_memory", value / GIB)
+    for name, allowed in VLLM_KEYWORDS.items():
+        if name in options:
+            value = options.pop(name)
+            if allowed is not None and value not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)} here ({WHY_NOT[name]}), got {value!r}")
+    if options:
+        raise ValueError(
+            f"LLM got unknown keyword(s) {sorted(options)}; engine options are {list(ENGINE_OPTIONS)} (plus vLLM's "
+            f"num_gpu_blocks_override, kv_cache_memory_bytes), accepted vLLM keywords are {list(VLLM_KEYWORDS)}")
+    EngineConfig(**engine)  # bad values raise here, naming the field, before the model loads
+    return engine
+
+
+def _torch_dtype(dtype):
+    if dtype == "auto" or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto', one of {list(DTYPES)} or a torch.dtype, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _device(device) -> torch.device | None:
+    """The device to place the model on; None for "auto" with a loaded model (left where it is)."""
+    text = str(device)
+    if text == "auto":
+        return None
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise ValueError(f"device must be one of {list(DEVICES)}, got {device!r}")
+    return torch.device(text)
+
+
+def _model_source(model, gguf_file: str | None) -> tuple[str, dict]:
+    """The ``from_pretrained`` name and its ``gguf_file`` keyword: a .gguf file path splits into its folder and
+    name; a folder holding no config.json but exactly one .gguf file loads that file."""
+    path = os.fspath(model)
+    if gguf_file is None and path.endswith(".gguf") and os.path.isfile(path):
+        return os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
+    if gguf_file is None and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
+        if len(ggufs) > 1:
+            raise ValueError(f"{path!r} holds several .gguf files {ggufs}; pass gguf_file= to choose one")
+        if ggufs:
+            return path, {"gguf_file": ggufs[0]}
+    return path, {} if gguf_file is None else {"gguf_file": gguf_file}
+
+
+def _load_model(model, dtype, device, trust_remote_code, revision, gguf_file):
+    from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: PLC0415
+
+    if isinstance(model, PreTrainedModel):
+        if dtype != "auto":
+            model = model.to(dtype)
+        return model if device is None else model.to(device)
+    name, extra = _model_source(model, gguf_file)
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if revision is not None:
+        extra["revision"] = revision
+    if device.type != "cpu":
+        extra["device_map"] = str(device)
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="paged",
+                                                trust_remote_code=trust_remote_code, **extra).eval()
+
+
+def _load_tokenizer(tokenizer, model, trust_remote_code, revision, gguf_file):
+    from transformers import AutoTokenizer, PreTrainedModel  # noqa: PLC0415
+
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer  # a tokenizer object
+    source = tokenizer if tokenizer is not None else model
+    if isinstance(source, PreTrainedModel):
+        source = source.name_or_path
+        if not source:
+            raise ValueError("tokenizer is needed: the model object has no name_or_path to load one from")
+    name, extra = _model_source(source, gguf_file if tokenizer is None else None)
+    if revision is not None:
+        extra["revision"] = revision
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **extra)
+
+
+def _default_sampling_params(model, generation_config) -> SamplingParams:
+    if generation_config == "vllm":
+        return SamplingParams()
+    if generation_config == "auto":
+        config = getattr(model, "generation_config", None)
+    elif isinstance(generation_config, (str, os.PathLike)) and os.path.isdir(generation_config):
+        from transformers import GenerationConfig  # noqa: PLC0415
+
+        config = GenerationConfig.from_pretrained(generation_config)
+    else:
+        raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
+                         f"got {generation_config!r}")
+    defaults = {}
+    for theirs, ours in GENERATION_DEFAULTS:
+        value = getattr(config, theirs, None)
+        if value is not None:
+            defaults[ours] = -1 if ours == "top_k" and value == 0 else value
+    return replace(SamplingParams(), **defaults)
+
+
+def _prompt_list(prompts) -> list[tuple[object, str | None]]:
+    """(engine prompt, cache_salt) per prompt; one prompt (a string, a dict, a list of ids) becomes a list of one."""
+    single = not isinstance(prompts, Sequence) or isinstance(prompts, str) or (
+        prompts and all(isinstance(t, int) for t in prompts))
+    return [_engine_prompt(p) for p in ([prompts] if single else list(prompts))]
+
+
+def _engine_prompt(prompt) -> tuple[object, str | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, Mapping):
+        unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+        if unknown:
+            raise ValueError(f"prompt has unsupported key(s) {unknown}; allowed keys are {list(PROMPT_KEYS)}")
+        if "prompt_token_ids" in prompt:
+            return {"prompt": prompt.get("prompt"), "prompt_token_ids": list(prompt["prompt_token_ids"])}, \
+                prompt.get("cache_salt")
+        if isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], prompt.get("cache_salt")
+        raise ValueError(f"a prompt dict needs 'prompt' (a string) or 'prompt_token_ids', got {prompt!r}")
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt), None
+    raise ValueError(f"a prompt must be a string, a dict with 'prompt' or 'prompt_token_ids', or a list of token ids, "
+                     f"got {prompt!r}")
+
+
+def _progress_bar(total: int, use_tqdm):
+    if not use_tqdm:
+        return None
+    if callable(use_tqdm):  # vLLM accepts a tqdm-like factory
+        return use_tqdm(total=total, desc="Processed prompts")
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    return tqdm(total=total, desc="Processed prompts", unit="req")
+
+
+def _host_memory() -> dict:
+    """Resident memory of this process (Linux), else its peak (``cpu_memory_peak``), in GiB."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as handle:
+            resident_pages = int(handle.read().split()[1])
+        return {"cpu_memory_used": resident_pages * os.sysconf("SC_PAGE_SIZE") / GIB}
+    except (OSError, ValueError, IndexError):
+        import resource  # noqa: PLC0415
+        import sys  # noqa: PLC0415
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return {"cpu_memory_peak": peak * (1 if sys.platform == "darwin" else 1024) / GIB}
