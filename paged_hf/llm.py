@@ -25,7 +25,7 @@ from dataclasses import fields, replace
 import torch
 
 from .config import EngineConfig, SamplingParams
-from .engine import PagedEngine, RequestOutput
+from .engine import PagedEngine, RequestOutput, RequestOutputKind
 
 GIB = 1 << 30
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -146,12 +146,13 @@ class LLM:
         ``model_memory_gib`` (parameters and buffers), ``kv_cache_memory_gib`` (the pool's tensors), and on CUDA
         ``gpu_memory_used`` (GiB torch holds on the device, what nvidia-smi shows for the process less the CUDA
         context), on CPU ``cpu_memory_used`` (the process's resident memory, GiB)."""
-        stats = dict(self.llm_engine.get_stats())
+        engine_stats = self.llm_engine.get_stats()
+        stats = engine_stats.as_dict()
         device = self.model.device
         tensors = itertools.chain(self.model.parameters(), self.model.buffers())
         stats["device"] = str(device)
         stats["model_memory_gib"] = sum(t.numel() * t.element_size() for t in tensors) / GIB
-        stats["kv_cache_memory_gib"] = self.llm_engine.cache.stats()["bytes_allocated"] / GIB
+        stats["kv_cache_memory_gib"] = engine_stats.kv_cache_bytes / GIB
         if device.type == "cuda":
             stats["gpu_memory_used"] = torch.cuda.memory_reserved(device) / GIB
         else:
@@ -176,7 +177,8 @@ class LLM:
         engine, request_ids = self.llm_engine, []
         try:  # add_request validates each prompt and queues nothing for a bad one: fail before any work, as vLLM
             for (prompt, cache_salt), p, priority in zip(prompts, params, priorities):
-                request_ids.append(engine.add_request(prompt, p, priority=priority, cache_salt=cache_salt))
+                request_ids.append(engine.add_request(prompt, p, priority=priority, cache_salt=cache_salt,
+                                                      output_kind=RequestOutputKind.FINAL_ONLY))
         except Exception:
             for request_id in request_ids:
                 engine.abort(request_id)
