@@ -2,20 +2,28 @@
 ``PagedEngine.get_stats()``, the server's ``/metrics`` and the benchmarks.
 
 Block counts are summed over layer groups (a hybrid model's full and sliding pools). The objects are frozen
-dataclasses; ``stats["name"]`` and ``stats.as_dict()`` serve code that reads them as dicts.
+dataclasses that are also read-only mappings (``stats["name"]``, ``dict(stats)``, ``stats.as_dict()``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 
 
-class _StatsMapping:
+class _StatsMapping(Mapping):
+    """Read-only mapping view of a stats dataclass: its fields and derived ratios by name."""
+
     def __getitem__(self, name: str):
-        try:
-            return getattr(self, name)
-        except AttributeError:
-            raise KeyError(name) from None
+        if name not in self.as_dict():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())
 
     def as_dict(self) -> dict:
         return asdict(self)
