@@ -60,13 +60,15 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_k
     return int.from_bytes(digest, "little")
 
 
-def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()) -> list[int]:
-    """One chained hash per full block of ``token_ids``; a partial tail block is not hashed."""
+def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int,
+                        extra_keys: tuple = ()) -> list[int]:
+    """Extends ``hashes`` (the chained hashes of the first ``len(hashes)`` blocks of ``token_ids``) in place to one
+    hash per full block of ``token_ids``, and returns it; a partial tail block is not hashed. Work is proportional
+    to the new blocks only."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    hashes: list[int] = []
-    parent: int | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys)
-        hashes.append(parent)
+    while len(hashes) < len(token_ids) // block_size:
+        start = len(hashes) * block_size
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start:start + block_size],
+                                        extra_keys))
     return hashes

@@ -26,7 +26,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from .block_pool import BlockPool, KVBlock
 from .block_table import BlockTable, num_blocks_for
 from .block_table_rows import BlockTableRows
-from .hashing import hash_block_tokens
+from .hashing import extend_block_hashes
 from .kv_stats import KVCacheStats
 from .quant import bytes_per_block, check_kv_format, make_storage
 from .storage import KVStorage, copy_blocks_between
@@ -365,13 +365,7 @@ class KVManager:
 
     # -------------------------------------------------------------------------------------- prefix cache
     def _update_hashes(self, seq: SequenceKV, token_ids: list[int], salt) -> None:
-        bs = self.block_size
-        hashes = seq.block_hashes
-        extra_keys = (self.kv_format, salt)
-        while len(hashes) < len(token_ids) // bs:
-            i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs],
-                                            extra_keys))
+        extend_block_hashes(seq.block_hashes, token_ids, self.block_size, (self.kv_format, salt))
 
     def find_prefix_hits(self, seq: SequenceKV, token_ids: list[int], salt=None) -> list[KVBlock]:
         """Cached blocks covering the longest computed prefix of ``token_ids`` (never its last token)."""

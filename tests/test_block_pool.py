@@ -5,7 +5,7 @@ import time
 import pytest
 
 from paged_hf.block_pool import BlockPool, FreeBlockQueue, KVBlock, NoFreeBlocksError
-from paged_hf.hashing import hash_block_tokens, hash_prompt_blocks
+from paged_hf.hashing import extend_block_hashes, hash_block_tokens
 
 
 def queue_ids(pool: BlockPool) -> list[int]:
@@ -259,7 +259,7 @@ def test_hash_values_are_pinned():
     # Fixed values: the hash must not depend on the process (PYTHONHASHSEED), run or machine.
     assert hash_block_tokens(None, [1, 2, 3], ("lora", 7)) == 10675097305622677006
     assert hash_block_tokens(12345, [0]) == 12300417826162785749
-    assert hash_prompt_blocks(list(range(8)), 4) == [3155672253054857607, 14213980304177317993]
+    assert extend_block_hashes([], list(range(8)), 4) == [3155672253054857607, 14213980304177317993]
 
 
 def test_hash_chaining_parent_and_extra_keys():
@@ -275,20 +275,22 @@ def test_hash_chaining_parent_and_extra_keys():
         hash_block_tokens(None, [1.5])
 
 
-def test_hash_prompt_blocks_chains_full_blocks_only():
+def test_block_hashes_chain_full_blocks_only_and_extend():
     tokens = list(range(10))
-    hashes = hash_prompt_blocks(tokens, 4)
+    hashes = extend_block_hashes([], tokens, 4)
     assert len(hashes) == 2  # tokens 8, 9 form a partial tail: not hashed
     h0 = hash_block_tokens(None, [0, 1, 2, 3])
     assert hashes == [h0, hash_block_tokens(h0, [4, 5, 6, 7])]
-    assert hash_prompt_blocks(tokens[:8], 4) == hashes
-    assert hash_prompt_blocks(tokens[:3], 4) == []
+    assert extend_block_hashes([], tokens[:8], 4) == hashes
+    assert extend_block_hashes([], tokens[:3], 4) == []
     # Same second block after a different first block: different hash.
-    other = hash_prompt_blocks([9, 9, 9, 9, 4, 5, 6, 7], 4)
+    other = extend_block_hashes([], [9, 9, 9, 9, 4, 5, 6, 7], 4)
     assert other[1] != hashes[1]
-    assert hash_prompt_blocks(tokens, 4, extra_keys=("x",)) != hashes
+    assert extend_block_hashes([], tokens, 4, extra_keys=("x",)) != hashes
+    grown = extend_block_hashes([], tokens[:5], 4)  # one block, then extended as tokens arrive
+    assert extend_block_hashes(grown, tokens, 4) is grown and grown == hashes
     with pytest.raises(ValueError, match="block_size"):
-        hash_prompt_blocks(tokens, 0)
+        extend_block_hashes([], tokens, 0)
 
 
 def test_uncache_block_in_use_and_cached():

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from paged_hf.block_pool import BlockPool, NoFreeBlocksError
 from paged_hf.block_table import BlockTable, num_blocks_for
-from paged_hf.hashing import hash_prompt_blocks
+from paged_hf.hashing import extend_block_hashes
 
 MAX_BLOCKS = 40
 MAX_TABLES = 8
@@ -75,7 +75,7 @@ class PoolMachine(RuleBasedStateMachine):
         return True
 
     def block_hashes(self, tokens: list[int]) -> list[int]:
-        hashes = hash_prompt_blocks(tokens, self.bs)
+        hashes = extend_block_hashes([], tokens, self.bs)
         return hashes if self.hash_mod is None else [h % self.hash_mod for h in hashes]
 
     def cache_blocks(self, table: BlockTable, content: list[int], ks: list[int]) -> None:

@@ -2,9 +2,10 @@
 
 Each step decodes only a short window: the tokens since the last emitted text (``read_offset``) plus the window
 before them (from ``prefix_offset``), and emits what the new tokens add to that window's text. The window keeps
-tokenizer context (a SentencePiece token's leading space, a character split over byte-fallback tokens); text that
-ends in an incomplete character (U+FFFD) waits for the next token. Concatenated, the deltas equal
-``tokenizer.decode(output_ids, skip_special_tokens=True)``.
+tokenizer context (a SentencePiece token's leading space). Text waits for the next token while it ends in an
+incomplete character (U+FFFD) or in a byte-fallback token (``<0xE2>``): such a run of byte tokens decodes all or
+nothing (one U+FFFD per byte when it is not valid UTF-8), so a window never starts or ends inside one.
+Concatenated, the deltas equal ``tokenizer.decode(output_ids, skip_special_tokens=True)``.
 
 Stop strings are searched in the new text plus the last ``len(longest stop) - 1`` characters before it, so a stop
 string split across steps is found and the search never rescans the whole output.
@@ -12,18 +13,35 @@ string split across steps is found and the search never rescans the whole output
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 
 _INCOMPLETE = "\ufffd"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
-def decoder_for(tokenizer) -> Callable[[Sequence[int]], str]:
-    """``ids -> text`` with special tokens skipped: the tokenizer's Rust backend when it has one and decoding needs
-    no Python post-processing (an order of magnitude faster per call), else its ``decode``."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return lambda ids: backend.decode(list(ids), skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+class Decoder:
+    """``decoder(ids) -> text`` with special tokens skipped, and the ids of the tokenizer's byte-fallback tokens.
+
+    Uses the tokenizer's Rust backend when it has one and decoding needs no Python post-processing (an order of
+    magnitude faster per call), else its ``decode``.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self._decode = lambda ids: backend.decode(list(ids), skip_special_tokens=True)
+        else:
+            self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.byte_tokens = frozenset(i for piece, i in vocab.items() if _BYTE_TOKEN.fullmatch(piece))
+
+    def __call__(self, ids: Sequence[int]) -> str:
+        return self._decode(ids)
+
+
+def decoder_for(tokenizer) -> Decoder:
+    return Decoder(tokenizer)
 
 
 class IncrementalDetokenizer:
@@ -34,7 +52,7 @@ class IncrementalDetokenizer:
 
     __slots__ = ("decode", "origin", "text", "prefix_offset", "read_offset")
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], origin: int) -> None:
+    def __init__(self, decode: Decoder, origin: int) -> None:
         self.decode = decode
         self.origin = origin  # index of the first output token (the prompt length)
         self.text = ""
@@ -43,7 +61,7 @@ class IncrementalDetokenizer:
 
     def update(self, token_ids: list[int]) -> str:
         """Emits the text the tokens after ``read_offset`` add (possibly "" while a character is incomplete)."""
-        if len(token_ids) <= self.read_offset:
+        if len(token_ids) <= self.read_offset or token_ids[-1] in self.decode.byte_tokens:
             return ""
         context = self.decode(token_ids[self.prefix_offset : self.read_offset]) \
             if self.read_offset > self.prefix_offset else ""
