@@ -13,6 +13,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from .kernels.attention_ref import paged_attention_core
 from .metadata import METADATA_KEY
 from .rotation import rotate, unrotate
 
@@ -42,8 +43,19 @@ def paged_attention_forward(
 
     metadata, group, storage = metadata  # AttentionMetadata, GroupMetadata, KVStorage
     flat = metadata.select_new_tokens(query)  # [n, heads, head_dim], packed by sequence
-    out = paged_attention(flat, metadata, group, storage, scale, softcap, s_aux)
-    return metadata.scatter_new_tokens(out), None
+    if group.window_starts is None:
+        packed = paged_attention(flat, metadata, group, storage, scale, softcap, s_aux)
+    else:  # a window over a padded timeline: per-token bounds
+        packed = attend_at_positions(flat, metadata.token_seqs, metadata.positions, group.window_starts, metadata,
+                                     group, storage, scale, softcap, s_aux)
+    out = metadata.scatter_new_tokens(packed)
+    if metadata.pad_queries is not None:
+        pads = metadata.pad_queries
+        queries = query.transpose(1, 2).reshape(-1, query.shape[1], query.shape[3]).index_select(0, pads.index)
+        result = attend_at_positions(queries, pads.rows, pads.positions, pads.window_starts[group_index(metadata,
+                                     group)], metadata, group, storage, scale, softcap, s_aux)
+        out = out.reshape(-1, *out.shape[2:]).index_copy(0, pads.index, result.to(out.dtype)).view(out.shape)
+    return out, None
 
 
 def paged_attention(flat_query, metadata, group, storage, scale, softcap, sinks) -> torch.Tensor:
@@ -73,6 +85,28 @@ def paged_attention(flat_query, metadata, group, storage, scale, softcap, sinks)
         out[d:] = kernels.prefill_attention(query[d:], block_tables=tables[d:], seq_lens=seq_lens[d:],
                                             cu_query_lens=metadata.prefill_query_start_loc, **options)
     return out if rotation is None else unrotate(out, rotation).to(flat_query.dtype)
+
+
+def attend_at_positions(queries, rows, positions, window_starts, metadata, group, storage, scale, softcap,
+                        sinks) -> torch.Tensor:
+    """``[E, heads, head_dim]`` queries, each of sequence ``rows[e]`` seeing its keys at positions
+    ``<= positions[e]`` (and ``>= window_starts[e]`` when given): the torch path for generate's padded layouts
+    (pad columns after real tokens, windows over a padded timeline), which the kernels' contiguous-query layout
+    does not express. Rare, and small: one query per row."""
+    rotation = storage.rotation
+    queries = queries if rotation is None else rotate(queries, rotation)
+    operands = storage.attention_operands()
+    out = paged_attention_core(
+        queries.unsqueeze(2), positions.unsqueeze(1), operands.pop("key_cache"), operands.pop("value_cache"),
+        group.block_tables.index_select(0, rows), metadata.seq_lens.index_select(0, rows), scale,
+        group.window, softcap, sinks, **operands,
+        window_starts=None if window_starts is None else window_starts.unsqueeze(1),
+    ).squeeze(2)
+    return out if rotation is None else unrotate(out, rotation)
+
+
+def group_index(metadata, group) -> int:
+    return next(i for i, g in enumerate(metadata.groups) if g is group)
 
 
 def dense_attention(query, key, value, attention_mask, scale, softcap=None, sinks=None) -> torch.Tensor:

@@ -1,12 +1,19 @@
 """``PagedCache``: the transformers ``Cache`` over a ``KVManager`` that ``generate`` and any attention drive.
 
-Each batch row is one sequence (a ``SequenceKV``). Within a forward, the first ``update`` plans the step once for
-every layer (new token counts, blocks, copy-on-write copies, the ``AttentionMetadata``); each layer's ``update``
-then only writes its K/V and hands the metadata to the attention through its ``kwargs``.
+Each batch row is one sequence (a ``SequenceKV``) holding only its real tokens: pads take no slot, whatever the
+padding side. A forward is planned once, for every layer: which of its ``[B, q]`` columns are real tokens, their
+blocks (allocated, copy-on-write), and the ``AttentionMetadata``. Real tokens come from the 2D attention mask,
+which the cache receives when transformers builds the forward's masks (``observe_forward``, called by the
+``patches`` hook before any layer runs: in ``generate`` that happens before the forward, outside a compiled
+region); without a mask, the last position of each row says how many of its columns are real (left padding), and
+without positions every column is real. Each layer's ``update`` then only writes its K/V and hands the metadata to
+the attention through its ``kwargs`` (or, for a dense attention, gathers the K/V into HF's padded layout).
 
-Left padding: ``generate`` gives pad tokens position 0 and real tokens positions ``0 .. n-1``, so the last
-position of each row says how many of the chunk's tokens are real; pad tokens take no slot. Row ``b``'s real
-tokens are always the last ``num_tokens[b]`` columns of HF's padded timeline of ``seq_length`` columns.
+``columns`` (``[B, seq_length]``) maps HF's padded timeline to real positions (-1 for a pad), so the dense views
+(``layers[i].keys``), the dense attention path and ``crop`` all see the layout ``DynamicCache`` would hold.
+
+A ``DynamicCache`` subclass: it grows on demand like one and offers its per-layer views, so code that expects the
+default cache (``isinstance(cache, DynamicCache)``) takes it as such.
 """
 
 from __future__ import annotations
@@ -14,27 +21,50 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from .config import CacheConfig
 from .kv_manager import KVManager, LayerGroup, PagedCacheFullError, SequenceKV, block_id_bytes, check_supported
 from .kv_stats import PagedCacheStats
-from .metadata import METADATA_KEY, AttentionMetadata, build_metadata, write_layer_kv
+from .metadata import METADATA_KEY, AttentionMetadata, PadQueries, build_metadata, write_layer_kv
 
 __all__ = ["PagedCache", "PagedCacheFullError", "PagedLayer", "METADATA_KEY"]
 
 
 class PagedLayer(CacheLayerMixin):
-    """One layer's view of a ``PagedCache``; the cache owns the pools and tables."""
+    """One layer's view of a ``PagedCache``; the cache owns the pools and tables.
+
+    ``keys`` / ``values`` are *copies*: the layer's K/V gathered into the ``[batch, kv_heads, seq, head_dim]`` layout
+    a ``DynamicCache`` layer holds (every column of the padded timeline, zeros for pads; a sliding layer its last
+    ``window - 1`` columns).
+    """
 
     is_croppable = True
 
     def __init__(self, cache: "PagedCache", layer_idx: int, group: LayerGroup) -> None:
-        super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
         self.group = group
         self.is_sliding = group.window is not None
+        self.is_initialized = False
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.cache._dense_view(self, 0)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.cache._dense_view(self, 1)
+
+    @property
+    def device(self):
+        storage = self.group.storages.get(self.layer_idx)
+        return None if storage is None else storage.device
+
+    @property
+    def dtype(self):
+        storage = self.group.storages.get(self.layer_idx)
+        return None if storage is None else storage.dtype
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.cache.kv.allocate_layer(self.layer_idx, key_states.shape[1], key_states.dtype, key_states.device)
@@ -44,7 +74,7 @@ class PagedLayer(CacheLayerMixin):
         return self.cache._update_layer(self, key_states, value_states, kwargs)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        seen = self.cache.seq_length
+        seen = self.cache.get_seq_length()
         if self.group.window is None:
             return seen + query_length, 0
         window = self.group.window
@@ -53,7 +83,7 @@ class PagedLayer(CacheLayerMixin):
         return kv_length, kv_offset
 
     def get_seq_length(self) -> int:
-        return self.cache.seq_length
+        return self.cache.get_seq_length()
 
     def get_max_length(self) -> int:
         return -1 if self.group.window is None else self.group.window
@@ -62,15 +92,17 @@ class PagedLayer(CacheLayerMixin):
         pass
 
 
-class PagedCache(Cache):
+class PagedCache(DynamicCache):
     """A paged KV cache that ``generate`` and any attention implementation can drive.
 
     Args:
         config: the model config (its decoder config gives layer types and sliding windows).
         block_size, num_blocks, kv_cache_dtype, memory_budget: see ``CacheConfig``.
+        max_length: the longest a row will get (prompt + new tokens), when known (``generate`` passes it): block
+            tables have that width from the start, so a compiled decode step keeps one shape.
 
     With ``attn_implementation="paged"`` the attention reads the blocks directly; with any other
-    implementation ``update`` returns each row's K/V gathered into the dense, left-padded layout the mask expects.
+    implementation ``update`` returns each row's K/V gathered into the dense, padded layout the mask expects.
     """
 
     def __init__(
@@ -80,6 +112,7 @@ class PagedCache(Cache):
         num_blocks: int | None = None,
         kv_cache_dtype: str = "auto",
         memory_budget: int | None = None,
+        max_length: int | None = None,
     ) -> None:
         self.cache_config = CacheConfig(block_size, num_blocks, kv_cache_dtype, memory_budget)
         self.text_config = config.get_text_config(decoder=True)
@@ -92,12 +125,20 @@ class PagedCache(Cache):
                     f"memory_budget={memory_budget} bytes is below one block of every layer ({per_block} bytes); "
                     f"raise memory_budget or lower block_size"
                 )
+        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
+                                       or max_length < 1):
+            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
         self.kv = KVManager(self.text_config, block_size, kv_cache_dtype, num_blocks)
-        super().__init__(layers=[PagedLayer(self, idx, self.kv.group_of[idx]) for idx in sorted(self.kv.group_of)])
+        Cache.__init__(self, layers=[PagedLayer(self, idx, self.kv.group_of[idx]) for idx in sorted(self.kv.group_of)])
+        self._min_table_width = -(-max_length // block_size) if max_length else 1
+        self._last_layer = max(self.kv.group_of)
         self.seq_length = 0  # columns of HF's padded timeline
         self.rows: list[SequenceKV] = []  # one sequence per batch row
+        self.columns = torch.zeros((0, 0), dtype=torch.long)  # [B, seq_length]: real position per column, -1: pad
         self._metadata: AttentionMetadata | None = None
-        self._written: set[int] = set()  # layers that wrote the current metadata's tokens
+        self._dense_slots: list[torch.Tensor] = []  # per group, for a dense attention: [B, kv_length] slots
+        self._state = "idle"  # "planned": the next forward's plan is ready; "running": layers are writing it
+        self._written: set[int] = set()  # layers that wrote the running plan (finds a forward that was cut short)
 
     @property
     def num_tokens(self) -> list[int]:
@@ -105,32 +146,44 @@ class PagedCache(Cache):
         return [seq.num_tokens for seq in self.rows]
 
     # ------------------------------------------------------------------------------------ the step
-    def _new_token_counts(self, position_ids: torch.Tensor | None, batch: int, query_len: int) -> list[int]:
-        """Real (non-pad) tokens of each row in this forward, read from the last position of each row."""
-        if position_ids is None:
-            return [query_len] * batch
-        positions = position_ids[0] if position_ids.dim() == 3 else position_ids  # multimodal RoPE: [3, B, q]
-        last = positions[:, -1].tolist()
-        if len(last) == 1:
-            last = last * batch
-        counts = []
-        for row in range(batch):
-            held = self.rows[row].num_tokens if self.rows else 0
-            new = int(last[row]) + 1 - held
-            counts.append(new if 1 <= new <= query_len else query_len)
-        return counts
+    def observe_forward(self, batch: int, query_len: int, attention_mask: torch.Tensor | None,
+                        position_ids: torch.Tensor | None, device) -> None:
+        """Plans the coming forward of ``[batch, query_len]`` tokens (called when its masks are built, before any
+        layer runs). ``attention_mask``: HF's 2D mask over the padded timeline, or None. Planning twice for one
+        forward (a full and a sliding mask) is a no-op."""
+        if self._state == "planned":
+            return
+        self._plan(batch, query_len, self._new_columns(batch, query_len, attention_mask, position_ids), device)
+        self._state = "planned"
 
-    def _plan_step(self, key_states: torch.Tensor, kwargs: dict | None) -> AttentionMetadata:
-        batch, _, query_len, _ = key_states.shape
+    def _new_columns(self, batch: int, query_len: int, attention_mask, position_ids) -> torch.Tensor:
+        """``[B, q]`` bool: which of the forward's columns are real tokens."""
+        if attention_mask is not None and attention_mask.dim() == 2 \
+                and attention_mask.shape[-1] == self.seq_length + query_len:
+            new = attention_mask[:, -query_len:].to("cpu", torch.bool)
+            return new.expand(batch, -1) if new.shape[0] == 1 and batch > 1 else new
+        columns = torch.arange(query_len)
+        if position_ids is None:
+            return torch.ones((batch, query_len), dtype=torch.bool)
+        positions = position_ids[0] if position_ids.dim() == 3 else position_ids  # multimodal RoPE: [3, B, q]
+        last = positions[:, -1].to("cpu")
+        if last.numel() == 1:
+            last = last.expand(batch)
+        held = torch.tensor(self.num_tokens if self.rows else [0] * batch)
+        counts = last + 1 - held
+        counts = torch.where((counts >= 1) & (counts <= query_len), counts, torch.full_like(counts, query_len))
+        return columns.unsqueeze(0) >= (query_len - counts).unsqueeze(1)  # left padding: the last columns are real
+
+    def _plan(self, batch: int, query_len: int, new: torch.Tensor, device) -> None:
         if not self.rows:
             self.rows = [self.kv.new_sequence() for _ in range(batch)]
+            self.columns = torch.zeros((batch, 0), dtype=torch.long)
         elif batch != len(self.rows):
             raise ValueError(
                 f"PagedCache holds {len(self.rows)} sequences but the forward has batch size {batch}; "
                 f"call cache.reset() to start a new batch"
             )
-        position_ids = kwargs.get("position_ids") if kwargs else None
-        counts = self._new_token_counts(position_ids, batch, query_len)
+        counts = new.sum(1).tolist()
         starts = self.num_tokens
         for seq in self.rows:
             self.kv.slide_windows(seq)
@@ -138,31 +191,111 @@ class PagedCache(Cache):
         for seq, count in zip(self.rows, counts):
             self.kv.append(seq, count)
         self.kv.apply_copies(self.kv.take_copies())
-        device = key_states.device
-        metadata = build_metadata(
+        token_index = None if bool(new.all()) else new.flatten().nonzero().squeeze(1).to(device)
+        self._metadata = build_metadata(
             self.kv, self.rows, starts, counts, num_decodes=batch if all(c == 1 for c in counts) else 0,
-            device=device, token_index=_left_padded_index(counts, query_len, device), batch_size=batch,
-            query_len=query_len, seq_length_before=self.seq_length,
+            device=device, token_index=token_index, batch_size=batch, query_len=query_len,
+            min_width=self._min_table_width,
         )
+        positions = torch.tensor(starts).unsqueeze(1) + new.long().cumsum(1) - 1  # a pad: its row's last real one
+        seen = self.seq_length
+        self.columns = torch.cat([self.columns, torch.where(new, positions, -1)], dim=1)
         self.seq_length += query_len
-        return metadata
+        pads = ~new & (positions >= 0)
+        index = pads.flatten().nonzero().squeeze(1) if bool(pads.any()) else None
+        starts_of = self._window_starts(seen, query_len)  # group -> [B, q] first visible position, or None
+        for g, group in enumerate(self._metadata.groups):
+            if starts_of[g] is not None:
+                flat = starts_of[g].flatten()
+                group.window_starts = (flat if token_index is None else flat[token_index.cpu()]).to(device)
+        if index is not None:
+            self._metadata.pad_queries = PadQueries(
+                index.to(device), (index // query_len).to(device), positions.flatten()[index].to(device),
+                [None if s is None else s.flatten()[index].to(device) for s in starts_of],
+            )
+        self._written = set()
+        self._dense_slots = []
+        if self.text_config._attn_implementation != "paged":  # every group's dense layout, once per forward
+            self._dense_slots = [self._slots_of_columns(g, *self._mask_window(g, seen, query_len))
+                                 for g in range(len(self.kv.groups))]
+
+    def _window_starts(self, seen: int, query_len: int) -> list[torch.Tensor | None]:
+        """Per sliding group, ``[B, q]``: the first real position each of this forward's columns sees when its window
+        counts timeline columns (HF's masks), where that differs from counting real tokens: a pad after a real token
+        somewhere in the timeline. None elsewhere (the plain window applies)."""
+        windows = [g.window for g in self.kv.groups]
+        if all(w is None for w in windows):
+            return [None] * len(windows)
+        real = self.columns >= 0
+        if not bool((~real & (real.cumsum(1) > 0)).any()):
+            return [None] * len(windows)
+        before = real.long().cumsum(1) - real.long()  # real tokens in columns < c
+        columns = torch.arange(seen, seen + query_len)
+        out = []
+        for window in windows:
+            if window is None:
+                out.append(None)
+                continue
+            first = (columns - window + 1).clamp_min(0)  # the first column each query sees
+            out.append(before[:, first])
+        return out
+
+    def _mask_window(self, group_index: int, seen: int, query_len: int) -> tuple[int, int]:
+        """``(first column, number of columns)`` HF's mask covers for this group (``get_mask_sizes``)."""
+        window = self.kv.groups[group_index].window
+        if window is None:
+            return 0, seen + query_len
+        first = max(seen - window + 1, 0)
+        return first, (window - 1 + query_len) if seen >= window else seen + query_len
+
+    def _slots_of_columns(self, group_index: int, first: int, count: int) -> torch.Tensor:
+        """``[B, count]`` slots of timeline columns ``first ..``; pads and positions with no block map to slot 0."""
+        positions = self.columns[:, first : first + count]
+        group = self.kv.groups[group_index]
+        block_size = group.block_size
+        width = max(1, max((len(s.tables[group_index].blocks) for s in self.rows), default=1))
+        tables = group.rows.gather(torch.tensor([s.row for s in self.rows]), width).long()
+        clamped = positions.clamp_min(0)
+        blocks = tables.gather(1, (clamped // block_size).clamp_max(width - 1))
+        slots = torch.where(positions >= 0, blocks * block_size + clamped % block_size, 0)
+        device = self._metadata.device if self._metadata is not None else "cpu"
+        return slots.to(device)
 
     def _update_layer(self, layer: PagedLayer, key_states, value_states, kwargs: dict | None):
-        if self._metadata is None or layer.layer_idx in self._written:
-            self._metadata = self._plan_step(key_states, kwargs)
-            self._written = set()
+        if self._state == "planned":
+            self._state = "running"
+        elif self._state == "idle" or layer.layer_idx in self._written:  # no plan, or a new forward
+            batch, _, query_len, _ = key_states.shape
+            position_ids = kwargs.get("position_ids") if kwargs else None
+            self._plan(batch, query_len, self._new_columns(batch, query_len, None, position_ids), key_states.device)
+            self._state = "running"
+        if not torch.compiler.is_compiling():
+            self._written.add(layer.layer_idx)
         if not layer.is_initialized:  # after planning: a pool too small fails before any tensor is allocated
             layer.lazy_initialization(key_states, value_states)
         metadata = self._metadata
-        self._written.add(layer.layer_idx)
         group = metadata.groups[layer.group.index]
         storage = layer.group.storages[layer.layer_idx]
         write_layer_kv(storage, metadata, group, key_states, value_states)
+        if layer.layer_idx == self._last_layer:
+            self._state = "idle"
         if kwargs is not None and self.text_config._attn_implementation == "paged":
             kwargs[METADATA_KEY] = (metadata, group, storage)
             return key_states, value_states
-        keys, values = storage.read_slots(metadata.dense_slots(group))  # [B, L, H, D]
+        keys, values = storage.read_slots(self._dense_slots[layer.group.index])  # [B, L, H, D]
         return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def _dense_view(self, layer: PagedLayer, which: int) -> torch.Tensor | None:
+        """``layer``'s keys (``which=0``) or values as ``DynamicCache`` holds them (see ``PagedLayer``)."""
+        storage = layer.group.storages.get(layer.layer_idx)
+        if storage is None or not self.rows:
+            return None
+        window = layer.group.window
+        first = 0 if window is None else max(self.seq_length - (window - 1), 0)
+        slots = self._slots_of_columns(layer.group.index, first, self.seq_length - first).to(storage.device)
+        states = storage.read_slots(slots)[which]  # [B, L, H, D]
+        pads = (self.columns[:, first:] < 0).to(storage.device)
+        return states.masked_fill(pads[:, :, None, None], 0).transpose(1, 2)
 
     # ------------------------------------------------------------------------- generate's hooks
     def _select_rows(self, rows: list[int]) -> None:
@@ -171,7 +304,8 @@ class PagedCache(Cache):
         for seq in self.rows:
             self.kv.discard(seq)
         self.rows = forks
-        self._metadata = None
+        self.columns = self.columns[torch.tensor(rows, dtype=torch.long)]
+        self._metadata, self._state = None, "idle"
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` continues beam ``beam_idx[i]``; blocks are shared, never copied."""
@@ -187,7 +321,8 @@ class PagedCache(Cache):
             self._select_rows([int(i) for i in torch.as_tensor(indices).tolist()])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Removes the last ``-tokens_to_remove`` tokens of every row (assisted decoding's rollback)."""
+        """Removes the last ``-tokens_to_remove`` columns of every row (assisted decoding's rollback); each row
+        gives back the real tokens among them."""
         if tokens_to_remove > 0:
             raise ValueError(
                 f"crop takes a negative number of tokens to remove (as DynamicCache), got {tokens_to_remove}"
@@ -197,25 +332,31 @@ class PagedCache(Cache):
             return
         if remove > self.seq_length:
             raise ValueError(f"cannot crop {remove} tokens from a cache of {self.seq_length}")
-        for seq in self.rows:
-            self.kv.truncate(seq, max(seq.num_tokens - remove, 0))
+        dropped = (self.columns[:, -remove:] >= 0).sum(1).tolist()
+        for seq, count in zip(self.rows, dropped):
+            self.kv.truncate(seq, seq.num_tokens - count)
+        self.columns = self.columns[:, :-remove]
         self.seq_length -= remove
-        self._metadata = None
+        self._metadata, self._state = None, "idle"
 
     def reset(self) -> None:
         """Frees every sequence's blocks; the pool tensors stay allocated for reuse."""
         for seq in self.rows:
             self.kv.discard(seq)
         self.rows = []
+        self.columns = torch.zeros((0, 0), dtype=torch.long)
         self.seq_length = 0
-        self._metadata = None
+        self._metadata, self._state = None, "idle"
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.seq_length
+        """Columns of HF's padded timeline; while a forward is planned but not run, the columns before it (what
+        the model and its mask builders expect to see as the past)."""
+        return self.seq_length - self._metadata.query_len if self._state == "planned" else self.seq_length
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        """True: every forward is planned before its layers run, and a layer's update is tensor work only."""
+        return True
 
     # ------------------------------------------------------------------------------- introspection
     def check_invariants(self) -> None:
@@ -241,13 +382,3 @@ class PagedCache(Cache):
         if not per_token:  # no forward yet: the config's dtype
             per_token = self.kv.bytes_per_block() // self.kv.block_size
         return PagedCacheStats(**asdict(pool), kv_cache_bytes_live=live, bytes_per_token=per_token)
-
-
-def _left_padded_index(counts: list[int], query_len: int, device) -> torch.Tensor | None:
-    """Generate's layout: the flattened ``[B * q]`` column of each row's last ``counts[b]`` columns (None: all)."""
-    if all(n == query_len for n in counts):
-        return None
-    counts_t = torch.tensor(counts)
-    columns = torch.arange(query_len)
-    keep = columns.unsqueeze(0) >= (query_len - counts_t).unsqueeze(1)  # [B, q]
-    return keep.flatten().nonzero().squeeze(1).to(device)

@@ -13,7 +13,7 @@ up to a power of two, so it changes only as often as the longest sequence double
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +30,22 @@ class GroupMetadata:
     slot_mapping: torch.Tensor  # [n] int64: where each new token's K/V is written
     block_size: int
     window: int | None
+    # [n]: the first position each new token sees, when the window is measured over a padded timeline (generate
+    # with right padding or holes: pads take window room, as in HF's dense masks); None: ``window`` applies
+    window_starts: torch.Tensor | None = None
+
+
+@dataclass
+class PadQueries:
+    """Pad columns that come after real tokens of their row (right padding, holes). They store nothing, but HF's
+    dense attention still computes their outputs (a right-padded row's next token is read from its last column), so
+    the paged attention computes them too: column ``index[i]`` (flattened ``[B * q]``) of row ``rows[i]`` attends
+    that row's tokens at positions ``<= positions[i]`` (its last real token)."""
+
+    index: torch.Tensor  # [P] int64
+    rows: torch.Tensor  # [P] int64: the sequence of each
+    positions: torch.Tensor  # [P] int64
+    window_starts: list[torch.Tensor | None]  # per layer group, as ``GroupMetadata.window_starts``
 
 
 @dataclass
@@ -37,8 +53,8 @@ class AttentionMetadata:
     """One forward of a paged cache (see the module docstring).
 
     ``token_index`` maps the packed tokens to HF's ``[B, q]`` layout: ``None`` when every column is a new token
-    (the engine's one row, or an unpadded batch), else the flattened column of each packed token (generate's left
-    padding: row ``b``'s new tokens are its last ``counts[b]`` columns).
+    (the engine's one row, or an unpadded batch), else the flattened column of each packed token (generate's padded
+    rows: the columns the attention mask marks real).
     """
 
     num_seqs: int
@@ -49,13 +65,13 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int64: cumulative counts
     prefill_query_start_loc: torch.Tensor | None  # [S - num_decodes + 1]: query_start_loc of the prefill part
     positions: torch.Tensor  # [n] int64: position of each new token
+    token_seqs: torch.Tensor  # [n] int64: the sequence of each new token
     groups: list[GroupMetadata]
     device: torch.device
     batch_size: int = 1  # HF rows
     query_len: int = 0  # HF columns
     token_index: torch.Tensor | None = None
-    seq_length_before: int = 0  # generate: columns of HF's padded timeline before this forward
-    _dense: dict[int, torch.Tensor] = field(default_factory=dict)
+    pad_queries: PadQueries | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -74,31 +90,14 @@ class AttentionMetadata:
         out.index_copy_(0, self.token_index, flat)
         return out.view(self.batch_size, self.query_len, *flat.shape[1:])
 
-    def dense_slots(self, group: GroupMetadata) -> torch.Tensor:
-        """``[B, L]`` slot of each column HF's mask expects for generate's left-padded layout (``get_mask_sizes``
-        before this forward). Padding columns and positions outside a window map to slot 0: the mask hides them."""
-        key = id(group)
-        if key not in self._dense:
-            seq_after = self.seq_length_before + self.query_len
-            window = group.window
-            first = 0 if window is None else max(self.seq_length_before - window + 1, 0)
-            columns = torch.arange(first, seq_after, device=self.device)
-            pads = seq_after - self.seq_lens
-            positions = columns.unsqueeze(0) - pads.unsqueeze(1)  # real position of each column, < 0 for pads
-            clamped = positions.clamp_min(0)
-            tables = group.block_tables.long()
-            block_index = (clamped // group.block_size).clamp_max(tables.shape[1] - 1)
-            slots = tables.gather(1, block_index) * group.block_size + clamped % group.block_size
-            self._dense[key] = torch.where(positions >= 0, slots, torch.zeros_like(slots))
-        return self._dense[key]
-
 
 def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], counts: list[int], num_decodes: int,
                    device, token_index: torch.Tensor | None = None, batch_size: int = 1,
-                   query_len: int | None = None, seq_length_before: int = 0) -> AttentionMetadata:
+                   query_len: int | None = None, min_width: int = 1) -> AttentionMetadata:
     """Metadata of a forward whose sequences ``seqs`` already have slots for their ``counts`` new tokens.
 
     ``starts[s]``: tokens ``seqs[s]`` held before the forward. The first ``num_decodes`` counts must be 1.
+    ``min_width``: the narrowest block tables to build (a caller that knows its longest sequence keeps one shape).
     """
     num_seqs = len(seqs)
     counts_t = torch.tensor(counts, dtype=torch.long)
@@ -113,7 +112,7 @@ def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], cou
         token_seq = torch.repeat_interleave(torch.arange(num_seqs), counts_t)
         positions = torch.arange(num_tokens) - query_start_loc[token_seq] + starts_t[token_seq]
     longest = max((s + c for s, c in zip(starts, counts)), default=1)
-    width = _bucket(-(-longest // kv.block_size))
+    width = max(min_width, _bucket(-(-longest // kv.block_size)))
     rows = torch.tensor([seq.row for seq in seqs], dtype=torch.long)
     groups = []
     for group in kv.groups:
@@ -127,9 +126,10 @@ def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], cou
     return AttentionMetadata(
         num_seqs=num_seqs, num_decodes=num_decodes, num_tokens=num_tokens, max_query_len=max(counts, default=0),
         seq_lens=seq_lens.to(device, non_blocking=True), query_start_loc=query_start_loc.to(device, non_blocking=True),
-        prefill_query_start_loc=prefill_loc, positions=positions.to(device, non_blocking=True), groups=groups,
+        prefill_query_start_loc=prefill_loc, positions=positions.to(device, non_blocking=True),
+        token_seqs=token_seq.to(device, non_blocking=True), groups=groups,
         device=torch.device(device), batch_size=batch_size, query_len=num_tokens if query_len is None else query_len,
-        token_index=token_index, seq_length_before=seq_length_before,
+        token_index=token_index,
     )
 
 

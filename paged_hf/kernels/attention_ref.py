@@ -33,6 +33,7 @@ def paged_attention_core(
     key_zero: torch.Tensor | None = None,
     value_zero: torch.Tensor | None = None,
     kv_format: str = "auto",
+    window_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of queries against the paged K/V of their sequences.
 
@@ -47,6 +48,8 @@ def paged_attention_core(
         key_scale, value_scale, key_zero, value_zero, kv_format: for quantized pools (see ``kv_quant``): codes in
             the caches, ``[num_blocks, block_size, num_kv_heads]`` scales (and zeros); each chunk is dequantized
             as it is read.
+        window_starts: ``[B, n]`` the first key position each query sees, in place of ``sliding_window`` (a window
+            measured over a padded timeline, where pads take window room), or None.
 
     Returns ``[B, num_heads, n, head_dim]`` in ``query.dtype``; computed in float32.
     """
@@ -54,13 +57,16 @@ def paged_attention_core(
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     assert group * num_kv_heads == num_heads, f"{num_heads=} is not a multiple of {num_kv_heads=}"
-    max_len = int(seq_lens.max()) if seq_lens.numel() else 0
-    num_blocks = min(block_tables.shape[1], -(-max_len // block_size))
+    num_blocks = block_tables.shape[1]
+    if not torch.compiler.is_compiling():  # read only the blocks that hold tokens (a host sync: eager only)
+        max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+        num_blocks = min(num_blocks, -(-max_len // block_size))
     keys_per_chunk = max(block_size, SCORE_ELEMENTS_PER_CHUNK // max(1, batch * num_heads * num_queries))
     blocks_per_chunk = max(1, keys_per_chunk // block_size)
     if num_blocks <= blocks_per_chunk and softcap is None and sinks is None:
         return _single_chunk_attention(query, query_positions, key_cache, value_cache, block_tables[:, :num_blocks],
-                                       scale, sliding_window, key_scale, value_scale, key_zero, value_zero, kv_format)
+                                       scale, sliding_window, key_scale, value_scale, key_zero, value_zero, kv_format,
+                                       window_starts)
 
     q = query.float().reshape(batch, num_kv_heads, group * num_queries, head_dim)
 
@@ -76,6 +82,9 @@ def paged_attention_core(
 
     # [B, 1, group * n]: the position of each score row, as the rows are laid out (group-major).
     row_positions = query_positions.unsqueeze(1).expand(batch, group, num_queries).reshape(batch, 1, rows)
+    row_starts = None
+    if window_starts is not None:
+        row_starts = window_starts.unsqueeze(1).expand(batch, group, num_queries).reshape(batch, 1, rows)
     for first in range(0, num_blocks, blocks_per_chunk):
         ids = block_tables[:, first : first + blocks_per_chunk].long()
         k = read_blocks(key_cache, key_scale, key_zero, kv_format, ids).flatten(1, 2).transpose(1, 2)
@@ -85,7 +94,9 @@ def paged_attention_core(
             scores = torch.tanh(scores / softcap) * softcap
         key_positions = torch.arange(first * block_size, first * block_size + k.shape[2], device=q.device)
         visible = key_positions.view(1, 1, 1, -1) <= row_positions.unsqueeze(-1)
-        if sliding_window is not None:
+        if row_starts is not None:
+            visible &= key_positions.view(1, 1, 1, -1) >= row_starts.unsqueeze(-1)
+        elif sliding_window is not None:
             visible &= key_positions.view(1, 1, 1, -1) > (row_positions.unsqueeze(-1) - sliding_window)
         scores = scores.masked_fill(~visible, float("-inf"))
 
@@ -103,7 +114,7 @@ def paged_attention_core(
 
 
 def _single_chunk_attention(query, query_positions, key_cache, value_cache, block_tables, scale, sliding_window,
-                            key_scale, value_scale, key_zero, value_zero, kv_format) -> torch.Tensor:
+                            key_scale, value_scale, key_zero, value_zero, kv_format, window_starts) -> torch.Tensor:
     """``paged_attention_core`` for a batch whose keys are read at once: one gather, one fused SDPA call."""
     batch, num_heads, num_queries, head_dim = query.shape
     ids = block_tables.long()
@@ -112,7 +123,9 @@ def _single_chunk_attention(query, query_positions, key_cache, value_cache, bloc
     key_positions = torch.arange(k.shape[2], device=query.device).view(1, 1, -1)
     rows = query_positions.unsqueeze(-1)  # [B, n, 1]
     visible = key_positions <= rows
-    if sliding_window is not None:
+    if window_starts is not None:
+        visible &= key_positions >= window_starts.unsqueeze(-1)
+    elif sliding_window is not None:
         visible &= key_positions > rows - sliding_window
     out = F.scaled_dot_product_attention(query.float(), k, v, attn_mask=visible.unsqueeze(1), scale=scale,
                                          enable_gqa=num_heads != k.shape[1])
