@@ -14,8 +14,20 @@ import paged_hf
 from models import FAMILIES, dense_attention, stories_tokenizer, tiny_model
 
 BLOCK_SIZE = 4  # small, so prompts and generations cross many block boundaries
-MODES = ["greedy", "sample", "beams", "return_sequences", "eos_early", "stop_strings", "streamer", "assisted"]
+MODES = ["greedy", "sample", "beams", "return_sequences", "eos_early", "stop_strings", "streamer", "assisted",
+         "right_padded", "mask_hole"]
+LOGIT_MODES = ("greedy", "right_padded", "mask_hole")  # compared by logits too
 _references: dict = {}
+
+
+def right_padded_batch(lengths=(3, 9, 14, 6), seed=0):
+    """The prompts of ``left_padded_batch`` with their pads on the right (generate warns, DynamicCache runs it)."""
+    batch = left_padded_batch(lengths, seed)
+    width = batch["input_ids"].shape[1]
+    for row, length in enumerate(lengths):
+        for key in ("input_ids", "attention_mask"):
+            batch[key][row] = torch.cat([batch[key][row, width - length :], batch[key][row, : width - length]])
+    return batch
 
 
 def left_padded_batch(lengths=(3, 9, 14, 6), seed=0):
@@ -44,8 +56,15 @@ def mode_kwargs(mode: str, family: str) -> tuple[dict, dict]:
     """(inputs, generate kwargs) for a mode; the EOS and stop-string modes derive theirs from a greedy run."""
     batch = left_padded_batch()
     kwargs = dict(max_new_tokens=10, pad_token_id=0, eos_token_id=None, do_sample=False)
-    if mode == "greedy":
+    if mode in LOGIT_MODES:
         kwargs.update(return_dict_in_generate=True, output_logits=True)
+        if mode == "right_padded":
+            # fewer trailing pads than a sliding window (6): a pad column whose window holds no real token has no
+            # defined output (an eager DynamicCache averages the pads' own values there; the paged cache stores none)
+            batch = right_padded_batch(lengths=(12, 9, 14, 11))
+        elif mode == "mask_hole":  # a masked column inside a prompt, and a row that is all real
+            batch["attention_mask"][2, 6] = 0
+            batch["attention_mask"][1, :] = 1
     elif mode == "sample":
         kwargs.update(do_sample=True, top_k=40, temperature=0.9)
     elif mode == "beams":
@@ -101,7 +120,7 @@ def test_generate_matches_dynamic_cache(family, mode, attention):
         (got, got_streamed), (expected, expected_streamed) = got, expected
         assert got_streamed == expected_streamed
     assert torch.equal(sequences(got), sequences(expected))
-    if mode == "greedy":
+    if mode in LOGIT_MODES:
         for step_got, step_expected in zip(got.logits, expected.logits):
             torch.testing.assert_close(step_got, step_expected, atol=1e-5, rtol=1e-5)
         cache = got.cache

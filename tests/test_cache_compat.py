@@ -1,0 +1,102 @@
+"""The transformers ``Cache`` API beyond generate's tokens: direct forward calls (with and without the mask and
+positions), the dense per-layer views transformers' tests and users read, and torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import CompileConfig, DynamicCache
+
+import paged_hf
+from models import tiny_model
+
+
+def padded_batch(side: str, lengths=(4, 9, 7), seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, 512, (len(lengths), width), generator=generator)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        if side == "left":
+            mask[row, width - length :] = 1
+        else:
+            mask[row, :length] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("attention", ["paged", "dense"])
+@pytest.mark.parametrize("positions", [False, True], ids=["no_position_ids", "position_ids"])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_direct_forward_calls_match_dynamic_cache(family, positions, attention):
+    """A left-padded prefill then three one-token steps through ``model(...)`` with the growing mask: logits within
+    1e-5 of DynamicCache at every real column, and no pad stored (blocks for the real tokens only)."""
+    model = tiny_model(family, None if attention == "dense" else "paged")
+    reference_model = tiny_model(family)
+    ids, mask = padded_batch("left")
+    caches = {"dynamic": DynamicCache(config=model.config), "paged": paged_hf.PagedCache(model.config, block_size=4)}
+    logits = {}
+    for name, cache in caches.items():
+        runner = reference_model if name == "dynamic" else model
+        step_ids, step_mask, outs = ids, mask, []
+        for _ in range(4):
+            extra = {"position_ids": (step_mask.cumsum(-1) - 1).clamp_min(0)[:, -step_ids.shape[1]:]} if positions else {}
+            out = runner(input_ids=step_ids, attention_mask=step_mask, cache=cache, use_cache=True, **extra).logits
+            outs.append(out[:, -1])
+            if not outs[1:]:
+                prefill = out
+            step_ids = out[:, -1].argmax(-1, keepdim=True)
+            step_mask = torch.cat([step_mask, torch.ones_like(step_ids)], dim=1)
+        logits[name] = (prefill, torch.stack(outs))
+    real = mask.bool()
+    torch.testing.assert_close(logits["paged"][0][real], logits["dynamic"][0][real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits["paged"][1], logits["dynamic"][1], atol=1e-5, rtol=1e-5)
+    cache = caches["paged"]
+    assert cache.num_tokens == [n + 3 for n in mask.sum(1).tolist()]
+    full = cache.kv.groups[[g.window for g in cache.kv.groups].index(None)]
+    assert full.pool.num_used_blocks == sum(-(-n // 4) for n in cache.num_tokens), "pads must take no block"
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_dense_layer_views_hold_what_dynamic_cache_holds(family, side):
+    """``cache.layers[i].keys`` / ``.values``: DynamicCache's shapes (a sliding layer: its last window - 1 columns)
+    and its values at every real column; pads read as zeros."""
+    model = tiny_model(family)
+    ids, mask = padded_batch(side, lengths=(6, 9, 8))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True)
+    dynamic = model.generate(**kwargs).cache
+    paged = model.generate(**kwargs, cache_implementation="paged", cache_config={"block_size": 4}).cache
+    assert isinstance(paged, DynamicCache) and isinstance(paged, paged_hf.PagedCache)
+    for layer_paged, layer_dynamic in zip(paged.layers, dynamic.layers):
+        for got, want in ((layer_paged.keys, layer_dynamic.keys), (layer_paged.values, layer_dynamic.values)):
+            assert got.shape == want.shape
+            real = (paged.columns[:, -got.shape[2]:] >= 0)[:, None, :, None].expand_as(got)
+            torch.testing.assert_close(got[real], want[real], atol=1e-6, rtol=1e-6)
+            assert not got[~real].any()
+    assert [k.shape for k, _, _ in paged] == [k.shape for k, _, _ in dynamic]  # DynamicCache's iteration
+
+
+def test_compiled_paged_decode_has_no_graph_break_or_recompile():
+    """``generate`` compiles the decode forward for a PagedCache as it does for a StaticCache: with the "paged"
+    attention the step has one static shape (generate's max length fixes the block-table width), so
+    ``fullgraph=True, dynamic=False`` runs without a graph break or a recompile and gives the eager tokens."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("gemma2", "paged")  # a sliding window and softcapping: the harder case
+    ids, mask = padded_batch("left", lengths=(5, 8))
+    compile_config = CompileConfig(fullgraph=True, dynamic=False)
+    compile_config._compile_all_devices = True  # compile on CPU too
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                  cache_implementation="paged", cache_config={"block_size": 4})
+    eager = model.generate(**kwargs)
+    torch.compiler.reset()
+    counters.clear()
+    compiled = model.generate(**kwargs, compile_config=compile_config)
+    assert hasattr(model, "_compiled_call"), "generate must have compiled the forward"
+    assert torch.equal(compiled, eager)
+    frames = counters["stats"]["unique_graphs"]
+    assert frames == 1, f"the decode step must be one graph compiled once, got {frames}"
+    again = model.generate(**kwargs, compile_config=compile_config)  # a second call reuses it
+    assert torch.equal(again, eager) and counters["stats"]["unique_graphs"] == frames
