@@ -1,5 +1,7 @@
 """Wall time of greedy ``generate``: HF ``DynamicCache`` + sdpa (the baseline) vs ``PagedCache`` with the paged
-attention and with sdpa, measured side by side in one run.
+attention and with sdpa, measured side by side in one run; with ``--compile``, also transformers' compiled decode
+(``compile_config``) on ``StaticCache`` + sdpa and on ``PagedCache`` + paged (inductor on CPU), whose compile time
+(the warm-up call minus a timed one) is reported apart.
 
 For each model and batch size: one warm-up call per config, then ``--repeats`` rounds that each run the three
 configs back to back (the order rotates every round, so drift in the machine's load spreads evenly). The table
@@ -9,6 +11,7 @@ row generates exactly ``--new-tokens`` tokens (EOS suppressed); prompts are real
 
     PYTHONPATH=. python benchmarks/decode.py                                  # both models, batch 1 and 8
     PYTHONPATH=. python benchmarks/decode.py --models stories260K --repeats 5
+    PYTHONPATH=. python benchmarks/decode.py --compile                        # + the compiled rows
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import CompileConfig
 
 import paged_hf  # noqa: F401 - registers attn_implementation="paged" and cache_implementation="paged"
 
@@ -36,14 +40,20 @@ GOAL = 1.25  # paged within 1.25x of DynamicCache's wall time
 class Setup:
     name: str
     attn_implementation: str
-    paged: bool
+    cache: str  # "dynamic" (transformers' default), "paged" or "static"
+    compiled: bool = False
 
 
-SETUPS = (
-    Setup("DynamicCache + sdpa", "sdpa", paged=False),
-    Setup("PagedCache + paged", "paged", paged=True),
-    Setup("PagedCache + sdpa", "sdpa", paged=True),
+EAGER_SETUPS = (
+    Setup("DynamicCache + sdpa", "sdpa", "dynamic"),
+    Setup("PagedCache + paged", "paged", "paged"),
+    Setup("PagedCache + sdpa", "sdpa", "paged"),
 )
+COMPILED_SETUPS = (
+    Setup("StaticCache + sdpa + compile", "sdpa", "static", compiled=True),
+    Setup("PagedCache + paged + compile", "paged", "paged", compiled=True),
+)
+SETUPS = EAGER_SETUPS  # main() adds COMPILED_SETUPS with --compile
 
 
 @dataclass
@@ -52,6 +62,7 @@ class Timing:
     batch: int
     setup: Setup
     seconds: list[float] = field(default_factory=list)
+    compile_seconds: float | None = None  # compiled setups: the warm-up call's extra time
 
     @property
     def median(self) -> float:
@@ -60,7 +71,17 @@ class Timing:
 
 def generate_once(model, batch, gen_kwargs, setup: Setup, block_size: int) -> tuple[float, torch.Tensor]:
     model.set_attn_implementation(setup.attn_implementation)
-    extra = {"cache_implementation": "paged", "cache_config": {"block_size": block_size}} if setup.paged else {}
+    extra = {}
+    if setup.cache == "paged":
+        extra = {"cache_implementation": "paged", "cache_config": {"block_size": block_size}}
+    elif setup.cache == "static":
+        extra = {"cache_implementation": "static"}
+    if setup.compiled:  # transformers' own auto-compile of the decode forward (also on CPU)
+        config = CompileConfig(fullgraph=True, dynamic=False)
+        config._compile_all_devices = True
+        extra["compile_config"] = config
+    else:
+        extra["disable_compile"] = True  # a compileable cache must not switch compilation on by itself
     start = time.perf_counter()
     with torch.inference_mode():
         sequences = model.generate(**batch, **gen_kwargs, **extra)
@@ -74,6 +95,7 @@ def bench_batch(model, tokenizer, name: str, batch_size: int, args) -> tuple[lis
     gen_kwargs = greedy_kwargs(tokenizer, args.new_tokens)
     print(f"{name}, batch {batch_size}: prompt lengths {lengths}, padded to {batch['input_ids'].shape[1]}", flush=True)
     timings = [Timing(name, batch_size, setup) for setup in SETUPS]
+    warmups: dict[str, float] = {}
     mismatches: list[str] = []
     reference = None
     schedule = [("warm-up", i) for i in range(len(SETUPS))]
@@ -91,7 +113,12 @@ def bench_batch(model, tokenizer, name: str, batch_size: int, args) -> tuple[lis
             mismatches.append(f"{SETUPS[i].name} (round {round_index}): rows {rows} differ from DynamicCache + sdpa")
         if round_index != "warm-up":
             timings[i].seconds.append(seconds)
+        else:
+            warmups[SETUPS[i].name] = seconds
         print(f"  {round_index!s:>7}  {SETUPS[i].name:<20} {seconds:8.2f} s", flush=True)
+    for timing in timings:
+        if timing.setup.compiled:
+            timing.compile_seconds = warmups[timing.setup.name] - timing.median
     return timings, mismatches
 
 
@@ -110,11 +137,13 @@ def table(timings: list[Timing], new_tokens: int) -> str:
             rows.append([
                 timing.model, timing.batch, timing.setup.name, f"{timing.median:.3f}",
                 f"{timing.batch * new_tokens / timing.median:.1f}", f"{timing.median / baseline:.2f}x",
-                f"{paired_ratio(timing, group[0]):.2f}x", ", ".join(f"{s:.2f}" for s in timing.seconds),
+                f"{paired_ratio(timing, group[0]):.2f}x",
+                "-" if timing.compile_seconds is None else f"{timing.compile_seconds:.1f}",
+                ", ".join(f"{s:.2f}" for s in timing.seconds),
             ])
     headers = [
         "model", "batch", "config", "median s", "tokens/s", "ratio vs DynamicCache", "per-round ratio (median)",
-        "runs (s)",
+        "compile s", "runs (s)",
     ]
     return markdown_table(headers, rows)
 
@@ -153,7 +182,11 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", metavar="FILE.png", help="write a bar chart of the ratios")
+    parser.add_argument("--compile", action="store_true",
+                        help="add compiled decode: StaticCache + sdpa and PagedCache + paged (inductor)")
     args = parser.parse_args(argv)
+    global SETUPS
+    SETUPS = EAGER_SETUPS + (COMPILED_SETUPS if args.compile else ())
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODEL_NAMES]
     if unknown:
@@ -186,7 +219,7 @@ def main(argv=None) -> int:
     if problems:
         print("outputs NOT token-identical:\n  " + "\n  ".join(problems))
     else:
-        print("outputs token-identical: the three configs (and every repeat) produced the same tokens")
+        print(f"outputs token-identical: the {len(SETUPS)} configs (and every repeat) produced the same tokens")
     for k in range(0, len(timings), len(SETUPS)):
         baseline, paged = timings[k], timings[k + 1]
         ratio, paired = paged.median / baseline.median, paired_ratio(paged, baseline)

@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from .config import CacheConfig
+from .kernels import dispatch
 from .kv_manager import KVManager, LayerGroup, PagedCacheFullError, SequenceKV, block_id_bytes, check_supported
 from .kv_stats import PagedCacheStats
 from .metadata import METADATA_KEY, AttentionMetadata, PadQueries, build_metadata, write_layer_kv
@@ -355,8 +356,13 @@ class PagedCache(DynamicCache):
 
     @property
     def is_compileable(self) -> bool:
-        """True: every forward is planned before its layers run, and a layer's update is tensor work only."""
-        return True
+        """Every forward is planned before its layers run and a layer's update is tensor work only, so the torch
+        path compiles (fullgraph, one shape per decode step). The Triton kernels have not run under torch.compile
+        on a GPU yet: a pool on them (CUDA) says False, so ``generate`` does not compile it by itself."""
+        storages = [s for g in self.kv.groups for s in g.storages.values()]
+        if storages:
+            return not any(s.kernels.triton for s in storages)
+        return not (torch.cuda.is_available() and dispatch.triton_available())
 
     # ------------------------------------------------------------------------------- introspection
     def check_invariants(self) -> None:
