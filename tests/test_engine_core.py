@@ -173,6 +173,34 @@ def test_batched_filtering_equals_the_per_row_definition():
         assert torch.allclose(batched[row][~torch.isinf(expected)], expected[~torch.isinf(expected)])
 
 
+def test_batched_penalties_equal_the_per_row_definition():
+    """Repetition (prompt + output), presence and frequency (output) penalties of several rows at once equal
+    vLLM's per-row definition."""
+    from paged_hf.engine.request import Request
+    from paged_hf.engine.sampler import _apply_penalties
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 50
+    logits = torch.randn(4, vocab, generator=generator) * 2
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(presence_penalty=0.5, frequency_penalty=0.7),
+              SamplingParams(), SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.4)]
+    seqs = []
+    for p in params:
+        request = Request("r", None, torch.randint(0, vocab, (6,), generator=generator).tolist(), p)
+        seq = request.sequences[0]
+        seq.token_ids += torch.randint(0, vocab, (9,), generator=generator).tolist()  # output with repeats
+        seqs.append(seq)
+    got = _apply_penalties(logits.clone(), [0, 1, 3], seqs, params)
+    for row, (p, seq) in enumerate(zip(params, seqs)):
+        want = logits[row].clone()
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor(seq.token_ids)] = True
+        want = torch.where(seen, torch.where(want > 0, want / p.repetition_penalty, want * p.repetition_penalty), want)
+        counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=vocab).float()
+        want = want - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+        torch.testing.assert_close(got[row], want)
+
+
 # ------------------------------------------------------------------------------------------------ logprobs
 def plain_forward_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     """``[len - 1, vocab]``: log_softmax of one plain sdpa forward over ``token_ids``; row i scores token i + 1."""

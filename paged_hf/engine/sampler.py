@@ -50,7 +50,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None) -> Sam
     penalized = [r for r, p in enumerate(params) if p.repetition_penalty != 1.0 or p.presence_penalty
                  or p.frequency_penalty]
     if penalized:
-        logits = _apply_penalties(logits if logits is not raw else logits.clone(), penalized, seqs, params)
+        logits = _apply_penalties(logits, penalized, seqs, params)
 
     greedy = [p.temperature == 0.0 for p in params]
     tokens = torch.argmax(logits, dim=-1)
@@ -99,22 +99,31 @@ def position_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_k: list[in
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], params) -> torch.Tensor:
-    """vLLM's penalties: repetition over prompt + output, presence and frequency over the output."""
-    vocab = logits.shape[-1]
-    for r in rows:
-        p, seq = params[r], seqs[r]
-        row = logits[r]
-        if p.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            seen[torch.tensor(seq.token_ids, dtype=torch.long, device=logits.device)] = True
-            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            row = torch.where(seen, penalized, row)
-        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-            output = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(output, minlength=vocab).to(logits.dtype)
-            row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
-        logits[r] = row
-    return logits
+    """vLLM's penalties on ``rows`` at once: repetition over prompt + output, presence and frequency over the
+    output. Token counts come from one scatter over the rows' padded token ids (``vocab`` pads them)."""
+    device, vocab = logits.device, logits.shape[-1]
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+
+    def counts_of(token_lists: list[list[int]]) -> torch.Tensor:  # [R, vocab] occurrences
+        width = max(1, max(len(t) for t in token_lists))
+        ids = torch.full((len(token_lists), width), vocab, dtype=torch.long)
+        for i, tokens in enumerate(token_lists):
+            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        counts = torch.zeros((len(token_lists), vocab + 1), dtype=logits.dtype, device=device)
+        counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, dtype=logits.dtype, device=device))
+        return counts[:, :vocab]
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(params[r], name) for r in rows], dtype=logits.dtype, device=device).view(-1, 1)
+
+    block = logits.index_select(0, index)
+    seen = counts_of([seqs[r].token_ids for r in rows]) > 0
+    repetition = per_row("repetition_penalty")
+    penalized = torch.where(block > 0, block / repetition, block * repetition)
+    block = torch.where(seen, penalized, block)
+    output = counts_of([seqs[r].output_token_ids for r in rows])
+    block = block - per_row("frequency_penalty") * output - per_row("presence_penalty") * (output > 0).to(block.dtype)
+    return logits.index_copy(0, index, block)
 
 
 def _filter(logits: torch.Tensor, params) -> torch.Tensor:
