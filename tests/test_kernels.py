@@ -37,6 +37,7 @@ from paged_hf.kernels import dispatch  # noqa: E402
 from paged_hf.kernels.copy_blocks import copy_blocks, copy_blocks_ref  # noqa: E402
 from paged_hf.kernels.kv_quant import quantize_kv_ref  # noqa: E402
 from paged_hf.kernels.paged_decode_attention import (  # noqa: E402
+    _decode_launches,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
@@ -166,6 +167,35 @@ def test_decode_default_partitions_and_strided_query():
     wide = torch.randn(query.shape[0], query.shape[1], 2 * query.shape[2], device=DEVICE)[..., ::2]
     wide.copy_(query)
     out = paged_decode_attention(wide, block_tables=tables, seq_lens=seq_lens, scale=0.125, sinks=sinks, **pools)
+    ref = paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, sinks=sinks,
+                                     **pools)
+    assert_close(out, ref, torch.float32)
+
+
+def test_decode_empty_partitions_write_no_partials():
+    """The partition count follows the widest block table; programs whose partition starts at or past their
+    sequence's length exit before writing: their partials keep whatever the buffers held (here a sentinel), the
+    others are written, and the reduce (which reads only partitions below each length) gives the reference."""
+    lengths, partition = [5, 300, 64, 65], 64
+    pools, tables, query, sinks, seq_lens = attention_case(16, 64, 4, "int8", lengths, 1)
+    out = torch.empty_like(query)
+    decode, reduce = _decode_launches(query, pools["key_cache"], pools["value_cache"], tables, seq_lens, 0.125, None,
+                                      None, sinks, pools["key_scale"], pools["value_scale"], None, None, "int8", out,
+                                      partition)
+    args = dict(zip(decode.kernel.arg_names, decode.args))
+    partials = [args["PartM"], args["PartL"], args["PartAcc"]]
+    num_parts = partials[0].shape[2]
+    assert num_parts == 5 and decode.grid[2] == num_parts
+    for t in partials:
+        t.fill_(1234.5)
+    decode()
+    for s, n in enumerate(lengths):
+        for part in range(num_parts):
+            empty = part * partition >= n
+            for t in partials:
+                untouched = bool((t[s, :, part] == 1234.5).all())
+                assert untouched == empty, (s, n, part, t.shape)
+    reduce()
     ref = paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, sinks=sinks,
                                      **pools)
     assert_close(out, ref, torch.float32)

@@ -11,7 +11,11 @@
   their bits, int4 nibbles), scores and the online softmax (running max, sum, accumulator) are float32;
 - each partition writes its partial max, sum and unnormalized output; a reduce kernel rescales and sums them
   (and adds the attention sink, once). A batch whose block tables span a single partition skips the reduce.
-  The partition count comes from the block-table width, not from ``seq_lens``: no device-to-host sync.
+  The partition count comes from the block-table width, not from ``seq_lens``: no device-to-host sync. So the
+  partials are allocated for the widest table, but a program whose partition starts at or past its sequence's
+  length exits before reading or writing anything (the reduce reads only the partitions below the length): one
+  long sequence batched with many short ones costs the short ones no partial traffic. Sizing the partials to the
+  lengths themselves would need ``seq_lens`` on the host (a sync, or a host-side length from the step plan).
 
 The Triton functions are decorated on first launch (``_kernels()``), not at import: ``import paged_hf`` imports
 this module without needing triton, and ``TRITON_INTERPRET`` (which ``triton.jit`` reads when it decorates) takes
@@ -470,6 +474,9 @@ def _decode_kernel(
     part = tl.program_id(2).to(tl.int64)
     seq_len = tl.load(SeqLens + seq).to(tl.int64)
     start = part * partition
+    if not DIRECT:
+        if start >= seq_len:  # a partition past the sequence: the reduce reads none of its partials
+            return
     end = tl.minimum(start + partition, seq_len)
     lo = start
     if USE_WINDOW:  # the query (position seq_len - 1) sees keys > seq_len - 1 - window
