@@ -38,6 +38,9 @@ PARTITION_SIZE = 512  # tokens per flash-decoding partition
 BLOCK_N = 64  # tokens per K/V tile inside a program
 DECODE_OPTIONS = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)  # launch options of the decode kernel
 _REDUCE_CHUNK = 32  # partitions merged per step of the reduce kernel
+# Integers that follow the batch (partition count, block-table width): not specialized by triton (== 1, multiple
+# of 16), so one compiled variant serves every batch (see ``warmup``).
+DECODE_NO_SPECIALIZE = ("num_parts", "stride_bt")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -350,8 +353,8 @@ def _kernels():
         dot = triton.jit(dot)
         softcap_scores = triton.jit(softcap_scores)
         row_max, row_min, row_sum = triton.jit(_max), triton.jit(_min), triton.jit(_sum)
-    _decode_kernel = triton.jit(_decode_kernel)
-    _decode_reduce_kernel = triton.jit(_decode_reduce_kernel)
+    _decode_kernel = triton.jit(_decode_kernel, do_not_specialize=DECODE_NO_SPECIALIZE)
+    _decode_reduce_kernel = triton.jit(_decode_reduce_kernel, do_not_specialize=("num_parts",))
     return _Kernels(
         decode=_decode_kernel, reduce=_decode_reduce_kernel, kv_columns=kv_columns, load_kv_tile=load_kv_tile,
         dot=dot, softcap_scores=softcap_scores, row_max=row_max, row_min=row_min, row_sum=row_sum,

@@ -5,8 +5,9 @@ signature:
 
 - grid ``(query tiles, kv_heads)`` over the packed queries, without a device-to-host sync: sequence ``s`` owns
   tiles ``cu_query_lens[s] // BLOCK_Q + s ..`` (at least ``ceil(q_len / BLOCK_Q)`` of them, so the grid is
-  ``total_queries // BLOCK_Q + S``); a program finds its sequence by counting the first tiles <= its own and
-  does nothing if its tile lies past its sequence's queries;
+  ``total_queries // BLOCK_Q + S``); a program finds its sequence by counting the first tiles <= its own (a
+  loop over the batch, so no constexpr follows the batch size) and does nothing if its tile lies past its
+  sequence's queries;
 - a program's rows are ``BLOCK_Q`` consecutive queries x the ``group`` query heads of its KV head (GQA: each K/V
   tile is read once for the group), against the keys ``[0 or window start, last query position]`` in tiles of
   ``BLOCK_N`` tokens gathered through the block table, dequantized as loaded, causal (and window) masked per row,
@@ -29,6 +30,9 @@ from .paged_decode_attention import Launch, check_pools
 BLOCK_M = 64  # rows (queries x group heads) per program
 BLOCK_N = 64  # keys per tile
 PREFILL_OPTIONS = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)  # launch options of the kernel
+SEQ_CHUNK = 64  # sequences scanned per step when a program looks up its sequence
+# Integers that follow the batch: not specialized by triton, so one compiled variant serves every batch.
+PREFILL_NO_SPECIALIZE = ("num_seqs", "stride_bt")
 
 
 def paged_prefill_attention_ref(
@@ -165,7 +169,7 @@ def _prefill_launches(
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=d_pad,
         PADDED=head_dim < d_pad, BLOCK_SIZE=pools.block_size, BLOCK_N=BLOCK_N,
         FORMAT=_decode.KV_FORMAT_IDS[kv_format], DOT=_decode.dot_mode(query.dtype),
-        S_PAD=_decode._next_pow2(max(num_seqs, 2)), **flags,
+        SEQ_CHUNK=SEQ_CHUNK, **flags,
     )
     return [Launch(k.prefill, (num_tiles, pools.num_kv_heads), args, meta, dict(PREFILL_OPTIONS))]
 
@@ -187,7 +191,7 @@ def _kernels():
     kv_columns, load_kv_tile, dot = helpers.kv_columns, helpers.load_kv_tile, helpers.dot
     softcap_scores = helpers.softcap_scores
     row_max, row_sum = helpers.row_max, helpers.row_sum
-    _prefill_kernel = triton.jit(_prefill_kernel)
+    _prefill_kernel = triton.jit(_prefill_kernel, do_not_specialize=PREFILL_NO_SPECIALIZE)
     return _decode._Kernels(prefill=_prefill_kernel)
 
 
@@ -201,17 +205,21 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, FORMAT: tl.constexpr, DOT: tl.constexpr, S_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, FORMAT: tl.constexpr, DOT: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
     """One (query tile, KV head): BLOCK_Q queries x GROUP heads against their causal (windowed) keys."""
     tile = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
-    # The sequence of this tile: the last one whose first tile (cu_query_lens[s] // BLOCK_Q + s) is <= tile.
-    s_idx = tl.arange(0, S_PAD).to(tl.int64)
-    starts = tl.load(CuQueryLens + s_idx, mask=s_idx < num_seqs, other=0).to(tl.int64)
-    first_tiles = tl.where(s_idx < num_seqs, starts // BLOCK_Q + s_idx, tile + 1)
-    seq = row_sum((first_tiles <= tile).to(tl.int64), 0) - 1
+    # The sequence of this tile: the last one whose first tile (cu_query_lens[s] // BLOCK_Q + s) is <= tile,
+    # counted SEQ_CHUNK sequences at a time (a loop, not a batch-sized tile: one variant serves every batch).
+    c = tl.arange(0, SEQ_CHUNK).to(tl.int64)
+    seq = tile * 0 - 1
+    for first in range(0, num_seqs, SEQ_CHUNK):
+        s_idx = first + c
+        in_batch = s_idx < num_seqs
+        starts = tl.load(CuQueryLens + s_idx, mask=in_batch, other=0).to(tl.int64)
+        seq += row_sum((in_batch & (starts // BLOCK_Q + s_idx <= tile)).to(tl.int64), 0)
     q_start = tl.load(CuQueryLens + seq).to(tl.int64)
     q_len = tl.load(CuQueryLens + seq + 1).to(tl.int64) - q_start
     seq_len = tl.load(SeqLens + seq).to(tl.int64)
