@@ -510,7 +510,8 @@ _LOAD_KERNELS_ALONE = (
     "package = importlib.util.module_from_spec(spec); sys.modules['kernels_alone'] = package\n"
     "spec.loader.exec_module(package)\n"
 )
-KERNEL_MODULES = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "copy_blocks", "dispatch")
+KERNEL_MODULES = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "copy_blocks", "dispatch", "aot",
+                  "warmup")
 
 
 def test_kernel_modules_import_no_triton_at_module_level():

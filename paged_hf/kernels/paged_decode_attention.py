@@ -124,6 +124,11 @@ class Launch:
         if all(self.grid):
             self.kernel[self.grid](*self.args, **self.meta, **self.options)
 
+    def compile(self) -> None:
+        """Compiles this launch's variant for the current device without running it (triton's ``warmup``; the
+        interpreter compiles nothing)."""
+        self.kernel.warmup(*self.args, grid=self.grid, **self.meta, **self.options)
+
 
 def _decode_launches(
     query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, sinks,
