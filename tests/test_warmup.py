@@ -66,7 +66,7 @@ def _serving_launches(operands, heads, dtype, options, rng):
         top = longest[i % len(longest)]
         lengths = [top] + [rng.randint(1, top) for _ in range(batch - 1)]
         width = -(-top // BLOCK_SIZE) + extra
-        tables = torch.zeros(batch, width, dtype=torch.int64, device=DEVICE)
+        tables = torch.zeros(batch, width, dtype=torch.int32, device=DEVICE)
         seq_lens = torch.tensor(lengths, device=DEVICE)
         query = torch.zeros(batch, heads, HEAD_DIM, dtype=dtype, device=DEVICE)
         launches += _decode_launches(query, operands["key_cache"], operands["value_cache"], tables, seq_lens, 0.1,
@@ -76,6 +76,14 @@ def _serving_launches(operands, heads, dtype, options, rng):
         prefill_query = torch.empty(sum(chunks), heads, HEAD_DIM, dtype=dtype, device=DEVICE)
         launches += _prefill_launches(prefill_query, operands["key_cache"], operands["value_cache"], tables,
                                       seq_lens, cu, 0.1, *attention, torch.empty_like(prefill_query))
+        if batch > 1:  # a mixed step: the first d sequences decode, the rest prefill, on slices of the same tensors
+            d = rng.randint(1, batch - 1)
+            mixed = torch.empty(d + sum(chunks[d:]), heads, HEAD_DIM, dtype=dtype, device=DEVICE)
+            out = torch.empty_like(mixed)
+            launches += _decode_launches(mixed[:d], operands["key_cache"], operands["value_cache"], tables[:d],
+                                         seq_lens[:d], 0.1, *attention, out[:d])
+            launches += _prefill_launches(mixed[d:], operands["key_cache"], operands["value_cache"], tables[d:],
+                                          seq_lens[d:], cu[d:] - cu[d], 0.1, *attention, out[d:])
         for tokens in (batch, sum(chunks)):
             states = torch.empty(tokens, KV_HEADS, HEAD_DIM, dtype=options["store_dtype"], device=DEVICE)
             slots = torch.arange(tokens, device=DEVICE)

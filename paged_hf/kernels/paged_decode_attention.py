@@ -375,13 +375,27 @@ def _kernels():
         dot = triton.jit(dot)
         softcap_scores = triton.jit(softcap_scores)
         row_max, row_min, row_sum = triton.jit(_max), triton.jit(_min), triton.jit(_sum)
-    _decode_kernel = triton.jit(_decode_kernel, do_not_specialize=DECODE_NO_SPECIALIZE)
-    _decode_reduce_kernel = triton.jit(_decode_reduce_kernel, do_not_specialize=("num_parts",))
+    _decode_kernel = jit_unspecialized(_decode_kernel, DECODE_NO_SPECIALIZE, ("BlockTables", "SeqLens"))
+    _decode_reduce_kernel = jit_unspecialized(_decode_reduce_kernel, ("num_parts",), ("SeqLens",))
     return _Kernels(
         decode=_decode_kernel, reduce=_decode_reduce_kernel, kv_columns=kv_columns, load_kv_codes=load_kv_codes,
         load_kv_side=load_kv_side,
         dot=dot, softcap_scores=softcap_scores, row_max=row_max, row_min=row_min, row_sum=row_sum,
     )
+
+
+def jit_unspecialized(fn, integers: tuple, pointers: tuple = ()):
+    """``triton.jit(fn)`` with ``integers`` not specialized (== 1, multiples of 16) and, where this triton can say
+    so, neither they nor ``pointers`` on alignment: the batch-following arguments (counts, widths, slices of
+    per-sequence tensors, which a mixed step starts mid-tensor) then leave the compiled variant unchanged."""
+    import inspect
+
+    import triton
+
+    options = dict(do_not_specialize=list(integers))
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        options["do_not_specialize_on_alignment"] = [*integers, *pointers]
+    return triton.jit(fn, **options)
 
 
 class _Kernels:

@@ -206,15 +206,14 @@ kv_columns = load_kv_codes = load_kv_side = dot = softcap_scores = row_max = row
 def _kernels():
     """Decorates the prefill kernel on first launch; its helpers are the decode module's (already decorated)."""
     global tl, kv_columns, load_kv_codes, load_kv_side, dot, softcap_scores, row_max, row_sum, _prefill_kernel
-    import triton
-
     helpers = _decode._kernels()
     tl = _decode.tl
     kv_columns, load_kv_codes, load_kv_side = helpers.kv_columns, helpers.load_kv_codes, helpers.load_kv_side
     dot = helpers.dot
     softcap_scores = helpers.softcap_scores
     row_max, row_sum = helpers.row_max, helpers.row_sum
-    _prefill_kernel = triton.jit(_prefill_kernel, do_not_specialize=PREFILL_NO_SPECIALIZE)
+    _prefill_kernel = _decode.jit_unspecialized(_prefill_kernel, PREFILL_NO_SPECIALIZE,
+                                                ("BlockTables", "SeqLens", "CuQueryLens"))
     return _decode._Kernels(prefill=_prefill_kernel)
 
 

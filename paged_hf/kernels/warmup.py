@@ -2,12 +2,14 @@
 serving.
 
 A variant is what triton compiles once and caches: the kernel, its constexprs, the launch options and the
-specialization of the other arguments (dtypes, None pointers, integers equal to 1 or multiples of 16). The kernels
-keep every batch-dependent quantity out of that key: the prefill finds a tile's sequence with a loop instead of a
-batch-sized constexpr, and the integers that follow the batch (token and sequence counts, the block-table width,
-the partition count) are not specialized. What is left depends on the layer alone (pool format and dtypes,
-head_dim, heads, window / softcap / sinks, the query dtype and the index dtypes) plus one switch: a decode batch
-whose block tables span one partition writes its output directly, a wider one goes through partials and a reduce.
+specialization of the other arguments (dtypes, None pointers, integers equal to 1 or multiples of 16, pointer
+alignment). The kernels keep every batch-dependent quantity out of that key: the prefill finds a tile's sequence
+with a loop instead of a batch-sized constexpr, the integers that follow the batch (token and sequence counts, the
+block-table width, the partition count) are not specialized, nor is the alignment of the per-sequence tensors
+(block tables, ``seq_lens``, ``cu_query_lens``, slots), which a mixed step slices mid-tensor. What is left depends
+on the layer alone (pool format and dtypes, head_dim, heads, window / softcap / sinks, the query dtype and the index
+dtypes) plus one switch: a decode batch whose block tables span one partition writes its output directly, a wider
+one goes through partials and a reduce.
 ``layer_launches`` prepares one launch of each; ``warmup_kernels`` compiles them on the current device.
 
 Usage, once per distinct layer kind at engine/server start-up, after the pools exist and before serving::
@@ -50,7 +52,7 @@ def layer_launches(
     store_dtype: torch.dtype | None = None,
     pool_tensors: list[torch.Tensor] | None = None,
     index_dtype: torch.dtype = torch.int64,
-    block_table_dtype: torch.dtype = torch.int64,
+    block_table_dtype: torch.dtype = torch.int32,
 ) -> list[Launch]:
     """One prepared launch of every variant a layer runs (nothing is launched).
 
@@ -63,8 +65,8 @@ def layer_launches(
             the float32 rotated vectors).
         pool_tensors: the tensors a block copy moves (``storage.tensors().values()``; default: the pools and
             side tensors in ``operands``).
-        index_dtype: dtype of ``seq_lens``, ``cu_query_lens``, slots and copy ids; ``block_table_dtype``: of the
-            block tables (both int64 in ``step_plan`` today).
+        index_dtype: dtype of ``seq_lens``, ``cu_query_lens``, slots and copy ids (int64 in ``metadata``);
+            ``block_table_dtype``: of the block tables (``block_table_rows.TABLE_DTYPE``, int32).
 
     Returns the launches: decode (one partition, written directly), decode over partitions and its reduce,
     prefill, store, and one block copy per pool tensor.
