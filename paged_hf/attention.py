@@ -65,10 +65,12 @@ def paged_attention(flat_query, metadata, group, storage, scale, softcap, sinks)
     the varlen prefill kernel: two slices of the packed batch, no per-layer index building. The storage's kernel
     set (Triton on CUDA, the torch references elsewhere) was chosen when its pool was made. A storage whose vectors
     are stored rotated (quantized formats) gets the query rotated the same way (scores are unchanged) and the output
-    rotated back, in float32.
+    rotated back; both rotations run in float32 and their results return to the query's dtype, so a bf16/fp16 model
+    attends with bf16/fp16 queries (the kernels' tensor-core path) in every format, and a float32 model stays
+    float32 throughout.
     """
     rotation = storage.rotation
-    query = flat_query if rotation is None else rotate(flat_query, rotation)
+    query = flat_query if rotation is None else rotate(flat_query, rotation).to(flat_query.dtype)
     kernels = storage.kernels
     options = dict(scale=scale, sliding_window=group.window, softcap=softcap, sinks=sinks,
                    **storage.attention_operands())

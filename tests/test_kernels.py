@@ -4,7 +4,7 @@ Without CUDA the kernels run in triton's CPU interpreter (``TRITON_INTERPRET=1``
 launched; the kernel modules decorate their functions at the first launch, so this also holds when another test
 module imported ``paged_hf`` first). With CUDA they run compiled on the GPU. The interpreter is slow, so the
 default cases are a covering subset of the grid (every value of every axis appears: block sizes 8/16/32, head_dim
-64/128, GQA 1/4/8, every kv format, lengths 1/15/16/17/hundreds, ragged batches, empty and full blocks, sliding
+64/128/256, GQA 1/4/8, every kv format, lengths 1/15/16/17/hundreds, ragged batches, empty and full blocks, sliding
 window, softcap, sinks, several partitions); ``PAGED_HF_SLOW=1`` adds a larger sweep.
 
 Tolerances: float32 queries 1e-5 (atol and rtol) against the reference on the same (quantized) pools; float16 /
@@ -37,6 +37,7 @@ from paged_hf.kernels import dispatch  # noqa: E402
 from paged_hf.kernels.copy_blocks import copy_blocks, copy_blocks_ref  # noqa: E402
 from paged_hf.kernels.kv_quant import quantize_kv_ref  # noqa: E402
 from paged_hf.kernels.paged_decode_attention import (  # noqa: E402
+    _decode_launches,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
@@ -123,6 +124,7 @@ DECODE_CASES = [
     (8, 128, 8, "fp8_e4m3", [40, 129], 1, 64, None, True, 64, torch.bfloat16),
     (16, 128, 4, "fp8_e5m2", [480], 1, None, 50.0, True, None, torch.float32),
     (32, 64, 4, "auto", [700, 1], 1, 200, None, True, 128, torch.bfloat16),
+    (16, 256, 4, "int8", [70, 600], 1, None, None, False, 256, torch.bfloat16),  # head_dim > 128: 8 warps
 ]
 
 
@@ -151,7 +153,7 @@ def test_decode_matches_ref(case):
 def test_decode_covers_the_grid():
     """The default decode cases hold every value of every axis the brief names."""
     values = {axis: {case[i] for case in DECODE_CASES} for i, axis in enumerate(("bs", "d", "g", "fmt"))}
-    assert values == {"bs": {8, 16, 32}, "d": {64, 128}, "g": {1, 4, 8}, "fmt": set(FORMATS)}
+    assert values == {"bs": {8, 16, 32}, "d": {64, 128, 256}, "g": {1, 4, 8}, "fmt": set(FORMATS)}
     lengths = {n for case in DECODE_CASES for n in case[4]}
     assert {1, 15, 16, 17} <= lengths and max(lengths) >= 300
     assert {case[6] is not None for case in DECODE_CASES} == {True, False}  # window
@@ -169,6 +171,58 @@ def test_decode_default_partitions_and_strided_query():
     ref = paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, sinks=sinks,
                                      **pools)
     assert_close(out, ref, torch.float32)
+
+
+def test_decode_empty_partitions_write_no_partials():
+    """The partition count follows the widest block table; programs whose partition starts at or past their
+    sequence's length exit before writing: their partials keep whatever the buffers held (here a sentinel), the
+    others are written, and the reduce (which reads only partitions below each length) gives the reference."""
+    lengths, partition = [5, 300, 64, 65], 64
+    pools, tables, query, sinks, seq_lens = attention_case(16, 64, 4, "int8", lengths, 1)
+    out = torch.empty_like(query)
+    decode, reduce = _decode_launches(query, pools["key_cache"], pools["value_cache"], tables, seq_lens, 0.125, None,
+                                      None, sinks, pools["key_scale"], pools["value_scale"], None, None, "int8", out,
+                                      partition)
+    args = dict(zip(decode.kernel.arg_names, decode.args))
+    partials = [args["PartM"], args["PartL"], args["PartAcc"]]
+    num_parts = partials[0].shape[2]
+    assert num_parts == 5 and decode.grid[2] == num_parts
+    for t in partials:
+        t.fill_(1234.5)
+    decode()
+    for s, n in enumerate(lengths):
+        for part in range(num_parts):
+            empty = part * partition >= n
+            for t in partials:
+                untouched = bool((t[s, :, part] == 1234.5).all())
+                assert untouched == empty, (s, n, part, t.shape)
+    reduce()
+    ref = paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, sinks=sinks,
+                                     **pools)
+    assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+def test_tiny_value_scales_keep_float16_precision(kv_format):
+    """The value scales multiply the probabilities before the float16 dot (``load_kv_codes``): with V of magnitude
+    ~1e-5 that product would sit among float16 subnormals, so each tile is normalized by its largest scale first.
+    Compared at float16's relative tolerance after undoing the magnitude."""
+    pools, tables, query, _, seq_lens = attention_case(16, 64, 4, kv_format, [40, 300], 1, torch.float16)
+    pools["value_scale"] = pools["value_scale"] * 1e-4
+    if pools.get("value_zero") is not None:
+        pools["value_zero"] = pools["value_zero"] * 1e-4
+    cu = torch.tensor([0, 20, 40], device=DEVICE)
+    prefill_query = query[:1].expand(40, -1, -1).contiguous()
+    for out, ref in (
+        (paged_decode_attention(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, partition_size=64,
+                                **pools),
+         paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, **pools)),
+        (paged_prefill_attention(prefill_query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
+                                 scale=0.125, **pools),
+         paged_prefill_attention_ref(prefill_query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
+                                     scale=0.125, **pools)),
+    ):
+        assert_close(out.float() * 1e4, ref.float() * 1e4, torch.float16)
 
 
 def test_decode_rejects_bad_operands():
@@ -208,6 +262,8 @@ PREFILL_CASES = [
     (32, 128, 1, "int4", [200], [130], 1, None, None, False, torch.float32),
     (16, 64, 4, "auto", [90, 20], [45, 20], 1, 16, None, True, torch.float16),
     (8, 64, 8, "int8", [64, 0, 31], [33, 0, 31], 1, None, None, False, torch.bfloat16),
+    (16, 256, 4, "fp8_e4m3", [90, 20], [50, 20], 1, None, None, True, torch.float16),  # head_dim 256: 16-key tiles
+    (8, 256, 4, "int4", [33, 5], [20, 5], 1, 16, None, False, torch.bfloat16),  # int4 at 256: 32-row programs
 ]
 
 
@@ -237,7 +293,7 @@ def test_prefill_matches_ref(case):
 
 def test_prefill_covers_the_grid():
     values = {axis: {case[i] for case in PREFILL_CASES} for i, axis in enumerate(("bs", "d", "g", "fmt"))}
-    assert values == {"bs": {8, 16, 32}, "d": {64, 128}, "g": {1, 4, 8}, "fmt": set(FORMATS)}
+    assert values == {"bs": {8, 16, 32}, "d": {64, 128, 256}, "g": {1, 4, 8}, "fmt": set(FORMATS)}
     qlens = {n for case in PREFILL_CASES for n in case[5]}
     assert {0, 1, 15, 16, 17} <= qlens and max(qlens) >= 100
 
@@ -480,7 +536,8 @@ _LOAD_KERNELS_ALONE = (
     "package = importlib.util.module_from_spec(spec); sys.modules['kernels_alone'] = package\n"
     "spec.loader.exec_module(package)\n"
 )
-KERNEL_MODULES = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "copy_blocks", "dispatch")
+KERNEL_MODULES = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "copy_blocks", "dispatch", "aot",
+                  "warmup")
 
 
 def test_kernel_modules_import_no_triton_at_module_level():

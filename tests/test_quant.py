@@ -377,3 +377,44 @@ def test_storage_holds_codes_of_the_rotated_vectors(kv_format):
     assert torch.equal(raw_bytes(s.key_cache[0]), raw_bytes(data)) and torch.equal(s.key_scale[0], scale)
     assert zero is None or torch.equal(s.key_zero[0], zero)
     assert make_storage("auto", 2, 4, HEADS, HEAD_DIM, torch.float32, "cpu").rotation is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotated_query_reaches_the_kernels_in_the_model_dtype(monkeypatch, dtype):
+    """A quantized pool rotates the query in float32, but the attention (kernel or reference) receives it back in
+    the model dtype: bf16 queries take the kernels' tensor-core path (not the float32 IEEE dots) in every format,
+    and a float32 model stays float32. The attention's output comes back in the model dtype too."""
+    from models import tiny_model
+
+    import paged_hf.attention
+    from paged_hf.kernels import paged_decode_attention as decode_module
+    from paged_hf.kernels import paged_prefill_attention as prefill_module
+
+    seen = []
+
+    def spy(module, name):
+        original = getattr(module, name)
+
+        def wrapper(query, *args, **kwargs):
+            out = original(query, *args, **kwargs)
+            seen.append((name, query.dtype, out.dtype, kwargs.get("kv_format")))
+            return out
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    for name in ("paged_decode_attention", "paged_decode_attention_ref"):
+        spy(decode_module, name)
+    for name in ("paged_prefill_attention", "paged_prefill_attention_ref"):
+        spy(prefill_module, name)
+    spy(paged_hf.attention, "paged_attention")  # the un-rotated output, as the model receives it
+    model = tiny_model("llama", "paged").to(dtype)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    out = model.generate(input_ids=ids, attention_mask=(ids > 0).long(), max_new_tokens=3, do_sample=False,
+                         cache_implementation="paged", cache_config={"kv_cache_dtype": "int8"}, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True)
+    kernels = [call for call in seen if call[0] != "paged_attention"]
+    assert {name.split("_")[1] for name, *_ in kernels} == {"prefill", "decode"}, seen  # both paths ran
+    assert {(q, o, fmt) for _, q, o, fmt in kernels} == {(dtype, dtype, "int8")}
+    assert {(q, o) for name, q, o, _ in seen if name == "paged_attention"} == {(dtype, dtype)}
+    assert (decode_module.dot_mode(dtype) == 1) == (dtype == torch.float32)  # 1: the float32 IEEE dots
+    assert out.sequences.shape == (2, 8)

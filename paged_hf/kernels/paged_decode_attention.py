@@ -7,11 +7,17 @@
   (GQA: each K/V tile is read once for the whole group) and walks one partition of ``partition_size`` tokens
   of its sequence in tiles of ``BLOCK_N`` tokens, gathering each token's slot through the block table, so the
   tile size does not depend on the block size;
-- K/V are dequantized in registers as they are loaded (every ``kv_format``: int8, fp8 e4m3/e5m2 decoded from
-  their bits, int4 nibbles), scores and the online softmax (running max, sum, accumulator) are float32;
+- K/V codes enter the dots as loaded (every ``kv_format``: int8, fp8 e4m3/e5m2 decoded from their bits, int4
+  nibbles; exact in the query's dtype) and each token's scale and zero point apply to the scores and
+  probabilities instead (``load_kv_codes``); scores and the online softmax (running max, sum, accumulator) are
+  float32;
 - each partition writes its partial max, sum and unnormalized output; a reduce kernel rescales and sums them
   (and adds the attention sink, once). A batch whose block tables span a single partition skips the reduce.
-  The partition count comes from the block-table width, not from ``seq_lens``: no device-to-host sync.
+  The partition count comes from the block-table width, not from ``seq_lens``: no device-to-host sync. So the
+  partials are allocated for the widest table, but a program whose partition starts at or past its sequence's
+  length exits before reading or writing anything (the reduce reads only the partitions below the length): one
+  long sequence batched with many short ones costs the short ones no partial traffic. Sizing the partials to the
+  lengths themselves would need ``seq_lens`` on the host (a sync, or a host-side length from the step plan).
 
 The Triton functions are decorated on first launch (``_kernels()``), not at import: ``import paged_hf`` imports
 this module without needing triton, and ``TRITON_INTERPRET`` (which ``triton.jit`` reads when it decorates) takes
@@ -32,8 +38,16 @@ from .kv_quant import kv_data_dim, kv_data_dtype, kv_has_zero
 KV_FORMAT_IDS = {"auto": 0, "int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "int4": 4}
 PARTITION_SIZE = 512  # tokens per flash-decoding partition
 BLOCK_N = 64  # tokens per K/V tile inside a program
-DECODE_OPTIONS = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)  # launch options of the decode kernel
+# Launch options of the decode kernel. maxnreg=255 lets ptxas use the registers it needs (up to 244 here): left to
+# itself it sometimes stopped at 128 and spilled (8-56 bytes per thread, sm_90; benchmarks/RESULTS.md).
+DECODE_OPTIONS = dict(num_warps=4, num_stages=2, maxnreg=255, enable_fp_fusion=True)
+# head_dim > 128: [32, 256] K/V tiles (the bytes of a [64, 128] one); [64, 256] ones spilled at 4 warps.
+WIDE_HEAD_BLOCK_N = 32
+WIDE_HEAD_DECODE_OPTIONS = dict(num_warps=4, num_stages=2, maxnreg=255, enable_fp_fusion=True)
 _REDUCE_CHUNK = 32  # partitions merged per step of the reduce kernel
+# Integers that follow the batch (partition count, block-table width): not specialized by triton (== 1, multiple
+# of 16), so one compiled variant serves every batch (see ``warmup``).
+DECODE_NO_SPECIALIZE = ("num_parts", "stride_bt")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -95,8 +109,9 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Triton flash-decoding; the arguments and result of ``paged_decode_attention_ref``.
 
-    ``partition_size`` (keyword only, a multiple of ``BLOCK_N``; default ``PARTITION_SIZE``) is the number of
-    tokens one program reads; tests shrink it to reach the multi-partition path with short sequences.
+    ``partition_size`` (keyword only, a multiple of the tile of ``decode_tiles``, 64 tokens; default
+    ``PARTITION_SIZE``) is the number of tokens one program reads; tests shrink it to reach the multi-partition
+    path with short sequences.
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for launch in _decode_launches(
@@ -116,6 +131,11 @@ class Launch:
     def __call__(self) -> None:
         if all(self.grid):
             self.kernel[self.grid](*self.args, **self.meta, **self.options)
+
+    def compile(self) -> None:
+        """Compiles this launch's variant for the current device without running it (triton's ``warmup``; the
+        interpreter compiles nothing)."""
+        self.kernel.warmup(*self.args, grid=self.grid, **self.meta, **self.options)
 
 
 def _decode_launches(
@@ -140,8 +160,9 @@ def _decode_launches(
         )
     _check_sinks(sinks, num_heads, query.device)
     partition = PARTITION_SIZE if partition_size is None else int(partition_size)
-    if partition <= 0 or partition % BLOCK_N:
-        raise ValueError(f"partition_size must be a positive multiple of {BLOCK_N}, got {partition}")
+    block_n, options = decode_tiles(head_dim)
+    if partition <= 0 or partition % block_n:
+        raise ValueError(f"partition_size must be a positive multiple of {block_n}, got {partition}")
     max_tokens = block_tables.shape[1] * pools.block_size
     num_parts = max(1, -(-max_tokens // partition))
     direct = num_parts == 1
@@ -164,10 +185,10 @@ def _decode_launches(
     )
     meta = dict(
         GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, PADDED=head_dim < d_pad,
-        BLOCK_SIZE=pools.block_size, BLOCK_N=BLOCK_N, FORMAT=KV_FORMAT_IDS[kv_format],
+        BLOCK_SIZE=pools.block_size, BLOCK_N=block_n, FORMAT=KV_FORMAT_IDS[kv_format],
         DOT=dot_mode(query.dtype), DIRECT=direct, **flags,
     )
-    launches = [Launch(k.decode, (num_seqs, pools.num_kv_heads, num_parts), args, meta, dict(DECODE_OPTIONS))]
+    launches = [Launch(k.decode, (num_seqs, pools.num_kv_heads, num_parts), args, meta, options)]
     if not direct:
         reduce_args = (part_m, part_l, part_acc, seq_lens, sinks, out, num_heads, num_parts, partition, *out.stride())
         reduce_meta = dict(
@@ -176,6 +197,14 @@ def _decode_launches(
         options = dict(num_warps=4, enable_fp_fusion=True)
         launches.append(Launch(k.reduce, (num_seqs, num_heads), reduce_args, reduce_meta, options))
     return launches
+
+
+def decode_tiles(head_dim: int) -> tuple[int, dict]:
+    """``(BLOCK_N, launch options)`` of the decode kernel for ``head_dim`` (module settings, which
+    ``benchmarks/kernels.py --tune`` varies, up to 128; ``WIDE_HEAD_*`` above)."""
+    if head_dim <= 128:
+        return BLOCK_N, dict(DECODE_OPTIONS)
+    return WIDE_HEAD_BLOCK_N, dict(WIDE_HEAD_DECODE_OPTIONS)
 
 
 # ------------------------------------------------------------------------------------ shared launcher checks
@@ -326,7 +355,7 @@ def _kernels():
     ``tl.zeros``... are compiled-mode functions the interpreter cannot call; the kernels use none of them).
     """
     global tl, _STD_MAX, _STD_MIN, _STD_SUM
-    global kv_columns, load_kv_tile, dot, softcap_scores, row_max, row_min, row_sum
+    global kv_columns, load_kv_codes, load_kv_side, dot, softcap_scores, row_max, row_min, row_sum
     global _decode_kernel, _decode_reduce_kernel
     import triton
     import triton.language as language
@@ -342,16 +371,31 @@ def _kernels():
             row_max, row_min, row_sum = _max, _min, _sum
     else:
         kv_columns = triton.jit(kv_columns)
-        load_kv_tile = triton.jit(load_kv_tile)
+        load_kv_codes, load_kv_side = triton.jit(load_kv_codes), triton.jit(load_kv_side)
         dot = triton.jit(dot)
         softcap_scores = triton.jit(softcap_scores)
         row_max, row_min, row_sum = triton.jit(_max), triton.jit(_min), triton.jit(_sum)
-    _decode_kernel = triton.jit(_decode_kernel)
-    _decode_reduce_kernel = triton.jit(_decode_reduce_kernel)
+    _decode_kernel = jit_unspecialized(_decode_kernel, DECODE_NO_SPECIALIZE, ("BlockTables", "SeqLens"))
+    _decode_reduce_kernel = jit_unspecialized(_decode_reduce_kernel, ("num_parts",), ("SeqLens",))
     return _Kernels(
-        decode=_decode_kernel, reduce=_decode_reduce_kernel, kv_columns=kv_columns, load_kv_tile=load_kv_tile,
+        decode=_decode_kernel, reduce=_decode_reduce_kernel, kv_columns=kv_columns, load_kv_codes=load_kv_codes,
+        load_kv_side=load_kv_side,
         dot=dot, softcap_scores=softcap_scores, row_max=row_max, row_min=row_min, row_sum=row_sum,
     )
+
+
+def jit_unspecialized(fn, integers: tuple, pointers: tuple = ()):
+    """``triton.jit(fn)`` with ``integers`` not specialized (== 1, multiples of 16) and, where this triton can say
+    so, neither they nor ``pointers`` on alignment: the batch-following arguments (counts, widths, slices of
+    per-sequence tensors, which a mixed step starts mid-tensor) then leave the compiled variant unchanged."""
+    import inspect
+
+    import triton
+
+    options = dict(do_not_specialize=list(integers))
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        options["do_not_specialize_on_alignment"] = [*integers, *pointers]
+    return triton.jit(fn, **options)
 
 
 class _Kernels:
@@ -388,7 +432,7 @@ row_max = row_min = row_sum = None  # bound by _kernels()
 
 def kv_columns(stride_cd, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, FORMAT: tl.constexpr):
     """The code columns of a token's row: element offsets and which are real. int4: ``D_PAD // 2`` bytes of two
-    codes each (contiguous, so the loads vectorize; ``load_kv_tile`` interleaves the nibbles)."""
+    codes each (contiguous, so the loads vectorize; ``load_kv_codes`` interleaves the nibbles)."""
     if FORMAT == 4:
         c = tl.arange(0, D_PAD // 2)
         return c.to(tl.int64) * stride_cd, c < HEAD_DIM // 2
@@ -397,39 +441,46 @@ def kv_columns(stride_cd, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, FORMAT: t
         return c.to(tl.int64) * stride_cd, c < HEAD_DIM
 
 
-def load_kv_tile(Cache, Scale, Zero, row_off, side_off, valid, cols, col_ok, FORMAT: tl.constexpr,
-                 PADDED: tl.constexpr):
-    """K or V of ``row_off.shape[0]`` tokens as ``[N, D_PAD]``: the pool's dtype for "auto", else float32
-    dequantized like ``kv_quant.dequantize_kv_ref``. ``row_off``/``side_off``: each token's element offset in
-    the codes / scale pools; ``valid``: which tokens to read (others give 0); ``cols, col_ok``: from
-    ``kv_columns``; ``PADDED``: whether ``head_dim < D_PAD`` (else a row mask alone, so loads vectorize)."""
+def load_kv_codes(Cache, row_off, valid, cols, col_ok, FORMAT: tl.constexpr, PADDED: tl.constexpr):
+    """K or V codes of ``row_off.shape[0]`` tokens as ``[N, D_PAD]``: the pool's values for "auto", else the codes
+    as float16 (int8, int4 nibbles) or float32 (float8 values); exact, also in bfloat16, the dtype the dots may
+    take them in. Each token's scale (and int4 zero point, ``load_kv_side``) applies outside the dots:
+    ``q . (c s + z) = (q . c) s + z sum(q)`` and ``sum_j p_j (c_j s_j + z_j) = sum_j (p_j s_j) c_j + sum_j p_j z_j``,
+    so no dequantized float32 tile is built. ``row_off``: each token's element offset in the codes; ``valid``: which
+    tokens to read (others give 0); ``cols, col_ok``: from ``kv_columns``; ``PADDED``: whether
+    ``head_dim < D_PAD`` (else a row mask alone, so loads vectorize)."""
     if PADDED:
         mask = valid[:, None] & col_ok[None, :]
     else:
         mask = valid[:, None]
     raw = tl.load(Cache + (row_off[:, None] + cols[None, :]), mask=mask, other=0)
-    if FORMAT == 0:  # auto
+    if FORMAT == 4:  # int4: low nibble = even column, high nibble = odd column
+        byte = raw.to(tl.int32)
+        x = tl.reshape(tl.join((byte & 15).to(tl.float16), (byte >> 4).to(tl.float16)),
+                       (raw.shape[0], 2 * raw.shape[1]))
+    elif FORMAT == 2 or FORMAT == 3:  # float8 bits (uint8): the float16 of the same value (e4m3: scaled by 2^-8)
+        bits = raw.to(tl.int32)
+        if FORMAT == 2:  # e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits
+            magnitude = ((bits & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        else:  # e5m2: the top byte of a float16
+            magnitude = ((bits & 0x7F) << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        x = tl.where(bits >= 128, -magnitude, magnitude)  # float32: a float16 -> bfloat16 cast of e5m2 values
+        # compiled for sm_90 into a long sequence that spilled (300-400 bytes per thread)
+    elif FORMAT == 1:  # int8 (through float16: triton's interpreter converts integers to bfloat16 wrongly)
+        x = raw.to(tl.float16)
+    else:  # auto
         x = raw
-    else:
-        s = tl.load(Scale + side_off, mask=valid, other=0.0).to(tl.float32)[:, None]
-        if FORMAT == 4:  # int4: low nibble = even column, high nibble = odd column
-            z = tl.load(Zero + side_off, mask=valid, other=0.0).to(tl.float32)[:, None]
-            byte = raw.to(tl.int32)
-            low = (byte & 15).to(tl.float32) * s + z
-            high = (byte >> 4).to(tl.float32) * s + z
-            x = tl.reshape(tl.join(low, high), (raw.shape[0], 2 * raw.shape[1]))
-        else:
-            if FORMAT == 1:  # int8
-                codes = raw.to(tl.float32)
-            else:  # float8 bits (uint8): rebuild the float16 of the same value (e4m3: scaled by 2^-8)
-                bits = raw.to(tl.int32)
-                if FORMAT == 2:  # e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits
-                    magnitude = ((bits & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-                else:  # e5m2: the top byte of a float16
-                    magnitude = ((bits & 0x7F) << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                codes = tl.where(bits >= 128, -magnitude, magnitude)
-            x = codes * s
     return x
+
+
+def load_kv_side(Scale, Zero, side_off, valid, FORMAT: tl.constexpr):
+    """Scale and zero point (int4; else 0) of each token, float32 ``[N]``, 0 for tokens not ``valid``."""
+    s = tl.load(Scale + side_off, mask=valid, other=0.0).to(tl.float32)
+    if FORMAT == 4:
+        z = tl.load(Zero + side_off, mask=valid, other=0.0).to(tl.float32)
+    else:
+        z = s * 0.0
+    return s, z
 
 
 def dot(a, b, DOT: tl.constexpr):
@@ -470,6 +521,9 @@ def _decode_kernel(
     part = tl.program_id(2).to(tl.int64)
     seq_len = tl.load(SeqLens + seq).to(tl.int64)
     start = part * partition
+    if not DIRECT:
+        if start >= seq_len:  # a partition past the sequence: the reduce reads none of its partials
+            return
     end = tl.minimum(start + partition, seq_len)
     lo = start
     if USE_WINDOW:  # the query (position seq_len - 1) sees keys > seq_len - 1 - window
@@ -486,6 +540,8 @@ def _decode_kernel(
     )
     if DOT == 1:
         q = q.to(tl.float32)
+    if FORMAT == 4:  # the zero point's share of each score: z * sum(q)
+        q_sum = row_sum(q.to(tl.float32), 1)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.full([G_PAD], 0.0, tl.float32)
@@ -502,9 +558,14 @@ def _decode_kernel(
         offset = pos % BLOCK_SIZE
         row_off = block * stride_cb + offset * stride_co + head_off
         side_off = block * stride_sb + offset * stride_so + head_side_off
-        k = load_kv_tile(KC, KS, KZ, row_off, side_off, valid, cols, col_ok, FORMAT, PADDED).to(q.dtype)
-        v = load_kv_tile(VC, VS, VZ, row_off, side_off, valid, cols, col_ok, FORMAT, PADDED).to(q.dtype)
-        s = dot(q, tl.trans(k), DOT) * scale
+        k = load_kv_codes(KC, row_off, valid, cols, col_ok, FORMAT, PADDED).to(q.dtype)
+        s = dot(q, tl.trans(k), DOT)
+        if FORMAT != 0:
+            k_scale, k_zero = load_kv_side(KS, KZ, side_off, valid, FORMAT)
+            s = s * k_scale[None, :]
+            if FORMAT == 4:
+                s = s + q_sum[:, None] * k_zero[None, :]
+        s = s * scale
         if USE_SOFTCAP:
             s = softcap_scores(s, softcap)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -513,7 +574,18 @@ def _decode_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + row_sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT)
+        v = load_kv_codes(VC, row_off, valid, cols, col_ok, FORMAT, PADDED).to(q.dtype)
+        if FORMAT == 0:
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT)
+        else:
+            v_scale, v_zero = load_kv_side(VS, VZ, side_off, valid, FORMAT)
+            if v.dtype == tl.float16:  # p * s / top in [0, 1], top a power of two >= max(s): no float16 underflow
+                top = tl.exp2(tl.ceil(tl.log2(tl.maximum(row_max(v_scale, 0), 5.9604644775390625e-08))))
+                acc = (acc * (alpha / top)[:, None] + dot((p * (v_scale / top)[None, :]).to(v.dtype), v, DOT)) * top
+            else:  # bfloat16 (float32's range), float32
+                acc = acc * alpha[:, None] + dot((p * v_scale[None, :]).to(v.dtype), v, DOT)
+            if FORMAT == 4:
+                acc = acc + row_sum(p * v_zero[None, :], 1)[:, None]
         m_i = m_new
 
     if DIRECT:

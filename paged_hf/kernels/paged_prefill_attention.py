@@ -5,12 +5,14 @@ signature:
 
 - grid ``(query tiles, kv_heads)`` over the packed queries, without a device-to-host sync: sequence ``s`` owns
   tiles ``cu_query_lens[s] // BLOCK_Q + s ..`` (at least ``ceil(q_len / BLOCK_Q)`` of them, so the grid is
-  ``total_queries // BLOCK_Q + S``); a program finds its sequence by counting the first tiles <= its own and
-  does nothing if its tile lies past its sequence's queries;
+  ``total_queries // BLOCK_Q + S``); a program finds its sequence by counting the first tiles <= its own (a
+  loop over the batch, so no constexpr follows the batch size) and does nothing if its tile lies past its
+  sequence's queries;
 - a program's rows are ``BLOCK_Q`` consecutive queries x the ``group`` query heads of its KV head (GQA: each K/V
   tile is read once for the group), against the keys ``[0 or window start, last query position]`` in tiles of
-  ``BLOCK_N`` tokens gathered through the block table, dequantized as loaded, causal (and window) masked per row,
-  online softmax in float32 starting from the sink logit when there are sinks.
+  ``BLOCK_N`` tokens gathered through the block table, their codes in the dots and their scales around them
+  (``load_kv_codes``), causal (and window) masked per row, online softmax in float32 starting from the sink logit
+  when there are sinks.
 
 Kernels are decorated on first launch (see ``paged_decode_attention``), with the same helpers.
 """
@@ -26,9 +28,24 @@ from . import paged_decode_attention as _decode
 from .attention_ref import paged_attention_core
 from .paged_decode_attention import Launch, check_pools
 
-BLOCK_M = 64  # rows (queries x group heads) per program
-BLOCK_N = 64  # keys per tile
-PREFILL_OPTIONS = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)  # launch options of the kernel
+# Rows (queries x group heads) per program, keys per tile and launch options by head_dim and format: the
+# [BLOCK_M, head_dim] float32 accumulator, the query and the K/V tiles (codes unpacked, scales) must fit 255
+# registers a thread. Compiled for sm_90 (the compile report in benchmarks/RESULTS.md): 64-key tiles at 4 warps
+# spilled from head_dim 128 on, and the quantized formats sat at 255 registers at 4 warps everywhere; at 8 warps they
+# fit with 32-key tiles up to head_dim 128 (64-key ones at 64, but for int4, whose nibble interleave costs more) and
+# 16-key tiles at 256, where int4 needs 32-row programs. ``maxnreg=255`` lets ptxas use the registers it needs:
+# left to itself it sometimes stopped at 128 and spilled.
+_OPTIONS = dict(num_warps=8, num_stages=2, maxnreg=255, enable_fp_fusion=True)
+PREFILL_TILES = (  # (largest head_dim, kv formats (None: any), BLOCK_M, BLOCK_N, launch options)
+    (64, ("int4",), 64, 32, _OPTIONS),
+    (64, None, 64, 64, _OPTIONS),
+    (128, None, 64, 32, _OPTIONS),
+    (1 << 30, ("int4",), 32, 32, _OPTIONS),
+    (1 << 30, None, 64, 16, _OPTIONS),
+)
+SEQ_CHUNK = 64  # sequences scanned per step when a program looks up its sequence
+# Integers that follow the batch: not specialized by triton, so one compiled variant serves every batch.
+PREFILL_NO_SPECIALIZE = ("num_seqs", "stride_bt")
 
 
 def paged_prefill_attention_ref(
@@ -150,8 +167,9 @@ def _prefill_launches(
     _decode._check_sinks(sinks, num_heads, query.device)
     flags = _decode._feature_meta(sliding_window, softcap, sinks)
 
+    block_m, block_n, options = prefill_tiles(head_dim, kv_format)
     g_pad = _decode._next_pow2(group)
-    block_m = max(BLOCK_M, g_pad)
+    block_m = max(block_m, g_pad)
     block_q = block_m // g_pad
     d_pad = max(16, _decode._next_pow2(head_dim))
     num_tiles = total // block_q + num_seqs
@@ -163,31 +181,39 @@ def _prefill_launches(
     )
     meta = dict(
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=d_pad,
-        PADDED=head_dim < d_pad, BLOCK_SIZE=pools.block_size, BLOCK_N=BLOCK_N,
+        PADDED=head_dim < d_pad, BLOCK_SIZE=pools.block_size, BLOCK_N=block_n,
         FORMAT=_decode.KV_FORMAT_IDS[kv_format], DOT=_decode.dot_mode(query.dtype),
-        S_PAD=_decode._next_pow2(max(num_seqs, 2)), **flags,
+        SEQ_CHUNK=SEQ_CHUNK, **flags,
     )
-    return [Launch(k.prefill, (num_tiles, pools.num_kv_heads), args, meta, dict(PREFILL_OPTIONS))]
+    return [Launch(k.prefill, (num_tiles, pools.num_kv_heads), args, meta, options)]
+
+
+def prefill_tiles(head_dim: int, kv_format: str) -> tuple[int, int, dict]:
+    """``(BLOCK_M, BLOCK_N, launch options)`` of the prefill kernel for ``head_dim`` and ``kv_format``
+    (``PREFILL_TILES``; BLOCK_M before padding to the group)."""
+    block_m, block_n, options = next((m, n, o) for top, formats, m, n, o in PREFILL_TILES
+                                     if head_dim <= top and (formats is None or kv_format in formats))
+    return block_m, block_n, dict(options)
 
 
 # ----------------------------------------------------------------------------------------------- kernels
 
 tl = None  # triton.language, bound by _kernels()
-kv_columns = load_kv_tile = dot = softcap_scores = row_max = row_sum = None  # the decode module's, bound by _kernels()
+kv_columns = load_kv_codes = load_kv_side = dot = softcap_scores = row_max = row_sum = None  # the decode module's
 
 
 @functools.cache
 def _kernels():
     """Decorates the prefill kernel on first launch; its helpers are the decode module's (already decorated)."""
-    global tl, kv_columns, load_kv_tile, dot, softcap_scores, row_max, row_sum, _prefill_kernel
-    import triton
-
+    global tl, kv_columns, load_kv_codes, load_kv_side, dot, softcap_scores, row_max, row_sum, _prefill_kernel
     helpers = _decode._kernels()
     tl = _decode.tl
-    kv_columns, load_kv_tile, dot = helpers.kv_columns, helpers.load_kv_tile, helpers.dot
+    kv_columns, load_kv_codes, load_kv_side = helpers.kv_columns, helpers.load_kv_codes, helpers.load_kv_side
+    dot = helpers.dot
     softcap_scores = helpers.softcap_scores
     row_max, row_sum = helpers.row_max, helpers.row_sum
-    _prefill_kernel = triton.jit(_prefill_kernel)
+    _prefill_kernel = _decode.jit_unspecialized(_prefill_kernel, PREFILL_NO_SPECIALIZE,
+                                                ("BlockTables", "SeqLens", "CuQueryLens"))
     return _decode._Kernels(prefill=_prefill_kernel)
 
 
@@ -201,17 +227,21 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, FORMAT: tl.constexpr, DOT: tl.constexpr, S_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, FORMAT: tl.constexpr, DOT: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
     """One (query tile, KV head): BLOCK_Q queries x GROUP heads against their causal (windowed) keys."""
     tile = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
-    # The sequence of this tile: the last one whose first tile (cu_query_lens[s] // BLOCK_Q + s) is <= tile.
-    s_idx = tl.arange(0, S_PAD).to(tl.int64)
-    starts = tl.load(CuQueryLens + s_idx, mask=s_idx < num_seqs, other=0).to(tl.int64)
-    first_tiles = tl.where(s_idx < num_seqs, starts // BLOCK_Q + s_idx, tile + 1)
-    seq = row_sum((first_tiles <= tile).to(tl.int64), 0) - 1
+    # The sequence of this tile: the last one whose first tile (cu_query_lens[s] // BLOCK_Q + s) is <= tile,
+    # counted SEQ_CHUNK sequences at a time (a loop, not a batch-sized tile: one variant serves every batch).
+    c = tl.arange(0, SEQ_CHUNK).to(tl.int64)
+    seq = tile * 0 - 1
+    for first in range(0, num_seqs, SEQ_CHUNK):
+        s_idx = first + c
+        in_batch = s_idx < num_seqs
+        starts = tl.load(CuQueryLens + s_idx, mask=in_batch, other=0).to(tl.int64)
+        seq += row_sum((in_batch & (starts // BLOCK_Q + s_idx <= tile)).to(tl.int64), 0)
     q_start = tl.load(CuQueryLens + seq).to(tl.int64)
     q_len = tl.load(CuQueryLens + seq + 1).to(tl.int64) - q_start
     seq_len = tl.load(SeqLens + seq).to(tl.int64)
@@ -232,6 +262,8 @@ def _prefill_kernel(
     )
     if DOT == 1:
         q = q.to(tl.float32)
+    if FORMAT == 4:  # the zero point's share of each score: z * sum(q)
+        q_sum = row_sum(q.to(tl.float32), 1)
 
     if USE_SINKS:  # the sink is one more logit of each head's softmax: start from it
         m_i = tl.load(Sinks + heads, mask=row_ok, other=0.0).to(tl.float32)
@@ -259,9 +291,14 @@ def _prefill_kernel(
         offset = pos % BLOCK_SIZE
         row_off = block * stride_cb + offset * stride_co + head_off
         side_off = block * stride_sb + offset * stride_so + head_side_off
-        k = load_kv_tile(KC, KS, KZ, row_off, side_off, valid, cols, col_ok, FORMAT, PADDED).to(q.dtype)
-        v = load_kv_tile(VC, VS, VZ, row_off, side_off, valid, cols, col_ok, FORMAT, PADDED).to(q.dtype)
-        s = dot(q, tl.trans(k), DOT) * scale
+        k = load_kv_codes(KC, row_off, valid, cols, col_ok, FORMAT, PADDED).to(q.dtype)
+        s = dot(q, tl.trans(k), DOT)
+        if FORMAT != 0:  # scales and zero points outside the dots (see load_kv_codes)
+            k_scale, k_zero = load_kv_side(KS, KZ, side_off, valid, FORMAT)
+            s = s * k_scale[None, :]
+            if FORMAT == 4:
+                s = s + q_sum[:, None] * k_zero[None, :]
+        s = s * scale
         if USE_SOFTCAP:
             s = softcap_scores(s, softcap)
         visible = valid[None, :] & (pos[None, :] <= row_pos[:, None])
@@ -273,7 +310,18 @@ def _prefill_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + row_sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT)
+        v = load_kv_codes(VC, row_off, valid, cols, col_ok, FORMAT, PADDED).to(q.dtype)
+        if FORMAT == 0:
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT)
+        else:
+            v_scale, v_zero = load_kv_side(VS, VZ, side_off, valid, FORMAT)
+            if v.dtype == tl.float16:  # p * s / top in [0, 1], top a power of two >= max(s): no float16 underflow
+                top = tl.exp2(tl.ceil(tl.log2(tl.maximum(row_max(v_scale, 0), 5.9604644775390625e-08))))
+                acc = (acc * (alpha / top)[:, None] + dot((p * (v_scale / top)[None, :]).to(v.dtype), v, DOT)) * top
+            else:  # bfloat16 (float32's range), float32
+                acc = acc * alpha[:, None] + dot((p * v_scale[None, :]).to(v.dtype), v, DOT)
+            if FORMAT == 4:
+                acc = acc + row_sum(p * v_zero[None, :], 1)[:, None]
         m_i = m_new
 
     out = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]

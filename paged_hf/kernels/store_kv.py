@@ -140,7 +140,7 @@ def _kernels():
         store_vectors = triton.jit(store_vectors)
         half_up, half_down = triton.jit(half_up), triton.jit(half_down)
         round_half_even, float8_bits = triton.jit(round_half_even), triton.jit(float8_bits)
-    _store_kernel = triton.jit(_store_kernel)
+    _store_kernel = _decode.jit_unspecialized(_store_kernel, ("num_tokens",), ("Slots",))  # any count, any slice
     return _decode._Kernels(store=_store_kernel)
 
 

@@ -1,0 +1,137 @@
+"""Start-up compilation of every kernel variant a layer of the paged path will launch, so none compiles while
+serving.
+
+A variant is what triton compiles once and caches: the kernel, its constexprs, the launch options and the
+specialization of the other arguments (dtypes, None pointers, integers equal to 1 or multiples of 16, pointer
+alignment). The kernels keep every batch-dependent quantity out of that key: the prefill finds a tile's sequence
+with a loop instead of a batch-sized constexpr, the integers that follow the batch (token and sequence counts, the
+block-table width, the partition count) are not specialized, nor is the alignment of the per-sequence tensors
+(block tables, ``seq_lens``, ``cu_query_lens``, slots), which a mixed step slices mid-tensor. What is left depends
+on the layer alone (pool format and dtypes, head_dim, heads, window / softcap / sinks, the query dtype and the index
+dtypes) plus one switch: a decode batch whose block tables span one partition writes its output directly, a wider
+one goes through partials and a reduce.
+``layer_launches`` prepares one launch of each; ``warmup_kernels`` compiles them on the current device.
+
+Usage, once per distinct layer kind at engine/server start-up, after the pools exist and before serving::
+
+    from paged_hf.kernels.warmup import warmup_kernels
+    warmup_kernels(
+        storage.attention_operands(), num_heads=config.num_attention_heads, dtype=model.dtype,
+        sliding_window=window, softcap=softcap, sinks=sinks,
+        store_dtype=torch.float32 if storage.rotation is not None else model.dtype,  # what ``write`` stores
+        pool_tensors=list(storage.tensors().values()),
+    )
+
+Cost: one compile per variant (about 1-5 s each on a GPU machine's CPU, cached on disk by triton afterwards);
+nothing runs on the GPU and no pool is written (triton's ``warmup`` compiles without launching). Under triton's
+interpreter nothing is compiled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import copy_blocks as _copy
+from . import paged_decode_attention as _decode
+from . import paged_prefill_attention as _prefill
+from . import store_kv as _store
+from .kv_quant import kv_data_dim, kv_data_dtype, kv_has_zero
+from .paged_decode_attention import Launch
+
+_SIDE = ("key_scale", "value_scale", "key_zero", "value_zero")
+
+
+def layer_launches(
+    operands: dict,
+    num_heads: int,
+    dtype: torch.dtype,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    store_dtype: torch.dtype | None = None,
+    pool_tensors: list[torch.Tensor] | None = None,
+    index_dtype: torch.dtype = torch.int64,
+    block_table_dtype: torch.dtype = torch.int32,
+) -> list[Launch]:
+    """One prepared launch of every variant a layer runs (nothing is launched).
+
+    Args:
+        operands: the layer's ``storage.attention_operands()`` (pools, scales, zeros, ``kv_format``).
+        num_heads: query heads (a multiple of the pools' KV heads); ``dtype``: the query dtype the attention
+            receives (the model dtype).
+        sliding_window, softcap, sinks: the layer's attention options, as the attention passes them.
+        store_dtype: dtype of the K/V the store receives (default ``dtype``; ``QuantizedKVStorage.write`` passes
+            the float32 rotated vectors).
+        pool_tensors: the tensors a block copy moves (``storage.tensors().values()``; default: the pools and
+            side tensors in ``operands``).
+        index_dtype: dtype of ``seq_lens``, ``cu_query_lens``, slots and copy ids (int64 in ``metadata``);
+            ``block_table_dtype``: of the block tables (``block_table_rows.TABLE_DTYPE``, int32).
+
+    Returns the launches: decode (one partition, written directly), decode over partitions and its reduce,
+    prefill, store, and one block copy per pool tensor.
+    """
+    key_cache = operands["key_cache"]
+    kv_format = operands.get("kv_format", "auto")
+    device = key_cache.device
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    head_dim = _head_dim(key_cache, kv_format)
+    side = {name: operands.get(name) for name in _SIDE}
+    options = dict(scale=head_dim ** -0.5, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+    seq_lens = torch.ones(1, dtype=index_dtype, device=device)
+    launches = []
+    # decode: a table within one partition (direct), and one wider than a partition (partials + reduce)
+    for blocks in (1, -(-(_decode.PARTITION_SIZE + 1) // block_size)):
+        tables = torch.zeros(1, blocks, dtype=block_table_dtype, device=device)
+        launches += _decode._decode_launches(
+            query, key_cache, operands["value_cache"], tables, seq_lens, options["scale"], sliding_window, softcap,
+            sinks, *side.values(), kv_format, torch.empty_like(query),
+        )
+    tables = torch.zeros(1, 1, dtype=block_table_dtype, device=device)
+    cu_query_lens = torch.tensor([0, 1], dtype=index_dtype, device=device)
+    launches += _prefill._prefill_launches(
+        query, key_cache, operands["value_cache"], tables, seq_lens, cu_query_lens, options["scale"], sliding_window,
+        softcap, sinks, *side.values(), kv_format, torch.empty_like(query),
+    )
+    states = torch.zeros(1, num_kv_heads, head_dim, dtype=store_dtype or dtype, device=device)
+    slots = torch.zeros(1, dtype=index_dtype, device=device)
+    launches += _store._store_launches(states, states, slots, key_cache, operands["value_cache"], *side.values(),
+                                       kv_format)
+    if pool_tensors is None:
+        pool_tensors = [t for t in (key_cache, operands["value_cache"], *side.values()) if t is not None]
+    ids = torch.zeros(1, dtype=index_dtype, device=device)
+    launches += _copy._copy_launches(ids, ids, pool_tensors)
+    return launches
+
+
+def warmup_kernels(operands: dict, num_heads: int, dtype: torch.dtype, **options) -> list[Launch]:
+    """Compiles every variant of ``layer_launches(operands, num_heads, dtype, **options)`` for the current device
+    without running it (triton's ``warmup``; a no-op under the interpreter). Returns the launches, whose
+    ``aot.variant_key`` is what was compiled. Call it after the pools exist (their dtypes and strides are part of
+    each variant) and before serving."""
+    launches = layer_launches(operands, num_heads, dtype, **options)
+    for launch in launches:
+        launch.compile()
+    return launches
+
+
+def example_operands(kv_format: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, device="cpu") -> dict:
+    """Zero-filled operands laid out like ``make_storage(...).attention_operands()`` (codes, float16 scales,
+    int4 zeros): for compile reports and tests that need a layer's shapes and dtypes, not its data."""
+    if kv_format == "auto":
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return {"key_cache": torch.zeros(shape, dtype=dtype, device=device),
+                "value_cache": torch.zeros(shape, dtype=dtype, device=device)}
+    shape = (num_blocks, block_size, num_kv_heads, kv_data_dim(kv_format, head_dim))
+    data = kv_data_dtype(kv_format)
+    ops = {name: torch.zeros(shape, dtype=data, device=device) for name in ("key_cache", "value_cache")}
+    for name in _SIDE:
+        needed = "scale" in name or kv_has_zero(kv_format)
+        ops[name] = torch.zeros(shape[:3], dtype=torch.float16, device=device) if needed else None
+    return {**ops, "kv_format": kv_format}
+
+
+def _head_dim(key_cache: torch.Tensor, kv_format: str) -> int:
+    return key_cache.shape[3] * 2 if kv_format == "int4" else key_cache.shape[3]
