@@ -54,6 +54,7 @@ class PagedEngine:
                             enable_prefix_caching=self.config.enable_prefix_caching,
                             swap_space_bytes=int(self.config.swap_space * GIB))
         self.kv.allocate_all(model.dtype, model.device)
+        self._warm_up_kernels(text_config)
         self.eos_token_ids = self._eos_token_ids()
         self.scheduler = Scheduler(self.config, self.kv, self.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(model, self.kv)
@@ -80,6 +81,29 @@ class PagedEngine:
         per_block = block_id_bytes(text_config, self.config.block_size, self.config.kv_cache_dtype, dtype=model.dtype)
         cap = self.config.max_num_seqs * math.ceil(self.max_model_len / self.config.block_size)
         return max(1, min(int(budget) // per_block, cap))
+
+    def _warm_up_kernels(self, text_config) -> None:
+        """On the Triton path, compiles every kernel variant the layers will launch now, so no request waits for a
+        compile (one variant per kind of layer: nothing compiled depends on the batch). A model with attention
+        sinks compiles its sink variants at its first step."""
+        kinds: dict[tuple, object] = {}
+        for group in self.kv.groups:
+            for storage in group.storages.values():
+                if storage.kernels.triton:
+                    kinds.setdefault((group.window, storage.kv_format if hasattr(storage, "kv_format") else "auto"),
+                                     storage)
+        if not kinds:
+            return
+        from ..kernels.warmup import warmup_kernels  # noqa: PLC0415 - imports triton
+
+        started = time.perf_counter()
+        softcap = getattr(text_config, "attn_logit_softcapping", None)
+        for (window, _), storage in kinds.items():
+            warmup_kernels(storage.attention_operands(), num_heads=text_config.num_attention_heads,
+                           dtype=self.model.dtype, sliding_window=window, softcap=softcap,
+                           store_dtype=torch.float32 if storage.rotation is not None else self.model.dtype,
+                           pool_tensors=list(storage.tensors().values()))
+        logger.info("compiled the kernels of %d layer kinds in %.1f s", len(kinds), time.perf_counter() - started)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
