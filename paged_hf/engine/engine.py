@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig, SamplingParams
+from ..config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig, ParameterError, SamplingParams
 from ..kv_manager import KVManager, available_memory, block_id_bytes
 from ..kv_stats import EngineStats
 from .detokenizer import IncrementalDetokenizer, decoder_for, find_stop
@@ -25,6 +25,7 @@ from .request import Request, RequestOutput, RequestOutputKind, Sequence, Sequen
 from .runner import ModelRunner
 from .sampler import position_logprobs, sample
 from .scheduler import Scheduler, SchedulerOutput
+from .validation import check_params, check_prompt_ids
 
 GIB = 1 << 30
 logger = logging.getLogger("paged_hf")
@@ -49,6 +50,7 @@ class PagedEngine:
         self.tokenizer = tokenizer
         text_config = model.config.get_text_config(decoder=True)
         self.max_model_len = self.config.max_model_len or getattr(text_config, "max_position_embeddings", 4096)
+        self.vocab_size = _vocab_size(model, text_config)
         num_blocks = self.config.num_blocks or self._blocks_from_memory(model, text_config)
         self.kv = KVManager(text_config, self.config.block_size, self.config.kv_cache_dtype, num_blocks,
                             enable_prefix_caching=self.config.enable_prefix_caching,
@@ -88,19 +90,25 @@ class PagedEngine:
             ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
         return ids
 
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, prompt) -> tuple[str | None, list]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)):
+                raise ParameterError("prompt", f"prompt_token_ids must be a list of token ids, got {ids!r}")
+            return prompt.get("prompt"), list(ids)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
-        if self.tokenizer is None:
-            raise ValueError("a tokenizer is needed for text or chat prompts: PagedEngine(model, tokenizer)")
+        if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and
+                                       all(isinstance(m, dict) for m in prompt)):
+            if self.tokenizer is None:
+                raise ValueError("a tokenizer is needed for text or chat prompts: PagedEngine(model, tokenizer)")
         if isinstance(prompt, str):
             return prompt, self.tokenizer(prompt)["input_ids"]
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
             return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        raise ValueError(f"prompt must be a string, a list of token ids or a list of chat messages, got {prompt!r}")
+        raise ParameterError("prompt", f"prompt must be a string, a non-empty list of token ids or a non-empty list "
+                                       f"of chat messages, got {prompt!r:.200}")
 
     # -------------------------------------------------------------------------------- requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -112,13 +120,13 @@ class PagedEngine:
         (streaming), or one output when it finishes.
         """
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a paged_hf.SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate")
+        ids = check_prompt_ids(ids, self.vocab_size, self.max_model_len)
+        check_params(params, len(ids), self.vocab_size, self.max_model_len, self.config)
         # the longest the sequence can get; its last token is sampled, never stored
-        stored = max(len(ids), min(len(ids) + params.max_tokens, self.max_model_len) - 1)
+        stored = len(ids) + params.max_tokens - 1
         need = self.kv.blocks_to_hold(stored)
         if need > self.kv.num_total_blocks:
             raise ValueError(
@@ -146,7 +154,10 @@ class PagedEngine:
             for seq in request.sequences:
                 self.scheduler.finish(seq, "abort")
 
-    def _fail(self, request: Request, error: BaseException) -> None:
+    def _fail(self, request: Request, error: BaseException, touched: dict[str, Request]) -> None:
+        touched[request.request_id] = request
+        if request.error is not None:
+            return
         request.error = error
         for seq in request.sequences:
             self.scheduler.finish(seq, "error")
@@ -168,8 +179,7 @@ class PagedEngine:
             except Exception as error:  # the forward failed: fail this batch's requests, keep the engine
                 self.kv.end_step(failed=True)
                 for item in output.scheduled:
-                    self._fail(item.seq.request, error)
-                    touched[item.seq.request.request_id] = item.seq.request
+                    self._fail(item.seq.request, error, touched)
             else:
                 self.kv.end_step(failed=False)
                 self._update(output, model_output, touched)
@@ -199,8 +209,7 @@ class PagedEngine:
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         result = sample(logits.index_select(0, index), sampled, self._decode_token if self._decode else None)
         for row, error in result.errors.items():
-            self._fail(sampled[row].request, error)
-            touched[sampled[row].request.request_id] = sampled[row].request
+            self._fail(sampled[row].request, error, touched)
         receiving = [seq.status is not SequenceStatus.FINISHED for seq in sampled]
         self.scheduler.update_from_output(output, sampled, result.token_ids)
         now = time.monotonic()
@@ -340,6 +349,18 @@ class PagedEngine:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
+
+
+def _vocab_size(model, text_config) -> int:
+    """Token ids the model can read (its input embeddings) and score (its output layer): the smaller."""
+    sizes = []
+    embeddings = model.get_input_embeddings()
+    if getattr(embeddings, "num_embeddings", None):
+        sizes.append(embeddings.num_embeddings)
+    head = model.get_output_embeddings()
+    if getattr(head, "out_features", None):
+        sizes.append(head.out_features)
+    return min(sizes) if sizes else text_config.vocab_size
 
 
 def _progress(total: int, enabled: bool):

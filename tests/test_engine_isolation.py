@@ -1,0 +1,101 @@
+"""A bad request fails alone: refused before it is queued when it can be seen to be bad (token ids, lengths, limits,
+NaN)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from paged_hf import PagedEngine, SamplingParams
+from paged_hf.config import ParameterError
+from models import stories_model, stories_tokenizer, story_openings
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def stories():
+    return stories_model("sdpa"), stories_tokenizer()
+
+
+def solo_tokens(stories, prompt, params=GREEDY) -> list[int]:
+    """The greedy tokens of ``prompt`` run alone on a fresh engine."""
+    model, tok = stories
+    out = PagedEngine(model, tok, block_size=4, num_blocks=64).generate([prompt], params, use_tqdm=False)[0]
+    assert out.error is None
+    return out.outputs[0].token_ids
+
+
+def assert_all_freed(engine: PagedEngine) -> None:
+    engine.check_invariants()
+    assert engine.get_stats()["kv_cache_used"] == 0
+    assert not engine.requests
+
+
+# -------------------------------------------------------------------------------------- refused up front
+def test_out_of_vocabulary_ids_are_refused_and_the_rest_of_the_batch_completes(stories):
+    """The issue's reproduction: ``generate(["Once upon a time", "The dog", [1, 999]])`` failed all three."""
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    with pytest.raises(ParameterError, match=r"must be in \[0, 512\) \(the model's vocabulary\), got 999") as info:
+        engine.add_request([1, 999], GREEDY)
+    assert info.value.param == "prompt" and not engine.requests
+    outs = engine.generate(["Once upon a time", "The dog", [1, 999]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:2]] == [solo_tokens(stories, p) for p in ("Once upon a time",
+                                                                                            "The dog")]
+    assert outs[2].outputs[0].finish_reason == "error" and "vocabulary" in outs[2].error
+    assert_all_freed(engine)
+
+
+NAN, INF = math.nan, math.inf
+
+
+@pytest.mark.parametrize("prompt, params, param, message", [
+    ([], {}, "prompt", "non-empty list of token ids"),
+    ({"prompt_token_ids": []}, {}, "prompt", "prompt is empty"),
+    ([1, -3], {}, "prompt", r"must be in \[0, 512\)"),
+    ([1, 2.5], {}, "prompt", "non-empty list of token ids"),
+    ({"prompt_token_ids": [1, 2.5]}, {}, "prompt", "must be ints"),
+    ([1] * 40, {"max_tokens": 30}, "max_tokens", r"maximum context length is 64 tokens .*\(30 > 64 - 40\)"),
+    ([1] * 64, {}, "prompt", "max_model_len=64 leaves no room"),
+    ([1, 2], {"logprobs": 21}, "logprobs", r"at most 20 \(max_logprobs\)"),
+    ([1, 2], {"prompt_logprobs": 21}, "prompt_logprobs", r"at most 20 \(max_logprobs\)"),
+    ([1, 2], {"n": 9}, "n", r"at most 8 \(max_n\)"),
+    ([1, 2], {"stop": [str(i) for i in range(5)]}, "stop", r"at most 4 are allowed \(max_stop_strings\)"),
+    ([1, 2], {"logit_bias": {512: 1.0}}, "logit_bias", r"in \[0, 512\)"),
+])
+def test_the_engine_refuses_what_it_cannot_run_naming_the_field(stories, prompt, params, param, message):
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64, max_model_len=64, max_n=8, max_stop_strings=4)
+    with pytest.raises(ParameterError, match=message) as info:
+        engine.add_request(prompt, SamplingParams(**params))
+    assert info.value.param == param
+    assert_all_freed(engine)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", NAN), ("temperature", INF), ("top_p", NAN), ("min_p", NAN), ("presence_penalty", NAN),
+    ("frequency_penalty", -INF), ("repetition_penalty", NAN), ("repetition_penalty", INF), ("stop", 5),
+    ("stop", [""]), ("stop_token_ids", 7), ("logit_bias", {3: 101}), ("logit_bias", {3: NAN}),
+    ("logit_bias", {"3": 1}), ("logit_bias", [3]), ("seed", 2**63), ("ignore_eos", "no"), ("min_tokens", 17),
+    ("logits_processors", [3]),
+])
+def test_sampling_params_refuse_bad_values_naming_the_field(field, value):
+    with pytest.raises(ParameterError, match=field) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+
+
+def test_logit_bias_steers_greedy_and_sampling(stories):
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    plain = solo_tokens(stories, "Once upon a time")
+    target = next(t for t in range(100, 512) if t not in plain)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=6, temperature=temperature, seed=3, logit_bias={target: 100})
+        assert engine.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].token_ids == [target] * 6
+    banned = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={plain[2]: -100})
+    tokens = engine.generate(["Once upon a time"], banned, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens[:2] == plain[:2] and plain[2] not in tokens
+    assert_all_freed(engine)
