@@ -1,11 +1,13 @@
 """A bad request fails alone: refused before it is queued when it can be seen to be bad (token ids, lengths, limits,
-NaN)."""
+NaN), and isolated when its forward raises (the others go on with exactly the tokens of their solo runs)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
+import torch
 
 from paged_hf import PagedEngine, SamplingParams
 from paged_hf.config import ParameterError
@@ -98,4 +100,95 @@ def test_logit_bias_steers_greedy_and_sampling(stories):
     banned = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={plain[2]: -100})
     tokens = engine.generate(["Once upon a time"], banned, use_tqdm=False)[0].outputs[0].token_ids
     assert tokens[:2] == plain[:2] and plain[2] not in tokens
+    assert_all_freed(engine)
+
+
+# ---------------------------------------------------------------------------------- isolated at run time
+@contextlib.contextmanager
+def poisoned(model, poison: int):
+    """The model's forward raises whenever ``poison`` is among its input ids (a stand-in for a request that makes a
+    forward fail: a kernel fault on its shapes, a bad adapter, ...)."""
+    def hook(module, args):
+        if (args[0] == poison).any():
+            raise RuntimeError(f"poisoned input: token {poison}")
+
+    handle = model.get_input_embeddings().register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def pick_poison(references) -> int:
+    seen = {t for ref in references for t in ref}
+    return next(t for t in range(300, 512) if t not in seen)
+
+
+@pytest.mark.parametrize("options", [
+    {"block_size": 4},
+    {"block_size": 4, "max_num_batched_tokens": 7},  # the poisoned prompt's chunk fails in a later step
+    {"block_size": 4, "enable_prefix_caching": False, "max_num_seqs": 3},
+], ids=["one_step", "chunked", "no_prefix_cache"])
+def test_a_forward_that_raises_for_one_request_fails_it_alone(stories, options):
+    model, tok = stories
+    good = story_openings()[:4]
+    references = [solo_tokens(stories, p) for p in good]
+    poison = pick_poison(references)
+    bad_prompt = tok(good[0])["input_ids"] + [poison] + tok("and the sun")["input_ids"][1:]
+    engine = PagedEngine(model, tok, num_blocks=64, **options)
+    with poisoned(model, poison):
+        outs = engine.generate(good[:2] + [bad_prompt] + good[2:], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:2] + outs[3:]] == references
+    assert outs[2].outputs[0].finish_reason == "error" and f"poisoned input: token {poison}" in outs[2].error
+    assert_all_freed(engine)
+
+
+def test_a_request_that_fails_in_decode_fails_alone(stories):
+    """The culprit's prompt is fine; the token it samples (forced by its logit_bias) makes its next forward raise,
+    in the middle of everyone's decodes."""
+    model, tok = stories
+    good = story_openings()[:4]
+    references = [solo_tokens(stories, p) for p in good]
+    poison = pick_poison(references)
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    doomed = SamplingParams(max_tokens=6, temperature=0.0, logit_bias={poison: 100})
+    with poisoned(model, poison):
+        outs = engine.generate(good + [good[1]], [GREEDY] * 4 + [doomed], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:4]] == references
+    assert outs[4].outputs[0].finish_reason == "error" and outs[4].outputs[0].token_ids == [poison]
+    assert_all_freed(engine)
+
+
+def test_a_request_reading_the_prefix_a_failing_request_writes_in_the_same_step_computes_it_again(stories):
+    """Admitted in one step, ``reader`` hits the prefix blocks ``writer`` fills in that very forward. The writer's
+    forward raises, so those blocks never get their K/V: the reader must not read them, and gets its solo tokens."""
+    model, tok = stories
+    prefix = tok(story_openings()[0])["input_ids"][:8]  # two blocks of 4
+    reader = prefix + tok("a big dog")["input_ids"][1:]
+    bystander = story_openings()[3]
+    references = [solo_tokens(stories, p) for p in (reader, bystander)]
+    poison = pick_poison(references)
+    writer = prefix + [poison] + tok("went to the park")["input_ids"][1:]
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    with poisoned(model, poison):
+        ids = [engine.add_request(p, GREEDY) for p in (writer, reader, bystander)]
+        done = {o.request_id: o for o in engine.step() if o.finished}
+        assert engine.requests[ids[1]].metrics.num_prefix_cached_tokens == 8, "the reader hit the writer's blocks"
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert "poisoned" in done[ids[0]].error
+    assert [done[i].outputs[0].token_ids for i in ids[1:]] == references
+    assert_all_freed(engine)
+
+
+def test_the_isolated_failure_is_logged(stories, caplog):
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    poison = pick_poison([])
+    with poisoned(model, poison), caplog.at_level("WARNING", logger="paged_hf"):
+        engine.generate(["Once upon a time", [1, poison, 5]], GREEDY, use_tqdm=False)
+    messages = [r.getMessage() for r in caplog.records if r.name == "paged_hf"]
+    assert any("running them in parts" in m for m in messages)
+    assert any(m.startswith("request ") and "poisoned input" in m for m in messages)
+    assert any("isolated 1 failing sequence(s)" in m for m in messages)
     assert_all_freed(engine)

@@ -22,7 +22,8 @@ from ..kv_manager import KVManager, available_memory, block_id_bytes
 from ..kv_stats import EngineStats
 from .detokenizer import IncrementalDetokenizer, decoder_for, find_stop
 from .request import Request, RequestOutput, RequestOutputKind, Sequence, SequenceStatus
-from .runner import ModelRunner
+from .isolation import isolate
+from .runner import BlockCopyError, ModelRunner
 from .sampler import position_logprobs, sample
 from .scheduler import Scheduler, SchedulerOutput
 from .validation import check_params, check_prompt_ids
@@ -163,6 +164,24 @@ class PagedEngine:
             self.scheduler.finish(seq, "error")
         logger.warning("request %s failed: %s: %s", request.request_id, type(error).__name__, error)
 
+    def _isolate(self, output: SchedulerOutput, error: BaseException, touched: dict[str, Request]) -> None:
+        """The forward of ``output`` raised: re-runs its sequences in halves to find the ones that raise alone, fails
+        their requests, and goes on with the others (their logits are those of the full batch)."""
+        logger.warning("a forward of %d sequences raised %s: %s; running them in parts to find the cause",
+                       len(output.scheduled), type(error).__name__, error)
+        result = isolate(self.runner, output, error)
+        for index, culprit_error in result.failed:
+            self._fail(output.scheduled[index].seq.request, culprit_error, touched)
+        for index in result.requeue:
+            seq = output.scheduled[index].seq
+            if seq.status is SequenceStatus.RUNNING:
+                self.scheduler.requeue(seq)
+        logger.warning("isolated %d failing sequence(s) in %d forwards; %d recompute their prompt",
+                       len(result.failed), result.num_forwards, len(result.requeue))
+        merged = result.merged(output, keep=lambda item: item.seq.status is SequenceStatus.RUNNING)
+        if merged is not None:
+            self._update(*merged, touched)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -176,10 +195,13 @@ class PagedEngine:
         if output.scheduled:
             try:
                 model_output = self.runner.execute(output)
-            except Exception as error:  # the forward failed: fail this batch's requests, keep the engine
+            except BlockCopyError as error:  # every sequence of the step may hold wrong K/V: fail them all
                 self.kv.end_step(failed=True)
                 for item in output.scheduled:
                     self._fail(item.seq.request, error, touched)
+            except Exception as error:  # the forward raised: the requests that cause it fail alone
+                self._isolate(output, error, touched)
+                self.kv.end_step(failed=True)
             else:
                 self.kv.end_step(failed=False)
                 self._update(output, model_output, touched)
