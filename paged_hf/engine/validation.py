@@ -18,6 +18,11 @@ def check_prompt_ids(ids: list, vocab_size: int, max_model_len: int) -> list[int
     """``ids`` as a list of ints, each in ``[0, vocab_size)``, with room to generate at least one token."""
     if not ids:
         raise ParameterError("prompt", "prompt is empty: it needs at least one token")
+    if len(ids) >= max_model_len:  # first: the cheapest refusal of a huge prompt
+        raise ParameterError(
+            "prompt", f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                      f"{len(ids)} tokens: max_model_len={max_model_len} leaves no room to generate; shorten the prompt"
+        )
     if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in ids):
         bad = next(t for t in ids if not isinstance(t, Integral) or isinstance(t, bool))
         raise ParameterError("prompt", f"prompt token ids must be ints, got {bad!r}")
@@ -27,11 +32,6 @@ def check_prompt_ids(ids: list, vocab_size: int, max_model_len: int) -> list[int
         bad = low if low < 0 else high
         raise ParameterError("prompt", f"prompt token ids must be in [0, {vocab_size}) (the model's vocabulary), "
                                        f"got {bad} at position {ids.index(bad)}")
-    if len(ids) >= max_model_len:
-        raise ParameterError(
-            "prompt", f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                      f"{len(ids)} tokens: max_model_len={max_model_len} leaves no room to generate; shorten the prompt"
-        )
     return ids
 
 

@@ -33,13 +33,18 @@ class PromptTokenizer:
     def _completions(self, prompts: list) -> list:
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(self.tokenizer(texts)["input_ids"])
-        return [{"prompt": p, "prompt_token_ids": next(encoded)} if isinstance(p, str) else p for p in prompts]
+        out = [{"prompt": p, "prompt_token_ids": next(encoded)} if isinstance(p, str) else p for p in prompts]
+        for prompt in out:
+            if isinstance(prompt, dict):
+                self._check_tokens(prompt["prompt_token_ids"], "prompt")
+        return out
 
     async def chat(self, messages: list[dict]) -> dict:
         self._check_length(sum(len(m["content"]) for m in messages), "messages")
         text = await run_in_threadpool(self._template, messages)
         self._check_length(len(text), "messages")
         ids = await run_in_threadpool(lambda: self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        self._check_tokens(ids, "messages")
         return {"prompt": text, "prompt_token_ids": ids}
 
     def _template(self, messages: list[dict]) -> str:
@@ -51,6 +56,14 @@ class PromptTokenizer:
             if type(error).__module__.startswith("jinja2"):
                 raise ApiError(400, f"the chat template refused these messages: {error}", "messages") from None
             raise internal_error(f"the chat template failed: {type(error).__name__}: {error}") from error
+
+    def _check_tokens(self, ids: list[int], field: str) -> None:
+        """Refuses a prompt with no room to generate here, in the worker thread (the engine would refuse it too,
+        after copying and checking every id on its own thread)."""
+        if len(ids) >= self.max_model_len:
+            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                                f"{field} has {len(ids)} tokens: max_model_len={self.max_model_len} leaves no room to "
+                                f"generate", field)
 
     def _check_length(self, num_chars: int, field: str) -> None:
         if num_chars > self.max_chars:
