@@ -63,7 +63,9 @@ def install_handlers(app: FastAPI) -> None:
     in the OpenAI shape too."""
 
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, error: ApiError):
+    async def api_error(request: Request, error: ApiError):
+        level = logging.WARNING if error.status >= 500 else logging.DEBUG
+        logger.log(level, "%s %s -> %d: %s", request.method, request.url.path, error.status, error.message)
         return error.response()
 
     @app.exception_handler(HTTPException)
