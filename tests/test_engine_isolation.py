@@ -7,7 +7,6 @@ import contextlib
 import math
 
 import pytest
-import torch
 
 from paged_hf import PagedEngine, SamplingParams
 from paged_hf.config import ParameterError

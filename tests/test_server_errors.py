@@ -217,3 +217,35 @@ def test_max_tokens_is_filled_in_from_the_room_the_prompt_leaves(server):
     prompt = [1] + [400] * 499
     out = post(server, COMPLETIONS, {"prompt": prompt, "ignore_eos": True, "temperature": 0}).json()
     assert out["usage"]["completion_tokens"] == 12 and out["choices"][0]["finish_reason"] == "length"
+
+
+def stream(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server[0].url + path, json={**body, "stream": True}, timeout=60) as response:
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_streamed_logprobs_equal_the_whole_responses(server):
+    """Streams carry each token's logprobs in the chunk that carries it; together they equal the whole response's."""
+    body = {"prompt": story_openings()[0], "max_tokens": 24, "temperature": 0, "logprobs": 3}
+    whole = post(server, COMPLETIONS, body).json()["choices"][0]["logprobs"]
+    parts = [c["choices"][0]["logprobs"] for c in stream(server, COMPLETIONS, body) if c["choices"][0]["logprobs"]]
+    joined = {key: [v for part in parts for v in part[key]] for key in whole}
+    assert joined["tokens"] == whole["tokens"] and joined["text_offset"] == whole["text_offset"]
+    assert joined["token_logprobs"] == pytest.approx(whole["token_logprobs"], abs=1e-5)  # a prefix hit or not
+    assert [sorted(t) for t in joined["top_logprobs"]] == [sorted(t) for t in whole["top_logprobs"]]
+    assert len(whole["tokens"]) == 24
+    assert all(len(top) in (3, 4) for top in whole["top_logprobs"])
+    body = {"messages": MESSAGES, "max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    response = post(server, CHAT, body).json()
+    whole = response["choices"][0]
+    chunks = stream(server, CHAT, body)
+    content = [entry for c in chunks if c["choices"][0]["logprobs"] for entry in c["choices"][0]["logprobs"]["content"]]
+    assert [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in content] == \
+        [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in whole["logprobs"]["content"]]
+    assert [e["logprob"] for e in content] == pytest.approx([e["logprob"] for e in whole["logprobs"]["content"]],
+                                                            abs=1e-5)
+    assert len(content) == response["usage"]["completion_tokens"]
+    assert "".join(e["token"] for e in content) == whole["message"]["content"]
+    assert all(len(e["top_logprobs"]) == 2 and bytes(e["bytes"]).decode() == e["token"] for e in content)

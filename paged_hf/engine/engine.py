@@ -17,16 +17,16 @@ from collections.abc import Iterator
 
 import torch
 
-from ..config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig, ParameterError, SamplingParams
+from ..config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig, SamplingParams
 from ..kv_manager import KVManager, available_memory, block_id_bytes
 from ..kv_stats import EngineStats
 from .detokenizer import IncrementalDetokenizer, decoder_for, find_stop
-from .request import Request, RequestOutput, RequestOutputKind, Sequence, SequenceStatus
 from .isolation import isolate
+from .request import Request, RequestOutput, RequestOutputKind, Sequence, SequenceStatus
 from .runner import BlockCopyError, ModelRunner
 from .sampler import position_logprobs, sample
 from .scheduler import Scheduler, SchedulerOutput
-from .validation import check_params, check_prompt_ids
+from .validation import check_params, check_prompt_ids, prompt_ids, vocab_size
 
 GIB = 1 << 30
 logger = logging.getLogger("paged_hf")
@@ -51,7 +51,7 @@ class PagedEngine:
         self.tokenizer = tokenizer
         text_config = model.config.get_text_config(decoder=True)
         self.max_model_len = self.config.max_model_len or getattr(text_config, "max_position_embeddings", 4096)
-        self.vocab_size = _vocab_size(model, text_config)
+        self.vocab_size = vocab_size(model, text_config)
         num_blocks = self.config.num_blocks or self._blocks_from_memory(model, text_config)
         self.kv = KVManager(text_config, self.config.block_size, self.config.kv_cache_dtype, num_blocks,
                             enable_prefix_caching=self.config.enable_prefix_caching,
@@ -91,26 +91,6 @@ class PagedEngine:
             ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
         return ids
 
-    def _prompt_ids(self, prompt) -> tuple[str | None, list]:
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)):
-                raise ParameterError("prompt", f"prompt_token_ids must be a list of token ids, got {ids!r}")
-            return prompt.get("prompt"), list(ids)
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and
-                                       all(isinstance(m, dict) for m in prompt)):
-            if self.tokenizer is None:
-                raise ValueError("a tokenizer is needed for text or chat prompts: PagedEngine(model, tokenizer)")
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt)["input_ids"]
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
-            return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        raise ParameterError("prompt", f"prompt must be a string, a non-empty list of token ids or a non-empty list "
-                                       f"of chat messages, got {prompt!r:.200}")
-
     # -------------------------------------------------------------------------------- requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, cache_salt: str | None = None,
@@ -123,7 +103,7 @@ class PagedEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a paged_hf.SamplingParams, got {type(params).__name__}")
-        text, ids = self._prompt_ids(prompt)
+        text, ids = prompt_ids(prompt, self.tokenizer)
         ids = check_prompt_ids(ids, self.vocab_size, self.max_model_len)
         check_params(params, len(ids), self.vocab_size, self.max_model_len, self.config)
         # the longest the sequence can get; its last token is sampled, never stored
@@ -371,18 +351,6 @@ class PagedEngine:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
-
-
-def _vocab_size(model, text_config) -> int:
-    """Token ids the model can read (its input embeddings) and score (its output layer): the smaller."""
-    sizes = []
-    embeddings = model.get_input_embeddings()
-    if getattr(embeddings, "num_embeddings", None):
-        sizes.append(embeddings.num_embeddings)
-    head = model.get_output_embeddings()
-    if getattr(head, "out_features", None):
-        sizes.append(head.out_features)
-    return min(sizes) if sizes else text_config.vocab_size
 
 
 def _progress(total: int, enabled: bool):

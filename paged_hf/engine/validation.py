@@ -1,4 +1,4 @@
-"""What ``PagedEngine.add_request`` checks before a request is queued, once per request (never per step).
+"""What ``PagedEngine.add_request`` reads and checks before a request is queued, once per request (never per step).
 
 ``SamplingParams`` checks each value on its own (types, ranges, finite numbers); this module checks what depends on
 the model and the engine: token ids inside the vocabulary (an id past it would make the embedding lookup raise in
@@ -59,3 +59,38 @@ def check_params(params: SamplingParams, num_prompt_tokens: int, vocab_size: int
         if bad:
             raise ParameterError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}) (the model's "
                                                f"vocabulary), got {bad[0]}")
+
+
+def prompt_ids(prompt, tokenizer) -> tuple[str | None, list]:
+    """``(text, token ids)`` of a prompt: a string, a list of token ids, ``{"prompt_token_ids": [...]}`` (with an
+    optional ``"prompt"`` text) or a list of chat messages (the tokenizer's chat template)."""
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)):
+            raise ParameterError("prompt", f"prompt_token_ids must be a list of token ids, got {ids!r}")
+        return prompt.get("prompt"), list(ids)
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
+        return None, list(prompt)
+    if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and
+                                   all(isinstance(m, dict) for m in prompt)):
+        if tokenizer is None:
+            raise ValueError("a tokenizer is needed for text or chat prompts: PagedEngine(model, tokenizer)")
+    if isinstance(prompt, str):
+        return prompt, tokenizer(prompt)["input_ids"]
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+        return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+    raise ParameterError("prompt", f"prompt must be a string, a non-empty list of token ids or a non-empty list "
+                                   f"of chat messages, got {prompt!r:.200}")
+
+
+def vocab_size(model, text_config) -> int:
+    """Token ids the model can read (its input embeddings) and score (its output layer): the smaller."""
+    sizes = []
+    embeddings = model.get_input_embeddings()
+    if getattr(embeddings, "num_embeddings", None):
+        sizes.append(embeddings.num_embeddings)
+    head = model.get_output_embeddings()
+    if getattr(head, "out_features", None):
+        sizes.append(head.out_features)
+    return min(sizes) if sizes else text_config.vocab_size
