@@ -191,3 +191,29 @@ def test_the_isolated_failure_is_logged(stories, caplog):
     assert any(m.startswith("request ") and "poisoned input" in m for m in messages)
     assert any("isolated 1 failing sequence(s)" in m for m in messages)
     assert_all_freed(engine)
+
+
+def logprob_table(entries) -> list[dict[int, float]]:
+    """{token id: logprob} per position (None positions dropped): the one place reading the entries' format."""
+    return [{t: lp.logprob for t, lp in entry.items()} for entry in entries if entry is not None]
+
+
+def test_the_survivors_of_an_isolated_step_keep_their_logprobs_and_prompt_logprobs(stories):
+    """The merged rows of the sub-batches (sampled rows and prompt-logprob rows) land on the right requests."""
+    model, tok = stories
+    good = story_openings()[:3]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    solo = [PagedEngine(model, tok, block_size=4, num_blocks=64).generate([p], params, use_tqdm=False)[0]
+            for p in good]
+    poison = pick_poison([o.outputs[0].token_ids for o in solo])
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    with poisoned(model, poison):
+        outs = engine.generate([good[0], [1, poison, 7, 9], good[1], good[2]], params, use_tqdm=False)
+    assert "poisoned" in outs[1].error
+    for out, ref in zip(outs[:1] + outs[2:], solo):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        for got, want in zip(logprob_table(out.outputs[0].logprobs) + logprob_table(out.prompt_logprobs),
+                             logprob_table(ref.outputs[0].logprobs) + logprob_table(ref.prompt_logprobs)):
+            assert got.keys() == want.keys() and list(got.values()) == pytest.approx(list(want.values()), abs=2e-5)
+        assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert_all_freed(engine)

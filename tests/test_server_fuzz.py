@@ -101,33 +101,34 @@ def bodies(draw, path: str) -> bytes:
     return json.dumps(value, ensure_ascii=draw(st.booleans()), allow_nan=True).encode("utf-8", "surrogatepass")
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                     HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_random_bodies_never_get_a_500_or_a_non_json_error(server, data):
-    running, _ = server
-    path = data.draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
-    body = data.draw(bodies(path))
-    with httpx.stream("POST", running.url + path, content=body, timeout=60) as response:
-        raw = response.read()
-    assert response.status_code in (200, 400, 404, 413), (response.status_code, raw[:300])
-    event(f"status {response.status_code}")
-    if response.status_code != 200:
-        error = json.loads(raw)["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
-        return
-    if response.headers["content-type"].startswith("text/event-stream"):
-        events = [line[len("data: "):] for line in raw.decode().splitlines() if line.startswith("data: ")]
-        assert events[-1] == "[DONE]"
-        assert all("error" not in json.loads(e) for e in events[:-1]), events
-    else:
-        assert json.loads(raw)["choices"]
+def test_random_bodies_never_get_a_500_or_a_non_json_error(server):
+    running, engine = server
 
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(data=st.data())
+    def post_one(data):
+        path = data.draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+        body = data.draw(bodies(path))
+        with httpx.stream("POST", running.url + path, content=body, timeout=60) as response:
+            raw = response.read()
+        assert response.status_code in (200, 400, 404, 413), (response.status_code, raw[:300])
+        event(f"status {response.status_code}")
+        if response.status_code != 200:
+            error = json.loads(raw)["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+            return
+        if response.headers["content-type"].startswith("text/event-stream"):
+            events = [line[len("data: "):] for line in raw.decode().splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert all("error" not in json.loads(e) for e in events[:-1]), events
+        else:
+            assert json.loads(raw)["choices"]
 
-def test_after_the_fuzzing_nothing_is_held_and_health_is_ok(server):
+    post_one()
+    # afterwards: nothing held, the server healthy
     assert_idle(server, within=5.0)
-    assert httpx.get(server[0].url + "/health").json() == {"status": "ok"}
-    server[1].check_invariants()
+    assert httpx.get(running.url + "/health").json() == {"status": "ok"}
+    engine.check_invariants()
 
 
 # ---------------------------------------------------------------------------------------- load with faults
