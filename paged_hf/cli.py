@@ -94,6 +94,16 @@ def _add_model_and_engine_options(parser) -> None:
                         help="the most parallel samples (n) of one request (default: %(default)s)")
     parser.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings,
                         help="the most stop strings of one request (default: %(default)s)")
+    _add_parallel_options(parser)
+
+
+def _add_parallel_options(parser) -> None:
+    parser.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1, metavar="N",
+                        help="shard the model over N ranks (transformers' tensor-parallel plan); this process leads "
+                             "and starts the others (default: %(default)s)")
+    parser.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                        help="how the other ranks start: local processes, or Ray actors (a Ray cluster places them "
+                             "across machines) (default: %(default)s)")
 
 
 def _engine_options(args) -> dict:
@@ -114,9 +124,13 @@ def _load_engine(args):
     if args.gguf_file:
         extra = {"gguf_file": args.gguf_file}
     tokenizer = AutoTokenizer.from_pretrained(directory, **extra)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, args.dtype),
-                                                 attn_implementation="paged", **extra)
     name = extra.get("gguf_file") or directory.rstrip("/").split("/")[-1]
+    dtype = getattr(torch, args.dtype)
+    if args.tensor_parallel_size > 1:
+        return PagedEngine.from_pretrained(directory, tokenizer, tensor_parallel_size=args.tensor_parallel_size,
+                                           distributed_executor_backend=args.distributed_executor_backend,
+                                           model_kwargs={"dtype": dtype, **extra}, **_engine_options(args)), name
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="paged", **extra)
     return PagedEngine(model, tokenizer, **_engine_options(args)), name
 
 
@@ -194,7 +208,10 @@ def _run_generate(args) -> int:
                             seed=args.seed)
     engine, _ = _load_engine(args)
     inputs = [[{"role": "user", "content": p}] for p in prompts] if args.chat else prompts
-    outputs = engine.generate(inputs, params)
+    try:
+        outputs = engine.generate(inputs, params)
+    finally:
+        engine.shutdown()
     sink = open(args.output, "w", encoding="utf-8") if args.output else None
     try:
         for prompt, out in zip(prompts, outputs):

@@ -350,16 +350,20 @@ class KVManager:
         return copies
 
     def apply_copies(self, copies: list[BlockCopy]) -> None:
-        """Runs ``copies`` in order, in every layer of their group."""
+        """Runs ``copies`` in order, in every layer of their group (the id tensors are made once per copy)."""
         for copy in copies:
-            group = self.groups[copy.group]
-            for idx, storage in group.storages.items():
-                src = torch.tensor(copy.src, dtype=torch.long, device=_copy_device(copy, storage, "src"))
-                dst = torch.tensor(copy.dst, dtype=torch.long, device=_copy_device(copy, storage, "dst"))
+            storages = self.groups[copy.group].storages
+            if not storages:
+                continue
+            device = next(iter(storages.values())).device
+            src = torch.tensor(copy.src, dtype=torch.long, device="cpu" if copy.where == "to_device" else device)
+            dst = torch.tensor(copy.dst, dtype=torch.long, device="cpu" if copy.where == "to_cpu" else device)
+            for idx, storage in storages.items():
                 if copy.where == "device":
                     storage.copy_blocks(src, dst)
                 elif copy.where == "to_cpu":
-                    copy_blocks_between(storage, self._cpu_storages[copy.group][idx], src, dst)
+                    cpu = self._cpu_storage(copy.group, idx, storage, max(copy.dst) + 1)
+                    copy_blocks_between(storage, cpu, src, dst)
                 else:
                     copy_blocks_between(self._cpu_storages[copy.group][idx], storage, src, dst)
 
@@ -435,7 +439,6 @@ class KVManager:
         if self._cpu_pools is None:
             self._cpu_pools = [BlockPool(self.num_cpu_blocks, enable_caching=False) for _ in self.groups] \
                 if self.num_cpu_blocks else []
-            self._cpu_storages = [{} for _ in self.groups]
         return self._cpu_pools
 
     def can_swap_out(self, seq: SequenceKV) -> bool:
@@ -449,7 +452,6 @@ class KVManager:
         for g, (group, table, cpu_pool) in enumerate(zip(self.groups, seq.tables, self.cpu_pools)):
             held = [b for b in table.blocks if b is not None]
             cpu_blocks = cpu_pool.get_new_blocks(len(held))
-            self._cover_cpu_storage(g)
             self._record(g, [(b.block_id, c.block_id) for b, c in zip(held, cpu_blocks)], "to_cpu")
             swapped.append(SwappedGroup(table.num_tokens, table.num_freed, cpu_blocks))
         self._release_row(seq)
@@ -458,18 +460,22 @@ class KVManager:
         seq.swapped = swapped
         seq.num_cached_blocks = 0  # swapped-in blocks are new copies: registered again when full
 
-    def _cover_cpu_storage(self, g: int) -> None:
-        """Grows group ``g``'s CPU storages (by a quarter at least) to cover every CPU block id handed out."""
-        group, pool = self.groups[g], self.cpu_pools[g]
+    def _cpu_storage(self, g: int, idx: int, device_storage: KVStorage, num_ids: int) -> KVStorage:
+        """Layer ``idx``'s CPU swap storage of group ``g``, made on first use and grown (by a quarter at least) to
+        cover ``num_ids`` block ids. Driven by the copies, so a tensor-parallel follower, which runs the leader's
+        copies without its pools, grows its storages alike."""
+        if self._cpu_storages is None:
+            self._cpu_storages = [{} for _ in self.groups]
         storages = self._cpu_storages[g]
-        if not storages:
-            for idx, dev in group.storages.items():
-                _, block_size, heads, _ = dev.key_cache.shape
-                storages[idx] = make_storage(self.kv_format, 0, block_size, heads, self.head_dim, dev.dtype, "cpu")
-        for storage in storages.values():
-            if storage.num_blocks < pool.high_water:
-                target = min(pool.num_blocks, max(pool.high_water, storage.num_blocks + -(-storage.num_blocks // 4)))
-                storage.grow(target - storage.num_blocks)
+        storage = storages.get(idx)
+        if storage is None:
+            _, block_size, heads, _ = device_storage.key_cache.shape
+            storage = storages[idx] = make_storage(self.kv_format, 0, block_size, heads, self.head_dim,
+                                                   device_storage.dtype, "cpu")
+        if storage.num_blocks < num_ids:
+            storage.grow(min(self.num_cpu_blocks, max(num_ids, storage.num_blocks + -(-storage.num_blocks // 4)))
+                         - storage.num_blocks)
+        return storage
 
     def swap_in_blocks(self, seq: SequenceKV) -> int:
         return max(len(s.cpu_blocks) for s in seq.swapped)
@@ -524,11 +530,6 @@ class KVManager:
             prefix_cache_hit_rate=self.prefix_hit_tokens / self.prefix_queried_tokens
             if self.prefix_queried_tokens else 0.0,
         )
-
-
-def _copy_device(copy: BlockCopy, storage: KVStorage, side: str):
-    on_cpu = (copy.where == "to_cpu") == (side == "dst") if copy.where != "device" else False
-    return "cpu" if on_cpu else storage.device
 
 
 def _layer_groups(text_config, block_size: int) -> list[LayerGroup]:

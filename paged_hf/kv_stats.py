@@ -84,3 +84,4 @@ class EngineStats(KVCacheStats):
     num_swapped_in: int
     generated_tokens: int
     generation_tokens_per_s: float
+    tensor_parallel_size: int = 1  # ranks the model and every KV block are split over (each holds its share)

@@ -34,19 +34,17 @@ DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 ENGINE_OPTIONS = tuple(f.name for f in fields(EngineConfig))
 # vLLM keyword -> the value(s) this class can honour (None: any value; it tunes machinery that does not exist here).
 VLLM_KEYWORDS: dict[str, tuple | None] = {
-    "tensor_parallel_size": (1,), "pipeline_parallel_size": (1,), "quantization": (None,), "cpu_offload_gb": (0,),
-    "enable_chunked_prefill": (True, None), "distributed_executor_backend": (None,), "compilation_config": (None,),
+    "pipeline_parallel_size": (1,), "quantization": (None,), "cpu_offload_gb": (0,),
+    "enable_chunked_prefill": (True, None), "compilation_config": (None,),
     "enforce_eager": None, "max_seq_len_to_capture": None, "disable_custom_all_reduce": None,
     "disable_log_stats": None,
 }
 WHY_NOT = {
-    "tensor_parallel_size": "one process serves the model; tensor parallelism is not wired into LLM yet",
     "pipeline_parallel_size": "pipeline parallelism is not supported",
     "quantization": "load a quantized checkpoint through transformers (its quantization_config is read as usual) "
                     "or quantize the KV blocks with kv_cache_dtype",
     "cpu_offload_gb": "weight offloading is not supported",
     "enable_chunked_prefill": "the engine always chunks prefills within max_num_batched_tokens",
-    "distributed_executor_backend": "there is one process, no executor to choose",
     "compilation_config": "the model runs eagerly",
 }
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
@@ -70,6 +68,10 @@ class LLM:
             "vllm" ignores them, or a folder holding a generation_config.json.
         skip_tokenizer_init: no tokenizer: prompts must be token ids and outputs carry no text.
         trust_remote_code, revision, tokenizer_revision, gguf_file: passed to ``from_pretrained``.
+        tensor_parallel_size, distributed_executor_backend: as vLLM: N > 1 shards the model (a path: each rank
+            loads its shard) over N ranks with transformers' tensor-parallel plan, on CUDA when available (NCCL)
+            else on the CPU (gloo); this process leads and starts the others as local processes ("mp", the
+            default) or Ray actors ("ray"). See ``PagedEngine.from_pretrained``; ``shutdown()`` stops them.
         **options: ``PagedEngine`` options (``EngineConfig``: ``max_num_seqs``, ``kv_cache_dtype``,
             ``enable_prefix_caching``, ``gpu_memory_utilization``, ``max_model_len``, ``block_size``,
             ``swap_space``, ...), vLLM's ``num_gpu_blocks_override`` (= ``num_blocks``) and
@@ -79,7 +81,8 @@ class LLM:
     def __init__(self, model, tokenizer=None, *, tokenizer_mode: str = "auto", skip_tokenizer_init: bool = False,
                  trust_remote_code: bool = False, dtype="auto", device: str = "auto", seed: int | None = 0,
                  revision: str | None = None, tokenizer_revision: str | None = None, gguf_file: str | None = None,
-                 generation_config: str = "auto", **options) -> None:
+                 generation_config: str = "auto", tensor_parallel_size: int = 1,
+                 distributed_executor_backend: str | None = None, **options) -> None:
         engine_options = _engine_options(options)
         if tokenizer_mode != "auto":
             raise ValueError(f"tokenizer_mode must be 'auto' (transformers' AutoTokenizer), got {tokenizer_mode!r}")
@@ -87,11 +90,21 @@ class LLM:
         target = _device(device)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
-        self.model = _load_model(model, torch_dtype, target, trust_remote_code, revision, gguf_file)
-        self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(
+        tokenizer = None if skip_tokenizer_init else _load_tokenizer(
             tokenizer, model, trust_remote_code, tokenizer_revision or revision, gguf_file)
+        if distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be one of [None, 'mp', 'ray'], got "
+                             f"{distributed_executor_backend!r}")
+        if tensor_parallel_size == 1:
+            self.model = _load_model(model, torch_dtype, target, trust_remote_code, revision, gguf_file)
+            self.llm_engine = PagedEngine(self.model, tokenizer, **engine_options)
+        else:
+            self.llm_engine = _tensor_parallel_engine(model, tokenizer, tensor_parallel_size,
+                                                      distributed_executor_backend or "mp", device, torch_dtype,
+                                                      trust_remote_code, revision, gguf_file, engine_options)
+            self.model = self.llm_engine.runner.model
+        self.tokenizer = tokenizer
         self._default_params = _default_sampling_params(self.model, generation_config)
-        self.llm_engine = PagedEngine(self.model, self.tokenizer, **engine_options)
         if seed is not None:
             torch.manual_seed(seed)
 
@@ -133,6 +146,10 @@ class LLM:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds the specials
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel ranks this LLM started (a no-op on one process)."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -275,6 +292,25 @@ def _load_model(model, dtype, device, trust_remote_code, revision, gguf_file):
         extra["device_map"] = str(device)
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="paged",
                                                 trust_remote_code=trust_remote_code, **extra).eval()
+
+
+def _tensor_parallel_engine(model, tokenizer, size, backend, device, dtype, trust_remote_code, revision, gguf_file,
+                            engine_options) -> PagedEngine:
+    from transformers import PreTrainedModel  # noqa: PLC0415
+
+    if isinstance(model, PreTrainedModel):
+        raise ValueError(f"tensor_parallel_size={size} needs the model's path, not a loaded model: every rank loads "
+                         f"its own shard")
+    if str(device) != "auto":
+        raise ValueError(f"device must be 'auto' with tensor_parallel_size={size} (the ranks use CUDA when "
+                         f"available, else the CPU), got {device!r}")
+    name, extra = _model_source(model, gguf_file)
+    if revision is not None:
+        extra["revision"] = revision
+    return PagedEngine.from_pretrained(name, tokenizer, tensor_parallel_size=size,
+                                       distributed_executor_backend=backend,
+                                       model_kwargs=dict(dtype=dtype, trust_remote_code=trust_remote_code, **extra),
+                                       **engine_options)
 
 
 def _load_tokenizer(tokenizer, model, trust_remote_code, revision, gguf_file):

@@ -13,6 +13,7 @@ up to a power of two, so it changes only as often as the longest sequence double
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,10 @@ class AttentionMetadata:
     def decode_only(self) -> bool:
         return self.num_decodes == self.num_seqs
 
+    def to(self, device) -> "AttentionMetadata":
+        """A copy with every tensor on ``device`` (a tensor-parallel rank receives the leader's, built on the host)."""
+        return _moved(self, torch.device(device))
+
     def select_new_tokens(self, states: torch.Tensor) -> torch.Tensor:
         """``[B, heads, q, head_dim]`` -> ``[n, heads, head_dim]``, the new tokens only."""
         flat = states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[3])
@@ -131,6 +136,20 @@ def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], cou
         device=torch.device(device), batch_size=batch_size, query_len=num_tokens if query_len is None else query_len,
         token_index=token_index,
     )
+
+
+def _moved(value, device: torch.device):
+    """``value`` with its tensors on ``device``: dataclasses and lists of them are rebuilt, other values kept."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, list):
+        return [_moved(v, device) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: _moved(getattr(value, f.name), device) for f in dataclasses.fields(value)}
+        if "device" in changes:
+            changes["device"] = device
+        return dataclasses.replace(value, **changes)
+    return value
 
 
 def _bucket(num_blocks: int) -> int:

@@ -87,7 +87,8 @@ def test_chat_takes_one_conversation_or_a_list(llm):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"tensor_parallel_size": 2}, r"tensor_parallel_size must be one of \[1\]"),
+        ({"tensor_parallel_size": 3}, r"tensor_parallel_size=3 does not divide the model's num_key_value_heads"),
+        ({"distributed_executor_backend": "slurm"}, r"distributed_executor_backend must be one of"),
         ({"quantization": "awq"}, r"quantization must be one of \[None\]"),
         ({"enable_chunked_prefill": False}, "enable_chunked_prefill must be one of"),
         ({"max_num_seqs": 0}, "max_num_seqs must be an int >= 1"),

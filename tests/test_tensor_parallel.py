@@ -61,3 +61,163 @@ def test_generate_under_tensor_parallelism_equals_one_process(model_folders):
                                    rtol=1e-4)
         assert single["stored_kv_heads"] == [4] and sharded["stored_kv_heads"] == [2], key
         assert sharded["num_blocks"] == 2 * single["num_blocks"], key
+
+
+def test_engine_under_torchrun_equals_one_process(model_folders):
+    """``PagedEngine`` on two ranks (rank 0 leads, rank 1 follows its broadcast steps) gives one process's tokens
+    and logprobs: with prefix hits, with preemption by recompute and by swap, and with an abort mid-decode; no block
+    is left in use."""
+    one = launch("tp_engine.py", model_folders[:1], nproc=1)
+    two = launch("tp_engine.py", model_folders[:1], nproc=2)
+    assert set(one) == set(two) == {"prefix_hits", "recompute", "swap", "abort"}
+    for name in ("prefix_hits", "recompute", "swap"):
+        single, sharded = one[name], two[name]
+        assert sharded["tokens"] == single["tokens"], name
+        torch.testing.assert_close(torch.tensor(sharded["logprobs"]), torch.tensor(single["logprobs"]), atol=1e-4,
+                                   rtol=0)
+        assert (single["tp"], sharded["tp"]) == (1, 2)
+        assert sharded["used_after"] == single["used_after"] == 0
+        for key in ("preemptions", "swapped", "hit_rate"):
+            assert sharded[key] == single[key], (name, key)
+    assert one["prefix_hits"]["hit_rate"] > 0.3
+    assert one["recompute"]["preemptions"] > 0 and one["recompute"]["swapped"] == 0
+    assert one["swap"]["swapped"] > 0
+    assert two["abort"] == one["abort"] and one["abort"]["tokens"][1] is None and one["abort"]["used_after"] == 0
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_from_pretrained_starts_its_ranks_and_reports_a_dead_one(model_folders, backend):
+    """``PagedEngine.from_pretrained(path, tensor_parallel_size=2)`` starts its follower (a local process, or a Ray
+    actor), gives one process's tokens (prefix hits on a second run too), leaves no process after ``shutdown()``;
+    a follower killed mid-life fails the next requests at once with the rank's error, never a hang."""
+    if backend == "ray":
+        pytest.importorskip("ray", reason="the test extra installs Ray")
+    result = launch("tp_launch.py", [model_folders[0], backend], nproc=1)
+    assert result["two"] == result["one"] and result["again"] == result["one"]
+    assert result["tp"] == 2 and result["hit_rate"] > 0.3
+    assert result["left_after_shutdown"] == 0 and result["left_after_dead"] == 0
+    assert all(error and error.startswith("TensorParallelError: tensor-parallel rank 1") for error in
+               result["dead_errors"])
+    assert result["dead_seconds"] < 10
+
+
+def test_tensor_parallel_options_are_checked_before_any_process_starts(model_folders):
+    from paged_hf import PagedEngine
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's num_key_value_heads=4"):
+        PagedEngine.from_pretrained(model_folders[0], tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
+        PagedEngine.from_pretrained(model_folders[0], tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
+        PagedEngine.from_pretrained(model_folders[0], tensor_parallel_size=2, distributed_executor_backend="slurm")
+    with pytest.raises(ValueError, match="block_size"):
+        PagedEngine.from_pretrained(model_folders[0], tensor_parallel_size=2, block_size=0)
+    assert not torch.distributed.is_initialized()
+
+
+def test_llm_with_tensor_parallel_size_equals_one_process(model_folders):
+    """``LLM(path, tensor_parallel_size=2)`` (vLLM's keyword) shards the model over this process and one it starts;
+    same tokens as ``LLM(path)``; ``shutdown()`` leaves no process and no process group."""
+    import multiprocessing
+
+    from paged_hf import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 5, 9, 13, 17], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    one = LLM(model_folders[1], skip_tokenizer_init=True, block_size=4, num_blocks=32)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    two = LLM(model_folders[1], skip_tokenizer_init=True, tensor_parallel_size=2, block_size=4, num_blocks=32)
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)] == expected
+        assert two.get_stats()["tensor_parallel_size"] == 2
+    finally:
+        two.shutdown()
+    assert not multiprocessing.active_children() and not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="shut down"):
+        two.generate(prompts, params, use_tqdm=False)
+
+
+def _children(pid: int) -> set[int]:
+    """The processes ``pid`` started (Linux /proc), recursively."""
+    found: set[int] = set()
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as handle:
+                direct = {int(child) for child in handle.read().split()}
+        except OSError:
+            continue
+        for child in direct:
+            found |= {child} | _children(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc (Linux)")
+def test_server_with_tensor_parallel_size_2_answers_the_openai_client():
+    """``paged-hf serve stories260K --tensor-parallel-size 2`` starts its follower, answers the real ``openai``
+    client with the single-process engine's tokens, reports the TP size in ``/metrics``, and leaves no process after
+    SIGTERM."""
+    import signal
+    import time
+
+    import httpx
+    import openai
+
+    from models import require_stories
+    from paged_hf import PagedEngine, SamplingParams
+    from paged_hf.distributed.group import free_port
+
+    folder = str(require_stories())
+    prompts = ["Once upon a time", "The little dog"]
+    engine = PagedEngine.from_pretrained(folder, block_size=8, num_blocks=128)
+    expected = [o.outputs[0].text for o in engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0),
+                                                            use_tqdm=False)]
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    server = subprocess.Popen([sys.executable, "-m", "paged_hf.cli", "serve", folder, "--tensor-parallel-size", "2",
+                               "--port", str(port), "--block-size", "8", "--num-blocks", "128",
+                               "--log-level", "warning"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        followers = _children(server.pid)
+        assert followers, "the follower rank runs as a child process"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        got = [client.completions.create(model="stories260K", prompt=p, max_tokens=16, temperature=0).choices[0].text
+               for p in prompts]
+        assert got == expected
+        metrics = httpx.get(f"{base}/metrics", timeout=5).text
+        assert "paged_hf_tensor_parallel_size 2.0" in metrics
+        assert "paged_hf_kv_cache_blocks_total 128.0" in metrics
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in followers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in followers), "a rank outlived the server"

@@ -18,9 +18,12 @@ from collections.abc import Iterator
 import torch
 
 from ..config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig, SamplingParams
-from ..kv_manager import KVManager, available_memory, block_id_bytes
+from ..distributed import tensor_parallel_group
+from ..distributed.group import DEFAULT_TIMEOUT_S, TensorParallelError
+from ..kv_manager import KVManager, available_memory, block_id_bytes, local_kv_heads
 from ..kv_stats import EngineStats
 from .detokenizer import IncrementalDetokenizer, decoder_for, find_stop
+from . import parallel
 from .isolation import isolate
 from .request import Request, RequestOutput, RequestOutputKind, Sequence, SequenceStatus
 from .runner import BlockCopyError, ModelRunner
@@ -36,13 +39,20 @@ class PagedEngine:
     """Serves many requests at once on ``model`` (any decoder-only transformers model).
 
     Args:
-        model: a loaded ``PreTrainedModel``; its attention is switched to ``"paged"``.
+        model: a loaded ``PreTrainedModel``; its attention is switched to ``"paged"``. A model sharded by
+            transformers' tensor parallelism (``model.tp_size > 1``) makes this rank's engine part of the group:
+            rank 0 leads (requests, scheduling, sampling); the others follow (``follow()``, or ``generate`` under
+            ``torchrun``). ``PagedEngine.from_pretrained(path, tensor_parallel_size=N)`` starts the ranks itself.
         tokenizer: needed for string prompts, chat messages, ``stop`` strings and output text.
         **options: ``EngineConfig`` fields (``block_size``, ``kv_cache_dtype``, ``max_num_seqs``, ...).
     """
 
     def __init__(self, model, tokenizer=None, **options) -> None:
         self.config = EngineConfig(**options)
+        self.group = tensor_parallel_group(model)
+        self._executor = None  # the followers from_pretrained started
+        self._broken: TensorParallelError | None = None  # set when the tensor-parallel group broke
+        self._timeout_s = DEFAULT_TIMEOUT_S
         if getattr(model.config, "is_encoder_decoder", False):
             raise NotImplementedError(f"PagedEngine serves decoder-only models; {type(model).__name__} is not")
         if model.config._attn_implementation != "paged":
@@ -52,15 +62,19 @@ class PagedEngine:
         text_config = model.config.get_text_config(decoder=True)
         self.max_model_len = self.config.max_model_len or getattr(text_config, "max_position_embeddings", 4096)
         self.vocab_size = vocab_size(model, text_config)
-        num_blocks = self.config.num_blocks or self._blocks_from_memory(model, text_config)
+        tp_size = self.group.size if self.group is not None else 1
+        num_blocks = self.config.num_blocks or self._blocks_from_memory(model, text_config, tp_size)
+        if self.group is not None:  # every rank must hold the same blocks: the smallest pool wins
+            num_blocks = self.group.min(num_blocks)
         self.kv = KVManager(text_config, self.config.block_size, self.config.kv_cache_dtype, num_blocks,
                             enable_prefix_caching=self.config.enable_prefix_caching,
-                            swap_space_bytes=int(self.config.swap_space * GIB))
+                            swap_space_bytes=int(self.config.swap_space * GIB),
+                            num_kv_heads=local_kv_heads(text_config, tp_size))
         self.kv.allocate_all(model.dtype, model.device)
         self._warm_up_kernels(text_config)
         self.eos_token_ids = self._eos_token_ids()
         self.scheduler = Scheduler(self.config, self.kv, self.eos_token_ids, self.max_model_len)
-        self.runner = ModelRunner(model, self.kv)
+        self.runner = ModelRunner(model, self.kv, self.group)
         self._decode = decoder_for(tokenizer) if tokenizer is not None else None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -72,7 +86,7 @@ class PagedEngine:
                     self.kv.stats().kv_cache_bytes / GIB, model.device, self.max_model_len)
 
     # ----------------------------------------------------------------------------------- setup
-    def _blocks_from_memory(self, model, text_config) -> int:
+    def _blocks_from_memory(self, model, text_config, tp_size: int) -> int:
         """Blocks that fit the KV memory budget (``kv_cache_memory``, else the device default: see
         ``EngineConfig``), capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use."""
         if self.config.kv_cache_memory is not None:
@@ -81,7 +95,8 @@ class PagedEngine:
             budget = available_memory(model.device) * self.config.gpu_memory_utilization
         else:
             budget = min(DEFAULT_CPU_KV_CACHE_GIB * GIB, available_memory(model.device) / 2)
-        per_block = block_id_bytes(text_config, self.config.block_size, self.config.kv_cache_dtype, dtype=model.dtype)
+        per_block = block_id_bytes(text_config, self.config.block_size, self.config.kv_cache_dtype,
+                                   local_kv_heads(text_config, tp_size), dtype=model.dtype)
         cap = self.config.max_num_seqs * math.ceil(self.max_model_len / self.config.block_size)
         return max(1, min(int(budget) // per_block, cap))
 
@@ -124,6 +139,7 @@ class PagedEngine:
         ``output_kind`` says what ``step()`` returns for it: everything so far (default), only what is new
         (streaming), or one output when it finishes.
         """
+        self._require_leader("add_request")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a paged_hf.SamplingParams, got {type(params).__name__}")
@@ -168,6 +184,13 @@ class PagedEngine:
             self.scheduler.finish(seq, "error")
         logger.warning("request %s failed: %s: %s", request.request_id, type(error).__name__, error)
 
+    def _break(self, error: TensorParallelError, touched: dict[str, Request]) -> None:
+        """The tensor-parallel group broke: every request fails with ``error``, and so does every later call."""
+        logger.error("the engine cannot run any more: %s", error)
+        self._broken = error
+        for request in list(self.requests.values()):
+            self._fail(request, error, touched)
+
     def _isolate(self, output: SchedulerOutput, error: BaseException, touched: dict[str, Request]) -> None:
         """The forward of ``output`` raised: re-runs its sequences in halves to find the ones that raise alone, fails
         their requests, and goes on with the others (their logits are those of the full batch)."""
@@ -193,12 +216,16 @@ class PagedEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one iteration; returns the outputs of the requests that progressed or finished (per their
         ``output_kind``)."""
+        self._require_leader("step")
         started = time.perf_counter()
         output = self.scheduler.schedule()
         touched: dict[str, Request] = {}
         if output.scheduled:
             try:
                 model_output = self.runner.execute(output)
+            except TensorParallelError as error:  # no forward can run any more: every request fails
+                self.kv.end_step(failed=True)
+                self._break(error, touched)
             except BlockCopyError as error:  # every sequence of the step may hold wrong K/V: fail them all
                 self.kv.end_step(failed=True)
                 for item in output.scheduled:
@@ -314,7 +341,12 @@ class PagedEngine:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Runs ``prompts`` (one or a list) to completion; outputs in prompt order. A prompt that cannot run
-        gets an output with ``error`` set and the others proceed."""
+        gets an output with ``error`` set and the others proceed.
+
+        Under tensor parallelism every rank may call it (as under ``torchrun``): the leader runs the prompts it was
+        given, the followers run the leader's steps, and every rank returns the leader's outputs."""
+        if self.group is not None and not self.group.is_leader:
+            return parallel.follow(self, until_done=True)
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
         params_list = params if isinstance(params, list) else [params] * len(prompts)
@@ -340,7 +372,10 @@ class PagedEngine:
                     results[out.request_id] = out
                     bar.update(1)
         bar.close()
-        return [results[rid] for rid in order]
+        outputs = [results[rid] for rid in order]
+        if self._broken is None:
+            self.runner.broadcast(("done", outputs))
+        return outputs
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yields the text of sample 0 as it grows (deltas); other queued requests progress meanwhile."""
@@ -359,6 +394,80 @@ class PagedEngine:
         finally:
             self.abort(request_id)
 
+    # ------------------------------------------------------------------------- tensor parallelism
+    @classmethod
+    def from_pretrained(cls, model: str, tokenizer=None, *, tensor_parallel_size: int = 1,
+                        distributed_executor_backend: str = "mp", distributed_timeout: float = DEFAULT_TIMEOUT_S,
+                        model_kwargs: dict | None = None, **options) -> "PagedEngine":
+        """An engine on the model at ``model`` (a folder, or a hub id), loaded through transformers; ``tokenizer``: a
+        tokenizer, its path, or None for the model's own (if it has one).
+
+        ``tensor_parallel_size=N`` (vLLM's name) shards it over N ranks with transformers' tensor-parallel plan: this
+        process leads and N - 1 followers start as local processes (``distributed_executor_backend="mp"``) or as Ray
+        actors (``"ray"``: a Ray cluster places them, across machines too). A size that does not divide the model's
+        heads, or a model without a tensor-parallel plan, is a ValueError before any process starts. A follower that
+        dies is reported by the next step; a collective that waits longer than ``distributed_timeout`` seconds
+        raises. Call ``shutdown()`` when done. ``model_kwargs`` go to ``from_pretrained`` (e.g. ``dtype``).
+        """
+        model_kwargs = {"attn_implementation": "paged", **(model_kwargs or {})}
+        tokenizer = _load_tokenizer(model, tokenizer)
+        if tensor_parallel_size == 1:
+            from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+            return cls(AutoModelForCausalLM.from_pretrained(model, **model_kwargs).eval(), tokenizer, **options)
+        EngineConfig(**options)  # bad options fail here, before any process starts
+        loaded, executor = parallel.start_tensor_parallel(model, tensor_parallel_size, distributed_executor_backend,
+                                                          model_kwargs, options, distributed_timeout)
+        try:
+            engine = cls(loaded, tokenizer, **options)
+        except BaseException:
+            executor.shutdown(timeout_s=5)
+            raise
+        engine._executor, engine._timeout_s = executor, distributed_timeout
+        engine.runner.executor = executor
+        return engine
+
+    def follow(self) -> None:
+        """A follower rank: runs the leader's steps until the leader's ``shutdown()``."""
+        if self.group is None or self.group.is_leader:
+            raise RuntimeError("follow() is for the follower ranks of a tensor-parallel engine (rank > 0)")
+        parallel.follow(self)
+
+    @property
+    def broken(self) -> TensorParallelError | None:
+        """Why this engine cannot run any more (its tensor-parallel group broke, or it was shut down), else None."""
+        return self._broken
+
+    def keep_alive(self) -> None:
+        """The leader, idle (a server waiting for requests): keeps the followers' wait under the group's timeout.
+        Cheap; a no-op without tensor parallelism (or once the group broke or was shut down)."""
+        if self._broken is None:
+            parallel.keep_alive(self.runner, self._timeout_s)
+
+    def shutdown(self) -> None:
+        """Tells the followers to stop and waits for those this engine started; a tensor-parallel engine cannot run
+        after it (its calls raise). Idempotent; a no-op on one process."""
+        if self.group is None or not self.group.is_leader:
+            return
+        if self._broken is None:
+            try:
+                self.runner.broadcast(("stop",))
+            except TensorParallelError as error:  # a dead follower: nothing to tell it
+                logger.warning("tensor-parallel shutdown: %s", error)
+            self._broken = TensorParallelError("the engine was shut down")
+        if self._executor is not None:
+            executor, self._executor = self._executor, None
+            executor.shutdown()
+            torch.distributed.destroy_process_group()
+
+    def _require_leader(self, name: str) -> None:
+        """``name`` needs the leader of a working group (or no group)."""
+        if self._broken is not None:
+            raise TensorParallelError(f"{name}(): the engine cannot run any more: {self._broken}")
+        if self.group is not None and not self.group.is_leader:
+            raise RuntimeError(f"{name}() runs on the leader (rank 0); rank {self.group.rank} follows its steps: call "
+                               f"follow() (or generate(), which follows and returns the leader's outputs)")
+
     def get_stats(self) -> EngineStats:
         scheduler = self.scheduler
         return EngineStats(
@@ -371,6 +480,7 @@ class PagedEngine:
             num_swapped_in=scheduler.num_swapped_in,
             generated_tokens=self._generated_tokens,
             generation_tokens_per_s=self._generated_tokens / self._busy_seconds if self._busy_seconds else 0.0,
+            tensor_parallel_size=self.group.size if self.group is not None else 1,
         )
 
     def check_invariants(self) -> None:
@@ -388,3 +498,19 @@ def _progress(total: int, enabled: bool):
             def close(self): pass
         return _Silent()
     return tqdm(total=total, desc="requests", unit="req")
+
+
+def _load_tokenizer(model: str, tokenizer):
+    """``tokenizer`` as given, loaded from its path if a string, or from the model's folder if None (a model
+    without tokenizer files runs on token ids)."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    if isinstance(tokenizer, str):
+        return AutoTokenizer.from_pretrained(tokenizer)
+    if tokenizer is not None:
+        return tokenizer
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError, TypeError) as error:
+        logger.info("no tokenizer found with %s (%s): prompts must be token ids", model, error)
+        return None

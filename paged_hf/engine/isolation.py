@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..distributed.group import TensorParallelError
 from ..kv_manager import KVManager
 from .runner import ModelOutput, ModelRunner
 from .scheduler import ScheduledSequence, SchedulerOutput
@@ -92,6 +93,8 @@ def _bisect(runner: ModelRunner, output: SchedulerOutput, indices: list[int], er
         result.num_forwards += 1
         try:
             model_output = runner.forward(sub)
+        except TensorParallelError:  # the group broke: no sub-batch can run; the engine fails everything
+            raise
         except Exception as raised:  # noqa: BLE001 - a culprit may raise anything; it is reported, not swallowed
             error = raised
         else:

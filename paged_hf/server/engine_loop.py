@@ -7,7 +7,8 @@ rejects new requests (``QueueFullError``: 503); more prompts than the queue can 
 
 The loop is guarded: if it dies (a bug in the engine, say), the error is logged, every request still waiting for
 outputs receives an ``EngineDeadError`` at once, new submissions raise it, and ``error`` is set (``/health``
-answers 503).
+answers 503). A tensor-parallel engine whose group broke (a rank died) kills the loop the same way; when the loop
+ends, the engine's follower ranks are shut down.
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ class EngineLoop:
             self._run()
         except BaseException as error:  # noqa: BLE001 - logged, and every waiting request is told
             self._die(error)
+        finally:
+            try:
+                self.engine.shutdown()  # tensor parallelism: the follower ranks leave (else a no-op)
+            except Exception:  # noqa: BLE001 - nothing more can be done for them; say so
+                logger.exception("stopping the tensor-parallel ranks failed")
 
     def _die(self, error: BaseException) -> None:
         logger.critical("the engine loop died; every request fails from now on", exc_info=error)
@@ -163,6 +169,7 @@ class EngineLoop:
                     break
             if not self.engine.has_unfinished_requests():
                 self._refresh_stats()
+                self.engine.keep_alive()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -174,3 +181,5 @@ class EngineLoop:
                     if out.finished:
                         self._streams.pop(out.request_id, None)
             self._refresh_stats()
+            if self.engine.broken is not None:  # a tensor-parallel rank died: its requests failed; nothing can run
+                raise self.engine.broken

@@ -20,6 +20,8 @@ class ServerMetrics:
         self.preemptions = Gauge("paged_hf_preemptions", "sequences preempted since start", registry=r)
         self.running = Gauge("paged_hf_requests_running", "sequences running", registry=r)
         self.waiting = Gauge("paged_hf_requests_waiting", "sequences waiting", registry=r)
+        self.tensor_parallel_size = Gauge("paged_hf_tensor_parallel_size",
+                                          "ranks the model and each KV block are split over", registry=r)
         self.rejected = Counter("paged_hf_requests_rejected", "requests answered 503 (queue full)", registry=r)
         self.ttft = Histogram("paged_hf_time_to_first_token_seconds", "arrival to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
@@ -47,4 +49,5 @@ class ServerMetrics:
         self.preemptions.set(stats.preemption_count)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        self.tensor_parallel_size.set(stats.tensor_parallel_size)
         return generate_latest(self.registry)

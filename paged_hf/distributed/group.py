@@ -1,0 +1,94 @@
+"""The tensor-parallel group a sharded model runs in, and the few collectives the engine needs."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer means a rank died: the engine reports it
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel group is broken (a rank died, or a collective failed or timed out): no forward can run
+    any more on this engine."""
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """``rank`` of ``size`` in the default process group; rank 0 leads."""
+
+    rank: int
+    size: int
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, message=None):
+        """The leader's ``message`` on every rank (pickled; tensors travel on the CPU). ``TensorParallelError`` if
+        the group is broken."""
+        box = [message if self.is_leader else None]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except (dist.DistError, RuntimeError) as error:
+            raise TensorParallelError(f"tensor-parallel broadcast failed on rank {self.rank}: {error}") from error
+        return box[0]
+
+    def min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (every rank must size its pool alike)."""
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        tensor = torch.tensor([value], dtype=torch.long, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor.item())
+
+
+def tensor_parallel_group(model) -> TensorParallelGroup | None:
+    """The group ``model`` is sharded over (transformers' ``model.tp_size``), or None for a model on one process."""
+    size = getattr(model, "tp_size", None) or 1
+    if size <= 1:
+        return None
+    if not dist.is_initialized():
+        raise RuntimeError(f"{type(model).__name__} has tp_size={size} but no torch.distributed process group exists")
+    return TensorParallelGroup(dist.get_rank(), size)
+
+
+def check_tensor_parallel(config, tensor_parallel_size: int, model_class: str = "the model") -> None:
+    """ValueError before any process-group work: a size that does not divide the KV (and query) heads, or a model
+    whose config has no tensor-parallel plan."""
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+    if tensor_parallel_size == 1:
+        return
+    text = config.get_text_config(decoder=True)
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    for name, heads in (("num_key_value_heads", kv_heads), ("num_attention_heads", text.num_attention_heads)):
+        if heads % tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} does not divide the model's {name}={heads}: each rank "
+                f"must hold whole heads"
+            )
+    if not getattr(text, "base_model_tp_plan", None):
+        raise ValueError(
+            f"{model_class} ({text.model_type}) has no tensor-parallel plan in its config (base_model_tp_plan), so "
+            f"transformers cannot shard it: tensor_parallel_size must be 1"
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def init_group(rank: int, size: int, address: str, port: int, backend: str, timeout_s: float) -> None:
+    """Joins the default process group (every rank calls it with the same address, port, size and backend)."""
+    os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size))
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
