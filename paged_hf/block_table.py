@@ -58,7 +58,7 @@ class BlockTable:
         assert tail is not None, "a partially filled tail block cannot have slid out"
         return tail.ref_cnt > 1 or tail.block_hash is not None
 
-    def _tail_has_room(self) -> bool:
+    def tail_has_room(self) -> bool:
         """Whether the next token goes into the tail block in place (the decode fast path)."""
         if self.num_tokens % self.block_size == 0:
             return False
@@ -67,7 +67,7 @@ class BlockTable:
 
     def num_new_blocks_needed(self, num_new_tokens: int) -> int:
         """Blocks ``append(num_new_tokens)`` would take from the pool, copy-on-write included."""
-        if num_new_tokens == 1 and self._tail_has_room():
+        if num_new_tokens == 1 and self.tail_has_room():
             return 0
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -84,7 +84,7 @@ class BlockTable:
         storage the caller must copy before writing. All blocks are allocated up front: on NoFreeBlocksError
         nothing changed.
         """
-        if num_new_tokens == 1 and self._tail_has_room():
+        if num_new_tokens == 1 and self.tail_has_room():
             self.num_tokens += 1
             return []
         num_needed = self.num_new_blocks_needed(num_new_tokens)

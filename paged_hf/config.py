@@ -171,9 +171,16 @@ class EngineConfig:
         _check_int("max_stop_strings", self.max_stop_strings, 0)
 
 
+GREEDY_BELOW = 1e-5  # temperatures below it sample greedily
+# Dividing float32 logits by a penalty outside this range overflows (inf, then NaN in the softmax); typical values
+# are 1.0-2.0.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request (vLLM's names). ``temperature == 0`` is greedy.
+    """How to sample one request (vLLM's names). ``temperature`` below ``GREEDY_BELOW`` (1e-5, as vLLM) is greedy:
+    the limit of sampling as the temperature goes to 0 (dividing float32 logits by 1e-45 would overflow to NaN).
 
     ``logprobs=k``: each generated token's logprob (and its rank) plus the ``k`` most likely tokens';
     ``prompt_logprobs=k``: the same for every prompt token after the first. Logprobs are those of the model's raw
@@ -213,7 +220,7 @@ class SamplingParams:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
             raise ParameterError("top_k", f"top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
         _check_number("min_p", self.min_p, 0.0, 1.0)
-        _check_number("repetition_penalty", self.repetition_penalty, 0.0, float("inf"), low_open=True)
+        _check_number("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_int("seed", self.seed, 0, allow_none=True, maximum=MAX_SEED)
@@ -232,12 +239,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that reads or changes the logits first (the sampler's argmax-only fast path)."""
-        return (self.temperature == 0.0 and self.repetition_penalty == 1.0 and not self.presence_penalty
+        return (self.greedy and self.repetition_penalty == 1.0 and not self.presence_penalty
                 and not self.frequency_penalty and not self.logits_processors and self.logprobs is None
                 and not self.logit_bias)
 

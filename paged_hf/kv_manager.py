@@ -258,6 +258,10 @@ class KVManager:
 
     def try_append(self, seq: SequenceKV, num_new_tokens: int) -> bool:
         """``append`` if every group has room (True), else nothing changes (False)."""
+        if num_new_tokens == 1 and all(table.tail_has_room() for table in seq.tables):  # most decode steps
+            for table in seq.tables:
+                table.num_tokens += 1
+            return True
         if not self.can_append(seq, num_new_tokens):
             return False
         self.append(seq, num_new_tokens)

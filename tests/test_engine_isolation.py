@@ -77,7 +77,8 @@ def test_the_engine_refuses_what_it_cannot_run_naming_the_field(stories, prompt,
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", NAN), ("temperature", INF), ("top_p", NAN), ("min_p", NAN), ("presence_penalty", NAN),
-    ("frequency_penalty", -INF), ("repetition_penalty", NAN), ("repetition_penalty", INF), ("stop", 5),
+    ("frequency_penalty", -INF), ("repetition_penalty", NAN), ("repetition_penalty", INF),
+    ("repetition_penalty", 1e-40), ("repetition_penalty", 1e3), ("stop", 5),
     ("stop", [""]), ("stop_token_ids", 7), ("logit_bias", {3: 101}), ("logit_bias", {3: NAN}),
     ("logit_bias", {"3": 1}), ("logit_bias", [3]), ("seed", 2**63), ("ignore_eos", "no"), ("min_tokens", 17),
     ("logits_processors", [3]),
@@ -99,6 +100,30 @@ def test_logit_bias_steers_greedy_and_sampling(stories):
     banned = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={plain[2]: -100})
     tokens = engine.generate(["Once upon a time"], banned, use_tqdm=False)[0].outputs[0].token_ids
     assert tokens[:2] == plain[:2] and plain[2] not in tokens
+    assert_all_freed(engine)
+
+
+def test_a_tiny_temperature_samples_the_best_token_and_nan_logits_fail_their_request_alone(stories):
+    """``temperature=1e-45`` passes validation (positive, finite) but overflowed the tempered logits to inf: the
+    softmax gave NaN and ``torch.multinomial`` raised for the whole batch, killing the server's engine loop (found
+    by tests/test_server_fuzz.py). It now draws the greedy token; a request whose logits processor returns NaN
+    fails alone with a ValueError while a sampled and a greedy request beside it complete."""
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    plain = solo_tokens(stories, "Once upon a time")
+    tiny = SamplingParams(max_tokens=12, temperature=1e-45, seed=1, ignore_eos=True)
+    assert engine.generate(["Once upon a time"], tiny, use_tqdm=False)[0].outputs[0].token_ids == plain
+
+    def poison(_tokens, logits):
+        return logits * math.nan
+
+    bad = SamplingParams(max_tokens=12, temperature=1.0, logits_processors=[poison])
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=4, ignore_eos=True)
+    outs = engine.generate(["Once upon a time", "The dog", "Once upon a time"], [bad, sampled, GREEDY],
+                           use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and "NaN or inf" in outs[0].error
+    assert len(outs[1].outputs[0].token_ids) == 12 and outs[1].error is None
+    assert outs[2].outputs[0].token_ids == plain
     assert_all_freed(engine)
 
 

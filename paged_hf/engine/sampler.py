@@ -55,12 +55,19 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None) -> Sam
     if penalized:
         logits = _apply_penalties(logits, penalized, seqs, params)
 
-    greedy = [p.temperature == 0.0 for p in params]
+    greedy = [p.greedy for p in params]
     tokens = torch.argmax(logits, dim=-1)
     sampled_rows = [r for r, g in enumerate(greedy) if not g]
     if sampled_rows:
         index = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
         probs = torch.softmax(_filter(logits.index_select(0, index), [params[r] for r in sampled_rows]), dim=-1)
+        invalid = ~torch.isfinite(probs).all(-1)  # NaN logits (a model or a logits processor gave them)
+        if bool(invalid.any()):
+            for i in invalid.nonzero().view(-1).tolist():
+                errors.setdefault(sampled_rows[i], ValueError(
+                    "the sampling distribution holds NaN or inf (the logits, after logits processors, logit_bias and "
+                    "penalties, were not finite): no token can be drawn"))
+            probs = torch.where(invalid.unsqueeze(1), torch.ones_like(probs), probs)  # drawn, then discarded
         drawn = _draw(probs, [seqs[r].generator for r in sampled_rows])
         tokens = tokens.index_copy(0, index, drawn)
     token_ids = tokens.tolist()
