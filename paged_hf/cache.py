@@ -25,7 +25,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from .config import CacheConfig
 from .kernels import dispatch
-from .kv_manager import KVManager, LayerGroup, PagedCacheFullError, SequenceKV, block_id_bytes, check_supported
+from .kv_manager import (
+    KVManager, LayerGroup, PagedCacheFullError, SequenceKV, block_id_bytes, check_supported, local_kv_heads,
+)
 from .kv_stats import PagedCacheStats
 from .metadata import METADATA_KEY, AttentionMetadata, PadQueries, build_metadata, write_layer_kv
 
@@ -101,6 +103,8 @@ class PagedCache(DynamicCache):
         block_size, num_blocks, kv_cache_dtype, memory_budget: see ``CacheConfig``.
         max_length: the longest a row will get (prompt + new tokens), when known (``generate`` passes it): block
             tables have that width from the start, so a compiled decode step keeps one shape.
+        tp_size: the tensor-parallel size the model runs with (``generate`` passes ``model.tp_size``): each rank
+            stores ``num_key_value_heads / tp_size`` heads, which is what ``memory_budget`` sizes.
 
     With ``attn_implementation="paged"`` the attention reads the blocks directly; with any other
     implementation ``update`` returns each row's K/V gathered into the dense, padded layout the mask expects.
@@ -114,12 +118,14 @@ class PagedCache(DynamicCache):
         kv_cache_dtype: str = "auto",
         memory_budget: int | None = None,
         max_length: int | None = None,
+        tp_size: int = 1,
     ) -> None:
         self.cache_config = CacheConfig(block_size, num_blocks, kv_cache_dtype, memory_budget)
         self.text_config = config.get_text_config(decoder=True)
         check_supported(self.text_config, config)
+        num_kv_heads = local_kv_heads(self.text_config, tp_size)
         if num_blocks is None and memory_budget is not None:
-            per_block = block_id_bytes(self.text_config, block_size, kv_cache_dtype)
+            per_block = block_id_bytes(self.text_config, block_size, kv_cache_dtype, num_kv_heads)
             num_blocks = memory_budget // per_block
             if num_blocks < 1:
                 raise ValueError(
@@ -129,7 +135,7 @@ class PagedCache(DynamicCache):
         if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
                                        or max_length < 1):
             raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
-        self.kv = KVManager(self.text_config, block_size, kv_cache_dtype, num_blocks)
+        self.kv = KVManager(self.text_config, block_size, kv_cache_dtype, num_blocks, num_kv_heads=num_kv_heads)
         Cache.__init__(self, layers=[PagedLayer(self, idx, self.kv.group_of[idx]) for idx in sorted(self.kv.group_of)])
         self._min_table_width = -(-max_length // block_size) if max_length else 1
         self._last_layer = max(self.kv.group_of)

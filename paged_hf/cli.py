@@ -88,13 +88,19 @@ def _add_model_and_engine_options(parser) -> None:
     parser.add_argument("--swap-space", type=float, default=defaults.swap_space, help="GiB of CPU swap for KV blocks")
     parser.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], default=defaults.preemption_mode)
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=defaults.scheduling_policy)
+    parser.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
+                        help="the most logprobs / prompt_logprobs one request may ask for (default: %(default)s)")
+    parser.add_argument("--max-n", type=_positive_int, default=defaults.max_n,
+                        help="the most parallel samples (n) of one request (default: %(default)s)")
+    parser.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings,
+                        help="the most stop strings of one request (default: %(default)s)")
 
 
 def _engine_options(args) -> dict:
     return {name: getattr(args, name) for name in (
         "block_size", "num_blocks", "kv_cache_dtype", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
         "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "swap_space", "preemption_mode",
-        "scheduling_policy")}
+        "scheduling_policy", "max_logprobs", "max_n", "max_stop_strings")}
 
 
 def _load_engine(args):
@@ -121,8 +127,29 @@ def _add_serve(subcommands) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-queue-len", type=_positive_int, default=256,
                         help="waiting requests beyond which the server answers 503 with Retry-After")
+    parser.add_argument("--max-request-bytes", type=_positive_int, default=16 * 2**20,
+                        help="request bodies past this many bytes get 413 (default: %(default)s, 16 MiB)")
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                        help="for paged_hf's log (startup, request failures; debug: preemptions) and uvicorn's")
     parser.set_defaults(handler=_run_serve)
+
+
+LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
+
+
+def configure_logging(level: str) -> None:
+    """Sends the ``paged_hf`` logger's records at ``level`` and above to stderr, with a time stamp."""
+    import logging  # noqa: PLC0415
+
+    logger = logging.getLogger("paged_hf")
+    logger.setLevel(level.upper())
+    if not any(getattr(h, "paged_hf_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.paged_hf_cli = True
+        logger.addHandler(handler)
+        logger.propagate = False
 
 
 def _run_serve(args) -> int:
@@ -130,9 +157,10 @@ def _run_serve(args) -> int:
 
     from .server.app import build_app  # noqa: PLC0415
 
+    configure_logging(args.log_level)
     engine, name = _load_engine(args)
-    app = build_app(engine, args.served_model_name or name, args.max_queue_len)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    app = build_app(engine, args.served_model_name or name, args.max_queue_len, args.max_request_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 

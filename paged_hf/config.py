@@ -5,12 +5,24 @@ Bad input raises ``ValueError`` naming the field and the allowed values, before 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-
 from .quant import KV_CACHE_DTYPES
+
 MAX_BLOCK_SIZE = 1024
+MAX_SEED = 2**63 - 1  # seeds are int64, as vLLM's
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: [-100, 100]
+
+
+class ParameterError(ValueError):
+    """A bad value for one named parameter; ``param`` names it (the server reports it as the error's ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _is_power_of_two(value: int) -> bool:
@@ -67,20 +79,30 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
-def _check_int(name: str, value, minimum: int, allow_none: bool = False) -> None:
+def _check_int(name: str, value, minimum: int, allow_none: bool = False, maximum: int | None = None) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        allowed = f"an int >= {minimum}" + (" or None" if allow_none else "")
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or \
+            (maximum is not None and value > maximum):
+        allowed = f"an int >= {minimum}" if maximum is None else f"an int in [{minimum}, {maximum}]"
+        raise ParameterError(name, f"{name} must be {allowed}" + (" or None" if allow_none else "") +
+                             f", got {value!r}")
 
 
 def _check_number(name: str, value, low: float, high: float, low_open: bool = False) -> None:
+    """A finite int or float in the range (NaN and infinities are refused: they would poison the logits)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ParameterError(name, f"{name} must be a number, got {value!r}")
+    bracket = "(" if low_open else "["
+    if not math.isfinite(value):
+        raise ParameterError(name, f"{name} must be a finite number, got {value!r}")
     if value < low or value > high or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
+        raise ParameterError(name, f"{name} must be in {bracket}{low}, {high}], got {value!r}")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ParameterError(name, f"{name} must be a bool, got {value!r}")
 
 
 DEFAULT_CPU_KV_CACHE_GIB = 4.0  # the KV pool of an auto-sized engine on CPU (vLLM's CPU default too)
@@ -103,6 +125,12 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV of full blocks whose token prefix was already computed.
         swap_space: GiB of CPU memory for swapped-out blocks. preemption_mode: "recompute", "swap" or "auto".
         scheduling_policy: "fcfs" or "priority" (lower ``priority`` value runs first).
+
+    Limits on one request, checked by ``PagedEngine.add_request`` (a request past one gets a ``ValueError`` naming
+    the parameter, before it is queued):
+        max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default, 20).
+        max_n: the most parallel samples (``n``) of one request (OpenAI's limit, 128).
+        max_stop_strings: the most ``stop`` strings of one request: each is searched at every step of it.
     """
 
     block_size: int = 16
@@ -117,6 +145,9 @@ class EngineConfig:
     swap_space: float = 4.0
     preemption_mode: str = "auto"
     scheduling_policy: str = "fcfs"
+    max_logprobs: int = 20
+    max_n: int = 128
+    max_stop_strings: int = 32
 
     def __post_init__(self) -> None:
         CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype)
@@ -135,6 +166,9 @@ class EngineConfig:
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        _check_int("max_logprobs", self.max_logprobs, 0)
+        _check_int("max_n", self.max_n, 1)
+        _check_int("max_stop_strings", self.max_stop_strings, 0)
 
 
 @dataclass(frozen=True)
@@ -144,6 +178,11 @@ class SamplingParams:
     ``logprobs=k``: each generated token's logprob (and its rank) plus the ``k`` most likely tokens';
     ``prompt_logprobs=k``: the same for every prompt token after the first. Logprobs are those of the model's raw
     distribution (before penalties, temperature and filtering), as a plain forward over prompt + output gives them.
+    ``logit_bias``: {token id: bias in [-100, 100]} added to the logits before sampling (greedy too), as OpenAI's.
+
+    Every value is checked here (types, ranges, finite numbers: NaN or inf is refused); the limits that depend on
+    the model or the engine (token ids in the vocabulary, ``max_model_len``, ``EngineConfig.max_n`` ...) are checked
+    by ``PagedEngine.add_request``. A bad value raises ``ParameterError`` (a ``ValueError``) naming the field.
     """
 
     n: int = 1
@@ -163,31 +202,33 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     logits_processors: tuple | list | None = None
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
         _check_int("max_tokens", self.max_tokens, 1)
-        _check_int("min_tokens", self.min_tokens, 0)
+        _check_int("min_tokens", self.min_tokens, 0, maximum=self.max_tokens)
         _check_number("temperature", self.temperature, 0.0, float("inf"))
         _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise ValueError(f"top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
+            raise ParameterError("top_k", f"top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
         _check_number("min_p", self.min_p, 0.0, 1.0)
         _check_number("repetition_penalty", self.repetition_penalty, 0.0, float("inf"), low_open=True)
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_int("seed", self.seed, 0, allow_none=True)
+        _check_int("seed", self.seed, 0, allow_none=True, maximum=MAX_SEED)
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        object.__setattr__(self, "stop", stop)
-        stop_ids = tuple(self.stop_token_ids or ())
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", stop_ids)
-        object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
+        _check_bool("ignore_eos", self.ignore_eos)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        processors = self.logits_processors
+        if processors is not None and (not isinstance(processors, (list, tuple)) or
+                                       not all(callable(f) for f in processors)):
+            raise ParameterError("logits_processors", f"logits_processors must be a list of callables "
+                                                      f"f(output_token_ids, logits) -> logits, got {processors!r}")
+        object.__setattr__(self, "logits_processors", tuple(processors or ()))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -197,4 +238,42 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """Greedy with nothing that reads or changes the logits first (the sampler's argmax-only fast path)."""
         return (self.temperature == 0.0 and self.repetition_penalty == 1.0 and not self.presence_penalty
-                and not self.frequency_penalty and not self.logits_processors and self.logprobs is None)
+                and not self.frequency_penalty and not self.logits_processors and self.logprobs is None
+                and not self.logit_bias)
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise ParameterError("stop", f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return tuple(stop)
+
+
+def _token_ids(name: str, ids) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, (list, tuple)) or \
+            not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ParameterError(name, f"{name} must be a list of token ids >= 0, got {ids!r}")
+    return tuple(ids)
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """``{token id: bias}`` as a new dict of int -> float; None or {} -> None."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise ParameterError("logit_bias", f"logit_bias must be a mapping of token id -> bias, got {bias!r}")
+    out = {}
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ParameterError("logit_bias", f"logit_bias keys must be token ids >= 0, got {token!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+                abs(value) > MAX_LOGIT_BIAS:
+            raise ParameterError("logit_bias", f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                                               f"{MAX_LOGIT_BIAS:g}], got {value!r} for token {token}")
+        out[token] = float(value)
+    return out or None

@@ -622,6 +622,20 @@ def block_id_bytes(text_config, block_size: int, kv_cache_dtype: str, num_kv_hea
     return layer * text_config.num_hidden_layers
 
 
+def local_kv_heads(text_config, tp_size: int = 1) -> int:
+    """KV heads one tensor-parallel rank stores: the config's, split ``tp_size`` ways. ValueError (naming both
+    numbers) when ``tp_size`` does not divide them."""
+    heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {tp_size!r}")
+    if heads % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not divide the model's num_key_value_heads={heads}: each rank must "
+            f"hold whole KV heads; choose a divisor of {heads}"
+        )
+    return heads // tp_size
+
+
 def head_dim_of(text_config) -> int:
     return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
 

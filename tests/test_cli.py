@@ -139,3 +139,31 @@ def test_smollm2_demo_runs_end_to_end():
     assert "Paris" in result.stdout
     assert "DynamicCache (transformers default)" in result.stdout
     assert "Greedy tokens identical to DynamicCache: yes" in result.stdout
+
+
+def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
+    """--max-request-bytes, --log-level and the engine's per-request limits are wired through (issue #12)."""
+    import logging
+
+    import uvicorn
+
+    from paged_hf.server import app as app_module
+
+    seen = {}
+    monkeypatch.setattr(cli, "_load_engine", lambda args: (seen.setdefault("engine", cli._engine_options(args)),
+                                                           "model"))
+    monkeypatch.setattr(app_module, "build_app", lambda engine, name, *limits: seen.update(app=(name, *limits)))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(uvicorn=kwargs))
+    logger = logging.getLogger("paged_hf")
+    level, handlers, propagate = logger.level, list(logger.handlers), logger.propagate
+    try:
+        assert cli.main(["serve", "--max-request-bytes", "1000", "--log-level", "debug", "--max-n", "3",
+                         "--max-logprobs", "4", "--max-stop-strings", "2", "--max-queue-len", "9"]) == 0
+        assert logger.level == logging.DEBUG and any(getattr(h, "paged_hf_cli", False) for h in logger.handlers)
+    finally:
+        logger.setLevel(level)
+        logger.handlers[:] = handlers
+        logger.propagate = propagate
+    assert {k: seen["engine"][k] for k in ("max_n", "max_logprobs", "max_stop_strings")} == \
+        {"max_n": 3, "max_logprobs": 4, "max_stop_strings": 2}
+    assert seen["app"] == ("model", 9, 1000) and seen["uvicorn"]["log_level"] == "debug"

@@ -281,3 +281,23 @@ def test_randomized_soak_keeps_invariants(data):
                              use_tqdm=False)[0]
         assert tokens == ref.outputs[0].token_ids, f"request {rid} differs from its run alone"
     assert_all_freed(engine)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="reads the RSS from /proc")
+def test_swap_space_is_allocated_as_it_is_used(stories, prompts, references):
+    """Issue #12, item 11: the first preemption allocated all of ``swap_space`` (RSS 0.5 -> 4.5 GB for a 64-block
+    pool). With the default 4 GiB of swap and a 14-block pool, swapping a few sequences must cost megabytes."""
+    engine = engine_for(stories, num_blocks=14, block_size=4, preemption_mode="swap")
+    assert engine.config.swap_space == 4.0
+    before = resident_bytes()
+    outs = engine.generate(prompts, GREEDY, use_tqdm=False)
+    grown = resident_bytes() - before
+    assert engine.get_stats()["num_swapped_out"] > 0, "the tiny pool must swap"
+    assert [o.outputs[0].token_ids for o in outs] == references
+    assert grown < 256 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB for a few swapped blocks"  # measured: ~8 MiB
+    assert_all_freed(engine)

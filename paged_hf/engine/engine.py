@@ -21,10 +21,12 @@ from ..config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig, SamplingParams
 from ..kv_manager import KVManager, available_memory, block_id_bytes
 from ..kv_stats import EngineStats
 from .detokenizer import IncrementalDetokenizer, decoder_for, find_stop
+from .isolation import isolate
 from .request import Request, RequestOutput, RequestOutputKind, Sequence, SequenceStatus
-from .runner import ModelRunner
+from .runner import BlockCopyError, ModelRunner
 from .sampler import position_logprobs, sample
 from .scheduler import Scheduler, SchedulerOutput
+from .validation import check_params, check_prompt_ids, prompt_ids, vocab_size
 
 GIB = 1 << 30
 logger = logging.getLogger("paged_hf")
@@ -49,6 +51,7 @@ class PagedEngine:
         self.tokenizer = tokenizer
         text_config = model.config.get_text_config(decoder=True)
         self.max_model_len = self.config.max_model_len or getattr(text_config, "max_position_embeddings", 4096)
+        self.vocab_size = vocab_size(model, text_config)
         num_blocks = self.config.num_blocks or self._blocks_from_memory(model, text_config)
         self.kv = KVManager(text_config, self.config.block_size, self.config.kv_cache_dtype, num_blocks,
                             enable_prefix_caching=self.config.enable_prefix_caching,
@@ -112,20 +115,6 @@ class PagedEngine:
             ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
         return ids
 
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        if self.tokenizer is None:
-            raise ValueError("a tokenizer is needed for text or chat prompts: PagedEngine(model, tokenizer)")
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt)["input_ids"]
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
-            return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        raise ValueError(f"prompt must be a string, a list of token ids or a list of chat messages, got {prompt!r}")
-
     # -------------------------------------------------------------------------------- requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, cache_salt: str | None = None,
@@ -136,13 +125,13 @@ class PagedEngine:
         (streaming), or one output when it finishes.
         """
         params = params or SamplingParams()
-        text, ids = self._prompt_ids(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a paged_hf.SamplingParams, got {type(params).__name__}")
+        text, ids = prompt_ids(prompt, self.tokenizer)
+        ids = check_prompt_ids(ids, self.vocab_size, self.max_model_len)
+        check_params(params, len(ids), self.vocab_size, self.max_model_len, self.config)
         # the longest the sequence can get; its last token is sampled, never stored
-        stored = max(len(ids), min(len(ids) + params.max_tokens, self.max_model_len) - 1)
+        stored = len(ids) + params.max_tokens - 1
         need = self.kv.blocks_to_hold(stored)
         if need > self.kv.num_total_blocks:
             raise ValueError(
@@ -170,11 +159,32 @@ class PagedEngine:
             for seq in request.sequences:
                 self.scheduler.finish(seq, "abort")
 
-    def _fail(self, request: Request, error: BaseException) -> None:
+    def _fail(self, request: Request, error: BaseException, touched: dict[str, Request]) -> None:
+        touched[request.request_id] = request
+        if request.error is not None:
+            return
         request.error = error
         for seq in request.sequences:
             self.scheduler.finish(seq, "error")
         logger.warning("request %s failed: %s: %s", request.request_id, type(error).__name__, error)
+
+    def _isolate(self, output: SchedulerOutput, error: BaseException, touched: dict[str, Request]) -> None:
+        """The forward of ``output`` raised: re-runs its sequences in halves to find the ones that raise alone, fails
+        their requests, and goes on with the others (their logits are those of the full batch)."""
+        logger.warning("a forward of %d sequences raised %s: %s; running them in parts to find the cause",
+                       len(output.scheduled), type(error).__name__, error)
+        result = isolate(self.runner, output, error)
+        for index, culprit_error in result.failed:
+            self._fail(output.scheduled[index].seq.request, culprit_error, touched)
+        for index in result.requeue:
+            seq = output.scheduled[index].seq
+            if seq.status is SequenceStatus.RUNNING:
+                self.scheduler.requeue(seq)
+        logger.warning("isolated %d failing sequence(s) in %d forwards; %d recompute their prompt",
+                       len(result.failed), result.num_forwards, len(result.requeue))
+        merged = result.merged(output, keep=lambda item: item.seq.status is SequenceStatus.RUNNING)
+        if merged is not None:
+            self._update(*merged, touched)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -189,11 +199,13 @@ class PagedEngine:
         if output.scheduled:
             try:
                 model_output = self.runner.execute(output)
-            except Exception as error:  # the forward failed: fail this batch's requests, keep the engine
+            except BlockCopyError as error:  # every sequence of the step may hold wrong K/V: fail them all
                 self.kv.end_step(failed=True)
                 for item in output.scheduled:
-                    self._fail(item.seq.request, error)
-                    touched[item.seq.request.request_id] = item.seq.request
+                    self._fail(item.seq.request, error, touched)
+            except Exception as error:  # the forward raised: the requests that cause it fail alone
+                self._isolate(output, error, touched)
+                self.kv.end_step(failed=True)
             else:
                 self.kv.end_step(failed=False)
                 self._update(output, model_output, touched)
@@ -223,8 +235,7 @@ class PagedEngine:
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         result = sample(logits.index_select(0, index), sampled, self._decode_token if self._decode else None)
         for row, error in result.errors.items():
-            self._fail(sampled[row].request, error)
-            touched[sampled[row].request.request_id] = sampled[row].request
+            self._fail(sampled[row].request, error, touched)
         receiving = [seq.status is not SequenceStatus.FINISHED for seq in sampled]
         self.scheduler.update_from_output(output, sampled, result.token_ids)
         now = time.monotonic()

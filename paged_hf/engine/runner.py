@@ -29,6 +29,10 @@ class ModelOutput:
     prompt_rows: dict[int, tuple[int, int]]  # scheduled index -> (first row, count) of its prompt-logprob rows
 
 
+class BlockCopyError(RuntimeError):
+    """The step's block copies (copy-on-write, swap) failed: any sequence of the step may hold wrong K/V."""
+
+
 class ModelRunner:
     def __init__(self, model, kv: KVManager) -> None:
         self.model = model
@@ -53,8 +57,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
-        """Runs the step's block copies, then the forward; returns the logits the step needs."""
-        self.kv.apply_copies(output.copies)
+        """Runs the step's block copies, then the forward; returns the logits the step needs.
+
+        A failure of the copies raises ``BlockCopyError``; a failure of the forward raises what it raised (the copies
+        are done then: ``forward`` can run parts of the step again)."""
+        try:
+            self.kv.apply_copies(output.copies)
+        except Exception as error:
+            raise BlockCopyError(f"the step's block copies failed: {type(error).__name__}: {error}") from error
+        return self.forward(output)
+
+    @torch.inference_mode()
+    def forward(self, output: SchedulerOutput) -> ModelOutput:
+        """The forward of ``output``'s sequences (its block copies must have run); the logits the step needs."""
         input_ids, metadata = self.prepare(output)
         ends = metadata.query_start_loc[1:] - 1  # [S]: each sequence's last token row
         keep_rows: list[torch.Tensor] = []

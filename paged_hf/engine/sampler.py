@@ -1,7 +1,7 @@
 """Batched sampling from one engine step's logits: tensor ops over the whole batch, per-row parameters as tensors.
 
 Rows are processed in float32: user logits processors (per row, the only Python loop, for rows that have them),
-penalties (rows that use them), then greedy rows take the argmax and the other rows are tempered and filtered
+logit biases (one scatter-add over the rows that have them), penalties (rows that use them), then greedy rows take the argmax and the other rows are tempered and filtered
 (top-k, top-p, min-p as row-wise thresholds) and sampled. A request with a ``seed`` samples with its own
 ``torch.Generator``, so its tokens do not depend on the rest of the batch; the others share one draw.
 
@@ -47,6 +47,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None) -> Sam
                     logits[row] = processor(list(seq.output_token_ids), logits[row])
             except Exception as error:  # noqa: BLE001 - a user's logits processor may raise anything
                 errors[row] = error
+    biased = [r for r, p in enumerate(params) if p.logit_bias]
+    if biased:
+        logits = _apply_logit_bias(logits if logits is not raw else logits.clone(), biased, params)
     penalized = [r for r, p in enumerate(params) if p.repetition_penalty != 1.0 or p.presence_penalty
                  or p.frequency_penalty]
     if penalized:
@@ -96,6 +99,21 @@ def position_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_k: list[in
             entry[token] = Logprob(chosen_lp_l[r], ranks_l[r], decode_token(token) if decode_token else None)
         out.append(entry)
     return out
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[int], params) -> torch.Tensor:
+    """Adds each row's ``logit_bias`` {token id: bias} to its logits, in place (one scatter-add for all rows)."""
+    row_ids, token_ids, biases = [], [], []
+    for r in rows:
+        bias = params[r].logit_bias
+        row_ids.extend([r] * len(bias))
+        token_ids.extend(bias)
+        biases.extend(bias.values())
+    device = logits.device
+    index = (torch.tensor(row_ids, dtype=torch.long, device=device), torch.tensor(token_ids, dtype=torch.long,
+                                                                                device=device))
+    logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+    return logits
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], params) -> torch.Tensor:

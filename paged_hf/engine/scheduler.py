@@ -110,13 +110,23 @@ class Scheduler:
             self.num_swapped_out += 1
             logger.debug("preempted %r by swap (%d blocks)", victim, blocks)
         else:
-            self.kv.free(victim.kv)
-            victim.num_computed_tokens = 0
-            victim.status = SequenceStatus.WAITING
-            self.waiting.appendleft(victim)
-            if self._priority:
-                self.waiting = deque(sorted(self.waiting, key=self._order))
+            self._recompute(victim)
             logger.debug("preempted %r by recompute", victim)
+
+    def _recompute(self, seq: Sequence) -> None:
+        """Drops ``seq``'s KV; it waits at the head of the queue to compute its tokens again."""
+        self.kv.free(seq.kv)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        if self._priority:
+            self.waiting = deque(sorted(self.waiting, key=self._order))
+
+    def requeue(self, seq: Sequence) -> None:
+        """Sends a running ``seq`` back to the waiting queue without its KV (a failed step left its prefix blocks
+        empty: it computes them again)."""
+        self.running.remove(seq)
+        self._recompute(seq)
 
     # -------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:

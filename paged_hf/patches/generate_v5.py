@@ -107,7 +107,8 @@ def _build_paged_cache(self, options, generation_config, model_kwargs, batch_siz
                 f"{_blocks_for_generate(generation_config, attention_mask, batch_size, max_cache_length, config.block_size)}"
                 f" (or leave num_blocks unset and it is sized for you)"
             )
-    model_kwargs["cache"] = PagedCache(self.config, max_length=max_cache_length, **options)
+    model_kwargs["cache"] = PagedCache(self.config, max_length=max_cache_length,
+                                       tp_size=getattr(self, "tp_size", None) or 1, **options)
     if generation_config.is_assistant:
         model_kwargs["cache"].activate_past_recording()
 

@@ -1,0 +1,50 @@
+"""Prometheus series of the server: KV blocks, prefix hit rate, preemptions, queue, rejections, TTFT and
+inter-token latency."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ServerMetrics:
+    """Prometheus series of one server (own registry, so several apps can live in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.blocks_used = Gauge("paged_hf_kv_cache_blocks_used", "KV blocks in use", registry=r)
+        self.blocks_total = Gauge("paged_hf_kv_cache_blocks_total", "KV blocks in the pool", registry=r)
+        self.prefix_hit_rate = Gauge("paged_hf_prefix_cache_hit_rate", "prefix-cache hits / queries (tokens)", registry=r)
+        self.preemptions = Gauge("paged_hf_preemptions", "sequences preempted since start", registry=r)
+        self.running = Gauge("paged_hf_requests_running", "sequences running", registry=r)
+        self.waiting = Gauge("paged_hf_requests_waiting", "sequences waiting", registry=r)
+        self.rejected = Counter("paged_hf_requests_rejected", "requests answered 503 (queue full)", registry=r)
+        self.ttft = Histogram("paged_hf_time_to_first_token_seconds", "arrival to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("paged_hf_inter_token_latency_seconds", "time between output updates", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+        self._last: dict[str, float] = {}
+
+    def observe(self, out, now: float) -> None:
+        """Called by the engine loop with each ``RequestOutput``."""
+        previous = self._last.get(out.request_id)
+        if previous is None and out.metrics is not None and out.metrics.first_token_time is not None:
+            self.ttft.observe(out.metrics.first_token_time - out.metrics.arrival_time)
+        elif previous is not None:
+            self.itl.observe(now - previous)
+        if out.finished:
+            self._last.pop(out.request_id, None)
+        else:
+            self._last[out.request_id] = now
+
+    def render(self, stats) -> bytes:
+        """The series, with the gauges set from ``stats`` (an ``EngineStats``)."""
+        self.blocks_used.set(stats.kv_cache_used)
+        self.blocks_total.set(stats.kv_cache_total)
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        self.preemptions.set(stats.preemption_count)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        return generate_latest(self.registry)

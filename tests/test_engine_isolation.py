@@ -1,0 +1,219 @@
+"""A bad request fails alone: refused before it is queued when it can be seen to be bad (token ids, lengths, limits,
+NaN), and isolated when its forward raises (the others go on with exactly the tokens of their solo runs)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+
+from paged_hf import PagedEngine, SamplingParams
+from paged_hf.config import ParameterError
+from models import stories_model, stories_tokenizer, story_openings
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def stories():
+    return stories_model("sdpa"), stories_tokenizer()
+
+
+def solo_tokens(stories, prompt, params=GREEDY) -> list[int]:
+    """The greedy tokens of ``prompt`` run alone on a fresh engine."""
+    model, tok = stories
+    out = PagedEngine(model, tok, block_size=4, num_blocks=64).generate([prompt], params, use_tqdm=False)[0]
+    assert out.error is None
+    return out.outputs[0].token_ids
+
+
+def assert_all_freed(engine: PagedEngine) -> None:
+    engine.check_invariants()
+    assert engine.get_stats()["kv_cache_used"] == 0
+    assert not engine.requests
+
+
+# -------------------------------------------------------------------------------------- refused up front
+def test_out_of_vocabulary_ids_are_refused_and_the_rest_of_the_batch_completes(stories):
+    """The issue's reproduction: ``generate(["Once upon a time", "The dog", [1, 999]])`` failed all three."""
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    with pytest.raises(ParameterError, match=r"must be in \[0, 512\) \(the model's vocabulary\), got 999") as info:
+        engine.add_request([1, 999], GREEDY)
+    assert info.value.param == "prompt" and not engine.requests
+    outs = engine.generate(["Once upon a time", "The dog", [1, 999]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:2]] == [solo_tokens(stories, p) for p in ("Once upon a time",
+                                                                                            "The dog")]
+    assert outs[2].outputs[0].finish_reason == "error" and "vocabulary" in outs[2].error
+    assert_all_freed(engine)
+
+
+NAN, INF = math.nan, math.inf
+
+
+@pytest.mark.parametrize("prompt, params, param, message", [
+    ([], {}, "prompt", "non-empty list of token ids"),
+    ({"prompt_token_ids": []}, {}, "prompt", "prompt is empty"),
+    ([1, -3], {}, "prompt", r"must be in \[0, 512\)"),
+    ([1, 2.5], {}, "prompt", "non-empty list of token ids"),
+    ({"prompt_token_ids": [1, 2.5]}, {}, "prompt", "must be ints"),
+    ([1] * 40, {"max_tokens": 30}, "max_tokens", r"maximum context length is 64 tokens .*\(30 > 64 - 40\)"),
+    ([1] * 64, {}, "prompt", "max_model_len=64 leaves no room"),
+    ([1, 2], {"logprobs": 21}, "logprobs", r"at most 20 \(max_logprobs\)"),
+    ([1, 2], {"prompt_logprobs": 21}, "prompt_logprobs", r"at most 20 \(max_logprobs\)"),
+    ([1, 2], {"n": 9}, "n", r"at most 8 \(max_n\)"),
+    ([1, 2], {"stop": [str(i) for i in range(5)]}, "stop", r"at most 4 are allowed \(max_stop_strings\)"),
+    ([1, 2], {"logit_bias": {512: 1.0}}, "logit_bias", r"in \[0, 512\)"),
+])
+def test_the_engine_refuses_what_it_cannot_run_naming_the_field(stories, prompt, params, param, message):
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64, max_model_len=64, max_n=8, max_stop_strings=4)
+    with pytest.raises(ParameterError, match=message) as info:
+        engine.add_request(prompt, SamplingParams(**params))
+    assert info.value.param == param
+    assert_all_freed(engine)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", NAN), ("temperature", INF), ("top_p", NAN), ("min_p", NAN), ("presence_penalty", NAN),
+    ("frequency_penalty", -INF), ("repetition_penalty", NAN), ("repetition_penalty", INF), ("stop", 5),
+    ("stop", [""]), ("stop_token_ids", 7), ("logit_bias", {3: 101}), ("logit_bias", {3: NAN}),
+    ("logit_bias", {"3": 1}), ("logit_bias", [3]), ("seed", 2**63), ("ignore_eos", "no"), ("min_tokens", 17),
+    ("logits_processors", [3]),
+])
+def test_sampling_params_refuse_bad_values_naming_the_field(field, value):
+    with pytest.raises(ParameterError, match=field) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+
+
+def test_logit_bias_steers_greedy_and_sampling(stories):
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    plain = solo_tokens(stories, "Once upon a time")
+    target = next(t for t in range(100, 512) if t not in plain)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=6, temperature=temperature, seed=3, logit_bias={target: 100})
+        assert engine.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].token_ids == [target] * 6
+    banned = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={plain[2]: -100})
+    tokens = engine.generate(["Once upon a time"], banned, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens[:2] == plain[:2] and plain[2] not in tokens
+    assert_all_freed(engine)
+
+
+# ---------------------------------------------------------------------------------- isolated at run time
+@contextlib.contextmanager
+def poisoned(model, poison: int):
+    """The model's forward raises whenever ``poison`` is among its input ids (a stand-in for a request that makes a
+    forward fail: a kernel fault on its shapes, a bad adapter, ...)."""
+    def hook(module, args):
+        if (args[0] == poison).any():
+            raise RuntimeError(f"poisoned input: token {poison}")
+
+    handle = model.get_input_embeddings().register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def pick_poison(references) -> int:
+    seen = {t for ref in references for t in ref}
+    return next(t for t in range(300, 512) if t not in seen)
+
+
+@pytest.mark.parametrize("options", [
+    {"block_size": 4},
+    {"block_size": 4, "max_num_batched_tokens": 7},  # the poisoned prompt's chunk fails in a later step
+    {"block_size": 4, "enable_prefix_caching": False, "max_num_seqs": 3},
+], ids=["one_step", "chunked", "no_prefix_cache"])
+def test_a_forward_that_raises_for_one_request_fails_it_alone(stories, options):
+    model, tok = stories
+    good = story_openings()[:4]
+    references = [solo_tokens(stories, p) for p in good]
+    poison = pick_poison(references)
+    bad_prompt = tok(good[0])["input_ids"] + [poison] + tok("and the sun")["input_ids"][1:]
+    engine = PagedEngine(model, tok, num_blocks=64, **options)
+    with poisoned(model, poison):
+        outs = engine.generate(good[:2] + [bad_prompt] + good[2:], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:2] + outs[3:]] == references
+    assert outs[2].outputs[0].finish_reason == "error" and f"poisoned input: token {poison}" in outs[2].error
+    assert_all_freed(engine)
+
+
+def test_a_request_that_fails_in_decode_fails_alone(stories):
+    """The culprit's prompt is fine; the token it samples (forced by its logit_bias) makes its next forward raise,
+    in the middle of everyone's decodes."""
+    model, tok = stories
+    good = story_openings()[:4]
+    references = [solo_tokens(stories, p) for p in good]
+    poison = pick_poison(references)
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    doomed = SamplingParams(max_tokens=6, temperature=0.0, logit_bias={poison: 100})
+    with poisoned(model, poison):
+        outs = engine.generate(good + [good[1]], [GREEDY] * 4 + [doomed], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:4]] == references
+    assert outs[4].outputs[0].finish_reason == "error" and outs[4].outputs[0].token_ids == [poison]
+    assert_all_freed(engine)
+
+
+def test_a_request_reading_the_prefix_a_failing_request_writes_in_the_same_step_computes_it_again(stories):
+    """Admitted in one step, ``reader`` hits the prefix blocks ``writer`` fills in that very forward. The writer's
+    forward raises, so those blocks never get their K/V: the reader must not read them, and gets its solo tokens."""
+    model, tok = stories
+    prefix = tok(story_openings()[0])["input_ids"][:8]  # two blocks of 4
+    reader = prefix + tok("a big dog")["input_ids"][1:]
+    bystander = story_openings()[3]
+    references = [solo_tokens(stories, p) for p in (reader, bystander)]
+    poison = pick_poison(references)
+    writer = prefix + [poison] + tok("went to the park")["input_ids"][1:]
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    with poisoned(model, poison):
+        ids = [engine.add_request(p, GREEDY) for p in (writer, reader, bystander)]
+        done = {o.request_id: o for o in engine.step() if o.finished}
+        assert engine.requests[ids[1]].metrics.num_prefix_cached_tokens == 8, "the reader hit the writer's blocks"
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert "poisoned" in done[ids[0]].error
+    assert [done[i].outputs[0].token_ids for i in ids[1:]] == references
+    assert_all_freed(engine)
+
+
+def test_the_isolated_failure_is_logged(stories, caplog):
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    poison = pick_poison([])
+    with poisoned(model, poison), caplog.at_level("WARNING", logger="paged_hf"):
+        engine.generate(["Once upon a time", [1, poison, 5]], GREEDY, use_tqdm=False)
+    messages = [r.getMessage() for r in caplog.records if r.name == "paged_hf"]
+    assert any("running them in parts" in m for m in messages)
+    assert any(m.startswith("request ") and "poisoned input" in m for m in messages)
+    assert any("isolated 1 failing sequence(s)" in m for m in messages)
+    assert_all_freed(engine)
+
+
+def logprob_table(entries) -> list[dict[int, float]]:
+    """{token id: logprob} per position (None positions dropped): the one place reading the entries' format."""
+    return [{t: lp.logprob for t, lp in entry.items()} for entry in entries if entry is not None]
+
+
+def test_the_survivors_of_an_isolated_step_keep_their_logprobs_and_prompt_logprobs(stories):
+    """The merged rows of the sub-batches (sampled rows and prompt-logprob rows) land on the right requests."""
+    model, tok = stories
+    good = story_openings()[:3]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    solo = [PagedEngine(model, tok, block_size=4, num_blocks=64).generate([p], params, use_tqdm=False)[0]
+            for p in good]
+    poison = pick_poison([o.outputs[0].token_ids for o in solo])
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    with poisoned(model, poison):
+        outs = engine.generate([good[0], [1, poison, 7, 9], good[1], good[2]], params, use_tqdm=False)
+    assert "poisoned" in outs[1].error
+    for out, ref in zip(outs[:1] + outs[2:], solo):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        for got, want in zip(logprob_table(out.outputs[0].logprobs) + logprob_table(out.prompt_logprobs),
+                             logprob_table(ref.outputs[0].logprobs) + logprob_table(ref.prompt_logprobs)):
+            assert got.keys() == want.keys() and list(got.values()) == pytest.approx(list(want.values()), abs=2e-5)
+        assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert_all_freed(engine)

@@ -1,0 +1,251 @@
+"""The server as a hostile client finds it (issue #12): every error is OpenAI-shaped JSON with the right status and
+names its field, every parameter is honoured or refused by name, a bad request fails alone, and nothing it sends
+leaves a request running or a block held."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the server needs fastapi (pip install 'paged_hf[server]')")
+pytest.importorskip("uvicorn", reason="the server needs uvicorn (pip install 'paged_hf[server]')")
+httpx = pytest.importorskip("httpx", reason="the tests send raw requests")
+
+from paged_hf import PagedEngine, SamplingParams  # noqa: E402
+from paged_hf.server.app import build_app  # noqa: E402
+from models import stories_model, stories_tokenizer, story_openings  # noqa: E402
+from test_server import CHAT_TEMPLATE, Server  # noqa: E402
+
+ENGINE_OPTIONS = dict(block_size=8, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=256, max_n=4,
+                      max_stop_strings=8)
+
+
+@pytest.fixture(scope="module")
+def stories():
+    tok = stories_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return stories_model("sdpa"), tok
+
+
+@pytest.fixture(scope="module")
+def server(stories):
+    model, tok = stories
+    engine = PagedEngine(model, tok, **ENGINE_OPTIONS)
+    running = Server(build_app(engine, "stories260K", max_queue_len=16))
+    yield running, engine
+    running.stop()
+
+
+def solo_text(stories, prompt, **params) -> str:
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=8, num_blocks=256)
+    return engine.generate([prompt], SamplingParams(**params), use_tqdm=False)[0].outputs[0].text
+
+
+def post(server, path: str, body=None, content: bytes | None = None, **kwargs) -> httpx.Response:
+    return httpx.post(server[0].url + path, json=body, content=content, timeout=60, **kwargs)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None, message: str = "", code=None) -> dict:
+    """The response is ``status`` with OpenAI's error object naming ``param``."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    assert message in error["message"], error
+    assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error")
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def assert_idle(server, within: float = 2.0) -> None:
+    """No request runs or waits and no block is held (within ``within`` seconds)."""
+    _, engine = server
+    deadline = time.monotonic() + within
+    while True:
+        stats = engine.get_stats()
+        if stats["num_running"] == stats["num_waiting"] == stats["kv_cache_used"] == 0:
+            return
+        assert time.monotonic() < deadline, f"still busy: {dict(stats)}"
+        time.sleep(0.02)
+
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+
+
+# ---------------------------------------------------------------------------------------- 1: fails alone
+def test_a_bad_token_id_fails_alone_among_concurrent_completions(stories, server):
+    """Item 1: four good completions all got 500 IndexError when one client sent ``[1, 999999]``."""
+    prompts = story_openings()[:4]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as http:
+            good = [http.post(server[0].url + COMPLETIONS, json={"prompt": p, "max_tokens": 16, "temperature": 0})
+                    for p in prompts]
+            bad = http.post(server[0].url + COMPLETIONS, json={"prompt": [1, 999999], "max_tokens": 16})
+            return await asyncio.gather(*good, bad)
+
+    *good, bad = asyncio.run(main())
+    assert [r.json()["choices"][0]["text"] for r in good] == [solo_text(stories, p, max_tokens=16, temperature=0)
+                                                              for p in prompts]
+    assert_error(bad, 400, "prompt", "must be in [0, 512) (the model's vocabulary), got 999999")
+    assert_idle(server)
+
+
+# ------------------------------------------------------------------------------- 4, 10: bodies and bytes
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_malformed_bodies_are_400_json_without_byte_offsets(server, path):
+    """Item 10: malformed JSON reported a byte offset as ``param``; invalid UTF-8 got ``{"detail": ...}``."""
+    assert_error(post(server, path, content=b'{"prompt": "Hi", '), 400, None, "not valid JSON")
+    assert_error(post(server, path, content=b'{"prompt": "\xff\xfe"}'), 400, None, "not valid UTF-8")
+    assert_error(post(server, path, content=b'{"prompt": "Hi", "temperature": NaN}'), 400, None, "NaN")
+    assert_error(post(server, path, content=b'["not", "an", "object"]'), 400, None, "must be a JSON object")
+    assert_error(post(server, path, content=b""), 400, None, "not valid JSON")
+
+
+def test_lone_surrogates_are_400_and_stop_the_other_prompts(server):
+    """Item 4: ``"\\ud800"`` gave a plain-text 500 and the earlier prompts of the request kept running."""
+    lone = b'"\\ud800"'
+    body = b'{"prompt": ["Once upon a time", ' + lone + b'], "max_tokens": 400, "ignore_eos": true}'
+    assert_error(post(server, COMPLETIONS, content=body), 400, "prompt", "lone surrogate")
+    assert_idle(server, within=0.0)  # refused before any prompt was queued
+    chat = b'{"messages": [{"role": "user", "content": ' + lone + b'}]}'
+    assert_error(post(server, CHAT, content=chat), 400, "messages", "lone surrogate")
+    assert_error(post(server, COMPLETIONS, content=b'{"prompt": "Hi", ' + lone + b': 1}'), 400, None,
+                 "lone surrogate")
+
+
+def test_a_prompt_the_engine_refuses_aborts_the_prompts_queued_before_it(server):
+    """Item 3 (multi-prompt half): the prompts of one request are queued all or none."""
+    body = {"prompt": [[1, 2, 3], [1, 999999]], "max_tokens": 400, "ignore_eos": True}
+    assert_error(post(server, COMPLETIONS, body), 400, "prompt", "vocabulary")
+    assert_idle(server, within=0.0)
+
+
+# --------------------------------------------------------------------------- 5, 6, 7, 8, 9: values, names
+@pytest.mark.parametrize("path, body, status, param, message", [
+    (COMPLETIONS, {"logprobs": 1000}, 400, "logprobs", "logprobs must be in [0, 5]"),
+    (CHAT, {"logprobs": True, "top_logprobs": 1000}, 400, "top_logprobs", "top_logprobs must be in [0, 20]"),
+    (CHAT, {"top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
+    (COMPLETIONS, {"temperature": "NaN"}, 400, "temperature", "finite"),
+    (CHAT, {"top_p": "NaN"}, 400, "top_p", "finite"),
+    (COMPLETIONS, {"presence_penalty": "Infinity"}, 400, "presence_penalty", "finite"),
+    (COMPLETIONS, {"stop": 5}, 400, "stop", "stop"),
+    (COMPLETIONS, {"stop": [str(i) for i in range(10000)]}, 400, "stop", "at most 8 are allowed"),
+    (COMPLETIONS, {"n": 5}, 400, "n", "at most 4 (max_n)"),
+    (COMPLETIONS, {"model": "gpt-5"}, 404, "model", "The model `gpt-5` does not exist."),
+    (CHAT, {"model": "gpt-5"}, 404, "model", "does not exist"),
+    (COMPLETIONS, {"max_tokens": 10**9}, 400, "max_tokens", "maximum context length is 512 tokens"),
+    (CHAT, {"max_completion_tokens": 10**9}, 400, "max_completion_tokens", "maximum context length"),
+    (COMPLETIONS, {"prompt": []}, 400, "prompt", "must not be empty"),
+    (COMPLETIONS, {"prompt": [[]]}, 400, "prompt", "non-empty list of token ids"),
+    (COMPLETIONS, {"prompt": "word " * 600}, 400, "prompt", "max_model_len=512 leaves no room"),
+    (CHAT, {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages", "maximum context length"),
+    (COMPLETIONS, {"suffix": "The end."}, 400, "suffix", "suffix is not supported"),
+    (COMPLETIONS, {"echo": True}, 400, "echo", "echo is not supported"),
+    (COMPLETIONS, {"best_of": 3}, 400, "best_of", "best_of must equal n"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
+    (CHAT, {"tool_choice": "auto"}, 400, "tool_choice", "not supported"),
+    (CHAT, {"response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages", "messages.0.content.0.type"),
+    (COMPLETIONS, {"frobnicate": 1}, 400, "frobnicate", "Unrecognized request argument supplied: frobnicate"),
+    (CHAT, {"messages": [{"role": "user", "content": "Hi", "tool_call_id": "x"}]}, 400, "messages",
+     "Unrecognized request argument supplied: messages.0.tool_call_id"),
+    (COMPLETIONS, {"max_tokens": "many"}, 400, "max_tokens", "max_tokens"),
+    (COMPLETIONS, {"logit_bias": {"dog": 5}}, 400, "logit_bias", "token ids"),
+    (COMPLETIONS, {"logit_bias": {"5000": 5}}, 400, "logit_bias", "in [0, 512)"),
+    (COMPLETIONS, {"logit_bias": {"5": 500}}, 400, "logit_bias", "[-100, 100]"),
+    (COMPLETIONS, {"stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream"),
+    (COMPLETIONS, {"prompt": ["Hi"] * 17}, 400, "prompt", "queues at most 16 requests"),
+])
+def test_bad_values_get_the_right_status_naming_the_field(server, path, body, status, param, message):
+    """Items 5-9: 500 for logprobs 1000 / NaN, 200 for an unknown model, a silently cut max_tokens, an empty
+    prompt list answered with no choices, ignored tools / response_format / suffix / best_of, and 503 + Retry-After
+    for a request that can never fit the queue."""
+    base = {"prompt": "Once upon a time"} if path == COMPLETIONS else {"messages": MESSAGES}
+    response = post(server, path, {**base, "max_tokens": 4, **body} if "max_completion_tokens" not in body
+                    else {**base, **body})
+    assert_error(response, status, param, message, code="model_not_found" if status == 404 else None)
+    assert "retry-after" not in response.headers
+    assert_idle(server, within=0.0)
+
+
+def test_bodies_past_the_limit_are_413_at_once(server):
+    """Item 3: a 20 MB body took 24.6 s to be rejected."""
+    started = time.monotonic()
+    big = json.dumps({"prompt": "a" * (20 * 2**20)}).encode()
+    assert_error(post(server, COMPLETIONS, content=big), 413, None, "at most 16777216", code="request_too_large")
+
+    def chunks():  # no Content-Length: the server counts the bytes as they come
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"a" * 2**20
+        yield b'"}'
+
+    assert_error(post(server, COMPLETIONS, content=chunks()), 413, None, "at most 16777216")
+    assert time.monotonic() - started < 10  # measured: ~0.3 s for both on this machine
+
+
+def test_routes_and_methods_that_do_not_exist_answer_in_the_same_shape(server):
+    assert_error(httpx.get(server[0].url + "/v1/engines"), 404, None, "Not Found")
+    assert_error(httpx.get(server[0].url + COMPLETIONS), 405, None, "Method Not Allowed")
+
+
+# ----------------------------------------------------------------------------- 8: parameters are honoured
+def test_seed_and_logit_bias_are_honoured(stories, server):
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0}
+    texts = [post(server, COMPLETIONS, {**body, "seed": s}).json()["choices"][0]["text"] for s in (7, 7, 8)]
+    assert texts[0] == texts[1] == solo_text(stories, "Once upon a time", max_tokens=12, temperature=1.0, seed=7)
+    assert texts[2] != texts[0]
+    model, tok = stories
+    dog = tok("dog", add_special_tokens=False)["input_ids"][-1]
+    biased = post(server, COMPLETIONS, {**body, "seed": 7, "logit_bias": {str(dog): 100}}).json()
+    assert biased["choices"][0]["text"] == solo_text(stories, "Once upon a time", max_tokens=12, temperature=1.0,
+                                                     seed=7, logit_bias={dog: 100})
+    assert biased["choices"][0]["text"] == tok.decode([dog] * 12)
+
+
+def test_max_tokens_is_filled_in_from_the_room_the_prompt_leaves(server):
+    """Without max_tokens a request gets 256 tokens or what fits (vLLM fills in the room; nothing is cut)."""
+    prompt = [1] + [400] * 499
+    out = post(server, COMPLETIONS, {"prompt": prompt, "ignore_eos": True, "temperature": 0}).json()
+    assert out["usage"]["completion_tokens"] == 12 and out["choices"][0]["finish_reason"] == "length"
+
+
+def stream(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server[0].url + path, json={**body, "stream": True}, timeout=60) as response:
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_streamed_logprobs_equal_the_whole_responses(server):
+    """Streams carry each token's logprobs in the chunk that carries it; together they equal the whole response's."""
+    body = {"prompt": story_openings()[0], "max_tokens": 24, "temperature": 0, "logprobs": 3}
+    whole = post(server, COMPLETIONS, body).json()["choices"][0]["logprobs"]
+    parts = [c["choices"][0]["logprobs"] for c in stream(server, COMPLETIONS, body) if c["choices"][0]["logprobs"]]
+    joined = {key: [v for part in parts for v in part[key]] for key in whole}
+    assert joined["tokens"] == whole["tokens"] and joined["text_offset"] == whole["text_offset"]
+    assert joined["token_logprobs"] == pytest.approx(whole["token_logprobs"], abs=1e-5)  # a prefix hit or not
+    assert [sorted(t) for t in joined["top_logprobs"]] == [sorted(t) for t in whole["top_logprobs"]]
+    assert len(whole["tokens"]) == 24
+    assert all(len(top) in (3, 4) for top in whole["top_logprobs"])
+    body = {"messages": MESSAGES, "max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    response = post(server, CHAT, body).json()
+    whole = response["choices"][0]
+    chunks = stream(server, CHAT, body)
+    content = [entry for c in chunks if c["choices"][0]["logprobs"] for entry in c["choices"][0]["logprobs"]["content"]]
+    assert [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in content] == \
+        [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in whole["logprobs"]["content"]]
+    assert [e["logprob"] for e in content] == pytest.approx([e["logprob"] for e in whole["logprobs"]["content"]],
+                                                            abs=1e-5)
+    assert len(content) == response["usage"]["completion_tokens"]
+    assert "".join(e["token"] for e in content) == whole["message"]["content"]
+    assert all(len(e["top_logprobs"]) == 2 and bytes(e["bytes"]).decode() == e["token"] for e in content)
