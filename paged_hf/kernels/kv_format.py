@@ -26,9 +26,11 @@ int4        uint8 (x2)   scale + zero per channel/block scale + zero per token  
 
 int4 bytes per token per KV head: ``D + 4 + 4 D / B`` (codes, value scale + zero, the key scales + zeros of a block
 shared by its ``B`` tokens): at D = 64, 3.05x fewer than float16 at B = 16, 3.37x at 32, 3.56x at 64, 3.66x at 128.
-Its keys are quantized per channel over the block (keys have outlier channels: KIVI, KVQuant) and not rotated (a
-rotation mixes those channels: measured worse); its values per token after the rotation (measured better). See
-``benchmarks/RESULTS.md`` for the measurements behind these choices.
+The per-channel side data is paid once per block, so the block size is int4's granularity knob: ``block_size=64``
+is the setting that reaches 3.5x (``benchmarks/kv_quality.py`` reports both, and the bytes held with the tail at
+128, 768 and 4096 tokens). Its keys are quantized per channel over the block (keys have outlier channels: KIVI,
+KVQuant) and not rotated (a rotation mixes those channels: measured worse); its values per token after the rotation
+(measured better). See ``benchmarks/RESULTS.md`` for the measurements behind these choices.
 """
 
 from __future__ import annotations
