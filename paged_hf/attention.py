@@ -63,30 +63,39 @@ def paged_attention(flat_query, metadata, group, storage, scale, softcap, sinks)
 
     The first ``num_decodes`` sequences (one token each) go through the batched decode kernel, the rest through
     the varlen prefill kernel: two slices of the packed batch, no per-layer index building. The storage's kernel
-    set (Triton on CUDA, the torch references elsewhere) was chosen when its pool was made. A storage whose vectors
-    are stored rotated (quantized formats) gets the query rotated the same way (scores are unchanged) and the output
-    rotated back; both rotations run in float32 and their results return to the query's dtype, so a bf16/fp16 model
-    attends with bf16/fp16 queries (the kernels' tensor-core path) in every format, and a float32 model stays
-    float32 throughout.
+    set (Triton on CUDA, the torch references elsewhere) was chosen when its pool was made. A storage whose keys
+    are stored rotated gets the query rotated the same way (scores are unchanged), one whose values are stored
+    rotated gets the output rotated back; both rotations run in float32 and their results return to the query's
+    dtype, so a bf16/fp16 model attends with bf16/fp16 queries (the kernels' tensor-core path) in every format, and
+    a float32 model stays float32 throughout. A format with a full-precision tail reads each sequence's tail row
+    (``metadata.tail_rows``) in the same kernel call.
     """
-    rotation = storage.rotation
-    query = flat_query if rotation is None else rotate(flat_query, rotation).to(flat_query.dtype)
+    query = flat_query
+    if storage.key_rotation is not None:
+        query = rotate(flat_query, storage.key_rotation).to(flat_query.dtype)
     kernels = storage.kernels
     options = dict(scale=scale, sliding_window=group.window, softcap=softcap, sinks=sinks,
                    **storage.attention_operands())
-    tables, seq_lens = group.block_tables, metadata.seq_lens
+    tables, seq_lens, tail_rows = group.block_tables, metadata.seq_lens, _tail_rows(metadata, storage)
     if metadata.decode_only:
-        out = kernels.decode_attention(query, block_tables=tables, seq_lens=seq_lens, **options)
+        out = kernels.decode_attention(query, block_tables=tables, seq_lens=seq_lens, tail_rows=tail_rows, **options)
     elif metadata.num_decodes == 0:
-        out = kernels.prefill_attention(query, block_tables=tables, seq_lens=seq_lens,
+        out = kernels.prefill_attention(query, block_tables=tables, seq_lens=seq_lens, tail_rows=tail_rows,
                                         cu_query_lens=metadata.query_start_loc, **options)
     else:  # mixed engine step: decodes first, then prefill chunks
         d = metadata.num_decodes
         out = torch.empty_like(query)
-        out[:d] = kernels.decode_attention(query[:d], block_tables=tables[:d], seq_lens=seq_lens[:d], **options)
+        rows = (None, None) if tail_rows is None else (tail_rows[:d], tail_rows[d:])
+        out[:d] = kernels.decode_attention(query[:d], block_tables=tables[:d], seq_lens=seq_lens[:d],
+                                           tail_rows=rows[0], **options)
         out[d:] = kernels.prefill_attention(query[d:], block_tables=tables[d:], seq_lens=seq_lens[d:],
-                                            cu_query_lens=metadata.prefill_query_start_loc, **options)
-    return out if rotation is None else unrotate(out, rotation).to(flat_query.dtype)
+                                            tail_rows=rows[1], cu_query_lens=metadata.prefill_query_start_loc,
+                                            **options)
+    return out if storage.value_rotation is None else unrotate(out, storage.value_rotation).to(flat_query.dtype)
+
+
+def _tail_rows(metadata, storage) -> torch.Tensor | None:
+    return metadata.tail_rows if storage.has_tail else None
 
 
 def attend_at_positions(queries, rows, positions, window_starts, metadata, group, storage, scale, softcap,
@@ -95,16 +104,17 @@ def attend_at_positions(queries, rows, positions, window_starts, metadata, group
     ``<= positions[e]`` (and ``>= window_starts[e]`` when given): the torch path for generate's padded layouts
     (pad columns after real tokens, windows over a padded timeline), which the kernels' contiguous-query layout
     does not express. Rare, and small: one query per row."""
-    rotation = storage.rotation
-    queries = queries if rotation is None else rotate(queries, rotation)
+    queries = rotate(queries, storage.key_rotation)
     operands = storage.attention_operands()
+    tail_rows = _tail_rows(metadata, storage)
     out = paged_attention_core(
         queries.unsqueeze(2), positions.unsqueeze(1), operands.pop("key_cache"), operands.pop("value_cache"),
         group.block_tables.index_select(0, rows), metadata.seq_lens.index_select(0, rows), scale,
         group.window, softcap, sinks, **operands,
         window_starts=None if window_starts is None else window_starts.unsqueeze(1),
+        tail_rows=None if tail_rows is None else tail_rows.index_select(0, rows),
     ).squeeze(2)
-    return out if rotation is None else unrotate(out, rotation)
+    return unrotate(out, storage.value_rotation)
 
 
 def group_index(metadata, group) -> int:

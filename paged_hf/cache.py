@@ -143,7 +143,7 @@ class PagedCache(DynamicCache):
         self.rows: list[SequenceKV] = []  # one sequence per batch row
         self.columns = torch.zeros((0, 0), dtype=torch.long)  # [B, seq_length]: real position per column, -1: pad
         self._metadata: AttentionMetadata | None = None
-        self._dense_slots: list[torch.Tensor] = []  # per group, for a dense attention: [B, kv_length] slots
+        self._dense_slots: list[tuple] = []  # per group, for a dense attention: [B, kv_length] slots, tail slots
         self._state = "idle"  # "planned": the next forward's plan is ready; "running": layers are writing it
         self._written: set[int] = set()  # layers that wrote the running plan (finds a forward that was cut short)
 
@@ -255,18 +255,26 @@ class PagedCache(DynamicCache):
         first = max(seen - window + 1, 0)
         return first, (window - 1 + query_len) if seen >= window else seen + query_len
 
-    def _slots_of_columns(self, group_index: int, first: int, count: int) -> torch.Tensor:
-        """``[B, count]`` slots of timeline columns ``first ..``; pads and positions with no block map to slot 0."""
+    def _slots_of_columns(self, group_index: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[B, count]`` slots of timeline columns ``first ..``; pads and positions with no block map to slot 0. A
+        tail format also gets ``[B, count]`` tail slots: ``row * block_size + offset`` for the positions in a row's
+        partial last block (they live in its tail row), -1 elsewhere; else None."""
         positions = self.columns[:, first : first + count]
         group = self.kv.groups[group_index]
         block_size = group.block_size
+        rows = torch.tensor([s.row for s in self.rows])
         width = max(1, max((len(s.tables[group_index].blocks) for s in self.rows), default=1))
-        tables = group.rows.gather(torch.tensor([s.row for s in self.rows]), width).long()
+        tables = group.rows.gather(rows, width).long()
         clamped = positions.clamp_min(0)
         blocks = tables.gather(1, (clamped // block_size).clamp_max(width - 1))
         slots = torch.where(positions >= 0, blocks * block_size + clamped % block_size, 0)
         device = self._metadata.device if self._metadata is not None else "cpu"
-        return slots.to(device)
+        tail_slots = None
+        if self.kv.has_tail:
+            full_end = torch.tensor(self.num_tokens) // block_size * block_size
+            in_tail = (positions >= 0) & (clamped >= full_end[:, None])
+            tail_slots = torch.where(in_tail, rows[:, None] * block_size + clamped % block_size, -1).to(device)
+        return slots.to(device), tail_slots
 
     def _update_layer(self, layer: PagedLayer, key_states, value_states, kwargs: dict | None):
         if self._state == "planned":
@@ -289,7 +297,7 @@ class PagedCache(DynamicCache):
         if kwargs is not None and self.text_config._attn_implementation == "paged":
             kwargs[METADATA_KEY] = (metadata, group, storage)
             return key_states, value_states
-        keys, values = storage.read_slots(self._dense_slots[layer.group.index])  # [B, L, H, D]
+        keys, values = storage.read_slots(*self._dense_slots[layer.group.index])  # [B, L, H, D]
         return keys.transpose(1, 2), values.transpose(1, 2)
 
     def _dense_view(self, layer: PagedLayer, which: int) -> torch.Tensor | None:
@@ -299,8 +307,9 @@ class PagedCache(DynamicCache):
             return None
         window = layer.group.window
         first = 0 if window is None else max(self.seq_length - (window - 1), 0)
-        slots = self._slots_of_columns(layer.group.index, first, self.seq_length - first).to(storage.device)
-        states = storage.read_slots(slots)[which]  # [B, L, H, D]
+        slots, tail_slots = self._slots_of_columns(layer.group.index, first, self.seq_length - first)
+        states = storage.read_slots(slots.to(storage.device),
+                                    None if tail_slots is None else tail_slots.to(storage.device))[which]  # [B,L,H,D]
         pads = (self.columns[:, first:] < 0).to(storage.device)
         return states.masked_fill(pads[:, :, None, None], 0).transpose(1, 2)
 
@@ -329,7 +338,12 @@ class PagedCache(DynamicCache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Removes the last ``-tokens_to_remove`` columns of every row (assisted decoding's rollback); each row
-        gives back the real tokens among them."""
+        gives back the real tokens among them.
+
+        A format with a full-precision tail (int4) that crops back into a block that was full (its codes written)
+        dequantizes the kept tokens of that block into the row's tail: they keep the values the attention already
+        read for them, and the block is quantized again, from those values and the new tokens, when it refills
+        (``KVManager.truncate``)."""
         if tokens_to_remove > 0:
             raise ValueError(
                 f"crop takes a negative number of tokens to remove (as DynamicCache), got {tokens_to_remove}"
@@ -393,4 +407,8 @@ class PagedCache(DynamicCache):
             live += sum(filled.values()) * token_bytes
         if not per_token:  # no forward yet: the config's dtype
             per_token = self.kv.bytes_per_block() // self.kv.block_size
+        tails = sum(1 for seq in self.rows if seq.num_tokens % self.kv.block_size)
+        if tails and self.kv.has_tail:  # rows whose newest tokens sit in their tail rows
+            dtype = next((s.dtype for g in self.kv.groups for s in g.storages.values()), None)
+            live += tails * self.kv.tail_bytes_per_row(dtype)
         return PagedCacheStats(**asdict(pool), kv_cache_bytes_live=live, bytes_per_token=per_token)

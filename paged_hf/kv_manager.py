@@ -10,6 +10,13 @@ Block copies (copy-on-write of a shared tail, swap out, swap in) are recorded as
 the blocks are allocated and applied by ``apply_copies`` before the forward that needs them, in recorded order
 (every rank applies the same list under tensor parallelism).
 
+Formats with a full-precision tail (int4): each sequence's newest, partial block lives in the tail row of its
+block-table row (``SequenceKV.row``) in every layer, and the pool block holds codes only once it is full. The tail
+row follows the sequence: a fork copies it to the child's row, swap moves it to a CPU tail slot and back, and a
+rollback (``truncate``) into a block that was full dequantizes that block into the row (policy: the kept tokens
+keep the values the attention already read; the block is quantized again when it refills). Only full blocks are
+shared (forks share the partial block too, but copy it on write) or cached, so prefix hits stay exact.
+
 Prefix caching works on full-attention models only (a sliding window drops the blocks a later hit would need).
 Policy: blocks are freed tail first, so a finished sequence's tail is evicted before its shared prefix; a hit
 never covers a whole prompt (its last token is always computed).
@@ -28,7 +35,8 @@ from .block_table import BlockTable, num_blocks_for
 from .block_table_rows import BlockTableRows
 from .hashing import extend_block_hashes
 from .kv_stats import KVCacheStats
-from .quant import bytes_per_block, check_kv_format, make_storage
+from .kernels.kv_format import KV_FORMATS
+from .quant import bytes_per_block, check_kv_format, make_storage, tail_bytes_per_row
 from .storage import KVStorage, copy_blocks_between
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -64,6 +72,7 @@ class SwappedGroup:
     num_tokens: int
     num_freed: int
     cpu_blocks: list[KVBlock]
+    cpu_tail: int | None = None  # the CPU tail slot holding the sequence's tail row (formats with a tail)
 
 
 class SequenceKV:
@@ -89,7 +98,9 @@ class BlockCopy:
     """``dst[i] <- src[i]`` for whole blocks of every layer of group ``group``.
 
     ``where``: "device" (copy-on-write inside the pool), "to_cpu" (swap out: device ids -> CPU ids) or
-    "to_device" (swap in: CPU ids -> device ids).
+    "to_device" (swap in: CPU ids -> device ids). Tail rows (formats with a tail): "tail" (device row -> row, a
+    fork), "tail_to_cpu" / "tail_to_device" (row -> CPU tail slot -> row, swap), "block_to_tail" (block id -> row:
+    the block dequantized into the row, a rollback).
     """
 
     group: int
@@ -121,6 +132,7 @@ class KVManager:
         self.kv_format = check_kv_format(kv_cache_dtype, self.head_dim)
         self.num_kv_heads = num_kv_heads or getattr(text_config, "num_key_value_heads", None) \
             or text_config.num_attention_heads
+        self.has_tail = KV_FORMATS[self.kv_format].tail
         self.groups = _layer_groups(text_config, block_size)
         self.group_of = {idx: group for group in self.groups for idx in group.layer_indices}
         self.growable = num_blocks is None
@@ -135,6 +147,8 @@ class KVManager:
         self.num_cpu_blocks = int(swap_space_bytes // self.bytes_per_block()) if swap_space_bytes else 0
         self._cpu_pools: list[BlockPool] | None = None
         self._cpu_storages: list[dict[int, KVStorage]] | None = None
+        self._cpu_tail_free: list[int] = []  # CPU tail slots handed back (swap of a tail format)
+        self._num_cpu_tails = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -147,6 +161,11 @@ class KVManager:
     def bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of one block id in every layer (what one more block per group costs)."""
         return block_id_bytes(self.text_config, self.block_size, self.kv_cache_dtype, self.num_kv_heads, dtype)
+
+    def tail_bytes_per_row(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one sequence row of the tail pools in every layer (0 for formats without a tail)."""
+        return tail_bytes_per_row(self.kv_format, self.block_size, self.num_kv_heads, self.head_dim,
+                                  dtype or config_dtype(self.text_config)) * len(self.group_of)
 
     @property
     def num_total_blocks(self) -> int:
@@ -170,9 +189,12 @@ class KVManager:
         group = self.group_of[layer_idx]
         if not any(g.storages for g in self.groups):
             self._check_fits(dtype, device, num_kv_heads)
-        group.storages[layer_idx] = make_storage(self.kv_format, group.pool.num_blocks, self.block_size,
-                                                 num_kv_heads, self.head_dim, dtype, device)
-        return group.storages[layer_idx]
+        storage = make_storage(self.kv_format, group.pool.num_blocks, self.block_size, num_kv_heads, self.head_dim,
+                               dtype, device)
+        if self.has_tail:
+            storage.ensure_tail_rows(self._num_rows)
+        group.storages[layer_idx] = storage
+        return storage
 
     def allocate_all(self, dtype: torch.dtype, device) -> None:
         """Makes every layer's pool tensors now (the engine's pool is sized once)."""
@@ -200,7 +222,25 @@ class KVManager:
         if self._free_rows:
             return self._free_rows.pop()
         self._num_rows += 1
+        if self.has_tail:  # every row has a tail row in every layer
+            for group in self.groups:
+                for storage in group.storages.values():
+                    storage.ensure_tail_rows(self._num_rows)
         return self._num_rows - 1
+
+    @property
+    def num_rows(self) -> int:
+        """Rows handed out so far (each live sequence holds one; tail formats keep a tail row per row)."""
+        return self._num_rows
+
+    def cover_rows(self, num_rows: int) -> None:
+        """Tail rows for ``num_rows`` rows in every layer: a tensor-parallel follower takes no rows itself, so the
+        leader's count comes with each step."""
+        if self.has_tail and num_rows > self._num_rows:
+            self._num_rows = num_rows
+            for group in self.groups:
+                for storage in group.storages.values():
+                    storage.ensure_tail_rows(num_rows)
 
     def _release_row(self, seq: SequenceKV) -> None:
         if seq.row >= 0:
@@ -222,6 +262,8 @@ class KVManager:
         if seq.swapped is not None:
             for pool, swapped in zip(self.cpu_pools, seq.swapped):
                 pool.free_blocks(reversed(swapped.cpu_blocks))
+            if seq.swapped[0].cpu_tail is not None:
+                self._cpu_tail_free.append(seq.swapped[0].cpu_tail)
             seq.swapped = None
         seq.num_cached_blocks = 0
 
@@ -237,7 +279,13 @@ class KVManager:
         child.num_cached_blocks = seq.num_cached_blocks
         self._live[id(child)] = child
         self._write_rows(child, [0] * len(self.groups))
+        if self._has_partial_tail(seq):  # the child's tail row starts as a copy of the parent's
+            for g in range(len(self.groups)):
+                self._record(g, [(seq.row, child.row)], "tail")
         return child
+
+    def _has_partial_tail(self, seq: SequenceKV) -> bool:
+        return self.has_tail and seq.row >= 0 and seq.num_tokens % self.block_size != 0
 
     def slide_windows(self, seq: SequenceKV) -> None:
         """Frees the blocks no future query of a sliding-window group can see (all below ``num_tokens - window
@@ -334,15 +382,24 @@ class KVManager:
                     f"cannot roll back to {num_tokens} tokens: the sliding-window layers already freed tokens the next "
                     f"forward would need (window {group.window})"
                 )
-        for group, table in zip(self.groups, seq.tables):
+        bs = self.block_size
+        refill = self.has_tail and num_tokens % bs != 0 and seq.num_tokens >= (num_tokens // bs + 1) * bs
+        for g, (group, table) in enumerate(zip(self.groups, seq.tables)):
             held = len(table.blocks)
             table.truncate(num_tokens)
             group.rows.clear(seq.row, len(table.blocks), held)
+            if refill:  # the new last block was full: its kept tokens go back to the tail row, dequantized
+                self._record(g, [(table.blocks[-1].block_id, seq.row)], "block_to_tail")
 
     # ---------------------------------------------------------------------------------- block copies
     def _record(self, group: int, copies: list[tuple[int, int]], where: str) -> None:
         last = self._pending[-1] if self._pending else None
-        if last is not None and last.group == group and last.where == where:  # merge with the previous op
+        src, dst = {s for s, _ in copies}, {d for _, d in copies}
+        # Merge with the previous op when that keeps its in-order meaning: a batched copy reads every source before
+        # writing, so no new source may be an earlier destination, no new destination an earlier source or
+        # destination (e.g. a row freed by one fork and taken by the next).
+        if last is not None and last.group == group and last.where == where \
+                and not (src & set(last.dst)) and not (dst & set(last.src)) and not (dst & set(last.dst)):
             self._pending[-1] = BlockCopy(group, last.src + tuple(s for s, _ in copies),
                                           last.dst + tuple(d for _, d in copies), where)
         else:
@@ -360,16 +417,23 @@ class KVManager:
             if not storages:
                 continue
             device = next(iter(storages.values())).device
-            src = torch.tensor(copy.src, dtype=torch.long, device="cpu" if copy.where == "to_device" else device)
-            dst = torch.tensor(copy.dst, dtype=torch.long, device="cpu" if copy.where == "to_cpu" else device)
+            src_on_cpu, dst_on_cpu = copy.where in ("to_device", "tail_to_device"), copy.where in ("to_cpu", "tail_to_cpu")
+            src = torch.tensor(copy.src, dtype=torch.long, device="cpu" if src_on_cpu else device)
+            dst = torch.tensor(copy.dst, dtype=torch.long, device="cpu" if dst_on_cpu else device)
             for idx, storage in storages.items():
                 if copy.where == "device":
                     storage.copy_blocks(src, dst)
-                elif copy.where == "to_cpu":
-                    cpu = self._cpu_storage(copy.group, idx, storage, max(copy.dst) + 1)
-                    copy_blocks_between(storage, cpu, src, dst)
+                elif copy.where == "tail":
+                    storage.copy_tails(src, dst)
+                elif copy.where == "block_to_tail":
+                    storage.block_to_tail(src, dst)
+                elif copy.where in ("to_cpu", "tail_to_cpu"):
+                    tails = copy.where == "tail_to_cpu"
+                    cpu = self._cpu_storage(copy.group, idx, storage, max(copy.dst) + 1, tails)
+                    copy_blocks_between(storage, cpu, src, dst, tails=tails)
                 else:
-                    copy_blocks_between(self._cpu_storages[copy.group][idx], storage, src, dst)
+                    copy_blocks_between(self._cpu_storages[copy.group][idx], storage, src, dst,
+                                        tails=copy.where == "tail_to_device")
 
     # -------------------------------------------------------------------------------------- prefix cache
     def _update_hashes(self, seq: SequenceKV, token_ids: list[int], salt) -> None:
@@ -453,21 +517,31 @@ class KVManager:
     def swap_out(self, seq: SequenceKV) -> None:
         """Moves ``seq``'s blocks to CPU blocks (the copies are recorded) and frees them on the device."""
         swapped = []
+        cpu_tail = self._take_cpu_tail() if self._has_partial_tail(seq) else None
         for g, (group, table, cpu_pool) in enumerate(zip(self.groups, seq.tables, self.cpu_pools)):
             held = [b for b in table.blocks if b is not None]
             cpu_blocks = cpu_pool.get_new_blocks(len(held))
             self._record(g, [(b.block_id, c.block_id) for b, c in zip(held, cpu_blocks)], "to_cpu")
-            swapped.append(SwappedGroup(table.num_tokens, table.num_freed, cpu_blocks))
+            if cpu_tail is not None:
+                self._record(g, [(seq.row, cpu_tail)], "tail_to_cpu")
+            swapped.append(SwappedGroup(table.num_tokens, table.num_freed, cpu_blocks, cpu_tail))
         self._release_row(seq)
         for table in seq.tables:
             table.free()
         seq.swapped = swapped
         seq.num_cached_blocks = 0  # swapped-in blocks are new copies: registered again when full
 
-    def _cpu_storage(self, g: int, idx: int, device_storage: KVStorage, num_ids: int) -> KVStorage:
+    def _take_cpu_tail(self) -> int:
+        """A CPU tail slot (the copies that use it give every group's CPU storages tail rows up to it)."""
+        if self._cpu_tail_free:
+            return self._cpu_tail_free.pop()
+        self._num_cpu_tails += 1
+        return self._num_cpu_tails - 1
+
+    def _cpu_storage(self, g: int, idx: int, device_storage: KVStorage, num_ids: int, tails: bool) -> KVStorage:
         """Layer ``idx``'s CPU swap storage of group ``g``, made on first use and grown (by a quarter at least) to
-        cover ``num_ids`` block ids. Driven by the copies, so a tensor-parallel follower, which runs the leader's
-        copies without its pools, grows its storages alike."""
+        cover ``num_ids`` block ids (``tails``: tail rows). Driven by the copies, so a tensor-parallel follower,
+        which runs the leader's copies without its pools, grows its storages alike."""
         if self._cpu_storages is None:
             self._cpu_storages = [{} for _ in self.groups]
         storages = self._cpu_storages[g]
@@ -476,7 +550,9 @@ class KVManager:
             _, block_size, heads, _ = device_storage.key_cache.shape
             storage = storages[idx] = make_storage(self.kv_format, 0, block_size, heads, self.head_dim,
                                                    device_storage.dtype, "cpu")
-        if storage.num_blocks < num_ids:
+        if tails:
+            storage.ensure_tail_rows(num_ids)
+        elif storage.num_blocks < num_ids:
             storage.grow(min(self.num_cpu_blocks, max(num_ids, storage.num_blocks + -(-storage.num_blocks // 4)))
                          - storage.num_blocks)
         return storage
@@ -492,6 +568,10 @@ class KVManager:
             self._record(g, [(c.block_id, d.block_id) for c, d in zip(swapped.cpu_blocks, dev_blocks)], "to_device")
             table.restore(swapped.num_tokens, swapped.num_freed, dev_blocks)
             self.cpu_pools[g].free_blocks(reversed(swapped.cpu_blocks))
+            if swapped.cpu_tail is not None:
+                self._record(g, [(swapped.cpu_tail, seq.row)], "tail_to_device")
+        if seq.swapped[0].cpu_tail is not None:
+            self._cpu_tail_free.append(seq.swapped[0].cpu_tail)
         seq.swapped = None
         self._write_rows(seq, [0] * len(self.groups))
 
@@ -530,7 +610,7 @@ class KVManager:
             kv_cache_cached_blocks=sum(p.num_cached_blocks for p in pools),
             block_size=self.block_size,
             kv_cache_dtype=self.kv_cache_dtype,
-            kv_cache_bytes=sum(s.nbytes for g in self.groups for s in g.storages.values()),
+            kv_cache_bytes=sum(s.nbytes + s.tail_nbytes for g in self.groups for s in g.storages.values()),
             prefix_cache_hit_rate=self.prefix_hit_tokens / self.prefix_queried_tokens
             if self.prefix_queried_tokens else 0.0,
         )

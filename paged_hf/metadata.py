@@ -9,6 +9,10 @@ Everything a layer needs is a tensor built here: no layer builds lists, splits b
 host. Block tables come from the ``KVManager``'s persistent rows (one ``index_select``), and each new token's slot is
 computed from them (``table[seq, pos // block_size] * block_size + pos % block_size``). The table width is rounded
 up to a power of two, so it changes only as often as the longest sequence doubles.
+
+Formats with a full-precision tail (int4) also get each sequence's tail row (its ``SequenceKV.row``) and a
+``StorePlan`` per group: which new tokens stay in the tail and which blocks fill (and are quantized) in this forward.
+All of it is computed here, on the host, with a few vectorized ops per forward (none per token).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.fill_blocks import StorePlan
 from .kv_manager import KVManager, SequenceKV
 
 METADATA_KEY = "paged_hf_metadata"  # the layer kwargs entry the "paged" attention reads: (AttentionMetadata, group)
@@ -34,6 +39,7 @@ class GroupMetadata:
     # [n]: the first position each new token sees, when the window is measured over a padded timeline (generate
     # with right padding or holes: pads take window room, as in HF's dense masks); None: ``window`` applies
     window_starts: torch.Tensor | None = None
+    store_plan: StorePlan | None = None  # formats with a tail: where this forward's tokens go
 
 
 @dataclass
@@ -73,6 +79,7 @@ class AttentionMetadata:
     query_len: int = 0  # HF columns
     token_index: torch.Tensor | None = None
     pad_queries: PadQueries | None = None
+    tail_rows: torch.Tensor | None = None  # [S] int64: each sequence's tail row (formats with a tail), else None
 
     @property
     def decode_only(self) -> bool:
@@ -119,12 +126,20 @@ def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], cou
     longest = max((s + c for s, c in zip(starts, counts)), default=1)
     width = max(min_width, _bucket(-(-longest // kv.block_size)))
     rows = torch.tensor([seq.row for seq in seqs], dtype=torch.long)
+    tails = _tail_plan(kv.block_size, rows, starts_t, counts_t, query_start_loc, token_seq, positions) \
+        if kv.has_tail else None
     groups = []
     for group in kv.groups:
         tables = group.rows.gather(rows, width)
         slots = tables[token_seq, positions // kv.block_size].long() * kv.block_size + positions % kv.block_size
+        plan = None
+        if tails is not None:
+            fill_blocks = tables[tails["fill_seq"], tails["fill_index"]].long()
+            plan = StorePlan(tails["tail_slots"].to(device, non_blocking=True), fill_blocks.to(device, non_blocking=True),
+                             *(tails[name].to(device, non_blocking=True) for name in ("fill_rows", "fill_first",
+                                                                                      "fill_tail")))
         groups.append(GroupMetadata(tables.to(device, non_blocking=True), slots.to(device, non_blocking=True),
-                                    kv.block_size, group.window))
+                                    kv.block_size, group.window, store_plan=plan))
     prefill_loc = None
     if 0 < num_decodes < num_seqs:
         prefill_loc = (query_start_loc[num_decodes:] - num_decodes).to(device, non_blocking=True)
@@ -134,7 +149,28 @@ def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], cou
         prefill_query_start_loc=prefill_loc, positions=positions.to(device, non_blocking=True),
         token_seqs=token_seq.to(device, non_blocking=True), groups=groups,
         device=torch.device(device), batch_size=batch_size, query_len=num_tokens if query_len is None else query_len,
-        token_index=token_index,
+        token_index=token_index, tail_rows=None if tails is None else rows.to(device, non_blocking=True),
+    )
+
+
+def _tail_plan(block_size: int, rows, starts, counts, query_start_loc, token_seq, positions) -> dict:
+    """Host tensors of a tail format's ``StorePlan`` (see ``kernels.fill_blocks.StorePlan``), plus each fill's
+    sequence (``fill_seq``) and block index in it (``fill_index``), to look its block up per group."""
+    ends = starts + counts
+    full_ends = ends // block_size * block_size  # positions below: in full blocks after this forward
+    tail_slots = torch.where(positions >= full_ends[token_seq],
+                             rows[token_seq] * block_size + positions % block_size, -1)
+    first = starts // block_size
+    num_fills = ends // block_size - first  # blocks whose last slot this forward writes
+    fill_seq = torch.repeat_interleave(torch.arange(len(rows)), num_fills)
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
+    torch.cumsum(num_fills, 0, out=offsets[1:])
+    fill_index = first[fill_seq] + torch.arange(fill_seq.shape[0]) - offsets[fill_seq]
+    block_start = fill_index * block_size
+    return dict(
+        tail_slots=tail_slots, fill_seq=fill_seq, fill_index=fill_index, fill_rows=rows[fill_seq],
+        fill_first=query_start_loc[fill_seq] + block_start - starts[fill_seq],
+        fill_tail=(starts[fill_seq] - block_start).clamp_min(0),
     )
 
 
@@ -159,6 +195,7 @@ def _bucket(num_blocks: int) -> int:
 
 def write_layer_kv(storage, metadata: AttentionMetadata, group: GroupMetadata, key_states: torch.Tensor,
                    value_states: torch.Tensor) -> None:
-    """Stores one layer's new K/V (``[B, kv_heads, q, head_dim]``, new tokens per ``metadata``) at their slots."""
+    """Stores one layer's new K/V (``[B, kv_heads, q, head_dim]``, new tokens per ``metadata``) at their slots (a
+    tail format: as the group's ``StorePlan`` says)."""
     storage.write(group.slot_mapping, metadata.select_new_tokens(key_states),
-                  metadata.select_new_tokens(value_states))
+                  metadata.select_new_tokens(value_states), group.store_plan)

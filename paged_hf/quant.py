@@ -1,7 +1,16 @@
-"""Quantized KV storage: the pools of one layer hold quantized codes plus a float16 scale (and, for int4, a zero
-point) per token per KV head; see ``paged_hf.kernels.kv_quant`` for the formats and their error bounds. Every
-vector is rotated by ``rotation.kv_rotation(head_dim)`` before it is quantized (outliers spread over all
-channels); the attention rotates its query and un-rotates its output instead of un-rotating each key.
+"""Quantized KV storage: the pools of one layer in a quantized ``kv_cache_dtype``, laid out as its ``KVFormat``
+says (``kernels/kv_format.py``): codes, float16 scales (and zero points) per token or per channel of a block, and,
+for int4, a full-precision tail.
+
+Values (and, but for int4, keys) are rotated by ``rotation.kv_rotation(head_dim)`` before they are quantized
+(outliers spread over all channels); the attention rotates its query by the key rotation and un-rotates its output
+by the value rotation instead of un-rotating each stored vector.
+
+int4 keeps each sequence's newest, not yet full block in a *tail row* of two small pools in the compute dtype
+(``[rows, block_size, num_kv_heads, head_dim]``, one row per sequence row of the ``KVManager``), and quantizes the
+block when it fills (keys per channel over the block, values per token: ``kernels/fill_blocks.py``). A block's
+codes then depend only on its tokens, and only full blocks hold codes, so prefix hits (which share full blocks
+only) stay exact. The tail rows grow with the manager's sequence rows (``ensure_tail_rows``).
 
 ``kv_cache_dtype`` names: ``"auto"`` (the model dtype, plain ``KVStorage``), ``"int8"``, ``"fp8"`` (alias of
 ``"fp8_e4m3"``), ``"fp8_e5m2"``, ``"int4"``. Tokens are quantized when written and dequantized when read, so a
@@ -12,20 +21,15 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.kv_quant import (
-    QUANTIZED_KV_FORMATS,
-    dequantize_kv_ref,
-    kv_data_dim,
-    kv_data_dtype,
-    kv_has_zero,
-)
 from .kernels import dispatch
+from .kernels.kv_format import KV_FORMATS, SIDE_DTYPE, KVFormat, kv_format
+from .kernels.kv_quant import dequantize_channels_ref, dequantize_kv_ref
 from .rotation import kv_rotation, rotate, unrotate
 from .storage import KVStorage
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
 _ALIASES = {"fp8": "fp8_e4m3"}
-_SCALE_DTYPE = torch.float16
+assert {_ALIASES.get(name, name) for name in KV_CACHE_DTYPES} == set(KV_FORMATS)
 
 
 def canonical_kv_format(name: str) -> str:
@@ -35,69 +39,62 @@ def canonical_kv_format(name: str) -> str:
     return _ALIASES.get(name, name)
 
 
-def check_kv_format(kv_format: str, head_dim: int) -> str:
-    """Validates ``kv_format`` for a model with ``head_dim``; returns the canonical format.
+def check_kv_format(kv_format_name: str, head_dim: int) -> str:
+    """Validates ``kv_format_name`` for a model with ``head_dim``; returns the canonical format.
 
     Raises ValueError for an unknown name, int4 with an odd ``head_dim`` (two codes per byte) and fp8 on a torch
     without float8 dtypes.
     """
-    fmt = canonical_kv_format(kv_format)
-    if fmt == "int4" and head_dim % 2:
-        raise ValueError(f"kv_cache_dtype='int4' packs two values per byte: head_dim must be even, got {head_dim=}")
-    if fmt.startswith("fp8"):
+    fmt = kv_format(canonical_kv_format(kv_format_name))
+    if fmt.quantized:
         try:
-            kv_data_dtype(fmt)
-        except ValueError:
-            raise ValueError(
-                f"kv_cache_dtype={kv_format!r} needs torch float8 dtypes, which torch {torch.__version__} lacks"
-            ) from None
-    return fmt
+            fmt.code_dtype()
+            fmt.code_dim(head_dim)
+        except ValueError as error:
+            raise ValueError(str(error).replace("kv_format=", "kv_cache_dtype=")) from None
+    return fmt.name
 
 
 class QuantizedKVStorage(KVStorage):
     """K and V pools of one layer in a quantized ``kv_format``, with ``KVStorage``'s methods.
 
     Shapes: ``key_cache``/``value_cache`` ``[num_blocks, block_size, num_kv_heads, Dp]`` codes (``Dp = head_dim``,
-    or ``head_dim // 2`` uint8 for int4); ``key_scale``/``value_scale`` ``[num_blocks, block_size, num_kv_heads]``
-    float16; ``key_zero``/``value_zero`` the same for int4, else None. ``dtype`` is the compute dtype that reads
-    return. The codes hold ``x @ rotation`` (``[head_dim, head_dim]`` float32, orthonormal); reads un-rotate.
-    Invariant: a slot's bytes depend only on the K/V last written to it. Pools start zeroed, and zero bytes read
-    as exact 0.
+    or ``head_dim // 2`` uint8 for int4); side data float16 as ``KVFormat.side_shapes``; for int4 ``key_tail``/
+    ``value_tail`` ``[rows, block_size, num_kv_heads, head_dim]`` in the compute dtype. ``dtype`` is the compute dtype
+    that reads return. Codes hold ``x @ rotation`` where the format rotates (``[head_dim, head_dim]`` float32,
+    orthonormal); reads un-rotate. Invariant: a slot's (int4: a block's) bytes depend only on the K/V last written
+    to it. Pools start zeroed, and zero bytes read as exact 0.
     """
 
     _POOL_NAMES = ("key_cache", "value_cache", "key_scale", "value_scale", "key_zero", "value_zero")
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device,
-        kv_format: str,
-    ) -> None:
-        fmt = check_kv_format(kv_format, head_dim)
-        if fmt not in QUANTIZED_KV_FORMATS:
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device, kv_format: str) -> None:
+        fmt = KV_FORMATS[check_kv_format(kv_format, head_dim)]
+        if not fmt.quantized:
             raise ValueError(f"QuantizedKVStorage needs a quantized kv_cache_dtype, got kv_cache_dtype={kv_format!r}")
         # Not calling KVStorage.__init__: it would allocate full-precision pools.
-        self.kv_format = fmt
+        self.format: KVFormat = fmt
+        self.kv_format = fmt.name
         self.head_dim = head_dim
         self._dtype = dtype
-        data_shape = (num_blocks, block_size, num_kv_heads, kv_data_dim(fmt, head_dim))
-        data_dtype = kv_data_dtype(fmt)
-        self.key_cache = torch.zeros(data_shape, dtype=data_dtype, device=device)
-        self.value_cache = torch.zeros(data_shape, dtype=data_dtype, device=device)
-        self.key_scale = torch.zeros(data_shape[:3], dtype=_SCALE_DTYPE, device=device)
-        self.value_scale = torch.zeros(data_shape[:3], dtype=_SCALE_DTYPE, device=device)
-        has_zero = kv_has_zero(fmt)
-        self.key_zero = torch.zeros(data_shape[:3], dtype=_SCALE_DTYPE, device=device) if has_zero else None
-        self.value_zero = torch.zeros(data_shape[:3], dtype=_SCALE_DTYPE, device=device) if has_zero else None
-        self.rotation = kv_rotation(head_dim, device)
+        data_shape = (num_blocks, block_size, num_kv_heads, fmt.code_dim(head_dim))
+        self.key_cache = torch.zeros(data_shape, dtype=fmt.code_dtype(), device=device)
+        self.value_cache = torch.zeros(data_shape, dtype=fmt.code_dtype(), device=device)
+        shapes = fmt.side_shapes(num_blocks, block_size, num_kv_heads, head_dim)
+        for name in self._POOL_NAMES[2:]:
+            setattr(self, name, torch.zeros(shapes[name], dtype=SIDE_DTYPE, device=device) if name in shapes else None)
+        self.has_tail = fmt.tail
+        tail_shape = (0, block_size, num_kv_heads, head_dim)
+        self.key_tail = torch.zeros(tail_shape, dtype=dtype, device=device) if fmt.tail else None
+        self.value_tail = torch.zeros(tail_shape, dtype=dtype, device=device) if fmt.tail else None
+        rotation = kv_rotation(head_dim, device)
+        self.key_rotation = rotation if fmt.rotate_keys else None
+        self.value_rotation = rotation if fmt.rotate_values else None
         self.kernels = dispatch.select(self.key_cache.device)
 
     def _pools(self) -> list[str]:
-        """Names of the pool tensors this format holds (data, scales, zeros)."""
+        """Names of the block-indexed pool tensors this format holds (codes, scales, zeros)."""
         return [name for name in self._POOL_NAMES if getattr(self, name) is not None]
 
     @property
@@ -107,51 +104,109 @@ class QuantizedKVStorage(KVStorage):
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the block pools (codes, scales, zeros); the tail pools are ``tail_nbytes``."""
         return sum(getattr(self, name).nbytes for name in self._pools())
 
     @staticmethod
     def bytes_per_block(  # type: ignore[override]
         block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_format: str
     ) -> int:
-        """Bytes of one block, K and V with their scales (and zeros); independent of the compute ``dtype``."""
-        fmt = check_kv_format(kv_format, head_dim)
-        code_bytes = kv_data_dim(fmt, head_dim) * torch.empty((), dtype=kv_data_dtype(fmt)).element_size()
-        side_bytes = (2 if kv_has_zero(fmt) else 1) * torch.empty((), dtype=_SCALE_DTYPE).element_size()
-        return 2 * block_size * num_kv_heads * (code_bytes + side_bytes)
+        """Bytes of one block, K and V with every scale and zero; independent of the compute ``dtype``."""
+        fmt = KV_FORMATS[check_kv_format(kv_format, head_dim)]
+        return fmt.bytes_per_block(block_size, num_kv_heads, head_dim, dtype)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self._pools()}
 
+    def tail_tensors(self) -> dict[str, torch.Tensor]:
+        return {"key_tail": self.key_tail, "value_tail": self.value_tail} if self.has_tail else {}
+
+    @property
+    def num_tail_rows(self) -> int:
+        return self.key_tail.shape[0] if self.has_tail else 0
+
+    def ensure_tail_rows(self, num_rows: int) -> None:
+        """Grows the tail pools (doubling, zero-filled) to hold at least ``num_rows`` sequence rows."""
+        if not self.has_tail or num_rows <= self.num_tail_rows:
+            return
+        rows = max(num_rows, 2 * self.num_tail_rows, 4)
+        for name, tail in self.tail_tensors().items():
+            grown = torch.zeros((rows, *tail.shape[1:]), dtype=tail.dtype, device=tail.device)
+            grown[: tail.shape[0]] = tail
+            setattr(self, name, grown)
+
     def attention_operands(self) -> dict:
-        """Codes, scales, zeros and format: the kernels dequantize each block as they read it."""
-        return {
-            "key_cache": self.key_cache, "value_cache": self.value_cache,
-            "key_scale": self.key_scale, "value_scale": self.value_scale,
-            "key_zero": self.key_zero, "value_zero": self.value_zero, "kv_format": self.kv_format,
-        }
+        """Codes, scales, zeros, tails and format: the kernels dequantize each block as they read it."""
+        operands = {name: getattr(self, name) for name in self._POOL_NAMES}
+        if self.has_tail:
+            operands.update(self.tail_tensors())
+        return {**operands, "kv_format": self.kv_format}
 
-    def _side(self, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Codes, scale and zero (or None) pools of ``which`` ("key" or "value")."""
-        return getattr(self, f"{which}_cache"), getattr(self, f"{which}_scale"), getattr(self, f"{which}_zero")
+    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan=None) -> None:
+        """Rotates (as the format says) and quantizes ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into ``slots``
+        ``[n]`` (int64); a tail format stores as its ``StorePlan`` ``plan`` says (``metadata`` builds it)."""
+        if self.has_tail and plan is None:
+            raise ValueError(f"kv_cache_dtype={self.kv_format!r} keeps a full-precision tail: write needs the "
+                             f"forward's StorePlan")
+        key = rotate(key, self.key_rotation).float()
+        value = rotate(value, self.value_rotation).float()
+        extra = {"plan": plan} if self.has_tail else {}
+        self.kernels.store(key, value, slots, **self.attention_operands(), **extra)
 
-    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Rotates and quantizes ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into ``slots`` ``[n]`` (int64)."""
-        self.kernels.store(rotate(key, self.rotation), rotate(value, self.rotation), slots, **self.attention_operands())
-
-    def _dequantize(self, which: str, index) -> torch.Tensor:
-        data, scale, zero = (None if pool is None else pool[index] for pool in self._side(which))
-        rotated = dequantize_kv_ref(data, scale, zero, self.kv_format, torch.float32)
-        return unrotate(rotated, self.rotation).to(self._dtype)
+    def _dequantize(self, which: str, index, unrotated: bool = True) -> torch.Tensor:
+        """Dequantized K or V (float32; un-rotated unless ``unrotated=False``) of ``index`` (block ids ``[*S]`` or
+        ``(block ids, offsets)``)."""
+        data = getattr(self, f"{which}_cache")
+        scale, zero = getattr(self, f"{which}_scale"), getattr(self, f"{which}_zero")
+        raw = data.view(torch.uint8) if data.dtype.is_floating_point and data.element_size() == 1 else data
+        codes = raw[index].view(data.dtype)
+        side = self.format.key_side if which == "key" else self.format.value_side
+        if side == "channel":
+            blocks = index[0] if isinstance(index, tuple) else index
+            if isinstance(index, tuple):  # slots: one token of each block, its block's channel scales
+                values = dequantize_channels_ref(codes.unsqueeze(-3), scale[blocks], zero[blocks]).squeeze(-3)
+            else:
+                values = dequantize_channels_ref(codes, scale[blocks], zero[blocks])
+        else:
+            values = dequantize_kv_ref(codes, scale[index], None if zero is None else zero[index], self.kv_format)
+        return unrotate(values, getattr(self, f"{which}_rotation")) if unrotated else values
 
     def read_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K and V of ``block_ids`` (any shape ``S``): ``[*S, block_size, num_kv_heads, head_dim]``."""
-        return self._dequantize("key", block_ids), self._dequantize("value", block_ids)
+        """Dequantized K and V of ``block_ids`` (any shape ``S``): ``[*S, block_size, num_kv_heads, head_dim]`` (the
+        codes: a partial tail block of an int4 sequence reads as whatever its codes hold)."""
+        return (self._dequantize("key", block_ids).to(self._dtype),
+                self._dequantize("value", block_ids).to(self._dtype))
 
-    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K and V of ``slots`` (any shape ``S``): ``[*S, num_kv_heads, head_dim]``."""
-        block_ids, offsets = slots // self.block_size, slots % self.block_size
-        index = (block_ids, offsets)
-        return self._dequantize("key", index), self._dequantize("value", index)
+    def read_slots(self, slots: torch.Tensor, tail_slots: torch.Tensor | None = None) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
+        """Dequantized K and V of ``slots`` (any shape ``S``): ``[*S, num_kv_heads, head_dim]``; where
+        ``tail_slots >= 0`` the token is read from the tail pools (un-rotated)."""
+        index = (slots // self.block_size, slots % self.block_size)
+        out = []
+        for which in ("key", "value"):
+            values = self._dequantize(which, index)
+            if self.has_tail and tail_slots is not None:
+                tail = getattr(self, f"{which}_tail")
+                rows = tail.view(-1, *tail.shape[2:])[tail_slots.clamp_min(0)].float()
+                values = torch.where((tail_slots >= 0)[..., None, None],
+                                     unrotate(rows, getattr(self, f"{which}_rotation")), values)
+            out.append(values.to(self._dtype))
+        return out[0], out[1]
+
+    def copy_tails(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        """Copies tail rows ``src_rows[i] -> dst_rows[i]`` (forks); destinations distinct, none a source."""
+        if self.has_tail:
+            self.kernels.copy(src_rows, dst_rows, list(self.tail_tensors().values()))
+
+    def block_to_tail(self, block_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Dequantizes blocks ``block_ids`` into tail rows ``rows`` (still rotated as stored): the rollback of a
+        sequence into a block that was full (``KVManager.truncate``)."""
+        if not self.has_tail:
+            return
+        for which in ("key", "value"):
+            values = self._dequantize(which, block_ids, unrotated=False)
+            tail = getattr(self, f"{which}_tail")
+            tail.index_copy_(0, rows.to(tail.device), values.to(tail.dtype))
 
 
 def make_storage(
@@ -166,7 +221,10 @@ def make_storage(
 
 def bytes_per_block(kv_format: str, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes of one block of one layer (K and V, scales and zeros included) in ``kv_format``."""
-    fmt = check_kv_format(kv_format, head_dim)
-    if fmt == "auto":
-        return KVStorage.bytes_per_block(block_size, num_kv_heads, head_dim, dtype)
-    return QuantizedKVStorage.bytes_per_block(block_size, num_kv_heads, head_dim, dtype, fmt)
+    return KV_FORMATS[check_kv_format(kv_format, head_dim)].bytes_per_block(block_size, num_kv_heads, head_dim, dtype)
+
+
+def tail_bytes_per_row(kv_format: str, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one sequence row of one layer's tail pools (0 for formats without a tail)."""
+    fmt = KV_FORMATS[check_kv_format(kv_format, head_dim)]
+    return fmt.tail_bytes_per_row(block_size, num_kv_heads, head_dim, dtype)

@@ -18,8 +18,17 @@ class KVStorage:
     Pools start zeroed, so a slot never holds NaN (a masked slot read by a dense kernel contributes exactly 0).
     """
 
-    # Orthonormal ``[head_dim, head_dim]`` the stored vectors are rotated by (see ``rotation``), or None.
-    rotation: torch.Tensor | None = None
+    # Orthonormal ``[head_dim, head_dim]`` the stored keys / values are rotated by (see ``rotation``), or None:
+    # the attention rotates its query by ``key_rotation`` and un-rotates its output by ``value_rotation``.
+    key_rotation: torch.Tensor | None = None
+    value_rotation: torch.Tensor | None = None
+    # Whether the newest, partial block of each sequence lives in a tail row (``QuantizedKVStorage``, int4).
+    has_tail = False
+
+    @property
+    def rotation(self) -> torch.Tensor | None:
+        """The rotation of the stored values (None: none); ``write`` takes float32 K/V when it is set."""
+        return self.value_rotation
 
     def __init__(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
@@ -66,20 +75,32 @@ class KVStorage:
         """The raw tensors a paged attention kernel reads (keyword arguments of the kernels' launchers)."""
         return {"key_cache": self.key_cache, "value_cache": self.value_cache}
 
-    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan=None) -> None:
         """Stores ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into ``slots`` ``[n]`` (int64), quantizing for
-        quantized formats (the ``store_kv`` kernel on CUDA, its torch reference elsewhere)."""
+        quantized formats (the ``store_kv`` kernel on CUDA, its torch reference elsewhere). ``plan``: the
+        ``StorePlan`` of a format with a tail (ignored here)."""
         self.kernels.store(key, value, slots, **self.attention_operands())
 
     def read_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``block_ids`` (any shape ``S``) as ``[*S, block_size, num_kv_heads, head_dim]``."""
         return self.key_cache[block_ids], self.value_cache[block_ids]
 
-    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``slots`` (any shape ``S``) as ``[*S, num_kv_heads, head_dim]``."""
+    def read_slots(self, slots: torch.Tensor, tail_slots: torch.Tensor | None = None) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
+        """K and V of ``slots`` (any shape ``S``) as ``[*S, num_kv_heads, head_dim]``. ``tail_slots`` (formats with
+        a tail): where a slot's token lives in the tail pools instead (``row * block_size + offset``), -1 where
+        not."""
         flat_k = self.key_cache.view(-1, *self.key_cache.shape[2:])
         flat_v = self.value_cache.view(-1, *self.value_cache.shape[2:])
         return flat_k[slots], flat_v[slots]
+
+    def tail_tensors(self) -> dict[str, torch.Tensor]:
+        """The tail pools, indexed by sequence row along dim 0 (none without a tail)."""
+        return {}
+
+    @property
+    def tail_nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tail_tensors().values())
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies whole blocks ``src[i] -> dst[i]`` of every pool tensor (copy-on-write); the destinations are
@@ -108,10 +129,12 @@ def _is_float8(t: torch.Tensor) -> bool:
     return t.dtype.is_floating_point and t.element_size() == 1
 
 
-def copy_blocks_between(src: KVStorage, dst: KVStorage, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
-    """Copies blocks ``src_ids`` of ``src`` into ``dst_ids`` of ``dst`` (same format; devices may differ: swap)."""
-    targets = dst.tensors()
-    for name, source in src.tensors().items():
+def copy_blocks_between(src: KVStorage, dst: KVStorage, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+                        tails: bool = False) -> None:
+    """Copies blocks ``src_ids`` of ``src`` into ``dst_ids`` of ``dst`` (same format; devices may differ: swap);
+    ``tails``: rows of the tail pools instead."""
+    targets = dst.tail_tensors() if tails else dst.tensors()
+    for name, source in (src.tail_tensors() if tails else src.tensors()).items():
         target = targets[name]
         if _is_float8(source):  # float8: copy its bytes
             source, target = source.view(torch.uint8), target.view(torch.uint8)

@@ -1,6 +1,7 @@
 """The torch attention core of the paged path: its one-call SDPA path and its chunked online-softmax path both equal
-a naive dense oracle (gather each sequence's K/V, plain softmax), for every kv format, GQA, windows and padding
-queries. The kernels' tests compare Triton against this core, so the core is checked on its own here."""
+a naive dense oracle (read each sequence's K/V position by position, plain softmax), for every kv format (int4: keys
+per channel of a block, its partial last block read from the tail row), GQA, windows and padding queries. The
+kernels' tests compare Triton against this core, so the core is checked on its own here."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from paged_hf.kernels import attention_ref
-from paged_hf.kernels.attention_ref import paged_attention_core, read_blocks
-from paged_hf.kernels.kv_quant import quantize_kv_ref
+from paged_hf.kernels.attention_ref import paged_attention_core
+from paged_hf.kernels.kv_format import kv_format as get_format
+from pools import dense_kv, random_pools
 
 FORMATS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
 
@@ -18,15 +20,10 @@ def _case(kv_format, block_size=8, num_kv_heads=2, group=3, head_dim=16, lengths
     gen = torch.Generator().manual_seed(seed)
     needed = [-(-n // block_size) for n in lengths]
     num_blocks = sum(needed) + 2
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key, value = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    if kv_format == "auto":
-        pools = dict(key_cache=key, value_cache=value)
-    else:
-        kd, ks, kz = quantize_kv_ref(key, kv_format)
-        vd, vs, vz = quantize_kv_ref(value, kv_format)
-        pools = dict(key_cache=kd, value_cache=vd, key_scale=ks, value_scale=vs, key_zero=kz, value_zero=vz,
-                     kv_format=kv_format)
+    pools = random_pools(kv_format, num_blocks, block_size, num_kv_heads, head_dim, seed=seed, num_rows=len(lengths) + 1,
+                         key_offset=2.0)
+    if get_format(kv_format).tail:  # each sequence's tail row, not in sequence order
+        pools["tail_rows"] = torch.randperm(len(lengths) + 1, generator=gen)[: len(lengths)]
     order = torch.randperm(num_blocks, generator=gen)
     tables = torch.randint(0, num_blocks, (len(lengths), max(needed) + 1), generator=gen)
     used = 0
@@ -41,15 +38,13 @@ def _case(kv_format, block_size=8, num_kv_heads=2, group=3, head_dim=16, lengths
 
 
 def _dense_oracle(query, positions, pools, tables, seq_lens, scale, window):
-    fmt = pools.get("kv_format", "auto")
-    k = read_blocks(pools["key_cache"], pools.get("key_scale"), pools.get("key_zero"), fmt, tables.long())
-    v = read_blocks(pools["value_cache"], pools.get("value_scale"), pools.get("value_zero"), fmt, tables.long())
     batch, num_heads, num_queries, _ = query.shape
-    group = num_heads // k.shape[3]
+    tail_rows = pools.get("tail_rows")
     out = torch.zeros_like(query)
     for b in range(batch):
-        kb = k[b].flatten(0, 1)[: int(seq_lens[b])].repeat_interleave(group, dim=1)  # [L, heads, D]
-        vb = v[b].flatten(0, 1)[: int(seq_lens[b])].repeat_interleave(group, dim=1)
+        k, v = dense_kv(pools, tables[b], int(seq_lens[b]), None if tail_rows is None else int(tail_rows[b]))
+        group = num_heads // k.shape[1]
+        kb, vb = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, heads, D]
         for i in range(num_queries):
             pos = int(positions[b, i])
             if pos < 0:
@@ -109,5 +104,6 @@ def test_prefill_ref_batches_rows_like_one_call_per_sequence(kv_format, monkeypa
     for s, n in enumerate(query_lens):
         rows = query[cu[s] : cu[s + 1]].transpose(0, 1).unsqueeze(0)  # [1, heads, n, D]
         positions = torch.arange(int(seq_lens[s]) - n, int(seq_lens[s])).unsqueeze(0)
-        oracle = _dense_oracle(rows, positions, pools, tables[s : s + 1], seq_lens[s : s + 1], 0.3, None)
+        one = {**pools, "tail_rows": pools["tail_rows"][s : s + 1]} if "tail_rows" in pools else pools
+        oracle = _dense_oracle(rows, positions, one, tables[s : s + 1], seq_lens[s : s + 1], 0.3, None)
         torch.testing.assert_close(batched[cu[s] : cu[s + 1]], oracle[0].transpose(0, 1), atol=1e-5, rtol=1e-5)

@@ -9,7 +9,8 @@ window, softcap, sinks, several partitions); ``PAGED_HF_SLOW=1`` adds a larger s
 
 Tolerances: float32 queries 1e-5 (atol and rtol) against the reference on the same (quantized) pools; float16 /
 bfloat16 queries, whose K/V tiles and probabilities enter the dots in that dtype, 2e-3 / 1.6e-2. Stores are
-compared byte for byte (one documented exception: the sign of a zero int4 zero point, see ``test_store_int4_...``).
+compared byte for byte. int4 (per-channel keys, a full-precision tail, blocks quantized when they fill) has its own
+kernel tests in ``test_kernels_int4.py``; here it runs through the shared attention grid.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ if not CUDA and os.environ.get("TRITON_INTERPRET", "").lower() not in ("1", "tru
 
 from paged_hf.kernels import dispatch  # noqa: E402
 from paged_hf.kernels.copy_blocks import copy_blocks, copy_blocks_ref  # noqa: E402
-from paged_hf.kernels.kv_quant import quantize_kv_ref  # noqa: E402
+from pools import random_pools  # noqa: E402
 from paged_hf.kernels.paged_decode_attention import (  # noqa: E402
     _decode_launches,
     paged_decode_attention,
@@ -58,18 +59,11 @@ slow = pytest.mark.skipif(os.environ.get("PAGED_HF_SLOW") != "1", reason="slow: 
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def make_pools(kv_format, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32, seed=0):
-    """Pools filled with random K/V (quantized by the reference for quantized formats): the operands of the
-    attention kernels, as ``storage.attention_operands()`` gives them."""
-    gen = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key, value = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    if kv_format == "auto":
-        return {"key_cache": key.to(dtype).to(DEVICE), "value_cache": value.to(dtype).to(DEVICE)}
-    kd, ks, kz = quantize_kv_ref(key, kv_format)
-    vd, vs, vz = quantize_kv_ref(value, kv_format)
-    ops = dict(key_cache=kd, value_cache=vd, key_scale=ks, value_scale=vs, key_zero=kz, value_zero=vz)
-    return {**{k: None if v is None else v.to(DEVICE) for k, v in ops.items()}, "kv_format": kv_format}
+def make_pools(kv_format, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32, seed=0, num_rows=4):
+    """Pools filled with random K/V (quantized by the reference for quantized formats; int4 with ``num_rows`` random
+    tail rows): the operands of the attention kernels, as ``storage.attention_operands()`` gives them."""
+    return random_pools(kv_format, num_blocks, block_size, num_kv_heads, head_dim, dtype, seed, num_rows, DEVICE,
+                        key_offset=1.0)
 
 
 def make_tables(lengths, block_size, num_blocks, spare_columns=1, seed=0):
@@ -98,9 +92,11 @@ def attention_case(block_size, head_dim, group, kv_format, lengths, num_kv_heads
     """Pools, tables, queries (decode: one per sequence; prefill: ``query_lens``) and sinks of one case."""
     total_blocks = sum(-(-n // block_size) for n in lengths) + 3
     pools = make_pools(kv_format, total_blocks, block_size, num_kv_heads, head_dim,
-                       dtype if kv_format == "auto" else torch.float32, seed)
+                       dtype if kv_format in ("auto", "int4") else torch.float32, seed, num_rows=len(lengths) + 2)
     tables = make_tables(lengths, block_size, total_blocks, seed=seed)
     gen = torch.Generator().manual_seed(seed + 2)
+    if "key_tail" in pools:  # each sequence's tail row (int4), not in sequence order
+        pools["tail_rows"] = torch.randperm(len(lengths) + 2, generator=gen)[: len(lengths)].to(DEVICE)
     num_heads = group * num_kv_heads
     num_queries = len(lengths) if query_lens is None else sum(query_lens)
     query = torch.randn(num_queries, num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
@@ -211,6 +207,8 @@ def test_tiny_value_scales_keep_float16_precision(kv_format):
     pools["value_scale"] = pools["value_scale"] * 1e-4
     if pools.get("value_zero") is not None:
         pools["value_zero"] = pools["value_zero"] * 1e-4
+    if pools.get("value_tail") is not None:  # int4's full-precision tail: as tiny
+        pools["value_tail"] = pools["value_tail"] * 1e-4
     cu = torch.tensor([0, 20, 40], device=DEVICE)
     prefill_query = query[:1].expand(40, -1, -1).contiguous()
     for out, ref in (
@@ -340,8 +338,7 @@ STORE_CASES = [
     ("int8", 8, 64, 3, torch.float32), ("int8", 32, 128, 1, torch.float16),
     ("fp8_e4m3", 16, 128, 2, torch.float32), ("fp8_e4m3", 32, 64, 1, torch.bfloat16),
     ("fp8_e5m2", 32, 64, 3, torch.float32), ("fp8_e5m2", 8, 128, 2, torch.float16),
-    ("int4", 16, 64, 1, torch.float32), ("int4", 8, 128, 2, torch.bfloat16),
-]
+]  # int4 stores whole blocks through a tail: tests/test_kernels_int4.py
 
 
 @pytest.mark.parametrize("kv_format,block_size,head_dim,num_kv_heads,dtype", STORE_CASES,
@@ -385,19 +382,14 @@ def _float8_grid(dtype) -> torch.Tensor:
     return torch.cat([finite, mids, nudged, -mids, torch.tensor([-0.0, 1e-30, -1e-30])])
 
 
-@pytest.mark.parametrize("kv_format", ["int8", "fp8_e4m3", "fp8_e5m2", "int4"])
+@pytest.mark.parametrize("kv_format", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_store_rounding_ties(kv_format):
     """Values at and around every rounding tie, with a scale of exactly 1: codes as torch rounds them
-    (round half to even for int8/int4, round to nearest even float8 incl. subnormals)."""
+    (round half to even for int8, round to nearest even float8 incl. subnormals)."""
     if kv_format == "int8":
         grid = torch.arange(-127, 127) + 0.5
         values = torch.cat([grid, torch.nextafter(grid, grid + 1), torch.nextafter(grid, grid - 1)])
         rows = _tie_vectors(values, 127.0)
-    elif kv_format == "int4":
-        grid = torch.arange(0, 15) + 0.5
-        values = torch.cat([grid, torch.nextafter(grid, grid + 1), torch.nextafter(grid, grid - 1)])
-        rows = _tie_vectors(values, 15.0)
-        rows[:, 0, 1] = 0.0  # min 0, max 15: zero 0, scale 1
     else:
         dtype = torch.float8_e4m3fn if kv_format == "fp8_e4m3" else torch.float8_e5m2
         rows = _tie_vectors(_float8_grid(dtype), torch.finfo(dtype).max)
@@ -405,37 +397,6 @@ def test_store_rounding_ties(kv_format):
     kernel, ref = _store_both(kv_format, rows, -rows, torch.arange(rows.shape[0], device=DEVICE),
                               -(-rows.shape[0] // 16), 16)
     _assert_same_bytes(kernel, ref)
-
-
-def test_store_int4_zero_point_sign_of_zero():
-    """The one difference left: when a vector's minimum is zero and it holds both +0.0 and -0.0, which zero the
-    minimum is depends on the reduction order (torch's vectorized ``amin`` vs the kernel's), so the float16 zero
-    point may be +0.0 on one side and -0.0 on the other. Same value, same codes, same dequantized vector."""
-    vector = torch.tensor([0.0, -0.0] * 32).view(1, 1, 64)
-    vector[0, 0, 5] = 3.0  # min 0 (+0.0 or -0.0), max 3
-    kernel, ref = _store_both("int4", vector.to(DEVICE), vector.to(DEVICE), torch.tensor([0], device=DEVICE), 1, 16)
-    for name in ("key_cache", "value_cache", "key_scale", "value_scale"):
-        assert torch.equal(_pool_bytes(kernel)[name], _pool_bytes(ref)[name])
-    for name in ("key_zero", "value_zero"):
-        assert torch.equal(getattr(kernel, name), getattr(ref, name))  # value equality: -0.0 == +0.0
-
-
-def test_store_then_decode_roundtrip():
-    """A quantized pool written by the store kernel reads back, through the decode kernel, as the reference's."""
-    gen = torch.Generator().manual_seed(5)
-    storage = make_storage("int4", 6, 8, 2, 64, torch.float32, DEVICE)
-    key = torch.randn(40, 2, 64, generator=gen).to(DEVICE)
-    value = torch.randn(40, 2, 64, generator=gen).to(DEVICE)
-    slots = torch.arange(40, device=DEVICE)
-    store_kv(key, value, slots, **storage.attention_operands())
-    tables = torch.arange(5, dtype=torch.int32, device=DEVICE).view(1, 5)
-    query = torch.randn(1, 8, 64, generator=gen).to(DEVICE)
-    seq_lens = torch.tensor([40], device=DEVICE)
-    out = paged_decode_attention(query, block_tables=tables, seq_lens=seq_lens, scale=0.125,
-                                 **storage.attention_operands())
-    ref = paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, scale=0.125,
-                                     **storage.attention_operands())
-    assert_close(out, ref, torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------ copy

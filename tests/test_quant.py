@@ -1,11 +1,15 @@
-"""Quantized KV formats: round-trip error bounds, determinism, zero handling, QuantizedKVStorage, bad input."""
+"""Quantized KV formats: round-trip error bounds, determinism, zero handling, QuantizedKVStorage, bad input.
+
+The per-vector math covers every quantizer (``quantize_kv_ref(x, "int4")`` is int4's value quantizer); the slot-level
+storage tests cover the per-token formats (int8, fp8): int4 stores whole blocks through a tail
+(``tests/test_int4.py``)."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import paged_hf.kernels.kv_quant as kv_quant
+import paged_hf.kernels.kv_format as kv_format_module
 from paged_hf.kernels.kv_quant import QUANTIZED_KV_FORMATS, dequantize_kv_ref, pack_int4, quantize_kv_ref, unpack_int4
 from paged_hf.quant import (
     KV_CACHE_DTYPES,
@@ -19,6 +23,7 @@ from paged_hf.rotation import kv_rotation, rotate, unrotate
 from paged_hf.storage import KVStorage
 
 FORMATS = QUANTIZED_KV_FORMATS
+TOKEN_FORMATS = tuple(f for f in FORMATS if f != "int4")  # stored per token, written slot by slot
 CODE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int4": torch.uint8}
 HALF_TINY = 2.0**-24  # smallest float16 subnormal: the coarsest rounding a tiny float16 scale can suffer
 
@@ -207,7 +212,7 @@ def pools(s: QuantizedKVStorage) -> list:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", TOKEN_FORMATS)
 def test_storage_reads_equal_reference_round_trip(kv_format, dtype):
     s = storage(kv_format, dtype)
     assert s.dtype == dtype and s.kv_format == kv_format
@@ -228,7 +233,7 @@ def test_storage_reads_equal_reference_round_trip(kv_format, dtype):
     assert torch.equal(rest_k, torch.zeros_like(rest_k)) and torch.equal(rest_v, torch.zeros_like(rest_v))
 
 
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", TOKEN_FORMATS)
 def test_storage_bytes_do_not_depend_on_batch_or_slot(kv_format):
     key, value = random_kv(8, HEADS, HEAD_DIM, seed=3), random_kv(8, HEADS, HEAD_DIM, seed=4)
     a, b = storage(kv_format), storage(kv_format)
@@ -244,7 +249,7 @@ def test_storage_bytes_do_not_depend_on_batch_or_slot(kv_format):
             assert torch.equal(raw_bytes(pa[0:2]), raw_bytes(pb[4:6]))
 
 
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", TOKEN_FORMATS)
 def test_copy_blocks_copies_codes_and_scales(kv_format):
     s = storage(kv_format)
     s.write(torch.arange(8), random_kv(8, HEADS, HEAD_DIM, seed=5), random_kv(8, HEADS, HEAD_DIM, seed=6))
@@ -258,7 +263,7 @@ def test_copy_blocks_copies_codes_and_scales(kv_format):
             assert torch.equal(raw_bytes(pool[5]), raw_bytes(pool[1]))
 
 
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", TOKEN_FORMATS)
 def test_grow_keeps_content_and_adds_zeroed_blocks(kv_format):
     s = storage(kv_format)
     s.write(torch.arange(24), random_kv(24, HEADS, HEAD_DIM, seed=7), random_kv(24, HEADS, HEAD_DIM, seed=8))
@@ -280,14 +285,17 @@ def test_grow_keeps_content_and_adds_zeroed_blocks(kv_format):
 
 @pytest.mark.parametrize("kv_format", FORMATS)
 def test_nbytes_and_bytes_per_token_count_scales(kv_format):
-    s = QuantizedKVStorage(10, 16, 4, 64, torch.float16, "cpu", kv_format)
-    side_per_vector = 4 if kv_format == "int4" else 2
-    code_per_vector = 32 if kv_format == "int4" else 64
-    assert s.bytes_per_token == 2 * 4 * (code_per_vector + side_per_vector)
-    assert s.nbytes == 10 * 16 * s.bytes_per_token == sum(p.nbytes for p in pools(s) if p is not None)
-    assert s.nbytes == 10 * QuantizedKVStorage.bytes_per_block(16, 4, 64, torch.float16, kv_format)
-    assert bytes_per_block(kv_format, 16, 4, 64, torch.bfloat16) == s.nbytes // 10
-    fp16 = KVStorage(10, 16, 4, 64, torch.float16, "cpu")
+    s = QuantizedKVStorage(10, 64 if kv_format == "int4" else 16, 4, 64, torch.float16, "cpu", kv_format)
+    if kv_format == "int4":  # per token and KV head: 32 bytes of K codes, 32 of V codes, V scale + zero, and the
+        # key scale + zero of each of the 64 channels, over the block's 64 tokens
+        assert s.bytes_per_token == 4 * (32 + 32 + 4 + 64 * 4 // 64)
+    else:
+        assert s.bytes_per_token == 2 * 4 * (64 + 2)
+    bs = s.block_size
+    assert s.nbytes == 10 * bs * s.bytes_per_token == sum(p.nbytes for p in pools(s) if p is not None)
+    assert s.nbytes == 10 * QuantizedKVStorage.bytes_per_block(bs, 4, 64, torch.float16, kv_format)
+    assert bytes_per_block(kv_format, bs, 4, 64, torch.bfloat16) == s.nbytes // 10
+    fp16 = KVStorage(10, bs, 4, 64, torch.float16, "cpu")
     assert fp16.bytes_per_token / s.bytes_per_token >= (3.5 if kv_format == "int4" else 1.9)
 
 
@@ -301,6 +309,8 @@ def test_make_storage_and_bytes_per_block_for_auto_and_alias():
     assert fp8.key_cache.shape == (3, 4, 2, 8) and fp8.key_scale.shape == (3, 4, 2) and fp8.key_zero is None
     int4 = make_storage("int4", 3, 4, 2, 8, torch.float32, "cpu")
     assert int4.key_cache.shape == (3, 4, 2, 4) and int4.value_zero.shape == (3, 4, 2)
+    assert int4.key_scale.shape == int4.key_zero.shape == (3, 2, 8)  # per channel of each block
+    assert int4.key_tail.shape == (0, 4, 2, 8) and int4.key_tail.dtype == torch.float32
     assert all(torch.equal(raw_bytes(p), torch.zeros_like(raw_bytes(p))) for p in pools(int4))
 
 
@@ -339,7 +349,7 @@ def test_quantized_storage_rejects_auto():
 
 @pytest.mark.parametrize("name", ["fp8", "fp8_e5m2"])
 def test_fp8_without_torch_support_is_rejected(monkeypatch, name):
-    monkeypatch.setattr(kv_quant, "_FP8_DTYPES", {"fp8_e4m3": None, "fp8_e5m2": None})
+    monkeypatch.setattr(kv_format_module, "_FP8", {"fp8_e4m3": None, "fp8_e5m2": None})
     for call in (lambda: check_kv_format(name, 8), lambda: make_storage(name, 2, 4, 1, 8, torch.float32, "cpu")):
         with pytest.raises(ValueError, match="float8"):
             call()
@@ -368,7 +378,7 @@ def test_kv_rotation_spreads_an_outlier_channel():
     assert torch.allclose(rotated.abs(), torch.full((64,), 10.0 / 8))  # a (signed) Hadamard row: flat magnitude
 
 
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", TOKEN_FORMATS)
 def test_storage_holds_codes_of_the_rotated_vectors(kv_format):
     s = storage(kv_format)
     key, value = random_kv(4, HEADS, HEAD_DIM, seed=11), random_kv(4, HEADS, HEAD_DIM, seed=12)

@@ -8,7 +8,9 @@
    Sliding window and softcap included.
 2. On stories260K, the NLL of a fixed text under each format stays within a stated bound of ``"auto"``.
 3. The engine on each format: prompts that hit the prefix cache give exactly the tokens of a cold run and the same
-   logprobs.
+   logprobs (int4, whose newest tokens stay in full precision and whose codes a last-bit change of float K/V can
+   flip by a whole step, within 5e-4 here: the cold run batches other chunks; ``test_int4_engine.py`` checks hits
+   bit for bit where the chunks match).
 """
 
 from __future__ import annotations
@@ -120,10 +122,11 @@ def test_engine_prefix_hits_equal_the_cold_run(kv_format):
     engine = PagedEngine(model, tok, **options)
     engine.generate(prompts[:1], params, use_tqdm=False)  # computes the shared prefix's blocks once
     warm = engine.generate(prompts, params, use_tqdm=False)
+    tolerance = 5e-4 if kv_format == "int4" else 1e-5  # measured: int4 <= 1e-4, the others 0
     for got, want in zip(warm, expected):
         assert got.metrics.num_prefix_cached_tokens >= len(tok(system)["input_ids"]) - 4
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        torch.testing.assert_close(token_logprobs(got.outputs[0]), token_logprobs(want.outputs[0]), atol=1e-5,
+        torch.testing.assert_close(token_logprobs(got.outputs[0]), token_logprobs(want.outputs[0]), atol=tolerance,
                                    rtol=0)
     engine.check_invariants()
     assert engine.get_stats()["kv_cache_used"] == 0

@@ -65,12 +65,12 @@ def test_generate_under_tensor_parallelism_equals_one_process(model_folders):
 
 def test_engine_under_torchrun_equals_one_process(model_folders):
     """``PagedEngine`` on two ranks (rank 0 leads, rank 1 follows its broadcast steps) gives one process's tokens
-    and logprobs: with prefix hits, with preemption by recompute and by swap, and with an abort mid-decode; no block
+    and logprobs: with prefix hits, with preemption by recompute and by swap, with int4 blocks and their full-precision tails swapped, and with an abort mid-decode; no block
     is left in use."""
     one = launch("tp_engine.py", model_folders[:1], nproc=1)
     two = launch("tp_engine.py", model_folders[:1], nproc=2)
-    assert set(one) == set(two) == {"prefix_hits", "recompute", "swap", "abort"}
-    for name in ("prefix_hits", "recompute", "swap"):
+    assert set(one) == set(two) == {"prefix_hits", "recompute", "swap", "int4_swap", "abort"}
+    for name in ("prefix_hits", "recompute", "swap", "int4_swap"):
         single, sharded = one[name], two[name]
         assert sharded["tokens"] == single["tokens"], name
         torch.testing.assert_close(torch.tensor(sharded["logprobs"]), torch.tensor(single["logprobs"]), atol=1e-4,
@@ -81,7 +81,7 @@ def test_engine_under_torchrun_equals_one_process(model_folders):
             assert sharded[key] == single[key], (name, key)
     assert one["prefix_hits"]["hit_rate"] > 0.3
     assert one["recompute"]["preemptions"] > 0 and one["recompute"]["swapped"] == 0
-    assert one["swap"]["swapped"] > 0
+    assert one["swap"]["swapped"] > 0 and one["int4_swap"]["swapped"] > 0
     assert two["abort"] == one["abort"] and one["abort"]["tokens"][1] is None and one["abort"]["used_after"] == 0
 
 

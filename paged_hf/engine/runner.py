@@ -45,6 +45,7 @@ class StepInput:
     metadata: AttentionMetadata
     keep: torch.Tensor
     copies: list = field(default_factory=list)
+    num_rows: int = 0  # the leader's block-table rows (a follower gives its tail formats as many tail rows)
 
 
 class ModelRunner:
@@ -90,7 +91,7 @@ class ModelRunner:
                     prompt_rows[i] = (first, count)
                     first += count
         keep = torch.cat(keep_rows) if len(keep_rows) > 1 else keep_rows[0]
-        step = StepInput(torch.tensor(input_ids, dtype=torch.long), metadata, keep, copies)
+        step = StepInput(torch.tensor(input_ids, dtype=torch.long), metadata, keep, copies, self.kv.num_rows)
         return step, list(range(len(sample_index))), prompt_rows
 
     @torch.inference_mode()
@@ -133,6 +134,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: StepInput) -> torch.Tensor:
         """Runs ``step`` on this rank: its block copies, then the forward; the kept logits ``[R, vocab]``."""
+        self.kv.cover_rows(step.num_rows)
         try:
             self.kv.apply_copies(step.copies)
         except Exception as error:

@@ -4,6 +4,9 @@ A batch whose scores fit one chunk (``SCORE_ELEMENTS_PER_CHUNK``) gathers its bl
 ``scaled_dot_product_attention`` with a position mask: the common CPU case, and the fastest torch way. Longer
 contexts, softcap and attention sinks go one chunk of blocks at a time with an online softmax (the same algorithm
 as the GPU kernels), so no dense copy of a whole batch's K/V beyond one chunk is ever built.
+
+Blocks are dequantized as they are read (``read_blocks``: per-token or per-channel side data, as the ``KVFormat``
+says); a format with a full-precision tail reads each sequence's partial last block from its tail row instead.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kv_quant import dequantize_kv_ref
+from .kv_format import kv_format as _kv_format
+from .kv_quant import dequantize_channels_ref, dequantize_kv_ref
 
 # Upper bound on the score elements (batch x query heads x queries x keys) held per chunk.
 SCORE_ELEMENTS_PER_CHUNK = 1 << 22
@@ -34,6 +38,9 @@ def paged_attention_core(
     value_zero: torch.Tensor | None = None,
     kv_format: str = "auto",
     window_starts: torch.Tensor | None = None,
+    key_tail: torch.Tensor | None = None,
+    value_tail: torch.Tensor | None = None,
+    tail_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of queries against the paged K/V of their sequences.
 
@@ -45,11 +52,14 @@ def paged_attention_core(
         block_tables: ``[B, max_blocks]`` int block ids; entries past a sequence's length must be valid ids.
         seq_lens: ``[B]`` tokens held by each sequence (positions ``0 .. seq_len - 1``).
         sinks: ``[num_heads]`` attention-sink logits that join each softmax denominator, or None.
-        key_scale, value_scale, key_zero, value_zero, kv_format: for quantized pools (see ``kv_quant``): codes in
-            the caches, ``[num_blocks, block_size, num_kv_heads]`` scales (and zeros); each chunk is dequantized
-            as it is read.
+        key_scale, value_scale, key_zero, value_zero, kv_format: for quantized pools (see ``kv_format``): codes in
+            the caches, scales (and zeros) per token ``[num_blocks, block_size, num_kv_heads]`` or per channel
+            ``[num_blocks, num_kv_heads, head_dim]``; each chunk is dequantized as it is read.
         window_starts: ``[B, n]`` the first key position each query sees, in place of ``sliding_window`` (a window
             measured over a padded timeline, where pads take window room), or None.
+        key_tail, value_tail, tail_rows: formats with a full-precision tail: ``[rows, block_size, num_kv_heads,
+            head_dim]`` pools in the compute dtype and ``[B]`` each sequence's row; positions from
+            ``seq_lens // block_size * block_size`` on are read there (the last block is not full yet).
 
     Returns ``[B, num_heads, n, head_dim]`` in ``query.dtype``; computed in float32.
     """
@@ -57,6 +67,8 @@ def paged_attention_core(
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     assert group * num_kv_heads == num_heads, f"{num_heads=} is not a multiple of {num_kv_heads=}"
+    pools = KVPools(key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, key_tail,
+                    value_tail, tail_rows)
     num_blocks = block_tables.shape[1]
     if not torch.compiler.is_compiling():  # read only the blocks that hold tokens (a host sync: eager only)
         max_len = int(seq_lens.max()) if seq_lens.numel() else 0
@@ -64,9 +76,8 @@ def paged_attention_core(
     keys_per_chunk = max(block_size, SCORE_ELEMENTS_PER_CHUNK // max(1, batch * num_heads * num_queries))
     blocks_per_chunk = max(1, keys_per_chunk // block_size)
     if num_blocks <= blocks_per_chunk and softcap is None and sinks is None:
-        return _single_chunk_attention(query, query_positions, key_cache, value_cache, block_tables[:, :num_blocks],
-                                       scale, sliding_window, key_scale, value_scale, key_zero, value_zero, kv_format,
-                                       window_starts)
+        return _single_chunk_attention(query, query_positions, pools, block_tables[:, :num_blocks], seq_lens, scale,
+                                       sliding_window, window_starts)
 
     q = query.float().reshape(batch, num_kv_heads, group * num_queries, head_dim)
 
@@ -86,9 +97,7 @@ def paged_attention_core(
     if window_starts is not None:
         row_starts = window_starts.unsqueeze(1).expand(batch, group, num_queries).reshape(batch, 1, rows)
     for first in range(0, num_blocks, blocks_per_chunk):
-        ids = block_tables[:, first : first + blocks_per_chunk].long()
-        k = read_blocks(key_cache, key_scale, key_zero, kv_format, ids).flatten(1, 2).transpose(1, 2)
-        v = read_blocks(value_cache, value_scale, value_zero, kv_format, ids).flatten(1, 2).transpose(1, 2)
+        k, v = pools.read(block_tables[:, first : first + blocks_per_chunk].long(), first, seq_lens)
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, kv_heads, rows, L]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -113,13 +122,11 @@ def paged_attention_core(
     return out.view(batch, num_heads, num_queries, head_dim).to(query.dtype)
 
 
-def _single_chunk_attention(query, query_positions, key_cache, value_cache, block_tables, scale, sliding_window,
-                            key_scale, value_scale, key_zero, value_zero, kv_format, window_starts) -> torch.Tensor:
+def _single_chunk_attention(query, query_positions, pools, block_tables, seq_lens, scale, sliding_window,
+                            window_starts) -> torch.Tensor:
     """``paged_attention_core`` for a batch whose keys are read at once: one gather, one fused SDPA call."""
     batch, num_heads, num_queries, head_dim = query.shape
-    ids = block_tables.long()
-    k = read_blocks(key_cache, key_scale, key_zero, kv_format, ids).flatten(1, 2).transpose(1, 2)  # [B, kvh, L, D]
-    v = read_blocks(value_cache, value_scale, value_zero, kv_format, ids).flatten(1, 2).transpose(1, 2)
+    k, v = pools.read(block_tables.long(), 0, seq_lens)  # [B, kv_heads, L, D]
     key_positions = torch.arange(k.shape[2], device=query.device).view(1, 1, -1)
     rows = query_positions.unsqueeze(-1)  # [B, n, 1]
     visible = key_positions <= rows
@@ -134,10 +141,46 @@ def _single_chunk_attention(query, query_positions, key_cache, value_cache, bloc
     return out.to(query.dtype)
 
 
-def read_blocks(cache, scale, zero, kv_format: str, ids: torch.Tensor) -> torch.Tensor:
-    """Blocks ``ids`` of one pool as float32 ``[*ids.shape, block_size, num_kv_heads, head_dim]``."""
+class KVPools:
+    """The pool operands of one attention call; ``read`` dequantizes blocks (and substitutes tails)."""
+
+    def __init__(self, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, key_tail,
+                 value_tail, tail_rows) -> None:
+        self.fmt = _kv_format(kv_format)
+        self.key = (key_cache, key_scale, key_zero, self.fmt.key_side)
+        self.value = (value_cache, value_scale, value_zero, self.fmt.value_side)
+        self.tails = (key_tail, value_tail)
+        self.tail_rows = tail_rows
+        self.block_size = key_cache.shape[1]
+        if self.fmt.tail and (key_tail is None or value_tail is None or tail_rows is None):
+            raise ValueError(f"kv_format={kv_format!r} keeps a full-precision tail: pass key_tail, value_tail and "
+                             f"tail_rows")
+
+    def read(self, ids: torch.Tensor, first: int, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of blocks ``ids`` ``[B, n]`` (block ``first + j`` of each sequence) as float32
+        ``[B, kv_heads, n * block_size, head_dim]``."""
+        out = []
+        for (cache, scale, zero, side), tail in zip((self.key, self.value), self.tails):
+            blocks = read_blocks(cache, scale, zero, self.fmt.name, ids, side)  # [B, n, bs, H, D]
+            if self.fmt.tail:  # the block holding a sequence's partial tail: read its tail row instead
+                index = torch.arange(first, first + ids.shape[1], device=ids.device)
+                seq_lens = seq_lens.to(ids.device).long()
+                is_tail = (index[None, :] == seq_lens[:, None] // self.block_size) \
+                    & (seq_lens % self.block_size != 0)[:, None]
+                rows = tail[self.tail_rows.to(tail.device).long()].float()  # [B, bs, H, D]
+                blocks = torch.where(is_tail[:, :, None, None, None], rows[:, None], blocks)
+            out.append(blocks.flatten(1, 2).transpose(1, 2))
+        return out[0], out[1]
+
+
+def read_blocks(cache, scale, zero, kv_format: str, ids: torch.Tensor, side: str = "token") -> torch.Tensor:
+    """Blocks ``ids`` of one pool as float32 ``[*ids.shape, block_size, num_kv_heads, head_dim]``; ``side``: the
+    granularity of the pool's scales ("token": ``[num_blocks, block_size, heads]``, "channel": ``[num_blocks, heads,
+    head_dim]``)."""
     if kv_format == "auto":
         return cache[ids].float()
     raw = cache.view(torch.uint8) if cache.element_size() == 1 and cache.dtype.is_floating_point else cache
     codes = raw[ids].view(cache.dtype)  # float8 has no CPU indexing kernel: index its bytes
+    if side == "channel":
+        return dequantize_channels_ref(codes, scale[ids], zero[ids], torch.float32)
     return dequantize_kv_ref(codes, scale[ids], None if zero is None else zero[ids], kv_format, torch.float32)

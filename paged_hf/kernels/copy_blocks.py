@@ -16,8 +16,8 @@ import functools
 
 import torch
 
-from . import paged_decode_attention as _decode
-from .paged_decode_attention import Launch
+from . import _tiles
+from ._common import Kernels, Launch
 
 CHUNK = 1024  # words per program
 
@@ -83,10 +83,9 @@ def _kernels():
     global tl, _copy_kernel
     import triton
 
-    _decode._kernels()
-    tl = _decode.tl
+    tl = _tiles.bind().tl
     _copy_kernel = triton.jit(_copy_kernel)
-    return _decode._Kernels(copy=_copy_kernel)
+    return Kernels(copy=_copy_kernel)
 
 
 def _copy_kernel(Words, SrcIds, DstIds, per_block, stride_block, CHUNK: tl.constexpr):

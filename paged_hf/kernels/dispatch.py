@@ -35,7 +35,7 @@ def triton_available() -> bool:
 
 
 def _interpreting() -> bool:
-    from .paged_decode_attention import triton_interpreting
+    from ._common import triton_interpreting
 
     return triton_interpreting()
 

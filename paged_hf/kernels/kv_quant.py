@@ -1,12 +1,17 @@
 """Quantized KV formats: torch reference math on raw tensors (the CPU path and the oracle for GPU kernels).
 
-Granularity: one scale (and, for int4, one zero point) per token per KV head, i.e. per ``[head_dim]`` vector.
-The bytes of a vector therefore depend only on that vector's own values: the same tokens always give the same
-bytes, whatever batch or slot they were written with, so prefix-cache hits and recomputation agree bit for bit.
-Keys are quantized per token like values (not per channel as in KIVI) because a per-channel scale would depend on
-the other tokens of the block.
+Two granularities (which format uses which: ``kv_format.KVFormat``):
 
-Formats (``q`` = stored code, ``s``/``z`` = float16 scale/zero of the vector, ``absmax = max |x|``):
+- per vector (``quantize_kv_ref``): one scale (and, for int4, one zero point) per ``[head_dim]`` vector, i.e. per
+  token per KV head. The bytes of a vector depend only on that vector's own values.
+- per channel (``quantize_channels_ref``, int4 keys): one scale and zero point per channel of a KV head over a
+  block's tokens. The bytes of a block depend only on that block's own tokens: the store quantizes a block once,
+  when it is full (``kv_format.KVFormat.tail``), so the same tokens still give the same bytes.
+
+Either way the same tokens always give the same bytes, whatever batch or slot they were written with, so prefix-
+cache hits and recomputation agree bit for bit.
+
+Formats (``q`` = stored code, ``s``/``z`` = float16 scale/zero, ``absmax = max |x|`` over the group):
 
 - ``int8``: symmetric, ``s = absmax / 127``, ``x ~ q * s`` with ``q`` in ``[-127, 127]``. Error <= ``s / 2`` =
   ``absmax / 254`` (0.39%; plus up to 2^-25 absolute once ``s`` is a subnormal float16, ``absmax`` < 0.0078).
@@ -14,8 +19,9 @@ Formats (``q`` = stored code, ``s``/``z`` = float16 scale/zero of the vector, ``
   mean error, but it costs 2 more bytes per vector, so int8 would save 1.88x instead of 1.94x over fp16 at
   head_dim 64, and symmetric already keeps every vector within 0.4% of its absmax.
 - ``int4``: asymmetric (LMDeploy style), ``z = min``, ``s = (max - min) / 15``, ``x ~ q * s + z`` with ``q`` in
-  ``[0, 15]``; two codes per uint8, even index in the low nibble. Error <= ``(max - min) / 30`` <= ``absmax / 15``
-  (6.7%). Measured: 1.2x (Gaussian) to 1.8x (one-sided data; 1.5-1.7x on stories260K K/V) lower mean error than
+  ``[0, 15]``, the min and max taken over the group (a vector, or a channel over a block); two codes per uint8,
+  even index (vectors: even channel) in the low nibble. Error <= ``(max - min) / 30`` <= ``absmax / 15`` (6.7%).
+  Measured: 1.2x (Gaussian) to 1.8x (one-sided data; 1.5-1.7x on stories260K K/V) lower mean error than
   symmetric int4 (``[-7, 7]``), which spends half its levels on the side a vector does not use.
 - ``fp8_e4m3`` / ``fp8_e5m2``: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` codes, ``s = absmax / finfo.max``
   (so no code overflows), ``x ~ q * s``. Error per element <= 2^-4 (e4m3) / 2^-3 (e5m2) of ``|x|`` plus a subnormal
@@ -25,7 +31,7 @@ Formats (``q`` = stored code, ``s``/``z`` = float16 scale/zero of the vector, ``
 
 Rounding of the float16 side data: the zero point is rounded down and the scale up to the next float16, so
 every code lies in range and no value is cut at the edges (also with subnormal scales; the clamps only absorb
-float32 rounding). ``s == 0`` only for a vector whose values all equal ``z`` (symmetric formats: all zero), which
+float32 rounding). ``s == 0`` only for a group whose values all equal ``z`` (symmetric formats: all zero), which
 dequantizes exactly, with no NaN; all-zero bytes (a fresh pool slot) dequantize to 0 in every format.
 Inputs must be finite; magnitudes beyond the float16 range of the side data (``|x| > 65504 * qmax``, or
 ``|min| > 65504`` for int4) saturate.
@@ -35,10 +41,11 @@ from __future__ import annotations
 
 import torch
 
-QUANTIZED_KV_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2", "int4")
+from .kv_format import QUANTIZED_KV_FORMATS, kv_format as _kv_format
 
-# Torch dtype of the stored codes; float8 entries are None when this torch build lacks them.
-_FP8_DTYPES = {"fp8_e4m3": getattr(torch, "float8_e4m3fn", None), "fp8_e5m2": getattr(torch, "float8_e5m2", None)}
+__all__ = ["QUANTIZED_KV_FORMATS", "quantize_kv_ref", "dequantize_kv_ref", "quantize_channels_ref",
+           "dequantize_channels_ref", "pack_int4", "unpack_int4"]
+
 _HALF_MAX = torch.finfo(torch.float16).max
 _INT8_MAX = 127
 _INT4_LEVELS = 15
@@ -46,28 +53,10 @@ _INT4_LEVELS = 15
 
 def kv_data_dtype(kv_format: str) -> torch.dtype:
     """Torch dtype of the stored codes of ``kv_format`` (uint8 for int4: two codes per byte)."""
-    if kv_format == "int8":
-        return torch.int8
-    if kv_format == "int4":
-        return torch.uint8
-    if kv_format in _FP8_DTYPES:
-        dtype = _FP8_DTYPES[kv_format]
-        if dtype is None:
-            raise ValueError(
-                f"kv_format={kv_format!r} needs torch float8 dtypes, which torch {torch.__version__} lacks"
-            )
-        return dtype
-    raise ValueError(f"kv_format={kv_format!r} is not one of {QUANTIZED_KV_FORMATS}")
-
-
-def kv_data_dim(kv_format: str, head_dim: int) -> int:
-    """Last dimension of the stored codes: ``head_dim // 2`` for int4, else ``head_dim``."""
-    return head_dim // 2 if kv_format == "int4" else head_dim
-
-
-def kv_has_zero(kv_format: str) -> bool:
-    """Whether ``kv_format`` stores a zero point next to its scale."""
-    return kv_format == "int4"
+    fmt = _kv_format(kv_format)
+    if not fmt.quantized:
+        raise ValueError(f"kv_format={kv_format!r} is not one of {QUANTIZED_KV_FORMATS}")
+    return fmt.code_dtype()
 
 
 def _half_up(x: torch.Tensor) -> torch.Tensor:
@@ -147,3 +136,28 @@ def dequantize_kv_ref(
         return (codes * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).to(dtype)
     kv_data_dtype(kv_format)  # validates the name
     return (data.float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+def quantize_channels_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 per channel: ``x`` ``[..., T, H, D]`` (float, finite: a block's ``T`` tokens) quantized with one scale and
+    zero point per ``(h, d)`` over the ``T`` tokens; the same asymmetric math as ``quantize_kv_ref(.., "int4")``
+    along the token axis.
+
+    Returns ``(codes [..., T, H, D // 2] uint8, scale [..., H, D] float16, zero [..., H, D] float16)``; codes are packed
+    along ``D`` as for vectors (channel ``2i`` in the low nibble). Computed in float32.
+    """
+    if x.shape[-1] % 2:
+        raise ValueError(f"int4 packs two values per byte: head_dim must be even, got head_dim={x.shape[-1]}")
+    x = x.float()
+    zero = _half_down(x.amin(-3))
+    scale = _half_up((x.amax(-3) - zero.float()) / _INT4_LEVELS)
+    codes = torch.round(_safe_div(x - zero.float().unsqueeze(-3), scale.float().unsqueeze(-3)))
+    return pack_int4(codes.clamp(0, _INT4_LEVELS)), scale, zero
+
+
+def dequantize_channels_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of ``quantize_channels_ref``: ``codes [..., T, H, D // 2]``, ``scale``/``zero`` ``[..., H, D]`` ->
+    ``[..., T, H, D]`` in ``dtype`` (float32 math)."""
+    values = unpack_int4(codes).float()
+    return (values * scale.float().unsqueeze(-3) + zero.float().unsqueeze(-3)).to(dtype)

@@ -11,10 +11,10 @@ signature:
 - a program's rows are ``BLOCK_Q`` consecutive queries x the ``group`` query heads of its KV head (GQA: each K/V
   tile is read once for the group), against the keys ``[0 or window start, last query position]`` in tiles of
   ``BLOCK_N`` tokens gathered through the block table, their codes in the dots and their scales around them
-  (``load_kv_codes``), causal (and window) masked per row, online softmax in float32 starting from the sink logit
-  when there are sinks.
+  (``_tiles``), then, for a format with a full-precision tail, the sequence's tail row; causal (and window)
+  masked per row, online softmax in float32 starting from the sink logit when there are sinks.
 
-Kernels are decorated on first launch (see ``paged_decode_attention``), with the same helpers.
+Kernels are decorated on first launch (see ``paged_decode_attention``), with the helpers of ``_tiles``.
 """
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ import functools
 
 import torch
 
+from . import _tiles
 from . import attention_ref as _attention_ref
 from . import paged_decode_attention as _decode
+from ._common import (
+    Kernels, Launch, check_index, check_pools, check_query, check_sinks, check_tail_rows, dot_mode, feature_meta,
+    jit_unspecialized, next_pow2,
+)
 from .attention_ref import paged_attention_core
-from .paged_decode_attention import Launch, check_pools
 
 # Rows (queries x group heads) per program, keys per tile and launch options by head_dim and format: the
 # [BLOCK_M, head_dim] float32 accumulator, the query and the K/V tiles (codes unpacked, scales) must fit 255
@@ -34,13 +38,15 @@ from .paged_decode_attention import Launch, check_pools
 # spilled from head_dim 128 on, and the quantized formats sat at 255 registers at 4 warps everywhere; at 8 warps they
 # fit with 32-key tiles up to head_dim 128 (64-key ones at 64, but for int4, whose nibble interleave costs more) and
 # 16-key tiles at 256, where int4 needs 32-row programs. ``maxnreg=255`` lets ptxas use the registers it needs:
-# left to itself it sometimes stopped at 128 and spilled.
+# left to itself it sometimes stopped at 128 and spilled. int4 keys per channel (the query scaled per channel in each
+# tile): at head_dim 256, 32-row programs spilled 2 KiB at 8 warps and 16-row ones 408 bytes; 16 rows at 4 warps fit
+# (254 registers, no spill).
 _OPTIONS = dict(num_warps=8, num_stages=2, maxnreg=255, enable_fp_fusion=True)
 PREFILL_TILES = (  # (largest head_dim, kv formats (None: any), BLOCK_M, BLOCK_N, launch options)
     (64, ("int4",), 64, 32, _OPTIONS),
     (64, None, 64, 64, _OPTIONS),
     (128, None, 64, 32, _OPTIONS),
-    (1 << 30, ("int4",), 32, 32, _OPTIONS),
+    (1 << 30, ("int4",), 16, 32, dict(_OPTIONS, num_warps=4)),
     (1 << 30, None, 64, 16, _OPTIONS),
 )
 SEQ_CHUNK = 64  # sequences scanned per step when a program looks up its sequence
@@ -64,6 +70,9 @@ def paged_prefill_attention_ref(
     key_zero: torch.Tensor | None = None,
     value_zero: torch.Tensor | None = None,
     kv_format: str = "auto",
+    key_tail: torch.Tensor | None = None,
+    value_tail: torch.Tensor | None = None,
+    tail_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference.
 
@@ -72,6 +81,7 @@ def paged_prefill_attention_ref(
             ``cu_query_lens[s] : cu_query_lens[s + 1]``, its last ``q_len`` positions
             ``seq_lens[s] - q_len .. seq_lens[s] - 1`` (their K/V already stored).
         block_tables: ``[S, max_blocks]``; seq_lens: ``[S]``; cu_query_lens: ``[S + 1]`` int, starting at 0.
+        key_scale .. tail_rows: see ``paged_decode_attention_ref``.
 
     Returns ``[total_queries, num_heads, head_dim]``.
     """
@@ -91,6 +101,7 @@ def paged_prefill_attention_ref(
         chunk = paged_attention_core(
             padded.transpose(1, 2), positions, key_cache, value_cache, block_tables[index], seq_lens[index],
             scale, sliding_window, softcap, sinks, key_scale, value_scale, key_zero, value_zero, kv_format,
+            key_tail=key_tail, value_tail=value_tail, tail_rows=None if tail_rows is None else tail_rows[index],
         ).transpose(1, 2)
         for row, (_, a, b) in enumerate(batch):
             out[a:b] = chunk[row, : b - a]
@@ -127,6 +138,9 @@ def paged_prefill_attention(
     key_zero: torch.Tensor | None = None,
     value_zero: torch.Tensor | None = None,
     kv_format: str = "auto",
+    key_tail: torch.Tensor | None = None,
+    value_tail: torch.Tensor | None = None,
+    tail_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton varlen prefill; the arguments and result of ``paged_prefill_attention_ref``.
 
@@ -136,7 +150,7 @@ def paged_prefill_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for launch in _prefill_launches(
         query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sliding_window, softcap,
-        sinks, key_scale, value_scale, key_zero, value_zero, kv_format, out,
+        sinks, key_scale, value_scale, key_zero, value_zero, kv_format, out, key_tail, value_tail, tail_rows,
     ):
         launch()
     return out
@@ -144,19 +158,18 @@ def paged_prefill_attention(
 
 def _prefill_launches(
     query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sliding_window, softcap, sinks,
-    key_scale, value_scale, key_zero, value_zero, kv_format, out,
+    key_scale, value_scale, key_zero, value_zero, kv_format, out, key_tail=None, value_tail=None, tail_rows=None,
 ) -> list[Launch]:
     k = _kernels()
-    total, num_heads, head_dim = _decode._check_query(query, "query")
-    pools = check_pools(
-        query, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, head_dim
-    )
+    total, num_heads, head_dim = check_query(query, "query")
+    pools = check_pools(query, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format,
+                        head_dim, key_tail, value_tail)
     group = num_heads // pools.num_kv_heads
     if group * pools.num_kv_heads != num_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={pools.num_kv_heads}")
     for name, t, dim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1),
                          ("cu_query_lens", cu_query_lens, 1)):
-        _decode._check_index(t, name, dim, query.device)
+        check_index(t, name, dim, query.device)
     num_seqs = seq_lens.shape[0]
     if block_tables.shape[0] != num_seqs or cu_query_lens.shape[0] != num_seqs + 1:
         raise ValueError(
@@ -164,26 +177,28 @@ def _prefill_launches(
             f"[{num_seqs + 1}], got {tuple(block_tables.shape)} and {tuple(cu_query_lens.shape)}"
         )
     block_tables, seq_lens, cu_query_lens = block_tables.contiguous(), seq_lens.contiguous(), cu_query_lens.contiguous()
-    _decode._check_sinks(sinks, num_heads, query.device)
-    flags = _decode._feature_meta(sliding_window, softcap, sinks)
+    tail_rows = check_tail_rows(tail_rows, pools, num_seqs, query.device)
+    check_sinks(sinks, num_heads, query.device)
+    flags = feature_meta(sliding_window, softcap, sinks)
 
     block_m, block_n, options = prefill_tiles(head_dim, kv_format)
-    g_pad = _decode._next_pow2(group)
+    block_n = _decode.key_tile(block_n, pools)
+    g_pad = next_pow2(group)
     block_m = max(block_m, g_pad)
     block_q = block_m // g_pad
-    d_pad = max(16, _decode._next_pow2(head_dim))
+    d_pad = max(16, next_pow2(head_dim))
     num_tiles = total // block_q + num_seqs
     args = (
-        query, *pools.data, *pools.side, block_tables, seq_lens, cu_query_lens, sinks, out,
+        query, *pools.data, *pools.side, *pools.tails, block_tables, seq_lens, cu_query_lens, tail_rows, sinks, out,
         float(scale), float(softcap) if softcap is not None else 1.0,
         int(sliding_window) if sliding_window is not None else 0, num_seqs,
-        *query.stride(), *pools.data_strides, *pools.side_strides, block_tables.stride(0), *out.stride(),
+        *query.stride(), *pools.data_strides, *pools.side_strides, *pools.tail_strides, block_tables.stride(0),
+        *out.stride(),
     )
     meta = dict(
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=d_pad,
-        PADDED=head_dim < d_pad, BLOCK_SIZE=pools.block_size, BLOCK_N=block_n,
-        FORMAT=_decode.KV_FORMAT_IDS[kv_format], DOT=_decode.dot_mode(query.dtype),
-        SEQ_CHUNK=SEQ_CHUNK, **flags,
+        PADDED=head_dim < d_pad, BLOCK_SIZE=pools.block_size, BLOCK_N=block_n, **pools.meta,
+        DOT=dot_mode(query.dtype), SEQ_CHUNK=SEQ_CHUNK, **flags,
     )
     return [Launch(k.prefill, (num_tiles, pools.num_kv_heads), args, meta, options)]
 
@@ -199,35 +214,34 @@ def prefill_tiles(head_dim: int, kv_format: str) -> tuple[int, int, dict]:
 # ----------------------------------------------------------------------------------------------- kernels
 
 tl = None  # triton.language, bound by _kernels()
-kv_columns = load_kv_codes = load_kv_side = dot = softcap_scores = row_max = row_sum = None  # the decode module's
+attend_blocks = attend_tail = row_sum = None  # _tiles' helpers, bound by _kernels()
 
 
 @functools.cache
 def _kernels():
-    """Decorates the prefill kernel on first launch; its helpers are the decode module's (already decorated)."""
-    global tl, kv_columns, load_kv_codes, load_kv_side, dot, softcap_scores, row_max, row_sum, _prefill_kernel
-    helpers = _decode._kernels()
-    tl = _decode.tl
-    kv_columns, load_kv_codes, load_kv_side = helpers.kv_columns, helpers.load_kv_codes, helpers.load_kv_side
-    dot = helpers.dot
-    softcap_scores = helpers.softcap_scores
-    row_max, row_sum = helpers.row_max, helpers.row_sum
-    _prefill_kernel = _decode.jit_unspecialized(_prefill_kernel, PREFILL_NO_SPECIALIZE,
-                                                ("BlockTables", "SeqLens", "CuQueryLens"))
-    return _decode._Kernels(prefill=_prefill_kernel)
+    """Decorates the prefill kernel on first launch; its helpers come from ``_tiles``."""
+    global tl, attend_blocks, attend_tail, row_sum, _prefill_kernel
+    helpers = _tiles.bind()
+    tl = helpers.tl
+    attend_blocks, attend_tail, row_sum = helpers.attend_blocks, helpers.attend_tail, helpers.row_sum
+    _prefill_kernel = jit_unspecialized(_prefill_kernel, PREFILL_NO_SPECIALIZE,
+                                        ("BlockTables", "SeqLens", "CuQueryLens", "TailRows"))
+    return Kernels(prefill=_prefill_kernel)
 
 
 def _prefill_kernel(
-    Q, KC, VC, KS, VS, KZ, VZ, BlockTables, SeqLens, CuQueryLens, Sinks, Out,
+    Q, KC, VC, KS, VS, KZ, VZ, KT, VT, BlockTables, SeqLens, CuQueryLens, TailRows, Sinks, Out,
     scale, softcap, window, num_seqs,
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_co, stride_ch, stride_cd,
-    stride_sb, stride_so, stride_sh,
+    stride_ksb, stride_ks1, stride_ks2, stride_vsb, stride_vso, stride_vsh,
+    stride_tr, stride_to, stride_th, stride_td,
     stride_bt,
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, FORMAT: tl.constexpr, DOT: tl.constexpr, SEQ_CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr, CODES: tl.constexpr, KEY_SIDE: tl.constexpr, VALUE_SIDE: tl.constexpr,
+    ZERO: tl.constexpr, TAIL: tl.constexpr, DOT: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
     """One (query tile, KV head): BLOCK_Q queries x GROUP heads against their causal (windowed) keys."""
@@ -262,8 +276,7 @@ def _prefill_kernel(
     )
     if DOT == 1:
         q = q.to(tl.float32)
-    if FORMAT == 4:  # the zero point's share of each score: z * sum(q)
-        q_sum = row_sum(q.to(tl.float32), 1)
+    q_sum = row_sum(q.to(tl.float32), 1)  # the share of per-token key zero points in each score: z * sum(q)
 
     if USE_SINKS:  # the sink is one more logit of each head's softmax: start from it
         m_i = tl.load(Sinks + heads, mask=row_ok, other=0.0).to(tl.float32)
@@ -280,49 +293,22 @@ def _prefill_kernel(
     if USE_WINDOW:
         lo = tl.maximum(lo, context + first_query - window + 1)
     table = BlockTables + seq * stride_bt
-    cols, col_ok = kv_columns(stride_cd, HEAD_DIM, D_PAD, FORMAT)
-    head_off = kv_head * stride_ch
-    head_side_off = kv_head * stride_sh
-    n = tl.arange(0, BLOCK_N).to(tl.int64)
-    for key_tile in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-        pos = key_tile + n
-        valid = (pos >= lo) & (pos < hi)
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offset = pos % BLOCK_SIZE
-        row_off = block * stride_cb + offset * stride_co + head_off
-        side_off = block * stride_sb + offset * stride_so + head_side_off
-        k = load_kv_codes(KC, row_off, valid, cols, col_ok, FORMAT, PADDED).to(q.dtype)
-        s = dot(q, tl.trans(k), DOT)
-        if FORMAT != 0:  # scales and zero points outside the dots (see load_kv_codes)
-            k_scale, k_zero = load_kv_side(KS, KZ, side_off, valid, FORMAT)
-            s = s * k_scale[None, :]
-            if FORMAT == 4:
-                s = s + q_sum[:, None] * k_zero[None, :]
-        s = s * scale
-        if USE_SOFTCAP:
-            s = softcap_scores(s, softcap)
-        visible = valid[None, :] & (pos[None, :] <= row_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (pos[None, :] > row_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, row_max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + row_sum(p, 1)
-        v = load_kv_codes(VC, row_off, valid, cols, col_ok, FORMAT, PADDED).to(q.dtype)
-        if FORMAT == 0:
-            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT)
-        else:
-            v_scale, v_zero = load_kv_side(VS, VZ, side_off, valid, FORMAT)
-            if v.dtype == tl.float16:  # p * s / top in [0, 1], top a power of two >= max(s): no float16 underflow
-                top = tl.exp2(tl.ceil(tl.log2(tl.maximum(row_max(v_scale, 0), 5.9604644775390625e-08))))
-                acc = (acc * (alpha / top)[:, None] + dot((p * (v_scale / top)[None, :]).to(v.dtype), v, DOT)) * top
-            else:  # bfloat16 (float32's range), float32
-                acc = acc * alpha[:, None] + dot((p * v_scale[None, :]).to(v.dtype), v, DOT)
-            if FORMAT == 4:
-                acc = acc + row_sum(p * v_zero[None, :], 1)[:, None]
-        m_i = m_new
+    blocks_end = hi
+    if TAIL:  # positions from the last full block's end on live in the sequence's tail row
+        blocks_end = tl.minimum(hi, (seq_len // BLOCK_SIZE) * BLOCK_SIZE)
+    acc, m_i, l_i = attend_blocks(
+        acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, table, kv_head, lo, blocks_end, scale, softcap,
+        window, stride_cb, stride_co, stride_ch, stride_cd, stride_ksb, stride_ks1, stride_ks2,
+        stride_vsb, stride_vso, stride_vsh, HEAD_DIM, D_PAD, PADDED, BLOCK_SIZE, BLOCK_N, CODES, KEY_SIDE,
+        VALUE_SIDE, ZERO, DOT, USE_WINDOW, USE_SOFTCAP,
+    )
+    if TAIL:
+        tail_row = tl.load(TailRows + seq).to(tl.int64)
+        acc, m_i, l_i = attend_tail(
+            acc, m_i, l_i, q, row_pos, KT, VT, tail_row, kv_head, tl.maximum(lo, blocks_end), hi, scale, softcap,
+            window, stride_tr, stride_to, stride_th, stride_td, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, DOT,
+            USE_WINDOW, USE_SOFTCAP,
+        )
 
     out = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]
     tl.store(

@@ -19,7 +19,7 @@ Usage, once per distinct layer kind at engine/server start-up, after the pools e
         storage.attention_operands(), num_heads=config.num_attention_heads, dtype=model.dtype,
         sliding_window=window, softcap=softcap, sinks=sinks,
         store_dtype=torch.float32 if storage.rotation is not None else model.dtype,  # what ``write`` stores
-        pool_tensors=list(storage.tensors().values()),
+        pool_tensors=list(storage.tensors().values()) + list(storage.tail_tensors().values()),
     )
 
 Cost: one compile per variant (about 1-5 s each on a GPU machine's CPU, cached on disk by triton afterwards);
@@ -35,10 +35,12 @@ from . import copy_blocks as _copy
 from . import paged_decode_attention as _decode
 from . import paged_prefill_attention as _prefill
 from . import store_kv as _store
-from .kv_quant import kv_data_dim, kv_data_dtype, kv_has_zero
-from .paged_decode_attention import Launch
+from ._common import Launch
+from .fill_blocks import StorePlan
+from .kv_format import SIDE_DTYPE, kv_format as _kv_format
 
 _SIDE = ("key_scale", "value_scale", "key_zero", "value_zero")
+_TAILS = ("key_tail", "value_tail")
 
 
 def layer_launches(
@@ -57,26 +59,29 @@ def layer_launches(
     """One prepared launch of every variant a layer runs (nothing is launched).
 
     Args:
-        operands: the layer's ``storage.attention_operands()`` (pools, scales, zeros, ``kv_format``).
+        operands: the layer's ``storage.attention_operands()`` (pools, scales, zeros, tails, ``kv_format``).
         num_heads: query heads (a multiple of the pools' KV heads); ``dtype``: the query dtype the attention
             receives (the model dtype).
         sliding_window, softcap, sinks: the layer's attention options, as the attention passes them.
         store_dtype: dtype of the K/V the store receives (default ``dtype``; ``QuantizedKVStorage.write`` passes
             the float32 rotated vectors).
-        pool_tensors: the tensors a block copy moves (``storage.tensors().values()``; default: the pools and
-            side tensors in ``operands``).
+        pool_tensors: the tensors a block copy moves (``storage.tensors().values()`` and the tail pools, which
+            forks copy by row; default: the pools, side tensors and tails in ``operands``).
         index_dtype: dtype of ``seq_lens``, ``cu_query_lens``, slots and copy ids (int64 in ``metadata``);
             ``block_table_dtype``: of the block tables (``block_table_rows.TABLE_DTYPE``, int32).
 
     Returns the launches: decode (one partition, written directly), decode over partitions and its reduce,
-    prefill, store, and one block copy per pool tensor.
+    prefill, store (a tail format: the block fill and the tail write), and one block copy per pool tensor.
     """
     key_cache = operands["key_cache"]
     kv_format = operands.get("kv_format", "auto")
     device = key_cache.device
     block_size, num_kv_heads = key_cache.shape[1:3]
-    head_dim = _head_dim(key_cache, kv_format)
+    fmt = _kv_format(kv_format)
+    head_dim = key_cache.shape[3] * fmt.values_per_code
     side = {name: operands.get(name) for name in _SIDE}
+    tails = {name: operands.get(name) for name in _TAILS}
+    tail_rows = torch.zeros(1, dtype=index_dtype, device=device) if fmt.tail else None
     options = dict(scale=head_dim ** -0.5, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     seq_lens = torch.ones(1, dtype=index_dtype, device=device)
@@ -86,20 +91,25 @@ def layer_launches(
         tables = torch.zeros(1, blocks, dtype=block_table_dtype, device=device)
         launches += _decode._decode_launches(
             query, key_cache, operands["value_cache"], tables, seq_lens, options["scale"], sliding_window, softcap,
-            sinks, *side.values(), kv_format, torch.empty_like(query),
+            sinks, *side.values(), kv_format, torch.empty_like(query), None, *tails.values(), tail_rows,
         )
     tables = torch.zeros(1, 1, dtype=block_table_dtype, device=device)
     cu_query_lens = torch.tensor([0, 1], dtype=index_dtype, device=device)
     launches += _prefill._prefill_launches(
         query, key_cache, operands["value_cache"], tables, seq_lens, cu_query_lens, options["scale"], sliding_window,
-        softcap, sinks, *side.values(), kv_format, torch.empty_like(query),
+        softcap, sinks, *side.values(), kv_format, torch.empty_like(query), *tails.values(), tail_rows,
     )
     states = torch.zeros(1, num_kv_heads, head_dim, dtype=store_dtype or dtype, device=device)
     slots = torch.zeros(1, dtype=index_dtype, device=device)
+    plan = None
+    if fmt.tail:  # one token into the tail, one block filled
+        ids = torch.zeros(1, dtype=index_dtype, device=device)
+        plan = StorePlan(slots, ids, ids, ids, ids)
     launches += _store._store_launches(states, states, slots, key_cache, operands["value_cache"], *side.values(),
-                                       kv_format)
+                                       kv_format, *tails.values(), plan)
     if pool_tensors is None:
-        pool_tensors = [t for t in (key_cache, operands["value_cache"], *side.values()) if t is not None]
+        pool_tensors = [t for t in (key_cache, operands["value_cache"], *side.values(), *tails.values())
+                        if t is not None]
     ids = torch.zeros(1, dtype=index_dtype, device=device)
     launches += _copy._copy_launches(ids, ids, pool_tensors)
     return launches
@@ -117,21 +127,21 @@ def warmup_kernels(operands: dict, num_heads: int, dtype: torch.dtype, **options
 
 
 def example_operands(kv_format: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype, device="cpu") -> dict:
-    """Zero-filled operands laid out like ``make_storage(...).attention_operands()`` (codes, float16 scales,
-    int4 zeros): for compile reports and tests that need a layer's shapes and dtypes, not its data."""
-    if kv_format == "auto":
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+                     dtype: torch.dtype, device="cpu", num_tail_rows: int = 4) -> dict:
+    """Zero-filled operands laid out like ``make_storage(...).attention_operands()`` (the ``KVFormat``'s codes,
+    float16 side data and, for a tail format, ``num_tail_rows`` tail rows in ``dtype``): for compile reports and
+    tests that need a layer's shapes and dtypes, not its data."""
+    fmt = _kv_format(kv_format)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if not fmt.quantized:
         return {"key_cache": torch.zeros(shape, dtype=dtype, device=device),
                 "value_cache": torch.zeros(shape, dtype=dtype, device=device)}
-    shape = (num_blocks, block_size, num_kv_heads, kv_data_dim(kv_format, head_dim))
-    data = kv_data_dtype(kv_format)
-    ops = {name: torch.zeros(shape, dtype=data, device=device) for name in ("key_cache", "value_cache")}
+    code_shape = (*shape[:3], fmt.code_dim(head_dim))
+    ops = {name: torch.zeros(code_shape, dtype=fmt.code_dtype(), device=device) for name in ("key_cache", "value_cache")}
+    shapes = fmt.side_shapes(num_blocks, block_size, num_kv_heads, head_dim)
     for name in _SIDE:
-        needed = "scale" in name or kv_has_zero(kv_format)
-        ops[name] = torch.zeros(shape[:3], dtype=torch.float16, device=device) if needed else None
+        ops[name] = torch.zeros(shapes[name], dtype=SIDE_DTYPE, device=device) if name in shapes else None
+    if fmt.tail:
+        for name in _TAILS:
+            ops[name] = torch.zeros((num_tail_rows, *shape[1:]), dtype=dtype, device=device)
     return {**ops, "kv_format": kv_format}
-
-
-def _head_dim(key_cache: torch.Tensor, kv_format: str) -> int:
-    return key_cache.shape[3] * 2 if kv_format == "int4" else key_cache.shape[3]

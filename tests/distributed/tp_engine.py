@@ -20,6 +20,9 @@ SETUPS = {  # name -> engine options
     "prefix_hits": dict(block_size=4, max_num_batched_tokens=16),
     "recompute": dict(block_size=4, num_blocks=18, preemption_mode="recompute", enable_prefix_caching=False),
     "swap": dict(block_size=4, num_blocks=18, preemption_mode="swap", swap_space=0.001, enable_prefix_caching=False),
+    # int4 keeps each sequence's newest partial block in a full-precision tail row: rows, tail copies, tail swaps
+    "int4_swap": dict(block_size=4, num_blocks=18, preemption_mode="swap", swap_space=0.001,
+                      kv_cache_dtype="int4"),
 }
 
 

@@ -1,0 +1,286 @@
+"""Device code shared by the paged attention kernels (decode and prefill): one pass over a sequence's keys.
+
+``attend_blocks`` walks positions ``[lo, hi)`` of the quantized (or "auto") blocks in tiles of ``BLOCK_N`` tokens
+gathered through the block table; ``attend_tail`` walks positions of the sequence's full-precision tail (formats
+with ``KVFormat.tail``: the newest, not yet full block, read from the tail pool row of the sequence). Both update
+the same online softmax (running max ``m_i``, sum ``l_i``, float32 accumulator), so a query reads its quantized
+blocks and its tail in one pass.
+
+K/V codes enter the dots as loaded (int8, float8 decoded from their bits, int4 nibbles; exact in the query's dtype)
+and the side data applies around them:
+
+- per-token scales (and zero points) scale the scores and probabilities: ``q . (c s + z) = (q . c) s + z sum(q)``,
+  ``sum_j p_j (c_j s_j + z_j) = sum_j (p_j s_j) c_j + sum_j p_j z_j``;
+- per-channel key scales (int4 keys, over a block): when a tile lies in one block (``BLOCK_SIZE >= BLOCK_N``) they
+  scale the query instead, ``q . (c * s + z) = (q * s) . c + q . z``; a tile spanning several blocks dequantizes
+  its keys (``c * s + z`` with each token's block's scales) before the dot.
+
+Plain functions here; the kernel modules decorate them on first launch (``bind``). Interpreted, they stay plain
+Python (the interpreter re-patches ``triton.language`` on every call of a jitted function) and the reductions go
+to ``tl.reduce`` with triton's own combine functions (this also works when triton was imported before
+``TRITON_INTERPRET`` was set: then ``tl.max``, ``tl.sum``... are compiled-mode functions the interpreter cannot
+call; the kernels use none of them).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ._common import Kernels, constexpr_globals, triton_interpreting
+from .kv_format import CODES_E4M3, CODES_E5M2, CODES_INT4, CODES_INT8, SIDE_CHANNEL, SIDE_TOKEN
+
+_CONSTANTS = ("CODES_E4M3", "CODES_E5M2", "CODES_INT4", "CODES_INT8", "SIDE_CHANNEL", "SIDE_TOKEN")
+
+tl = None  # triton.language, bound by bind()
+_STD_MAX = _STD_MIN = _STD_SUM = None  # triton's own combine functions (interpreter reductions)
+row_max = row_min = row_sum = None  # bound by bind()
+
+_HELPERS = ("kv_columns", "load_kv_codes", "load_kv_side", "dot", "softcap_scores", "online_softmax",
+            "key_scores", "add_values", "attend_blocks", "attend_tail")
+
+
+@functools.cache
+def bind() -> Kernels:
+    """Imports triton, binds ``tl`` and decorates the helpers (once). Returns them by name."""
+    global tl, _STD_MAX, _STD_MIN, _STD_SUM, row_max, row_min, row_sum
+    import triton
+    import triton.language as language
+
+    tl = language
+    g = globals()
+    constexpr_globals(g, _CONSTANTS)
+    if triton_interpreting():
+        standard = language.standard
+        combines = [getattr(standard, name, None) for name in ("_elementwise_max", "_elementwise_min", "_sum_combine")]
+        if all(combines):
+            _STD_MAX, _STD_MIN, _STD_SUM = combines
+            row_max, row_min, row_sum = _interpreted_max, _interpreted_min, _interpreted_sum
+        else:  # another triton layout: tl.max & co. (fine when triton was imported with TRITON_INTERPRET set)
+            row_max, row_min, row_sum = _max, _min, _sum
+    else:
+        for name in _HELPERS:
+            g[name] = triton.jit(g[name])
+        row_max, row_min, row_sum = triton.jit(_max), triton.jit(_min), triton.jit(_sum)
+    return Kernels(tl=tl, row_max=row_max, row_min=row_min, row_sum=row_sum, **{name: g[name] for name in _HELPERS})
+
+
+def _max(x, axis):
+    return tl.max(x, axis)
+
+
+def _min(x, axis):
+    return tl.min(x, axis)
+
+
+def _sum(x, axis):
+    return tl.sum(x, axis)
+
+
+def _interpreted_max(x, axis):
+    return tl.reduce(x, axis, _STD_MAX)
+
+
+def _interpreted_min(x, axis):
+    return tl.reduce(x, axis, _STD_MIN)
+
+
+def _interpreted_sum(x, axis):
+    return tl.reduce(x, axis, _STD_SUM)
+
+
+def kv_columns(stride_cd, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CODES: tl.constexpr):
+    """The code columns of a token's row: element offsets and which are real. int4: ``D_PAD // 2`` bytes of two
+    codes each (contiguous, so the loads vectorize; ``load_kv_codes`` interleaves the nibbles)."""
+    if CODES == CODES_INT4:
+        c = tl.arange(0, D_PAD // 2)
+        return c.to(tl.int64) * stride_cd, c < HEAD_DIM // 2
+    else:
+        c = tl.arange(0, D_PAD)
+        return c.to(tl.int64) * stride_cd, c < HEAD_DIM
+
+
+def load_kv_codes(Cache, row_off, valid, cols, col_ok, CODES: tl.constexpr, PADDED: tl.constexpr):
+    """K or V codes of ``row_off.shape[0]`` tokens as ``[N, D_PAD]``: the pool's values for "auto", else the codes
+    as float16 (int8, int4 nibbles) or float32 (float8 values); exact, also in bfloat16, the dtype the dots may
+    take them in. ``row_off``: each token's element offset; ``valid``: which tokens to read (others give 0);
+    ``cols, col_ok``: from ``kv_columns``; ``PADDED``: whether ``head_dim < D_PAD`` (else a row mask alone, so
+    loads vectorize)."""
+    if PADDED:
+        mask = valid[:, None] & col_ok[None, :]
+    else:
+        mask = valid[:, None]
+    raw = tl.load(Cache + (row_off[:, None] + cols[None, :]), mask=mask, other=0)
+    if CODES == CODES_INT4:  # low nibble = even column, high nibble = odd column
+        byte = raw.to(tl.int32)
+        x = tl.reshape(tl.join((byte & 15).to(tl.float16), (byte >> 4).to(tl.float16)),
+                       (raw.shape[0], 2 * raw.shape[1]))
+    elif CODES == CODES_E4M3 or CODES == CODES_E5M2:  # float8 bits (uint8): the float16 of the same value
+        bits = raw.to(tl.int32)
+        if CODES == CODES_E4M3:  # e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits: scaled by 2^-8 as float16
+            magnitude = ((bits & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        else:  # e5m2: the top byte of a float16
+            magnitude = ((bits & 0x7F) << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        x = tl.where(bits >= 128, -magnitude, magnitude)  # float32: a float16 -> bfloat16 cast of e5m2 values
+        # compiled for sm_90 into a long sequence that spilled (300-400 bytes per thread)
+    elif CODES == CODES_INT8:  # through float16: triton's interpreter converts integers to bfloat16 wrongly
+        x = raw.to(tl.float16)
+    else:  # the compute dtype
+        x = raw
+    return x
+
+
+def load_kv_side(Scale, Zero, side_off, valid, ZERO: tl.constexpr):
+    """Per-token scale and zero point (0 without zero points) of each token, float32 ``[N]``, 0 where not valid."""
+    s = tl.load(Scale + side_off, mask=valid, other=0.0).to(tl.float32)
+    if ZERO:
+        z = tl.load(Zero + side_off, mask=valid, other=0.0).to(tl.float32)
+    else:
+        z = s * 0.0
+    return s, z
+
+
+def dot(a, b, DOT: tl.constexpr):
+    """``a @ b`` with float32 accumulation; ``DOT``: see ``_common.dot_mode``."""
+    if DOT == 1:
+        return tl.dot(a, b, input_precision="ieee")
+    elif DOT == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+def softcap_scores(s, cap):
+    """``tanh(s / cap) * cap`` (tanh from exp: the interpreter has no libdevice)."""
+    t = s / cap
+    e = tl.exp(-2.0 * tl.abs(t))
+    th = (1.0 - e) / (1.0 + e)
+    return tl.where(t < 0, -th, th) * cap
+
+
+def online_softmax(s, m_i, l_i, pos, valid, row_pos, window, scale, softcap, USE_WINDOW: tl.constexpr,
+                   USE_SOFTCAP: tl.constexpr):
+    """Scales (and softcaps) raw scores ``s`` ``[M, N]``, masks keys not visible from each row (causal, window),
+    and advances the online softmax: returns ``(p, alpha, m_new, l_new)``."""
+    s = s * scale
+    if USE_SOFTCAP:
+        s = softcap_scores(s, softcap)
+    visible = valid[None, :] & (pos[None, :] <= row_pos[:, None])
+    if USE_WINDOW:
+        visible = visible & (pos[None, :] > row_pos[:, None] - window)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, row_max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + row_sum(p, 1)
+
+
+def key_scores(q, q_sum, KC, KS, KZ, table, tile, pos, valid, kv_head, cols, col_ok,
+               stride_cb, stride_co, stride_ch, stride_ksb, stride_ks1, stride_ks2,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               BLOCK_N: tl.constexpr, CODES: tl.constexpr, KEY_SIDE: tl.constexpr, ZERO: tl.constexpr,
+               DOT: tl.constexpr):
+    """Raw scores ``q . k`` ``[M, BLOCK_N]`` of the tile at position ``tile`` (its keys at ``pos``, ``valid``)."""
+    block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    row_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+    k = load_kv_codes(KC, row_off, valid, cols, col_ok, CODES, PADDED)
+    if KEY_SIDE == SIDE_CHANNEL:  # per-channel scale and zero point over each block: [block, head, channel]
+        d = tl.arange(0, D_PAD).to(tl.int64)
+        d_ok = d < HEAD_DIM
+        if BLOCK_SIZE >= BLOCK_N:  # the whole tile lies in one block: its scales scale the query
+            first = tl.load(table + tile // BLOCK_SIZE).to(tl.int64)
+            side = first * stride_ksb + kv_head * stride_ks1 + d * stride_ks2
+            k_scale = tl.load(KS + side, mask=d_ok, other=0.0).to(tl.float32)
+            k_zero = tl.load(KZ + side, mask=d_ok, other=0.0).to(tl.float32)
+            qf = q.to(tl.float32)
+            if q.dtype == tl.float16:  # q * s / top keeps float16 range; top: a power of two >= max(s)
+                top = tl.exp2(tl.ceil(tl.log2(tl.maximum(row_max(k_scale, 0), 5.9604644775390625e-08))))
+                s = dot((qf * (k_scale / top)[None, :]).to(q.dtype), tl.trans(k.to(q.dtype)), DOT) * top
+            else:
+                s = dot((qf * k_scale[None, :]).to(q.dtype), tl.trans(k.to(q.dtype)), DOT)
+            s = s + row_sum(qf * k_zero[None, :], 1)[:, None]
+        else:  # the tile spans blocks: dequantize with each token's block's scales
+            side = (block * stride_ksb + kv_head * stride_ks1)[:, None] + (d * stride_ks2)[None, :]
+            side_ok = valid[:, None] & d_ok[None, :]
+            k_scale = tl.load(KS + side, mask=side_ok, other=0.0).to(tl.float32)
+            k_zero = tl.load(KZ + side, mask=side_ok, other=0.0).to(tl.float32)
+            s = dot(q, tl.trans((k.to(tl.float32) * k_scale + k_zero).to(q.dtype)), DOT)
+    else:
+        s = dot(q, tl.trans(k.to(q.dtype)), DOT)
+        if KEY_SIDE == SIDE_TOKEN:
+            side_off = block * stride_ksb + (pos % BLOCK_SIZE) * stride_ks1 + kv_head * stride_ks2
+            k_scale, k_zero = load_kv_side(KS, KZ, side_off, valid, ZERO)
+            s = s * k_scale[None, :]
+            if ZERO:
+                s = s + q_sum[:, None] * k_zero[None, :]
+    return s, block
+
+
+def add_values(acc, p, alpha, VC, VS, VZ, block, pos, valid, kv_head, cols, col_ok, stride_cb, stride_co,
+               stride_ch, stride_vsb, stride_vso, stride_vsh, dtype, PADDED: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr, CODES: tl.constexpr, VALUE_SIDE: tl.constexpr, ZERO: tl.constexpr,
+               DOT: tl.constexpr):
+    """``acc * alpha + p @ v`` for the tile's values (codes in the dot, per-token scales on ``p``)."""
+    offset = pos % BLOCK_SIZE
+    v = load_kv_codes(VC, block * stride_cb + offset * stride_co + kv_head * stride_ch, valid, cols, col_ok, CODES,
+                      PADDED).to(dtype)
+    if VALUE_SIDE == SIDE_TOKEN:
+        v_scale, v_zero = load_kv_side(VS, VZ, block * stride_vsb + offset * stride_vso + kv_head * stride_vsh,
+                                       valid, ZERO)
+        if v.dtype == tl.float16:  # p * s / top in [0, 1], top a power of two >= max(s): no float16 underflow
+            top = tl.exp2(tl.ceil(tl.log2(tl.maximum(row_max(v_scale, 0), 5.9604644775390625e-08))))
+            acc = (acc * (alpha / top)[:, None] + dot((p * (v_scale / top)[None, :]).to(v.dtype), v, DOT)) * top
+        else:  # bfloat16 (float32's range), float32
+            acc = acc * alpha[:, None] + dot((p * v_scale[None, :]).to(v.dtype), v, DOT)
+        if ZERO:
+            acc = acc + row_sum(p * v_zero[None, :], 1)[:, None]
+    else:
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT)
+    return acc
+
+
+def attend_blocks(acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, table, kv_head, lo, hi, scale, softcap,
+                  window, stride_cb, stride_co, stride_ch, stride_cd, stride_ksb, stride_ks1, stride_ks2,
+                  stride_vsb, stride_vso, stride_vsh,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CODES: tl.constexpr, KEY_SIDE: tl.constexpr, VALUE_SIDE: tl.constexpr,
+                  ZERO: tl.constexpr, DOT: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr):
+    """The online softmax over the block pool's keys at positions ``[lo, hi)`` (rows see keys ``<= row_pos``)."""
+    cols, col_ok = kv_columns(stride_cd, HEAD_DIM, D_PAD, CODES)
+    n = tl.arange(0, BLOCK_N).to(tl.int64)
+    for tile in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        pos = tile + n
+        valid = (pos >= lo) & (pos < hi)
+        s, block = key_scores(q, q_sum, KC, KS, KZ, table, tile, pos, valid, kv_head, cols, col_ok,
+                              stride_cb, stride_co, stride_ch, stride_ksb, stride_ks1, stride_ks2,
+                              HEAD_DIM, D_PAD, PADDED, BLOCK_SIZE, BLOCK_N, CODES, KEY_SIDE, ZERO, DOT)
+        p, alpha, m_i, l_i = online_softmax(s, m_i, l_i, pos, valid, row_pos, window, scale, softcap, USE_WINDOW,
+                                            USE_SOFTCAP)
+        acc = add_values(acc, p, alpha, VC, VS, VZ, block, pos, valid, kv_head, cols, col_ok, stride_cb, stride_co,
+                         stride_ch, stride_vsb, stride_vso, stride_vsh, q.dtype, PADDED, BLOCK_SIZE, CODES,
+                         VALUE_SIDE, ZERO, DOT)
+    return acc, m_i, l_i
+
+
+def attend_tail(acc, m_i, l_i, q, row_pos, KT, VT, tail_row, kv_head, lo, hi, scale, softcap, window,
+                stride_tr, stride_to, stride_th, stride_td,
+                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                DOT: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr):
+    """The online softmax over the full-precision tail: positions ``[lo, hi)`` at ``pos % BLOCK_SIZE`` of the
+    sequence's tail row (keys and values in the compute dtype, straight into the dots)."""
+    d = tl.arange(0, D_PAD).to(tl.int64)
+    d_ok = d < HEAD_DIM
+    n = tl.arange(0, BLOCK_N).to(tl.int64)
+    base = tail_row * stride_tr + kv_head * stride_th
+    for tile in range(lo, hi, BLOCK_N):
+        pos = tile + n
+        valid = pos < hi
+        off = base + (pos % BLOCK_SIZE)[:, None] * stride_to + (d * stride_td)[None, :]
+        mask = valid[:, None] & d_ok[None, :]
+        k = tl.load(KT + off, mask=mask, other=0.0).to(q.dtype)
+        s = dot(q, tl.trans(k), DOT)
+        p, alpha, m_i, l_i = online_softmax(s, m_i, l_i, pos, valid, row_pos, window, scale, softcap, USE_WINDOW,
+                                            USE_SOFTCAP)
+        v = tl.load(VT + off, mask=mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT)
+    return acc, m_i, l_i

@@ -1,0 +1,79 @@
+"""int4 KV in the engine: prefix hits are exact, forks and swap carry each sequence's full-precision tail row.
+
+1. A prefix hit and a miss give identical logprobs (==, not a tolerance) when both compute the same forwards: the
+   prompt's cached blocks hold the same bytes as the blocks the miss quantizes (only full blocks are cached, and
+   their bytes depend only on their tokens), and the tokens after the prefix are computed in a chunk of the same
+   shape. (Chunks of other shapes change K/V in the last float bits, which can flip an int4 code: hence the shapes.)
+2. ``n > 1`` forks a sequence whose last block is partly full: the child's tail row starts as a copy of the
+   parent's. Greedy samples therefore all equal the ``n = 1`` output.
+3. Swap preemption moves a sequence's tail row to a CPU tail slot and back: the outputs equal a run on a pool
+   large enough for no preemption.
+Outputs of different batch compositions are compared with a tolerance: a batch's shape changes the float K/V in the
+last bits, and an int4 code that flips moves a value by a whole step (measured differences up to ~1e-4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_hf import PagedEngine, SamplingParams
+from models import stories_model, stories_tokenizer, story_openings
+
+BLOCK_SIZE = 4
+
+
+def token_logprobs(completion) -> list[float]:
+    """The logprob of each sampled token of a ``CompletionOutput`` (the one place that knows the format)."""
+    return [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
+
+
+@pytest.fixture(scope="module")
+def stories():
+    return stories_model("sdpa"), stories_tokenizer()
+
+
+def test_prefix_hit_equals_the_miss_exactly(stories):
+    model, tok = stories
+    prompt = tok(story_openings()[0] + " " + story_openings()[1])["input_ids"]
+    prefix = 24  # six blocks: the miss computes them in a first chunk of 24 tokens, the rest in a second chunk
+    assert len(prompt) - prefix <= prefix and len(prompt) % BLOCK_SIZE, "the rest must fit one chunk, end mid-block"
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    options = dict(block_size=BLOCK_SIZE, num_blocks=64, kv_cache_dtype="int4", max_num_batched_tokens=prefix)
+    miss = PagedEngine(model, tok, enable_prefix_caching=False, **options)
+    cold = miss.generate([prompt], params, use_tqdm=False)[0]
+    engine = PagedEngine(model, tok, enable_prefix_caching=True, **options)
+    engine.generate([prompt[: prefix + 1]], params, use_tqdm=False)  # computes (and caches) the six blocks alone
+    warm = engine.generate([prompt], params, use_tqdm=False)[0]
+    assert warm.metrics.num_prefix_cached_tokens == prefix and cold.metrics.num_prefix_cached_tokens == 0
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert token_logprobs(warm.outputs[0]) == token_logprobs(cold.outputs[0])
+    engine.check_invariants()
+    assert engine.get_stats()["kv_cache_used"] == 0
+
+
+@pytest.mark.parametrize("options", [
+    {"num_blocks": 64},
+    {"num_blocks": 11, "preemption_mode": "swap", "swap_space": 0.001},
+], ids=["roomy", "swap"])
+def test_forks_and_swap_carry_the_tail(stories, options):
+    model, tok = stories
+    prompts = [story_openings()[i] for i in (2, 3, 4)]
+    assert all(len(tok(p)["input_ids"]) % BLOCK_SIZE for p in prompts), "the prompts must end mid-block"
+    greedy = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=0)
+    reference = PagedEngine(model, tok, block_size=BLOCK_SIZE, num_blocks=64, kv_cache_dtype="int4",
+                            enable_prefix_caching=False)
+    expected = [reference.generate([p], greedy, use_tqdm=False)[0].outputs[0] for p in prompts]
+    engine = PagedEngine(model, tok, block_size=BLOCK_SIZE, kv_cache_dtype="int4", enable_prefix_caching=False,
+                         **options)
+    forked = SamplingParams(n=2, max_tokens=14, temperature=0, ignore_eos=True, logprobs=0)
+    outputs = engine.generate(prompts, forked, use_tqdm=False)
+    for out, want in zip(outputs, expected):
+        for sample in out.outputs:
+            assert sample.token_ids == want.token_ids, f"sample {sample.index} of {out.prompt!r}"
+            torch.testing.assert_close(token_logprobs(sample), token_logprobs(want), atol=5e-4, rtol=0)
+    stats = engine.get_stats()
+    if options.get("preemption_mode") == "swap":
+        assert stats["num_swapped_out"] > 0 and stats["num_swapped_in"] == stats["num_swapped_out"]
+    engine.check_invariants()
+    assert stats["kv_cache_used"] == 0
