@@ -7,6 +7,7 @@ Texts are checked against ``generate`` or ``PagedEngine.generate``. A dropped cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -31,6 +32,7 @@ class Server:
     """uvicorn in a thread on a free loopback port; stopped by the fixture."""
 
     def __init__(self, app) -> None:
+        self.app = app
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -48,22 +50,37 @@ class Server:
         self.thread.join(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def stories():
+def chat_stories():
+    """stories260K (sdpa) and its tokenizer, with a plain chat template."""
     tok = stories_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
     return stories_model("sdpa"), tok
 
 
+@contextlib.contextmanager
+def serving(stories, max_queue_len: int, max_request_bytes: int | None = None, **engine_options):
+    """``(running Server, engine)``: the app over a fresh ``PagedEngine(**engine_options)`` of ``stories``, served
+    until the block ends."""
+    model, tok = stories
+    engine = PagedEngine(model, tok, **engine_options)
+    limits = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes}
+    running = Server(build_app(engine, "stories260K", max_queue_len=max_queue_len, **limits))
+    try:
+        yield running, engine
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def stories():
+    return chat_stories()
+
+
 @pytest.fixture(scope="module")
 def server(stories):
-    model, tok = stories
-    engine = PagedEngine(model, tok, block_size=8, max_num_seqs=16, max_num_batched_tokens=256)
-    app = build_app(engine, "stories260K", max_queue_len=64)
-    running = Server(app)
-    yield running, engine
-    running.stop()
-    model.set_attn_implementation("sdpa")
+    with serving(stories, 64, block_size=8, max_num_seqs=16, max_num_batched_tokens=256) as served:
+        yield served
+    stories[0].set_attn_implementation("sdpa")
 
 
 @pytest.fixture()

@@ -20,9 +20,8 @@ openai = pytest.importorskip("openai", reason="the tests drive the server with t
 httpx = pytest.importorskip("httpx", reason="the disconnect tests send raw requests")
 
 from paged_hf import PagedEngine, SamplingParams  # noqa: E402
-from paged_hf.server.app import build_app  # noqa: E402
-from models import stories_model, stories_tokenizer, story_openings  # noqa: E402
-from test_server import CHAT_TEMPLATE, Server  # noqa: E402
+from models import story_openings  # noqa: E402
+from test_server import chat_stories, serving  # noqa: E402
 
 ENGINE_OPTIONS = dict(block_size=16, num_blocks=512, max_model_len=4096, max_num_seqs=4)
 MAX_TOKENS = 2000  # ~9 s of decoding alone on this 2-core machine (~220 tokens/s)
@@ -39,30 +38,24 @@ def logprob_entries(completion) -> list[tuple[float, dict[int, float]]]:
 
 @pytest.fixture(scope="module")
 def stories():
-    tok = stories_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    return stories_model("sdpa"), tok
+    return chat_stories()
 
 
 @pytest.fixture(scope="module")
 def server(stories):
-    model, tok = stories
-    engine = PagedEngine(model, tok, **ENGINE_OPTIONS)
-    app = build_app(engine, "stories260K", max_queue_len=8)
-    running = Server(app)
-    yield running, engine, app
-    running.stop()
+    with serving(stories, 8, **ENGINE_OPTIONS) as served:
+        yield served
 
 
 @pytest.fixture()
 def idle_server(server):
     """The server, idle before the test; after it, whatever the test left running is aborted (so that a failed
     disconnect test does not leave a request decoding for the rest of the session)."""
-    running, engine, app = server
+    running, engine = server
     assert wait_until_idle(running, time.monotonic() + 30), "the server is still busy from an earlier test"
     yield running, engine
     for request_id in list(engine.requests):
-        app.state.engine_loop.abort(request_id)
+        running.app.state.engine_loop.abort(request_id)
     assert wait_until_idle(running, time.monotonic() + 30)
 
 

@@ -15,9 +15,8 @@ pytest.importorskip("uvicorn", reason="the server needs uvicorn (pip install 'pa
 httpx = pytest.importorskip("httpx", reason="the tests send raw requests")
 
 from paged_hf import PagedEngine, SamplingParams  # noqa: E402
-from paged_hf.server.app import build_app  # noqa: E402
-from models import stories_model, stories_tokenizer, story_openings  # noqa: E402
-from test_server import CHAT_TEMPLATE, Server  # noqa: E402
+from models import story_openings  # noqa: E402
+from test_server import chat_stories, serving  # noqa: E402
 
 ENGINE_OPTIONS = dict(block_size=8, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=256, max_n=4,
                       max_stop_strings=8)
@@ -25,18 +24,13 @@ ENGINE_OPTIONS = dict(block_size=8, num_blocks=512, max_num_seqs=16, max_num_bat
 
 @pytest.fixture(scope="module")
 def stories():
-    tok = stories_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    return stories_model("sdpa"), tok
+    return chat_stories()
 
 
 @pytest.fixture(scope="module")
 def server(stories):
-    model, tok = stories
-    engine = PagedEngine(model, tok, **ENGINE_OPTIONS)
-    running = Server(build_app(engine, "stories260K", max_queue_len=16))
-    yield running, engine
-    running.stop()
+    with serving(stories, 16, **ENGINE_OPTIONS) as served:
+        yield served
 
 
 def solo_text(stories, prompt, **params) -> str:

@@ -16,9 +16,9 @@ pytest.importorskip("uvicorn", reason="the server needs uvicorn (pip install 'pa
 httpx = pytest.importorskip("httpx", reason="the tests send raw requests")
 
 from paged_hf import PagedEngine, SamplingParams  # noqa: E402
-from paged_hf.server.app import build_app  # noqa: E402
-from models import stories_model, stories_tokenizer, story_openings  # noqa: E402
-from test_server import CHAT_TEMPLATE, Server  # noqa: E402
+from models import story_openings  # noqa: E402
+from test_server import chat_stories  # noqa: E402
+from test_server import serving as serve  # noqa: E402
 from test_server_errors import COMPLETIONS, assert_error, assert_idle  # noqa: E402
 
 STOP_WITHIN = 1.5  # seconds from the client leaving to the engine holding nothing
@@ -26,20 +26,12 @@ STOP_WITHIN = 1.5  # seconds from the client leaving to the engine holding nothi
 
 @pytest.fixture(scope="module")
 def stories():
-    tok = stories_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    return stories_model("sdpa"), tok
+    return chat_stories()
 
 
-@contextlib.contextmanager
-def serving(stories, max_queue_len: int = 16, **options):
-    model, tok = stories
-    engine = PagedEngine(model, tok, **{"block_size": 16, "num_blocks": 1024, "max_num_seqs": 32, **options})
-    running = Server(build_app(engine, "stories260K", max_queue_len=max_queue_len))
-    try:
-        yield running, engine
-    finally:
-        running.stop()
+def serving(stories, **options):
+    """This file's server: a roomy pool, queue 16."""
+    return serve(stories, 16, **{"block_size": 16, "num_blocks": 1024, "max_num_seqs": 32, **options})
 
 
 async def stream_events(http, url: str, body: dict, on_first=None) -> tuple[list[str], float]:

@@ -18,9 +18,8 @@ pytest.importorskip("uvicorn", reason="the server needs uvicorn (pip install 'pa
 httpx = pytest.importorskip("httpx", reason="the tests send raw requests")
 
 from paged_hf import PagedEngine  # noqa: E402
-from paged_hf.server.app import build_app  # noqa: E402
-from models import stories_model, stories_tokenizer, story_openings  # noqa: E402
-from test_server import CHAT_TEMPLATE, Server  # noqa: E402
+from models import story_openings  # noqa: E402
+from test_server import chat_stories, serving  # noqa: E402
 from test_server_errors import assert_idle  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -29,20 +28,15 @@ import fault_load  # noqa: E402
 
 @pytest.fixture(scope="module")
 def stories():
-    tok = stories_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    return stories_model("sdpa"), tok
+    return chat_stories()
 
 
 @pytest.fixture(scope="module")
 def server(stories):
     """A short context (64 tokens) and n <= 4, so that any request a fuzzer builds finishes in a fraction of a second."""
-    model, tok = stories
-    engine = PagedEngine(model, tok, block_size=8, num_blocks=256, max_num_seqs=16, max_model_len=64, max_n=4,
-                         max_stop_strings=8)
-    running = Server(build_app(engine, "stories260K", max_queue_len=64, max_request_bytes=1 << 16))
-    yield running, engine
-    running.stop()
+    with serving(stories, 64, max_request_bytes=1 << 16, block_size=8, num_blocks=256, max_num_seqs=16,
+                 max_model_len=64, max_n=4, max_stop_strings=8) as served:
+        yield served
 
 
 # ------------------------------------------------------------------------------------------------ bodies
@@ -138,15 +132,11 @@ def test_64_clients_with_bad_requests_and_disconnects(stories):
     cases = fault_load.make_cases(story_openings(), 64, seed=0)
     fault_load.fill_expected(PagedEngine(model, tok, block_size=16, num_blocks=256, enable_prefix_caching=False),
                              cases)
-    engine = PagedEngine(model, tok, block_size=16, num_blocks=2048, max_num_seqs=64, max_num_batched_tokens=512)
-    app = build_app(engine, "stories260K", max_queue_len=256)
-    running = Server(app)
-    try:
+    with serving(stories, 256, block_size=16, num_blocks=2048, max_num_seqs=64,
+                 max_num_batched_tokens=512) as (running, engine):
         outcomes = asyncio.run(fault_load.run_clients(running.url, cases, leave_after=0.5))
-        to_idle, stats = fault_load.idle_after(app.state.engine_loop, timeout=10)
+        to_idle, stats = fault_load.idle_after(running.app.state.engine_loop, timeout=10)
         health = httpx.get(running.url + "/health").json()
-    finally:
-        running.stop()
     report = fault_load.summarize(cases, outcomes)
     assert report["requests"] == {"good": 48, "bad": 8, "leave": 8}
     assert report["good_equal_solo"] == 48, report["good_mismatches"][:3]
