@@ -89,6 +89,11 @@ def story_text_ids(tokenizer, num_tokens: int) -> torch.Tensor:
     return torch.tensor(ids)
 
 
+def token_logprobs(completion) -> list[float]:
+    """The logprob of each sampled token of a ``CompletionOutput`` (the one place tests read that format)."""
+    return [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
+
+
 def missing_model(what: str):
     """Fails the test (skips it under PAGED_HF_ALLOW_MISSING_MODELS=1): a real model or text is absent."""
     if ALLOW_MISSING_MODELS:

@@ -14,17 +14,12 @@ import torch
 from transformers import DynamicCache
 
 from paged_hf import PagedEngine, SamplingParams
-from models import tiny_model
+from models import tiny_model, token_logprobs
 
 FAMILIES = ("llama", "mistral", "gemma2")  # llama: the full-attention baseline of the same checks
 LENGTHS = (3, 9, 14, 20, 7, 17)
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
-
-
-def token_logprobs(completion) -> list[float]:
-    """The logprob of each sampled token of a ``CompletionOutput`` (the one place that knows the format)."""
-    return [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
 
 
 def prompts() -> list[list[int]]:

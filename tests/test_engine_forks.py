@@ -16,15 +16,10 @@ import pytest
 import torch
 
 from paged_hf import PagedEngine, SamplingParams
-from models import stories_model, stories_tokenizer, story_openings
+from models import stories_model, stories_tokenizer, story_openings, token_logprobs
 
 SEED = 8  # samples 0 and 1 start with token 346, sample 2 with 359: a shared tail slot would be overwritten
 BLOCK_SIZE = 4
-
-
-def token_logprobs(completion) -> list[float]:
-    """The logprob of each sampled token of a ``CompletionOutput`` (the one place that knows the format)."""
-    return [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
 
 
 @pytest.fixture(scope="module")

@@ -143,6 +143,15 @@ def assert_same_logits(got, want, auto, atol=1e-5):
     assert max((a - b).abs().max().item() for a, b in zip(got, auto)) > 1e-3, "int4 must differ from auto"
 
 
+def generate_paged_and_reference(model, prompt: torch.Tensor, **options):
+    """``generate`` on an int4 PagedCache with the "paged" attention, then on the reference cache with sdpa."""
+    model.set_attn_implementation("paged")
+    got = model.generate(prompt, cache_implementation="paged",
+                         cache_config={"block_size": BLOCK_SIZE, "kv_cache_dtype": "int4"}, **options)
+    model.set_attn_implementation("sdpa")
+    return got, model.generate(prompt, past_key_values=Int4ReferenceCache(model.config, BLOCK_SIZE), **options)
+
+
 def test_tail_to_block_transitions_in_chunked_prefill_and_decode(one_layer, text_ids):
     """Chunks that end mid-block, fill a block from the tail plus new tokens, span whole blocks, then decode steps
     that fill blocks one token at a time."""
@@ -172,11 +181,7 @@ def test_beam_search_forks_rows_with_a_partly_full_tail(one_layer, text_ids):
     prompt = text_ids[None, :10]  # 2 full blocks and a tail of 2
     options = dict(max_new_tokens=9, num_beams=3, num_return_sequences=3, do_sample=False, output_scores=True,
                    return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-    one_layer.set_attn_implementation("paged")
-    got = one_layer.generate(prompt, cache_implementation="paged",
-                             cache_config={"block_size": BLOCK_SIZE, "kv_cache_dtype": "int4"}, **options)
-    one_layer.set_attn_implementation("sdpa")
-    want = one_layer.generate(prompt, past_key_values=Int4ReferenceCache(one_layer.config, BLOCK_SIZE), **options)
+    got, want = generate_paged_and_reference(one_layer, prompt, **options)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(got.sequences_scores, want.sequences_scores, atol=1e-5, rtol=1e-5)
     for a, b in zip(got.scores, want.scores):
@@ -213,11 +218,7 @@ def test_assisted_decoding_crops_an_int4_cache_like_the_reference(one_layer, tex
     prompt = text_ids[None, :9]
     options = dict(max_new_tokens=14, do_sample=False, assistant_model=draft, eos_token_id=None, pad_token_id=0,
                    output_scores=True, return_dict_in_generate=True)
-    one_layer.set_attn_implementation("paged")
-    got = one_layer.generate(prompt, cache_implementation="paged",
-                             cache_config={"block_size": BLOCK_SIZE, "kv_cache_dtype": "int4"}, **options)
-    one_layer.set_attn_implementation("sdpa")
-    want = one_layer.generate(prompt, past_key_values=Int4ReferenceCache(one_layer.config, BLOCK_SIZE), **options)
+    got, want = generate_paged_and_reference(one_layer, prompt, **options)
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.scores, want.scores):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

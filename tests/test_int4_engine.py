@@ -18,14 +18,9 @@ import pytest
 import torch
 
 from paged_hf import PagedEngine, SamplingParams
-from models import stories_model, stories_tokenizer, story_openings
+from models import stories_model, stories_tokenizer, story_openings, token_logprobs
 
 BLOCK_SIZE = 4
-
-
-def token_logprobs(completion) -> list[float]:
-    """The logprob of each sampled token of a ``CompletionOutput`` (the one place that knows the format)."""
-    return [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
 
 
 @pytest.fixture(scope="module")

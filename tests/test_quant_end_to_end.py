@@ -21,28 +21,14 @@ import torch
 from paged_hf import PagedEngine, SamplingParams
 from models import (
     chunked_nll, dense_attention, stories_model, stories_tokenizer, story_openings, story_text_ids, tiny_model,
+    token_logprobs,
 )
+from test_generate_exact import left_padded_batch
 
 FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2", "int4")
 
 
-def token_logprobs(completion) -> list[float]:
-    """The logprob of each sampled token of a ``CompletionOutput`` (the one place that knows the format)."""
-    return [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
-
-
 # ------------------------------------------------------------------------------ 1. paged == dense over the same K/V
-
-
-def left_padded_batch(lengths=(3, 9, 14, 6), seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    input_ids = torch.zeros((len(lengths), width), dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = torch.randint(3, 512, (length,), generator=generator)
-        attention_mask[row, width - length :] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 ONE_LAYER = {

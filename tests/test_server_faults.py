@@ -4,7 +4,6 @@ a request whose forward raises while others stream, and an engine loop that dies
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -17,6 +16,7 @@ httpx = pytest.importorskip("httpx", reason="the tests send raw requests")
 
 from paged_hf import PagedEngine, SamplingParams  # noqa: E402
 from models import story_openings  # noqa: E402
+from test_engine_isolation import poisoned  # noqa: E402
 from test_server import chat_stories  # noqa: E402
 from test_server import serving as serve  # noqa: E402
 from test_server_errors import COMPLETIONS, assert_error, assert_idle  # noqa: E402
@@ -96,19 +96,6 @@ def test_a_prompt_far_past_the_context_is_refused_before_tokenizing(stories):
                               timeout=60)
         assert_error(response, 400, "prompt", "characters long")
         assert time.monotonic() - started < 1.0  # tokenizing it would take ~5 s
-
-
-@contextlib.contextmanager
-def poisoned(model, poison: int):
-    def hook(module, args):
-        if (args[0] == poison).any():
-            raise RuntimeError(f"poisoned input: token {poison}")
-
-    handle = model.get_input_embeddings().register_forward_pre_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def pick_poison(stories, prompt: str, max_tokens: int, text_tokens: int) -> tuple[int, str]:
