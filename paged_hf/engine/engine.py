@@ -50,7 +50,6 @@ class PagedEngine:
     def __init__(self, model, tokenizer=None, **options) -> None:
         self.config = EngineConfig(**options)
         self.group = tensor_parallel_group(model)
-        self._executor = None  # the followers from_pretrained started
         self._broken: TensorParallelError | None = None  # set when the tensor-parallel group broke
         self._timeout_s = DEFAULT_TIMEOUT_S
         if getattr(model.config, "is_encoder_decoder", False):
@@ -423,8 +422,7 @@ class PagedEngine:
         except BaseException:
             executor.shutdown(timeout_s=5)
             raise
-        engine._executor, engine._timeout_s = executor, distributed_timeout
-        engine.runner.executor = executor
+        engine.runner.executor, engine._timeout_s = executor, distributed_timeout
         return engine
 
     def follow(self) -> None:
@@ -455,8 +453,8 @@ class PagedEngine:
             except TensorParallelError as error:  # a dead follower: nothing to tell it
                 logger.warning("tensor-parallel shutdown: %s", error)
             self._broken = TensorParallelError("the engine was shut down")
-        if self._executor is not None:
-            executor, self._executor = self._executor, None
+        if self.runner.executor is not None:  # the followers from_pretrained started
+            executor, self.runner.executor = self.runner.executor, None
             executor.shutdown()
             torch.distributed.destroy_process_group()
 

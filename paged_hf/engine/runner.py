@@ -52,13 +52,13 @@ class ModelRunner:
     """Runs the engine's forwards. ``group``: the tensor-parallel group, whose other ranks run every forward the
     leader plans (the runner broadcasts each ``StepInput`` before running it); None on one process."""
 
-    def __init__(self, model, kv: KVManager, group=None, executor=None) -> None:
+    def __init__(self, model, kv: KVManager, group=None) -> None:
         self.model = model
         self.kv = kv
         self.cache = EngineCache(kv)
         self.device = model.device
         self.group = group
-        self.executor = executor  # the followers this process started, checked before each broadcast
+        self.executor = None  # the followers this process started (from_pretrained), checked before each broadcast
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self.last_broadcast = time.monotonic()

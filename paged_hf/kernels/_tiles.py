@@ -4,7 +4,7 @@
 gathered through the block table; ``attend_tail`` walks positions of the sequence's full-precision tail (formats
 with ``KVFormat.tail``: the newest, not yet full block, read from the tail pool row of the sequence). Both update
 the same online softmax (running max ``m_i``, sum ``l_i``, float32 accumulator), so a query reads its quantized
-blocks and its tail in one pass.
+blocks and its tail in one pass; ``attend_sequence`` splits a key range between them (what both kernels call).
 
 K/V codes enter the dots as loaded (int8, float8 decoded from their bits, int4 nibbles; exact in the query's dtype)
 and the side data applies around them:
@@ -36,7 +36,7 @@ _STD_MAX = _STD_MIN = _STD_SUM = None  # triton's own combine functions (interpr
 row_max = row_min = row_sum = None  # bound by bind()
 
 _HELPERS = ("kv_columns", "load_kv_codes", "load_kv_side", "dot", "softcap_scores", "online_softmax",
-            "key_scores", "add_values", "attend_blocks", "attend_tail")
+            "key_scores", "add_values", "attend_blocks", "attend_tail", "attend_sequence")
 
 
 @functools.cache
@@ -283,4 +283,32 @@ def attend_tail(acc, m_i, l_i, q, row_pos, KT, VT, tail_row, kv_head, lo, hi, sc
                                             USE_SOFTCAP)
         v = tl.load(VT + off, mask=mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT)
+    return acc, m_i, l_i
+
+
+def attend_sequence(acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, KT, VT, TailRows, seq, seq_len, table,
+                    kv_head, lo, hi, scale, softcap, window, stride_cb, stride_co, stride_ch, stride_cd, stride_ksb,
+                    stride_ks1, stride_ks2, stride_vsb, stride_vso, stride_vsh, stride_tr, stride_to, stride_th,
+                    stride_td, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PADDED: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CODES: tl.constexpr, KEY_SIDE: tl.constexpr,
+                    VALUE_SIDE: tl.constexpr, ZERO: tl.constexpr, DOT: tl.constexpr, USE_WINDOW: tl.constexpr,
+                    USE_SOFTCAP: tl.constexpr, TAIL: tl.constexpr):
+    """The online softmax over keys ``[lo, hi)`` of sequence ``seq`` (``seq_len`` tokens): from the blocks, and with
+    ``TAIL`` the positions from its last full block's end on from its tail row."""
+    blocks_end = hi
+    if TAIL:
+        blocks_end = tl.minimum(hi, (seq_len // BLOCK_SIZE) * BLOCK_SIZE)
+    acc, m_i, l_i = attend_blocks(
+        acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, table, kv_head, lo, blocks_end, scale, softcap,
+        window, stride_cb, stride_co, stride_ch, stride_cd, stride_ksb, stride_ks1, stride_ks2,
+        stride_vsb, stride_vso, stride_vsh, HEAD_DIM, D_PAD, PADDED, BLOCK_SIZE, BLOCK_N, CODES, KEY_SIDE,
+        VALUE_SIDE, ZERO, DOT, USE_WINDOW, USE_SOFTCAP,
+    )
+    if TAIL:
+        tail_row = tl.load(TailRows + seq).to(tl.int64)
+        acc, m_i, l_i = attend_tail(
+            acc, m_i, l_i, q, row_pos, KT, VT, tail_row, kv_head, tl.maximum(lo, blocks_end), hi, scale, softcap,
+            window, stride_tr, stride_to, stride_th, stride_td, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, DOT,
+            USE_WINDOW, USE_SOFTCAP,
+        )
     return acc, m_i, l_i

@@ -216,16 +216,16 @@ def decode_tiles(head_dim: int) -> tuple[int, dict]:
 # module's globals, which is where both triton's compiler and its interpreter look them up).
 
 tl = None  # triton.language, bound by _kernels()
-attend_blocks = attend_tail = row_max = row_sum = None  # _tiles' helpers, bound by _kernels()
+attend_sequence = row_max = row_sum = None  # _tiles' helpers, bound by _kernels()
 
 
 @functools.cache
 def _kernels():
     """Decorates this module's kernels (once, at the first launch); their helpers come from ``_tiles``."""
-    global tl, attend_blocks, attend_tail, row_max, row_sum, _decode_kernel, _decode_reduce_kernel
+    global tl, attend_sequence, row_max, row_sum, _decode_kernel, _decode_reduce_kernel
     helpers = _tiles.bind()
     tl = helpers.tl
-    attend_blocks, attend_tail = helpers.attend_blocks, helpers.attend_tail
+    attend_sequence = helpers.attend_sequence
     row_max, row_sum = helpers.row_max, helpers.row_sum
     _decode_kernel = jit_unspecialized(_decode_kernel, DECODE_NO_SPECIALIZE, ("BlockTables", "SeqLens", "TailRows"))
     _decode_reduce_kernel = jit_unspecialized(_decode_reduce_kernel, ("num_parts",), ("SeqLens",))
@@ -280,22 +280,12 @@ def _decode_kernel(
     l_i = tl.full([G_PAD], 0.0, tl.float32)
     acc = tl.full([G_PAD, D_PAD], 0.0, tl.float32)
     table = BlockTables + seq * stride_bt
-    blocks_end = end
-    if TAIL:  # positions from the last full block's end on live in the sequence's tail row
-        blocks_end = tl.minimum(end, (seq_len // BLOCK_SIZE) * BLOCK_SIZE)
-    acc, m_i, l_i = attend_blocks(
-        acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, table, kv_head, lo, blocks_end, scale, softcap,
-        window, stride_cb, stride_co, stride_ch, stride_cd, stride_ksb, stride_ks1, stride_ks2,
-        stride_vsb, stride_vso, stride_vsh, HEAD_DIM, D_PAD, PADDED, BLOCK_SIZE, BLOCK_N, CODES, KEY_SIDE,
-        VALUE_SIDE, ZERO, DOT, USE_WINDOW, USE_SOFTCAP,
+    acc, m_i, l_i = attend_sequence(
+        acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, KT, VT, TailRows, seq, seq_len, table, kv_head,
+        lo, end, scale, softcap, window, stride_cb, stride_co, stride_ch, stride_cd, stride_ksb, stride_ks1,
+        stride_ks2, stride_vsb, stride_vso, stride_vsh, stride_tr, stride_to, stride_th, stride_td, HEAD_DIM,
+        D_PAD, PADDED, BLOCK_SIZE, BLOCK_N, CODES, KEY_SIDE, VALUE_SIDE, ZERO, DOT, USE_WINDOW, USE_SOFTCAP, TAIL,
     )
-    if TAIL:
-        tail_row = tl.load(TailRows + seq).to(tl.int64)
-        acc, m_i, l_i = attend_tail(
-            acc, m_i, l_i, q, row_pos, KT, VT, tail_row, kv_head, tl.maximum(lo, blocks_end), end, scale, softcap,
-            window, stride_tr, stride_to, stride_th, stride_td, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, DOT,
-            USE_WINDOW, USE_SOFTCAP,
-        )
 
     if DIRECT:
         if USE_SINKS:  # the sink is one more logit of each head's softmax

@@ -214,16 +214,16 @@ def prefill_tiles(head_dim: int, kv_format: str) -> tuple[int, int, dict]:
 # ----------------------------------------------------------------------------------------------- kernels
 
 tl = None  # triton.language, bound by _kernels()
-attend_blocks = attend_tail = row_sum = None  # _tiles' helpers, bound by _kernels()
+attend_sequence = row_sum = None  # _tiles' helpers, bound by _kernels()
 
 
 @functools.cache
 def _kernels():
     """Decorates the prefill kernel on first launch; its helpers come from ``_tiles``."""
-    global tl, attend_blocks, attend_tail, row_sum, _prefill_kernel
+    global tl, attend_sequence, row_sum, _prefill_kernel
     helpers = _tiles.bind()
     tl = helpers.tl
-    attend_blocks, attend_tail, row_sum = helpers.attend_blocks, helpers.attend_tail, helpers.row_sum
+    attend_sequence, row_sum = helpers.attend_sequence, helpers.row_sum
     _prefill_kernel = jit_unspecialized(_prefill_kernel, PREFILL_NO_SPECIALIZE,
                                         ("BlockTables", "SeqLens", "CuQueryLens", "TailRows"))
     return Kernels(prefill=_prefill_kernel)
@@ -293,22 +293,12 @@ def _prefill_kernel(
     if USE_WINDOW:
         lo = tl.maximum(lo, context + first_query - window + 1)
     table = BlockTables + seq * stride_bt
-    blocks_end = hi
-    if TAIL:  # positions from the last full block's end on live in the sequence's tail row
-        blocks_end = tl.minimum(hi, (seq_len // BLOCK_SIZE) * BLOCK_SIZE)
-    acc, m_i, l_i = attend_blocks(
-        acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, table, kv_head, lo, blocks_end, scale, softcap,
-        window, stride_cb, stride_co, stride_ch, stride_cd, stride_ksb, stride_ks1, stride_ks2,
-        stride_vsb, stride_vso, stride_vsh, HEAD_DIM, D_PAD, PADDED, BLOCK_SIZE, BLOCK_N, CODES, KEY_SIDE,
-        VALUE_SIDE, ZERO, DOT, USE_WINDOW, USE_SOFTCAP,
+    acc, m_i, l_i = attend_sequence(
+        acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, KT, VT, TailRows, seq, seq_len, table, kv_head,
+        lo, hi, scale, softcap, window, stride_cb, stride_co, stride_ch, stride_cd, stride_ksb, stride_ks1,
+        stride_ks2, stride_vsb, stride_vso, stride_vsh, stride_tr, stride_to, stride_th, stride_td, HEAD_DIM,
+        D_PAD, PADDED, BLOCK_SIZE, BLOCK_N, CODES, KEY_SIDE, VALUE_SIDE, ZERO, DOT, USE_WINDOW, USE_SOFTCAP, TAIL,
     )
-    if TAIL:
-        tail_row = tl.load(TailRows + seq).to(tl.int64)
-        acc, m_i, l_i = attend_tail(
-            acc, m_i, l_i, q, row_pos, KT, VT, tail_row, kv_head, tl.maximum(lo, blocks_end), hi, scale, softcap,
-            window, stride_tr, stride_to, stride_th, stride_td, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, DOT,
-            USE_WINDOW, USE_SOFTCAP,
-        )
 
     out = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]
     tl.store(

@@ -50,7 +50,7 @@ def main(folder: str, backend: str) -> None:
 
     engine = PagedEngine.from_pretrained(folder, tensor_parallel_size=2, distributed_executor_backend=backend,
                                          distributed_timeout=60, **OPTIONS)
-    kill_follower(engine._executor)
+    kill_follower(engine.runner.executor)
     started = time.monotonic()
     outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
     result["dead_errors"] = [out.error for out in outs]
