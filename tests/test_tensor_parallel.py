@@ -110,6 +110,9 @@ def test_tensor_parallel_options_are_checked_before_any_process_starts(model_fol
         PagedEngine.from_pretrained(model_folders[0], tensor_parallel_size=0)
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
         PagedEngine.from_pretrained(model_folders[0], tensor_parallel_size=2, distributed_executor_backend="slurm")
+    for timeout in (0, -5, float("nan"), "60"):
+        with pytest.raises(ValueError, match="distributed_timeout must be a positive number of seconds"):
+            PagedEngine.from_pretrained(model_folders[0], tensor_parallel_size=2, distributed_timeout=timeout)
     with pytest.raises(ValueError, match="block_size"):
         PagedEngine.from_pretrained(model_folders[0], tensor_parallel_size=2, block_size=0)
     assert not torch.distributed.is_initialized()

@@ -89,11 +89,18 @@ class Executor:
             ray.shutdown()
 
 
+def check_launch_options(backend: str, timeout_s: float) -> None:
+    """ValueError naming ``distributed_executor_backend`` or ``distributed_timeout`` for a value that cannot work."""
+    if backend not in BACKENDS:
+        raise ValueError(f"distributed_executor_backend must be one of {BACKENDS}, got {backend!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+        raise ValueError(f"distributed_timeout must be a positive number of seconds, got {timeout_s!r}")
+
+
 def launch_workers(backend: str, group: GroupAddress, target: Callable, *args) -> Executor:
     """Starts ranks ``1 .. group.size - 1``, each running ``target(rank, group, *args)`` (a module-level function:
     it is pickled); the caller is rank 0 and must then join the group too."""
-    if backend not in BACKENDS:
-        raise ValueError(f"distributed_executor_backend must be one of {BACKENDS}, got {backend!r}")
+    check_launch_options(backend, group.timeout_s)
     if backend == "mp":
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch or thread state
         processes = []

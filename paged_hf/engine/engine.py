@@ -20,6 +20,7 @@ import torch
 from ..config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig, SamplingParams
 from ..distributed import tensor_parallel_group
 from ..distributed.group import DEFAULT_TIMEOUT_S, TensorParallelError
+from ..distributed.launch import check_launch_options
 from ..kv_manager import KVManager, available_memory, block_id_bytes, local_kv_heads
 from ..kv_stats import EngineStats
 from .detokenizer import IncrementalDetokenizer, decoder_for, find_stop
@@ -406,8 +407,10 @@ class PagedEngine:
         actors (``"ray"``: a Ray cluster places them, across machines too). A size that does not divide the model's
         heads, or a model without a tensor-parallel plan, is a ValueError before any process starts. A follower that
         dies is reported by the next step; a collective that waits longer than ``distributed_timeout`` seconds
-        raises. Call ``shutdown()`` when done. ``model_kwargs`` go to ``from_pretrained`` (e.g. ``dtype``).
+        raises. Call ``shutdown()`` when done. ``model_kwargs`` go to ``from_pretrained`` (e.g. ``dtype``). The backend
+        and the timeout are checked at any size; with one rank there is nothing for them to do.
         """
+        check_launch_options(distributed_executor_backend, distributed_timeout)
         model_kwargs = {"attn_implementation": "paged", **(model_kwargs or {})}
         tokenizer = _load_tokenizer(model, tokenizer)
         if tensor_parallel_size == 1:

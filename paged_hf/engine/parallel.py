@@ -26,7 +26,7 @@ import torch
 
 from ..distributed import check_tensor_parallel
 from ..distributed.group import DEFAULT_TIMEOUT_S, free_port, init_group
-from ..distributed.launch import BACKENDS, GroupAddress, ModelSpec, launch_workers
+from ..distributed.launch import GroupAddress, ModelSpec, launch_workers
 
 logger = logging.getLogger("paged_hf")
 IDLE_MESSAGE_EVERY = 0.25  # of the group's timeout
@@ -71,8 +71,6 @@ def start_tensor_parallel(model: str, tensor_parallel_size: int, backend: str, m
     tensor-parallel plan."""
     from transformers import AutoConfig  # noqa: PLC0415
 
-    if backend not in BACKENDS:
-        raise ValueError(f"distributed_executor_backend must be one of {BACKENDS}, got {backend!r}")
     config = AutoConfig.from_pretrained(model, **{k: v for k, v in model_kwargs.items() if k == "gguf_file"})
     check_tensor_parallel(config, tensor_parallel_size, type(config).__name__.replace("Config", ""))
     if torch.distributed.is_initialized():
