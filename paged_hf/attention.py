@@ -41,24 +41,26 @@ def paged_attention_forward(
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale)
         return dense_attention(query, key, value, attention_mask, scale, softcap, s_aux), None
 
-    metadata, group, storage = metadata  # AttentionMetadata, GroupMetadata, KVStorage
+    metadata, group, storage, fresh = metadata  # AttentionMetadata, GroupMetadata, KVStorage, FreshKV | None
     flat = metadata.select_new_tokens(query)  # [n, heads, head_dim], packed by sequence
     if group.window_starts is None:
-        packed = paged_attention(flat, metadata, group, storage, scale, softcap, s_aux)
+        packed = paged_attention(flat, metadata, group, storage, scale, softcap, s_aux, fresh)
     else:  # a window over a padded timeline: per-token bounds
         packed = attend_at_positions(flat, metadata.token_seqs, metadata.positions, group.window_starts, metadata,
-                                     group, storage, scale, softcap, s_aux)
+                                     group, storage, scale, softcap, s_aux, fresh)
     out = metadata.scatter_new_tokens(packed)
     if metadata.pad_queries is not None:
         pads = metadata.pad_queries
         queries = query.transpose(1, 2).reshape(-1, query.shape[1], query.shape[3]).index_select(0, pads.index)
         result = attend_at_positions(queries, pads.rows, pads.positions, pads.window_starts[group_index(metadata,
-                                     group)], metadata, group, storage, scale, softcap, s_aux)
+                                     group)], metadata, group, storage, scale, softcap, s_aux, fresh)
         out = out.reshape(-1, *out.shape[2:]).index_copy(0, pads.index, result.to(out.dtype)).view(out.shape)
+    if fresh is not None:  # a tail format: the tail rows were read as they were before this forward
+        storage.write_tails(fresh, group.store_plan)
     return out, None
 
 
-def paged_attention(flat_query, metadata, group, storage, scale, softcap, sinks) -> torch.Tensor:
+def paged_attention(flat_query, metadata, group, storage, scale, softcap, sinks, fresh=None) -> torch.Tensor:
     """Attention of a forward's packed new tokens ``[n, heads, head_dim]`` over their sequences' blocks.
 
     The first ``num_decodes`` sequences (one token each) go through the batched decode kernel, the rest through
@@ -67,8 +69,9 @@ def paged_attention(flat_query, metadata, group, storage, scale, softcap, sinks)
     are stored rotated gets the query rotated the same way (scores are unchanged), one whose values are stored
     rotated gets the output rotated back; both rotations run in float32 and their results return to the query's
     dtype, so a bf16/fp16 model attends with bf16/fp16 queries (the kernels' tensor-core path) in every format, and
-    a float32 model stays float32 throughout. A format with a full-precision tail reads each sequence's tail row
-    (``metadata.tail_rows``) in the same kernel call.
+    a float32 model stays float32 throughout. A format with a full-precision tail reads each query's own block in
+    full precision in the same kernel call: its older tokens from the sequence's tail row (``metadata.tail_rows``),
+    the forward's own from ``fresh`` (``storage.FreshKV``).
     """
     query = flat_query
     if storage.key_rotation is not None:
@@ -77,6 +80,8 @@ def paged_attention(flat_query, metadata, group, storage, scale, softcap, sinks)
     options = dict(scale=scale, sliding_window=group.window, softcap=softcap, sinks=sinks,
                    **storage.attention_operands())
     tables, seq_lens, tail_rows = group.block_tables, metadata.seq_lens, _tail_rows(metadata, storage)
+    if tail_rows is not None:
+        options.update(fresh_key=fresh.key, fresh_value=fresh.value)
     if metadata.decode_only:
         out = kernels.decode_attention(query, block_tables=tables, seq_lens=seq_lens, tail_rows=tail_rows, **options)
     elif metadata.num_decodes == 0:
@@ -86,12 +91,17 @@ def paged_attention(flat_query, metadata, group, storage, scale, softcap, sinks)
         d = metadata.num_decodes
         out = torch.empty_like(query)
         rows = (None, None) if tail_rows is None else (tail_rows[:d], tail_rows[d:])
+        parts = ({}, {}) if tail_rows is None else ({name: options[name][:d] for name in _FRESH},
+                                                     {name: options[name][d:] for name in _FRESH})
         out[:d] = kernels.decode_attention(query[:d], block_tables=tables[:d], seq_lens=seq_lens[:d],
-                                           tail_rows=rows[0], **options)
+                                           tail_rows=rows[0], **{**options, **parts[0]})
         out[d:] = kernels.prefill_attention(query[d:], block_tables=tables[d:], seq_lens=seq_lens[d:],
                                             tail_rows=rows[1], cu_query_lens=metadata.prefill_query_start_loc,
-                                            **options)
+                                            **{**options, **parts[1]})
     return out if storage.value_rotation is None else unrotate(out, storage.value_rotation).to(flat_query.dtype)
+
+
+_FRESH = ("fresh_key", "fresh_value")
 
 
 def _tail_rows(metadata, storage) -> torch.Tensor | None:
@@ -99,7 +109,7 @@ def _tail_rows(metadata, storage) -> torch.Tensor | None:
 
 
 def attend_at_positions(queries, rows, positions, window_starts, metadata, group, storage, scale, softcap,
-                        sinks) -> torch.Tensor:
+                        sinks, fresh=None) -> torch.Tensor:
     """``[E, heads, head_dim]`` queries, each of sequence ``rows[e]`` seeing its keys at positions
     ``<= positions[e]`` (and ``>= window_starts[e]`` when given): the torch path for generate's padded layouts
     (pad columns after real tokens, windows over a padded timeline), which the kernels' contiguous-query layout
@@ -107,6 +117,12 @@ def attend_at_positions(queries, rows, positions, window_starts, metadata, group
     queries = rotate(queries, storage.key_rotation)
     operands = storage.attention_operands()
     tail_rows = _tail_rows(metadata, storage)
+    if tail_rows is not None:  # each query's sequence's new tokens, [E, max new, heads, head_dim]
+        starts = metadata.query_start_loc.index_select(0, rows)
+        num_fresh = metadata.query_start_loc.index_select(0, rows + 1) - starts
+        index = (starts[:, None] + torch.arange(metadata.max_query_len, device=starts.device)[None, :])
+        index = index.clamp_max(fresh.key.shape[0] - 1)
+        operands.update(fresh_keys=fresh.key[index], fresh_values=fresh.value[index], num_fresh=num_fresh)
     out = paged_attention_core(
         queries.unsqueeze(2), positions.unsqueeze(1), operands.pop("key_cache"), operands.pop("value_cache"),
         group.block_tables.index_select(0, rows), metadata.seq_lens.index_select(0, rows), scale,

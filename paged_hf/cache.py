@@ -291,12 +291,14 @@ class PagedCache(DynamicCache):
         metadata = self._metadata
         group = metadata.groups[layer.group.index]
         storage = layer.group.storages[layer.layer_idx]
-        write_layer_kv(storage, metadata, group, key_states, value_states)
+        fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
         if layer.layer_idx == self._last_layer:
             self._state = "idle"
         if kwargs is not None and self.text_config._attn_implementation == "paged":
-            kwargs[METADATA_KEY] = (metadata, group, storage)
+            kwargs[METADATA_KEY] = (metadata, group, storage, fresh)  # the attention writes the tails after it reads
             return key_states, value_states
+        if fresh is not None:  # a dense read sees what is stored: full blocks quantized, the rest from the tails
+            storage.write_tails(fresh, group.store_plan)
         keys, values = storage.read_slots(*self._dense_slots[layer.group.index])  # [B, L, H, D]
         return keys.transpose(1, 2), values.transpose(1, 2)
 

@@ -25,7 +25,8 @@ import torch
 from .kernels.fill_blocks import StorePlan
 from .kv_manager import KVManager, SequenceKV
 
-METADATA_KEY = "paged_hf_metadata"  # the layer kwargs entry the "paged" attention reads: (AttentionMetadata, group)
+# The layer kwargs entry the "paged" attention reads: (AttentionMetadata, GroupMetadata, KVStorage, FreshKV | None).
+METADATA_KEY = "paged_hf_metadata"
 
 
 @dataclass
@@ -194,8 +195,9 @@ def _bucket(num_blocks: int) -> int:
 
 
 def write_layer_kv(storage, metadata: AttentionMetadata, group: GroupMetadata, key_states: torch.Tensor,
-                   value_states: torch.Tensor) -> None:
+                   value_states: torch.Tensor):
     """Stores one layer's new K/V (``[B, kv_heads, q, head_dim]``, new tokens per ``metadata``) at their slots (a
-    tail format: as the group's ``StorePlan`` says)."""
-    storage.write(group.slot_mapping, metadata.select_new_tokens(key_states),
-                  metadata.select_new_tokens(value_states), group.store_plan)
+    tail format: the blocks that fill, as the group's ``StorePlan`` says). Returns the storage's ``FreshKV`` (a tail
+    format: its tail writes, ``storage.write_tails``, must follow the layer's attention), else None."""
+    return storage.write(group.slot_mapping, metadata.select_new_tokens(key_states),
+                         metadata.select_new_tokens(value_states), group.store_plan)

@@ -25,7 +25,7 @@ from .kernels import dispatch
 from .kernels.kv_format import KV_FORMATS, SIDE_DTYPE, KVFormat, kv_format
 from .kernels.kv_quant import dequantize_channels_ref, dequantize_kv_ref
 from .rotation import kv_rotation, rotate, unrotate
-from .storage import KVStorage
+from .storage import FreshKV, KVStorage
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
 _ALIASES = {"fp8": "fp8_e4m3"}
@@ -142,16 +142,28 @@ class QuantizedKVStorage(KVStorage):
             operands.update(self.tail_tensors())
         return {**operands, "kv_format": self.kv_format}
 
-    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan=None) -> None:
+    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan=None) -> FreshKV | None:
         """Rotates (as the format says) and quantizes ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into ``slots``
-        ``[n]`` (int64); a tail format stores as its ``StorePlan`` ``plan`` says (``metadata`` builds it)."""
+        ``[n]`` (int64). A tail format quantizes the blocks that fill as its ``StorePlan`` ``plan`` says
+        (``metadata`` builds it) and returns the forward's ``FreshKV``: the attention reads the queries' own blocks
+        from it, and ``write_tails`` must follow the attention."""
         if self.has_tail and plan is None:
             raise ValueError(f"kv_cache_dtype={self.kv_format!r} keeps a full-precision tail: write needs the "
                              f"forward's StorePlan")
         key = rotate(key, self.key_rotation).float()
         value = rotate(value, self.value_rotation).float()
-        extra = {"plan": plan} if self.has_tail else {}
-        self.kernels.store(key, value, slots, **self.attention_operands(), **extra)
+        if not self.has_tail:
+            self.kernels.store(key, value, slots, **self.attention_operands())
+            return None
+        fresh = FreshKV(key.to(self.key_tail.dtype), value.to(self.value_tail.dtype))
+        self.kernels.store(fresh.key, fresh.value, slots, **self.attention_operands(), plan=plan)
+        return fresh
+
+    def write_tails(self, fresh: FreshKV, plan) -> None:
+        """Writes the forward's new tokens whose block is not full into their tail rows (after the attention,
+        which reads the tail rows as they were before the forward)."""
+        if self.has_tail:
+            self.kernels.store_tails(fresh.key, fresh.value, self.key_tail, self.value_tail, plan)
 
     def _dequantize(self, which: str, index, unrotated: bool = True) -> torch.Tensor:
         """Dequantized K or V (float32; un-rotated unless ``unrotated=False``) of ``index`` (block ids ``[*S]`` or

@@ -6,9 +6,21 @@ slots a sequence owns. Quantized formats subclass ``KVStorage`` and keep the sam
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .kernels import dispatch
+
+
+class FreshKV(NamedTuple):
+    """A forward's new K and V as a tail format holds them in full precision: ``[n, num_kv_heads, head_dim]`` each,
+    rotated as the storage stores them, in the tail pools' dtype, packed by sequence like the forward's new tokens.
+    The store returns them; the attention reads each query's own block from them (and the tail row), and the tail
+    writes take them after the attention (``QuantizedKVStorage.write_tails``)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
 
 
 class KVStorage:
@@ -75,11 +87,16 @@ class KVStorage:
         """The raw tensors a paged attention kernel reads (keyword arguments of the kernels' launchers)."""
         return {"key_cache": self.key_cache, "value_cache": self.value_cache}
 
-    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan=None) -> None:
+    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan=None) -> FreshKV | None:
         """Stores ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into ``slots`` ``[n]`` (int64), quantizing for
         quantized formats (the ``store_kv`` kernel on CUDA, its torch reference elsewhere). ``plan``: the
-        ``StorePlan`` of a format with a tail (ignored here)."""
+        ``StorePlan`` of a format with a tail (ignored here). Returns the ``FreshKV`` a tail format's attention and
+        ``write_tails`` need; None here."""
         self.kernels.store(key, value, slots, **self.attention_operands())
+        return None
+
+    def write_tails(self, fresh: FreshKV, plan) -> None:
+        """A tail format's tail writes (after the forward's attention); nothing here."""
 
     def read_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``block_ids`` (any shape ``S``) as ``[*S, block_size, num_kv_heads, head_dim]``."""

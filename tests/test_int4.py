@@ -4,9 +4,10 @@ storage and ``PagedCache``.
 1. Storage: a block's bytes are those of ``kv_quant`` on the block's own tokens (keys unrotated per channel, values
    rotated per token), whichever way its tokens arrived (one chunk, decode steps, random chunks), also in bfloat16.
 2. ``PagedCache`` + the "paged" attention against ``Int4ReferenceCache`` (full precision + fake-quantized full
-   blocks, ``int4_reference.py``) + sdpa: the tail-to-block transition inside a chunked prefill and at decode, beam
-   search forking rows with a partly full tail, and ``crop`` back into a quantized block (the policy: its kept tokens
-   are dequantized into the tail). A one-layer stories260K: both caches then hold K/V from bit-identical
+   blocks, each query's own block exact: ``int4_reference.py``): the tail-to-block transition inside a chunked
+   prefill and at decode, beam search forking rows with a partly full tail, and ``crop`` back into a quantized block
+   (the policy: its kept tokens are dequantized into the tail); a dense attention over the same cache reads what is
+   stored (the reference's "stored" policy). A one-layer stories260K: both caches then hold K/V from bit-identical
    projections, so the logits agree to float32 rounding (measured below 3e-7), while they differ from "auto" by
    far more (the quantization is really there).
 """
@@ -18,8 +19,9 @@ import torch
 import transformers
 
 import paged_hf
-from int4_reference import Int4ReferenceCache, fake_quantize_blocks
-from models import require_stories, story_text_ids, stories_tokenizer
+from int4_reference import Int4ReferenceCache, fake_quantize_blocks, own_block_attention
+from models import require_stories, story_text_ids, stories_tokenizer, tiny_model
+from test_generate_exact import left_padded_batch
 from paged_hf.kernels.fill_blocks import StorePlan
 from paged_hf.kernels.kv_quant import quantize_channels_ref, quantize_kv_ref
 from paged_hf.quant import make_storage
@@ -45,7 +47,8 @@ def store_sequence(storage, key, value, blocks: list[int], row: int, chunks: lis
         plan = StorePlan(tail_slots, torch.tensor(blocks)[filled], torch.full_like(filled, row),
                          filled * bs - start, (start - filled * bs).clamp_min(0))
         slots = torch.tensor(blocks)[positions // bs] * bs + positions % bs
-        storage.write(slots, key[start:end], value[start:end], plan)
+        fresh = storage.write(slots, key[start:end], value[start:end], plan)
+        storage.write_tails(fresh, plan)  # (a forward's attention would read between the two)
         start = end
     assert start == key.shape[0]
 
@@ -148,7 +151,7 @@ def generate_paged_and_reference(model, prompt: torch.Tensor, **options):
     model.set_attn_implementation("paged")
     got = model.generate(prompt, cache_implementation="paged",
                          cache_config={"block_size": BLOCK_SIZE, "kv_cache_dtype": "int4"}, **options)
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(own_block_attention(BLOCK_SIZE))
     return got, model.generate(prompt, past_key_values=Int4ReferenceCache(model.config, BLOCK_SIZE), **options)
 
 
@@ -158,20 +161,24 @@ def test_tail_to_block_transitions_in_chunked_prefill_and_decode(one_layer, text
     chunks = [5, 3, 7, 8, 1, 1, 1, 1, 1, 1, 1, 1, 1]
     ids = text_ids[: sum(chunks)]
     got = stepwise_logits(one_layer, ids, chunks, paged(one_layer), "paged")
-    want = stepwise_logits(one_layer, ids, chunks, Int4ReferenceCache(one_layer.config, BLOCK_SIZE), "sdpa")
+    want = stepwise_logits(one_layer, ids, chunks, Int4ReferenceCache(one_layer.config, BLOCK_SIZE),
+                           own_block_attention(BLOCK_SIZE))
     auto = stepwise_logits(one_layer, ids, chunks, paged(one_layer, "auto"), "paged")
     assert_same_logits(got, want, auto)
 
 
-def test_dense_attention_over_int4_reads_the_same_cache(one_layer, text_ids):
-    """The gathered path (sdpa over ``PagedCache.update``'s dense K/V) reads full blocks dequantized and the tail
-    from the tail rows: the same logits as the paged attention."""
+def test_dense_attention_over_int4_reads_what_is_stored(one_layer, text_ids):
+    """The gathered path (sdpa over ``PagedCache.update``'s dense K/V) reads full blocks dequantized and the rest
+    from the tail rows: the reference's "stored" policy. The paged attention differs where a query's own block is
+    full (it reads that block exact)."""
     chunks = [6, 5, 1, 1, 1]
     ids = text_ids[: sum(chunks)]
     got = stepwise_logits(one_layer, ids, chunks, paged(one_layer), "sdpa")
-    want = stepwise_logits(one_layer, ids, chunks, paged(one_layer), "paged")
+    want = stepwise_logits(one_layer, ids, chunks, Int4ReferenceCache(one_layer.config, BLOCK_SIZE, "stored"), "sdpa")
     auto = stepwise_logits(one_layer, ids, chunks, paged(one_layer, "auto"), "paged")
     assert_same_logits(got, want, auto)
+    own = stepwise_logits(one_layer, ids, chunks, paged(one_layer), "paged")
+    assert max((a - b).abs().max().item() for a, b in zip(got, own)) > 1e-4
 
 
 @torch.no_grad()
@@ -192,8 +199,9 @@ def test_crop_back_into_a_quantized_block(one_layer, text_ids):
     """``crop`` (assisted decoding's rollback) to a length inside a block that was full: the kept tokens of that block
     come back into the tail at their dequantized values, and the block is quantized again when it refills."""
     cache, reference = paged(one_layer), Int4ReferenceCache(one_layer.config, BLOCK_SIZE)
+    reference_attention = own_block_attention(BLOCK_SIZE)
     got = stepwise_logits(one_layer, text_ids[:17], [11, 6], cache, "paged")  # 4 full blocks + 1 token
-    want = stepwise_logits(one_layer, text_ids[:17], [11, 6], reference, "sdpa")
+    want = stepwise_logits(one_layer, text_ids[:17], [11, 6], reference, reference_attention)
     cache.crop(-7)  # back to 10 tokens: block 2 (positions 8..11) was full, 8 and 9 are kept
     reference.crop(-7)
     cache.check_invariants()
@@ -206,7 +214,7 @@ def test_crop_back_into_a_quantized_block(one_layer, text_ids):
     k_full, _ = storage.read_blocks(torch.tensor([seq.tables[0].blocks[2].block_id]))
     assert torch.equal(storage.key_tail[seq.row, :2], k_full[0, :2]), "kept tokens: the block's dequantized keys"
     got += stepwise_logits(one_layer, rest[1:], chunks[1:], cache, "paged")
-    want += stepwise_logits(one_layer, rest, chunks, reference, "sdpa")
+    want += stepwise_logits(one_layer, rest, chunks, reference, reference_attention)
     auto = stepwise_logits(one_layer, text_ids[:17], [11, 6], paged(one_layer, "auto"), "paged")
     assert_same_logits(got, want, auto)
 
@@ -222,3 +230,43 @@ def test_assisted_decoding_crops_an_int4_cache_like_the_reference(one_layer, tex
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.scores, want.scores):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_own_block_reads_with_sliding_window_and_softcap(family, text_ids):
+    """The own-block policy composes with a sliding window (mistral: 6, gemma2: 6 and softcap 50): chunks across
+    blocks, then decode steps, against the reference."""
+    overrides = {"num_hidden_layers": 1}
+    if family == "gemma2":
+        overrides["layer_types"] = ["sliding_attention"]
+    model = tiny_model(family, "paged", **overrides)
+    chunks = [5, 7, 9, 1, 1, 1, 1, 1]
+    ids = text_ids[: sum(chunks)] % model.config.vocab_size
+    got = stepwise_logits(model, ids, chunks, paged(model), "paged")
+    want = stepwise_logits(model, ids, chunks, Int4ReferenceCache(model.config, BLOCK_SIZE),
+                           own_block_attention(BLOCK_SIZE))
+    auto = stepwise_logits(model, ids, chunks, paged(model, "auto"), "paged")
+    assert_same_logits(got, want, auto)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_left_padded_rows_equal_their_single_runs(family):
+    """generate's padded layouts (left pads, windows over the padded timeline, pad queries) read each row's own
+    block like an unpadded run of that row: the same greedy tokens and logits (one-layer models, so both runs store
+    the same codes)."""
+    overrides = {"num_hidden_layers": 1}
+    if family == "gemma2":
+        overrides["layer_types"] = ["sliding_attention"]
+    model = tiny_model(family, "paged", **overrides)
+    batch = left_padded_batch()
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None, return_dict_in_generate=True,
+                   output_logits=True, cache_implementation="paged",
+                   cache_config={"block_size": BLOCK_SIZE, "kv_cache_dtype": "int4"})
+    together = model.generate(**batch, **options)
+    width = batch["input_ids"].shape[1]
+    for row in range(batch["input_ids"].shape[0]):
+        real = batch["attention_mask"][row].bool()
+        alone = model.generate(input_ids=batch["input_ids"][row, real][None], **options)
+        assert torch.equal(alone.sequences[0, real.sum():], together.sequences[row, width:])
+        for step_alone, step_together in zip(alone.logits, together.logits):
+            torch.testing.assert_close(step_alone[0], step_together[row], atol=1e-5, rtol=1e-5)

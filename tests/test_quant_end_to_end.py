@@ -2,7 +2,9 @@
 ``test_attention_ref.py`` / ``test_kernels.py`` (attention over pools quantized without the rotation) cannot make.
 
 1. The ``"paged"`` attention over a quantized ``PagedCache`` equals dense attention (sdpa, or eager for Gemma2) over
-   the same cache's dequantized K/V (the gathered path), within 1e-5 in float32. One-layer models, so both paths
+   the same cache's dequantized K/V (the gathered path), within 1e-5 in float32. (Not int4: its paged attention
+   reads each query's own block exact, which a dense K/V cannot express; ``test_int4.py`` checks it against a
+   reference, padded batches and windows included.) One-layer models, so both paths
    store exactly the same codes: a deeper model's later layers see hidden states that differ in the last bit, a
    code can round the other way and the paths then differ by up to ~3e-4 for reasons unrelated to the attention.
    Sliding window and softcap included.
@@ -47,7 +49,7 @@ def greedy_on_quantized_cache(family: str, attention: str, kv_format: str):
     )
 
 
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", [f for f in FORMATS if f != "int4"])
 @pytest.mark.parametrize("family", list(ONE_LAYER))
 def test_paged_attention_equals_dense_attention_over_the_dequantized_cache(family, kv_format):
     paged = greedy_on_quantized_cache(family, "paged", kv_format)

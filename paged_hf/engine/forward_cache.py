@@ -25,13 +25,13 @@ class _EngineLayer(CacheLayerMixin):
         metadata = self.cache.metadata
         group = metadata.groups[self.group.index]
         storage = self.group.storages[self.layer_idx]
-        write_layer_kv(storage, metadata, group, key_states, value_states)
+        fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
         if kwargs is None:
             raise RuntimeError(
                 f"{type(self).__name__}: layer {self.layer_idx} called cache.update without kwargs, so the paged "
                 f"attention cannot receive the step's block tables; the engine needs a model that passes kwargs"
             )
-        kwargs[METADATA_KEY] = (metadata, group, storage)
+        kwargs[METADATA_KEY] = (metadata, group, storage, fresh)  # the attention writes the tails after it reads
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

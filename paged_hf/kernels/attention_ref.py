@@ -6,7 +6,13 @@ contexts, softcap and attention sinks go one chunk of blocks at a time with an o
 as the GPU kernels), so no dense copy of a whole batch's K/V beyond one chunk is ever built.
 
 Blocks are dequantized as they are read (``read_blocks``: per-token or per-channel side data, as the ``KVFormat``
-says); a format with a full-precision tail reads each sequence's partial last block from its tail row instead.
+says). A format with a full-precision tail (int4) reads each query's *own block* in full precision: a query at
+position ``p`` sees the keys before its block start ``p // block_size * block_size`` as stored (quantized full
+blocks, also those this forward filled) and the keys of its own block, up to ``p``, exact: the ones older than the
+forward from its sequence's tail row (as it was before the forward: the tail writes come after the attention), the
+forward's own from its new K/V (``fresh_*``). So a decode step and a prefill chunk see the same values for the same
+tokens, whatever the chunking; and since only full blocks are read quantized and a prefix hit shares full blocks
+only, a prefix hit and a miss still attend to the same values.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ def paged_attention_core(
     key_tail: torch.Tensor | None = None,
     value_tail: torch.Tensor | None = None,
     tail_rows: torch.Tensor | None = None,
+    fresh_keys: torch.Tensor | None = None,
+    fresh_values: torch.Tensor | None = None,
+    num_fresh: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of queries against the paged K/V of their sequences.
 
@@ -58,8 +67,12 @@ def paged_attention_core(
         window_starts: ``[B, n]`` the first key position each query sees, in place of ``sliding_window`` (a window
             measured over a padded timeline, where pads take window room), or None.
         key_tail, value_tail, tail_rows: formats with a full-precision tail: ``[rows, block_size, num_kv_heads,
-            head_dim]`` pools in the compute dtype and ``[B]`` each sequence's row; positions from
-            ``seq_lens // block_size * block_size`` on are read there (the last block is not full yet).
+            head_dim]`` pools in the compute dtype and ``[B]`` each sequence's row, holding the tokens of its last
+            block older than the forward (positions ``ctx // block_size * block_size .. ctx - 1``, ``ctx =
+            seq_lens - num_fresh``).
+        fresh_keys, fresh_values, num_fresh: tail formats: the forward's new K/V of each sequence, ``[B, W,
+            num_kv_heads, head_dim]`` (rotated as stored), its first ``num_fresh[b]`` entries at positions ``ctx ..
+            seq_lens - 1``. A query reads its own block from the tail row and these (module docstring).
 
     Returns ``[B, num_heads, n, head_dim]`` in ``query.dtype``; computed in float32.
     """
@@ -68,7 +81,7 @@ def paged_attention_core(
     group = num_heads // num_kv_heads
     assert group * num_kv_heads == num_heads, f"{num_heads=} is not a multiple of {num_kv_heads=}"
     pools = KVPools(key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, key_tail,
-                    value_tail, tail_rows)
+                    value_tail, tail_rows, fresh_keys, fresh_values, num_fresh)
     num_blocks = block_tables.shape[1]
     if not torch.compiler.is_compiling():  # read only the blocks that hold tokens (a host sync: eager only)
         max_len = int(seq_lens.max()) if seq_lens.numel() else 0
@@ -96,17 +109,29 @@ def paged_attention_core(
     row_starts = None
     if window_starts is not None:
         row_starts = window_starts.unsqueeze(1).expand(batch, group, num_queries).reshape(batch, 1, rows)
-    for first in range(0, num_blocks, blocks_per_chunk):
-        k, v = pools.read(block_tables[:, first : first + blocks_per_chunk].long(), first, seq_lens)
+    steps = [(first, None) for first in range(0, num_blocks, blocks_per_chunk)]
+    if pools.fmt.tail:  # then each query's own block, in full precision
+        steps.append((None, pools.own_blocks(seq_lens)))
+    for first, own in steps:
+        if own is None:
+            k, v = pools.read(block_tables[:, first : first + blocks_per_chunk].long())
+            key_positions = torch.arange(first * block_size, first * block_size + k.shape[2], device=q.device)
+            key_positions = key_positions.view(1, 1, 1, -1)
+            visible = key_positions <= row_positions.unsqueeze(-1)
+            if pools.fmt.tail:  # the quantized copy of a key is read from outside the query's own block only
+                visible &= key_positions // block_size < row_positions.unsqueeze(-1) // block_size
+        else:
+            k, v, own_positions, own_valid = own
+            key_positions = own_positions.view(batch, 1, 1, -1)
+            visible = own_valid.view(batch, 1, 1, -1) & (key_positions <= row_positions.unsqueeze(-1)) \
+                & (key_positions // block_size == row_positions.unsqueeze(-1) // block_size)
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, kv_heads, rows, L]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        key_positions = torch.arange(first * block_size, first * block_size + k.shape[2], device=q.device)
-        visible = key_positions.view(1, 1, 1, -1) <= row_positions.unsqueeze(-1)
         if row_starts is not None:
-            visible &= key_positions.view(1, 1, 1, -1) >= row_starts.unsqueeze(-1)
+            visible &= key_positions >= row_starts.unsqueeze(-1)
         elif sliding_window is not None:
-            visible &= key_positions.view(1, 1, 1, -1) > (row_positions.unsqueeze(-1) - sliding_window)
+            visible &= key_positions > (row_positions.unsqueeze(-1) - sliding_window)
         scores = scores.masked_fill(~visible, float("-inf"))
 
         chunk_max = torch.maximum(running_max, scores.amax(-1))
@@ -126,10 +151,20 @@ def _single_chunk_attention(query, query_positions, pools, block_tables, seq_len
                             window_starts) -> torch.Tensor:
     """``paged_attention_core`` for a batch whose keys are read at once: one gather, one fused SDPA call."""
     batch, num_heads, num_queries, head_dim = query.shape
-    k, v = pools.read(block_tables.long(), 0, seq_lens)  # [B, kv_heads, L, D]
+    k, v = pools.read(block_tables.long())  # [B, kv_heads, L, D]
     key_positions = torch.arange(k.shape[2], device=query.device).view(1, 1, -1)
     rows = query_positions.unsqueeze(-1)  # [B, n, 1]
     visible = key_positions <= rows
+    if pools.fmt.tail:  # quantized keys from outside each query's own block, then its own block exact
+        block_size = pools.block_size
+        visible &= key_positions // block_size < rows // block_size
+        own_k, own_v, own_positions, own_valid = pools.own_blocks(seq_lens)
+        own_positions = own_positions.unsqueeze(1)  # [B, 1, W]
+        own_visible = own_valid.unsqueeze(1) & (own_positions <= rows) \
+            & (own_positions // block_size == rows // block_size)
+        k, v = torch.cat([k, own_k], dim=2), torch.cat([v, own_v], dim=2)
+        key_positions = torch.cat([key_positions.expand(batch, 1, -1), own_positions], dim=2)
+        visible = torch.cat([visible, own_visible], dim=2)
     if window_starts is not None:
         visible &= key_positions >= window_starts.unsqueeze(-1)
     elif sliding_window is not None:
@@ -142,35 +177,56 @@ def _single_chunk_attention(query, query_positions, pools, block_tables, seq_len
 
 
 class KVPools:
-    """The pool operands of one attention call; ``read`` dequantizes blocks (and substitutes tails)."""
+    """The pool operands of one attention call: ``read`` dequantizes blocks, ``own_blocks`` gives a tail format's
+    full-precision window of each sequence's own blocks (tail row + new K/V)."""
 
     def __init__(self, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, key_tail,
-                 value_tail, tail_rows) -> None:
+                 value_tail, tail_rows, fresh_keys=None, fresh_values=None, num_fresh=None) -> None:
         self.fmt = _kv_format(kv_format)
         self.key = (key_cache, key_scale, key_zero, self.fmt.key_side)
         self.value = (value_cache, value_scale, value_zero, self.fmt.value_side)
         self.tails = (key_tail, value_tail)
         self.tail_rows = tail_rows
+        self.fresh = (fresh_keys, fresh_values)
+        self.num_fresh = num_fresh
         self.block_size = key_cache.shape[1]
-        if self.fmt.tail and (key_tail is None or value_tail is None or tail_rows is None):
-            raise ValueError(f"kv_format={kv_format!r} keeps a full-precision tail: pass key_tail, value_tail and "
-                             f"tail_rows")
+        if self.fmt.tail and any(t is None for t in (key_tail, value_tail, tail_rows, fresh_keys, fresh_values,
+                                                      num_fresh)):
+            raise ValueError(f"kv_format={kv_format!r} keeps a full-precision tail: pass key_tail, value_tail, "
+                             f"tail_rows, fresh_keys, fresh_values and num_fresh")
 
-    def read(self, ids: torch.Tensor, first: int, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of blocks ``ids`` ``[B, n]`` (block ``first + j`` of each sequence) as float32
-        ``[B, kv_heads, n * block_size, head_dim]``."""
+    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of blocks ``ids`` ``[B, n]`` as float32 ``[B, kv_heads, n * block_size, head_dim]``, as stored (a
+        tail format's partial last block reads whatever its codes hold: ``own_blocks`` replaces it)."""
         out = []
-        for (cache, scale, zero, side), tail in zip((self.key, self.value), self.tails):
+        for cache, scale, zero, side in (self.key, self.value):
             blocks = read_blocks(cache, scale, zero, self.fmt.name, ids, side)  # [B, n, bs, H, D]
-            if self.fmt.tail:  # the block holding a sequence's partial tail: read its tail row instead
-                index = torch.arange(first, first + ids.shape[1], device=ids.device)
-                seq_lens = seq_lens.to(ids.device).long()
-                is_tail = (index[None, :] == seq_lens[:, None] // self.block_size) \
-                    & (seq_lens % self.block_size != 0)[:, None]
-                rows = tail[self.tail_rows.to(tail.device).long()].float()  # [B, bs, H, D]
-                blocks = torch.where(is_tail[:, :, None, None, None], rows[:, None], blocks)
             out.append(blocks.flatten(1, 2).transpose(1, 2))
         return out[0], out[1]
+
+    def own_blocks(self, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tail formats: the full-precision keys a sequence's queries may read in their own blocks, ``(k, v,
+        positions, valid)``: K/V float32 ``[B, kv_heads, block_size + W, head_dim]``, their positions and whether
+        they hold a token ``[B, block_size + W]``. Entries ``j < block_size``: offset ``j`` of the tail row, the
+        block where the forward starts (valid below the forward's first position ``ctx``); then the ``W`` new
+        tokens (the first ``num_fresh``)."""
+        bs = self.block_size
+        device = self.fresh[0].device
+        num_fresh = self.num_fresh.to(device).long()
+        ctx = seq_lens.to(device).long() - num_fresh
+        first = ctx // bs * bs
+        offsets = torch.arange(bs, device=device)
+        width = self.fresh[0].shape[1]
+        fresh_index = torch.arange(width, device=device)
+        positions = torch.cat([first[:, None] + offsets[None, :], ctx[:, None] + fresh_index[None, :]], dim=1)
+        valid = torch.cat([first[:, None] + offsets[None, :] < ctx[:, None], fresh_index[None, :] < num_fresh[:, None]],
+                          dim=1)
+        out = []
+        rows = self.tail_rows.to(device).long()
+        for tail, fresh in zip(self.tails, self.fresh):
+            window = torch.cat([tail[rows].float(), fresh.float()], dim=1)  # [B, bs + W, H, D]
+            out.append(window.transpose(1, 2))
+        return out[0], out[1], positions, valid
 
 
 def read_blocks(cache, scale, zero, kv_format: str, ids: torch.Tensor, side: str = "token") -> torch.Tensor:

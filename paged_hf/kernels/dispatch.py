@@ -70,6 +70,7 @@ class KernelSet:
     decode_attention: Callable
     prefill_attention: Callable
     store: Callable
+    store_tails: Callable
     copy: Callable
     triton: bool
 
@@ -80,7 +81,7 @@ def select(device) -> KernelSet:
 
     if use_triton(device):
         return KernelSet(paged_decode_attention.paged_decode_attention, paged_prefill_attention.paged_prefill_attention,
-                         store_kv.store_kv, copy_blocks.copy_blocks, triton=True)
+                         store_kv.store_kv, store_kv.store_tails, copy_blocks.copy_blocks, triton=True)
     return KernelSet(paged_decode_attention.paged_decode_attention_ref,
                      paged_prefill_attention.paged_prefill_attention_ref, store_kv.store_kv_ref,
-                     copy_blocks.copy_blocks_ref, triton=False)
+                     store_kv.store_tails_ref, copy_blocks.copy_blocks_ref, triton=False)

@@ -68,6 +68,8 @@ def paged_decode_attention_ref(
     key_tail: torch.Tensor | None = None,
     value_tail: torch.Tensor | None = None,
     tail_rows: torch.Tensor | None = None,
+    fresh_key: torch.Tensor | None = None,
+    fresh_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference.
 
@@ -75,17 +77,22 @@ def paged_decode_attention_ref(
         query: ``[S, num_heads, head_dim]``, the token at position ``seq_lens[s] - 1`` of each sequence.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; the query's own K/V is
             already stored. Quantized pools add ``key_scale`` .. ``kv_format``, tail formats ``key_tail``,
-            ``value_tail`` and ``tail_rows`` (see ``paged_attention_core``).
+            ``value_tail``, ``tail_rows`` (see ``paged_attention_core``) and ``fresh_key`` / ``fresh_value``
+            ``[S, num_kv_heads, head_dim]``: each query's own K/V as the store got them (``storage.FreshKV``).
         block_tables: ``[S, max_blocks]`` int32/int64.
         seq_lens: ``[S]`` tokens held per sequence, the query's own included (>= 1).
 
     Returns ``[S, num_heads, head_dim]``.
     """
     positions = (seq_lens.long() - 1).unsqueeze(1)
+    fresh = {}
+    if fresh_key is not None:
+        fresh = dict(fresh_keys=fresh_key.unsqueeze(1), fresh_values=fresh_value.unsqueeze(1),
+                     num_fresh=torch.ones_like(positions[:, 0]))
     out = paged_attention_core(
         query.unsqueeze(2), positions, key_cache, value_cache, block_tables, seq_lens,
         scale, sliding_window, softcap, sinks, key_scale, value_scale, key_zero, value_zero, kv_format,
-        key_tail=key_tail, value_tail=value_tail, tail_rows=tail_rows,
+        key_tail=key_tail, value_tail=value_tail, tail_rows=tail_rows, **fresh,
     )
     return out.squeeze(2)
 

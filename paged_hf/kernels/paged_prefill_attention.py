@@ -73,6 +73,8 @@ def paged_prefill_attention_ref(
     key_tail: torch.Tensor | None = None,
     value_tail: torch.Tensor | None = None,
     tail_rows: torch.Tensor | None = None,
+    fresh_key: torch.Tensor | None = None,
+    fresh_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference.
 
@@ -81,7 +83,8 @@ def paged_prefill_attention_ref(
             ``cu_query_lens[s] : cu_query_lens[s + 1]``, its last ``q_len`` positions
             ``seq_lens[s] - q_len .. seq_lens[s] - 1`` (their K/V already stored).
         block_tables: ``[S, max_blocks]``; seq_lens: ``[S]``; cu_query_lens: ``[S + 1]`` int, starting at 0.
-        key_scale .. tail_rows: see ``paged_decode_attention_ref``.
+        key_scale .. tail_rows: see ``paged_decode_attention_ref``; ``fresh_key`` / ``fresh_value``
+            ``[total_queries, num_kv_heads, head_dim]``: the queries' own K/V (tail formats).
 
     Returns ``[total_queries, num_heads, head_dim]``.
     """
@@ -98,10 +101,19 @@ def paged_prefill_attention_ref(
             padded[row, : b - a] = query[a:b]
             positions[row, : b - a] = torch.arange(lengths[seq] - (b - a), lengths[seq], device=query.device)
         index = torch.tensor([seq for seq, _, _ in batch], device=block_tables.device)
+        fresh = {}
+        if fresh_key is not None:  # each sequence's new K/V, padded like its queries
+            fresh_keys = fresh_key.new_zeros(len(batch), width, *fresh_key.shape[1:])
+            fresh_values = fresh_value.new_zeros(len(batch), width, *fresh_value.shape[1:])
+            for row, (_, a, b) in enumerate(batch):
+                fresh_keys[row, : b - a], fresh_values[row, : b - a] = fresh_key[a:b], fresh_value[a:b]
+            num_fresh = torch.tensor([b - a for _, a, b in batch], device=query.device)
+            fresh = dict(fresh_keys=fresh_keys, fresh_values=fresh_values, num_fresh=num_fresh)
         chunk = paged_attention_core(
             padded.transpose(1, 2), positions, key_cache, value_cache, block_tables[index], seq_lens[index],
             scale, sliding_window, softcap, sinks, key_scale, value_scale, key_zero, value_zero, kv_format,
             key_tail=key_tail, value_tail=value_tail, tail_rows=None if tail_rows is None else tail_rows[index],
+            **fresh,
         ).transpose(1, 2)
         for row, (_, a, b) in enumerate(batch):
             out[a:b] = chunk[row, : b - a]

@@ -5,10 +5,12 @@ codes, scales and zeros. What a store does follows the ``KVFormat``:
 
 - formats without a tail ("auto", int8, fp8): every new token is written at its slot (``kv_quant.quantize_kv_ref``
   per token for quantized formats);
-- formats with a full-precision tail (int4): the ``StorePlan`` says which new tokens stay in their sequence's tail
-  row (their block is not full after this store: written in the compute dtype at ``plan.tail_slots``) and which
-  blocks fill (``fill_blocks``: quantized as a whole from the tail row's older tokens and the new ones). The fills
-  run first: they read tail entries that the tail writes of the same store may overwrite.
+- formats with a full-precision tail (int4): the ``StorePlan`` says which blocks fill (``fill_blocks``: quantized
+  as a whole from the tail row's older tokens and the new ones) and which new tokens stay in their sequence's tail
+  row (their block is not full after this forward: written in the compute dtype at ``plan.tail_slots``). The tail
+  writes are a second call, ``store_tails`` / ``store_tails_ref``, made after the forward's attention: the attention
+  reads each query's own block in full precision, its older tokens from the tail row as it was before the forward,
+  which the tail writes may overwrite (``attention_ref``).
 
 The Triton store kernel (this module): one program per ``_STORE_ROWS`` (token, KV head) vectors, one per tile row
 (K, then V); float32 math in the reference's order, with IEEE-rounded divisions (``tl.math.div_rn``: the default
@@ -32,7 +34,7 @@ from .fill_blocks import StorePlan, fill_blocks_ref
 from .kv_format import CODES_E4M3, CODES_E5M2, CODES_INT8, CODES_MODEL, kv_format as _kv_format
 from .kv_quant import quantize_kv_ref
 
-__all__ = ["StorePlan", "store_kv", "store_kv_ref"]
+__all__ = ["StorePlan", "store_kv", "store_kv_ref", "store_tails", "store_tails_ref"]
 
 _STORE_ROWS = 32  # (token, head) vectors per program
 _CONSTANTS = ("CODES_E4M3", "CODES_E5M2", "CODES_INT8", "CODES_MODEL")
@@ -57,8 +59,8 @@ def store_kv_ref(
 
     Formats without a tail: at ``slots`` ``[n]`` (int64, ``block_id * block_size + offset``); "auto" casts to the pool
     dtype, quantized formats store the codes and float16 side data of ``kv_quant.quantize_kv_ref`` (float8 pools
-    through uint8 views: CPU index ops lack float8). Tail formats: as ``plan`` says (``slots`` unused), see the
-    module docstring.
+    through uint8 views: CPU index ops lack float8). Tail formats: the blocks that fill, as ``plan`` says (``slots``
+    unused; the tail writes are ``store_tails_ref``), see the module docstring.
     """
     fmt = _kv_format(kv_format)
     if fmt.tail:
@@ -67,8 +69,6 @@ def store_kv_ref(
                              f"value_tail and a StorePlan")
         fill_blocks_ref(key, value, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format,
                         key_tail, value_tail, plan)
-        tail = plan.tail_slots >= 0
-        store_kv_ref(key[tail], value[tail], plan.tail_slots[tail], key_tail, value_tail)
         return
     slots = slots.long()
     for states, cache, scale, zero in ((key, key_cache, key_scale, key_zero), (value, value_cache, value_scale,
@@ -80,6 +80,15 @@ def store_kv_ref(
         for pool, new in ((cache, data), (scale, new_scale), (zero, new_zero)):
             if pool is not None and new is not None:
                 _bytes(pool).view(-1, *pool.shape[2:]).index_copy_(0, slots, _bytes(new))
+
+
+def store_tails_ref(key: torch.Tensor, value: torch.Tensor, key_tail: torch.Tensor, value_tail: torch.Tensor,
+                    plan: StorePlan) -> None:
+    """Torch reference: writes the new tokens whose block is not full after the forward (``plan.tail_slots >= 0``)
+    into the tail pools ``[rows, block_size, num_kv_heads, head_dim]``, cast to their dtype. ``key``/``value``: the
+    forward's ``[n, num_kv_heads, head_dim]``, as its store got them."""
+    tail = plan.tail_slots >= 0
+    store_kv_ref(key[tail], value[tail], plan.tail_slots[tail], key_tail, value_tail)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -129,10 +138,25 @@ def _store_launches(
                               pools.block_size, pools.fmt.codes)]
     if not isinstance(plan, StorePlan):
         raise ValueError(f"kv_format={kv_format!r} keeps a full-precision tail: its store needs a StorePlan")
-    fill = _fill.fill_launch(key, value, pools, plan)
-    tail_write = _vector_store(key, value, plan.tail_slots, pools.tails, (None,) * 4, pools.tail_strides,
-                               (0, 0, 0), pools.block_size, CODES_MODEL)
-    return [fill, tail_write]
+    return [_fill.fill_launch(key, value, pools, plan)]
+
+
+def store_tails(key: torch.Tensor, value: torch.Tensor, key_tail: torch.Tensor, value_tail: torch.Tensor,
+                plan: StorePlan) -> None:
+    """Triton tail writes; the arguments and effect of ``store_tails_ref``."""
+    _tail_launch(key, value, key_tail, value_tail, plan)()
+
+
+def _tail_launch(key, value, key_tail, value_tail, plan: StorePlan) -> Launch:
+    if key.shape != value.shape or key.dim() != 3 or key_tail.shape[2:] != key.shape[1:] \
+            or value_tail.shape != key_tail.shape:
+        raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and the tail pools "
+                         f"{tuple(key_tail.shape)} / {tuple(value_tail.shape)} do not match")
+    strides = tuple(key_tail.stride())
+    if tuple(value_tail.stride()) != strides:
+        raise ValueError("key_tail and value_tail must share their strides")
+    return _vector_store(key, value, plan.tail_slots, (key_tail, value_tail), (None,) * 4, strides, (0, 0, 0),
+                         key_tail.shape[1], CODES_MODEL)
 
 
 def _vector_store(key, value, slots, data, side, data_strides, side_strides, block_size, codes) -> Launch:
