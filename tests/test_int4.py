@@ -270,3 +270,39 @@ def test_left_padded_rows_equal_their_single_runs(family):
         assert torch.equal(alone.sequences[0, real.sum():], together.sequences[row, width:])
         for step_alone, step_together in zip(alone.logits, together.logits):
             torch.testing.assert_close(step_alone[0], step_together[row], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_per_query_path_reads_own_blocks_like_the_batched_path(family, text_ids):
+    """``attention.attend_at_positions`` (the torch path for generate's padded layouts: each query with its own
+    sequence row, position and window start) gives what the batched path gives for the same queries: chunks across
+    blocks, decode steps, a sliding window (mistral)."""
+    from paged_hf import attention as paged_attention_module
+    from paged_hf.metadata import METADATA_KEY
+
+    differences = []
+
+    def checking_attention(module, query, key, value, attention_mask, **kwargs):
+        metadata, group, storage, fresh = kwargs[METADATA_KEY]
+        flat = metadata.select_new_tokens(query)
+        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        batched = paged_attention_module.paged_attention(flat, metadata, group, storage, scale, None, None, fresh)
+        starts = None if group.window is None else metadata.positions - group.window + 1
+        per_query = paged_attention_module.attend_at_positions(flat, metadata.token_seqs, metadata.positions, starts,
+                                                               metadata, group, storage, scale, None, None, fresh)
+        differences.append((batched - per_query).abs().max().item())
+        return paged_attention_module.paged_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    model = tiny_model(family, "paged", num_hidden_layers=1)
+    chunks = [5, 7, 9, 1, 1, 1]
+    ids = text_ids[: sum(chunks)] % model.config.vocab_size
+    transformers.AttentionInterface.register("paged", checking_attention)  # the cache hands "paged" its metadata
+    rows, cache, start = torch.stack([ids, ids.flip(0)]), paged(model), 0  # two sequences: per-row fresh K/V
+    try:
+        with torch.no_grad():
+            for count in chunks:
+                model(input_ids=rows[:, start : start + count], cache=cache, use_cache=True)
+                start += count
+    finally:
+        paged_attention_module.register_attention()
+    assert len(differences) == len(chunks) and max(differences) < 1e-5, differences
