@@ -1,7 +1,8 @@
 """The torch attention core of the paged path: its one-call SDPA path and its chunked online-softmax path both equal
 a naive dense oracle (read each sequence's K/V position by position, plain softmax), for every kv format (int4: keys
-per channel of a block, its partial last block read from the tail row), GQA, windows and padding queries. The
-kernels' tests compare Triton against this core, so the core is checked on its own here."""
+per channel of a block; each query's own block exact: its older tokens from the tail row, the forward's from the
+fresh K/V), GQA, windows and padding queries. The kernels' tests compare Triton against this core, so the core is
+checked on its own here."""
 
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ def _case(kv_format, block_size=8, num_kv_heads=2, group=3, head_dim=16, lengths
     num_blocks = sum(needed) + 2
     pools = random_pools(kv_format, num_blocks, block_size, num_kv_heads, head_dim, seed=seed, num_rows=len(lengths) + 1,
                          key_offset=2.0)
-    if get_format(kv_format).tail:  # each sequence's tail row, not in sequence order
+    if get_format(kv_format).tail:  # each sequence's tail row, not in sequence order, and the forward's new K/V
         pools["tail_rows"] = torch.randperm(len(lengths) + 1, generator=gen)[: len(lengths)]
+        pools["num_fresh"] = torch.tensor([min(queries, n) for n in lengths])
+        for which in ("keys", "values"):
+            pools[f"fresh_{which}"] = torch.randn(len(lengths), queries, num_kv_heads, head_dim, generator=gen)
     order = torch.randperm(num_blocks, generator=gen)
     tables = torch.randint(0, num_blocks, (len(lengths), max(needed) + 1), generator=gen)
     used = 0
@@ -37,18 +41,36 @@ def _case(kv_format, block_size=8, num_kv_heads=2, group=3, head_dim=16, lengths
     return query, positions, pools, tables, torch.tensor(lengths)
 
 
+def own_block_view(pools, b, k, v, seq_len, pos):
+    """A tail format: sequence ``b``'s K/V ``[L, H, D]`` as the query at ``pos`` reads them: positions of its own block
+    exact, from the tail row before the forward's first position, from the fresh K/V after."""
+    block_size = pools["key_cache"].shape[1]
+    ctx = seq_len - int(pools["num_fresh"][b])
+    k, v = k.clone(), v.clone()
+    for j in range(pos // block_size * block_size, pos + 1):
+        if j < ctx:
+            row = int(pools["tail_rows"][b])
+            k[j], v[j] = pools["key_tail"][row, j % block_size].float(), pools["value_tail"][row, j % block_size].float()
+        else:
+            k[j], v[j] = pools["fresh_keys"][b, j - ctx].float(), pools["fresh_values"][b, j - ctx].float()
+    return k, v
+
+
 def _dense_oracle(query, positions, pools, tables, seq_lens, scale, window):
     batch, num_heads, num_queries, _ = query.shape
     tail_rows = pools.get("tail_rows")
     out = torch.zeros_like(query)
     for b in range(batch):
-        k, v = dense_kv(pools, tables[b], int(seq_lens[b]), None if tail_rows is None else int(tail_rows[b]))
-        group = num_heads // k.shape[1]
-        kb, vb = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, heads, D]
+        stored_k, stored_v = dense_kv(pools, tables[b], int(seq_lens[b]), None if tail_rows is None else int(tail_rows[b]))
+        group = num_heads // stored_k.shape[1]
         for i in range(num_queries):
             pos = int(positions[b, i])
             if pos < 0:
                 continue
+            k, v = stored_k, stored_v
+            if tail_rows is not None:
+                k, v = own_block_view(pools, b, k, v, int(seq_lens[b]), pos)
+            kb, vb = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, heads, D]
             lo = 0 if window is None else max(0, pos - window + 1)
             scores = torch.einsum("hd,lhd->hl", query[b, :, i], kb[lo : pos + 1]) * scale
             out[b, :, i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), vb[lo : pos + 1])
@@ -95,15 +117,29 @@ def test_prefill_ref_batches_rows_like_one_call_per_sequence(kv_format, monkeypa
     gen = torch.Generator().manual_seed(3)
     query = torch.randn(sum(query_lens), 6, 16, generator=gen)
     cu = torch.tensor([0, 5, 6, 18, 21])
+    if "tail_rows" in pools:  # the forward's new K/V, packed like the queries
+        gen = torch.Generator().manual_seed(4)
+        pools["num_fresh"] = torch.tensor(query_lens)
+        packed = {which: torch.randn(sum(query_lens), 2, 16, generator=gen) for which in ("key", "value")}
+        pools["fresh_keys"] = torch.stack([torch.cat([packed["key"][cu[s] : cu[s + 1]],
+                                                      torch.zeros(12 - n, 2, 16)]) for s, n in enumerate(query_lens)])
+        pools["fresh_values"] = torch.stack([torch.cat([packed["value"][cu[s] : cu[s + 1]],
+                                                        torch.zeros(12 - n, 2, 16)]) for s, n in enumerate(query_lens)])
+    operands = {k: v for k, v in pools.items() if k not in ("fresh_keys", "fresh_values", "num_fresh")}
+    if "tail_rows" in pools:
+        operands.update(fresh_key=packed["key"], fresh_value=packed["value"])
     batched = paged_prefill_attention_ref(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
-                                          scale=0.3, **pools)
+                                          scale=0.3, **operands)
     monkeypatch.setattr(attention_ref, "SCORE_ELEMENTS_PER_CHUNK", 6 * 12 * 40)
     single = paged_prefill_attention_ref(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
-                                         scale=0.3, **pools)
+                                         scale=0.3, **operands)
     torch.testing.assert_close(batched, single, atol=1e-5, rtol=1e-5)
     for s, n in enumerate(query_lens):
         rows = query[cu[s] : cu[s + 1]].transpose(0, 1).unsqueeze(0)  # [1, heads, n, D]
         positions = torch.arange(int(seq_lens[s]) - n, int(seq_lens[s])).unsqueeze(0)
-        one = {**pools, "tail_rows": pools["tail_rows"][s : s + 1]} if "tail_rows" in pools else pools
+        one = pools
+        if "tail_rows" in pools:
+            one = {**pools, **{name: pools[name][s : s + 1] for name in ("tail_rows", "num_fresh", "fresh_keys",
+                                                                          "fresh_values")}}
         oracle = _dense_oracle(rows, positions, one, tables[s : s + 1], seq_lens[s : s + 1], 0.3, None)
         torch.testing.assert_close(batched[cu[s] : cu[s + 1]], oracle[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
