@@ -103,6 +103,12 @@ class QuantizedKVStorage(KVStorage):
         return self._dtype
 
     @property
+    def store_dtype(self) -> torch.dtype:
+        """What ``write`` hands the store: the tails' dtype for a tail format (``FreshKV``), else float32 (the
+        rotated vectors)."""
+        return self._dtype if self.has_tail else torch.float32
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the block pools (codes, scales, zeros); the tail pools are ``tail_nbytes``."""
         return sum(getattr(self, name).nbytes for name in self._pools())

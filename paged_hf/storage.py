@@ -87,6 +87,11 @@ class KVStorage:
         """The raw tensors a paged attention kernel reads (keyword arguments of the kernels' launchers)."""
         return {"key_cache": self.key_cache, "value_cache": self.value_cache}
 
+    @property
+    def store_dtype(self) -> torch.dtype:
+        """The dtype of the K/V ``write`` hands the store kernel (what a kernel warm-up compiles for)."""
+        return self.dtype
+
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan=None) -> FreshKV | None:
         """Stores ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into ``slots`` ``[n]`` (int64), quantizing for
         quantized formats (the ``store_kv`` kernel on CUDA, its torch reference elsewhere). ``plan``: the

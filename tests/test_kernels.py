@@ -102,6 +102,9 @@ def attention_case(block_size, head_dim, group, kv_format, lengths, num_kv_heads
     query = torch.randn(num_queries, num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     sinks = torch.randn(num_heads, generator=gen).to(DEVICE)
     seq_lens = torch.tensor(lengths, dtype=torch.int64, device=DEVICE)
+    if "key_tail" in pools:  # int4 reads each query's own block exact: the forward's new K/V, packed like the queries
+        for which in ("key", "value"):
+            pools[f"fresh_{which}"] = torch.randn(num_queries, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     return pools, tables, query, sinks, seq_lens
 
 
@@ -207,8 +210,12 @@ def test_tiny_value_scales_keep_float16_precision(kv_format):
     pools["value_scale"] = pools["value_scale"] * 1e-4
     if pools.get("value_zero") is not None:
         pools["value_zero"] = pools["value_zero"] * 1e-4
-    if pools.get("value_tail") is not None:  # int4's full-precision tail: as tiny
+    prefill_pools = dict(pools)
+    if pools.get("value_tail") is not None:  # int4's full-precision tail and new values: as tiny
         pools["value_tail"] = pools["value_tail"] * 1e-4
+        pools["fresh_value"] = pools["fresh_value"] * 1e-4
+        prefill_pools = {**pools, "fresh_key": pools["fresh_key"][:1].expand(40, -1, -1).contiguous(),
+                         "fresh_value": pools["fresh_value"][:1].expand(40, -1, -1).contiguous()}
     cu = torch.tensor([0, 20, 40], device=DEVICE)
     prefill_query = query[:1].expand(40, -1, -1).contiguous()
     for out, ref in (
@@ -216,9 +223,9 @@ def test_tiny_value_scales_keep_float16_precision(kv_format):
                                 **pools),
          paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, **pools)),
         (paged_prefill_attention(prefill_query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
-                                 scale=0.125, **pools),
+                                 scale=0.125, **prefill_pools),
          paged_prefill_attention_ref(prefill_query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
-                                     scale=0.125, **pools)),
+                                     scale=0.125, **prefill_pools)),
     ):
         assert_close(out.float() * 1e4, ref.float() * 1e4, torch.float16)
 

@@ -4,9 +4,10 @@ up as in ``test_kernels.py``).
 - Store: the block fill (keys per channel over a block, values per token, from the tail row and the new K/V) and
   the tail writes, byte for byte, for sequences written in random chunks; block sizes 4..128, head_dim 16..256, the
   compute dtype float32 / bfloat16 / float16 (new values rounded to it first), rounding ties.
-- Attention: decode and prefill read quantized blocks with per-channel key scales and the tail row in one pass, on
-  both key paths (a tile inside one block, ``block_size >= BLOCK_N``: the scales scale the query; a tile spanning
-  blocks: the keys are dequantized with each token's block's scales), with windows, softcap, sinks, partitions.
+- Attention: decode and prefill read quantized blocks with per-channel key scales before each query's own block,
+  and its own block exact from the tail row and the new K/V, in one pass, on both key paths (a tile inside one
+  block, ``block_size >= BLOCK_N``: the scales scale the query; a tile spanning blocks: the keys are dequantized
+  with each token's block's scales), with windows, softcap, sinks, partitions, prefill chunks across blocks.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from paged_hf.kernels.paged_prefill_attention import (  # noqa: E402
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
-from paged_hf.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
+from paged_hf.kernels.store_kv import store_kv, store_kv_ref, store_tails, store_tails_ref  # noqa: E402
 from paged_hf.quant import make_storage  # noqa: E402
 from pools import random_pools  # noqa: E402
 
@@ -96,8 +97,11 @@ def test_fill_and_tail_writes_match_ref_bytes(block_size, head_dim, num_kv_heads
             value = torch.randn(count, num_kv_heads, head_dim, generator=gen) * magnitude
             key[0, 0, 1] = 7.0
             slots, plan = plan_for(start, count, s + 1, blocks, block_size)
-            store_kv(key.to(DEVICE), value.to(DEVICE), slots, **kernel.attention_operands(), plan=plan)
-            store_kv_ref(key.to(DEVICE), value.to(DEVICE), slots, **ref.attention_operands(), plan=plan)
+            key, value = key.to(dtype).to(DEVICE), value.to(dtype).to(DEVICE)  # as QuantizedKVStorage.write
+            store_kv(key, value, slots, **kernel.attention_operands(), plan=plan)
+            store_kv_ref(key, value, slots, **ref.attention_operands(), plan=plan)
+            store_tails(key, value, kernel.key_tail, kernel.value_tail, plan)
+            store_tails_ref(key, value, ref.key_tail, ref.value_tail, plan)
             start += count
     assert_same_pools(kernel, ref)
 
@@ -162,6 +166,9 @@ def attention_case(block_size, head_dim, group, lengths, num_kv_heads, dtype, se
         used += n
     num_queries = len(lengths) if query_lens is None else sum(query_lens)
     query = torch.randn(num_queries, num_kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
+    for which, offset in (("key", 2.0), ("value", 0.0)):  # the queries' own new K/V, packed like them
+        pools[f"fresh_{which}"] = (torch.randn(num_queries, num_kv_heads, head_dim, generator=gen)
+                                   + offset).to(dtype).to(DEVICE)
     sinks = torch.randn(num_kv_heads * group, generator=gen).to(DEVICE)
     return pools, tables.to(torch.int32).to(DEVICE), query, sinks, torch.tensor(lengths, device=DEVICE)
 
@@ -194,35 +201,54 @@ def test_prefill_reads_blocks_and_tail_like_ref(case):
     assert_close(out, ref, dtype)
 
 
-def test_store_then_attend_roundtrip():
-    """Pools written by the Triton store (fills and tail writes), read by the Triton decode and prefill: as the
-    references read them."""
-    gen = torch.Generator().manual_seed(5)
-    block_size, head_dim = 16, 64
-    storage = make_storage("int4", 8, block_size, 2, head_dim, torch.float32, DEVICE)
-    storage.ensure_tail_rows(2)
-    blocks = torch.tensor([5, 1, 7, 0])
+def write_chunks(storage, chunks, blocks, row, gen, kernels=True):
+    """Writes a sequence chunk by chunk into ``storage`` (fill, then tail writes); the last chunk's tail writes are
+    left out: returns that chunk's ``(key, value, plan)`` so a test attends in between, as a forward does."""
     start = 0
-    for count in (9, 20, 1, 1, 7):  # 38 tokens: 2 full blocks and a tail of 6
-        key = (torch.randn(count, 2, head_dim, generator=gen) + 1).to(DEVICE)
-        slots, plan = plan_for(start, count, 1, blocks, block_size)
-        store_kv(key, torch.randn(count, 2, head_dim, generator=gen).to(DEVICE), slots,
-                 **storage.attention_operands(), plan=plan)
+    for i, count in enumerate(chunks):
+        key = (torch.randn(count, 2, storage.head_dim, generator=gen) + 1).to(DEVICE)
+        value = torch.randn(count, 2, storage.head_dim, generator=gen).to(DEVICE)
+        slots, plan = plan_for(start, count, row, blocks, storage.block_size)
+        (store_kv if kernels else store_kv_ref)(key, value, slots, **storage.attention_operands(), plan=plan)
+        if i + 1 < len(chunks):
+            (store_tails if kernels else store_tails_ref)(key, value, storage.key_tail, storage.value_tail, plan)
         start += count
-    ops = {**storage.attention_operands(), "tail_rows": torch.tensor([1], device=DEVICE)}
+    return key, value, plan
+
+
+@pytest.mark.parametrize("last", [1, 10, 23], ids=["decode", "chunk", "chunk across blocks"])
+def test_store_then_attend_roundtrip(last):
+    """Pools written by the Triton store (fills and tail writes), read by the Triton decode or prefill between the
+    last forward's store and its tail writes: as the references read them; then the tail writes match too."""
+    block_size, head_dim = 16, 64
+    blocks = torch.tensor([5, 1, 7, 0, 3, 2])
+    pools = {}
+    for kernels in (True, False):
+        storage = make_storage("int4", 8, block_size, 2, head_dim, torch.float32, DEVICE)
+        storage.ensure_tail_rows(2)
+        key, value, plan = write_chunks(storage, (9, 20, 1, 1, 7, last), blocks, 1, torch.Generator().manual_seed(5),
+                                        kernels)
+        pools[kernels] = (storage, key, value, plan)
+    storage, key, value, plan = pools[True]
+    ops = {**storage.attention_operands(), "tail_rows": torch.tensor([1], device=DEVICE), "fresh_key": key,
+           "fresh_value": value}
     tables = blocks[None].to(torch.int32).to(DEVICE)
-    seq_lens = torch.tensor([start], device=DEVICE)
-    query = torch.randn(1, 8, head_dim, generator=gen).to(DEVICE)
-    out = paged_decode_attention(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, **ops)
-    ref = paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, **ops)
-    assert_close(out, ref, torch.float32)
-    queries = torch.randn(10, 8, head_dim, generator=gen).to(DEVICE)
-    cu = torch.tensor([0, 10], device=DEVICE)
-    out = paged_prefill_attention(queries, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu, scale=0.125,
-                                  **ops)
-    ref = paged_prefill_attention_ref(queries, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
+    seq_lens = torch.tensor([38 + last], device=DEVICE)
+    gen = torch.Generator().manual_seed(6)
+    queries = torch.randn(last, 8, head_dim, generator=gen).to(DEVICE)
+    if last == 1:
+        out = paged_decode_attention(queries, block_tables=tables, seq_lens=seq_lens, scale=0.125, **ops)
+        ref = paged_decode_attention_ref(queries, block_tables=tables, seq_lens=seq_lens, scale=0.125, **ops)
+    else:
+        cu = torch.tensor([0, last], device=DEVICE)
+        out = paged_prefill_attention(queries, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
                                       scale=0.125, **ops)
+        ref = paged_prefill_attention_ref(queries, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
+                                          scale=0.125, **ops)
     assert_close(out, ref, torch.float32)
+    for kernels, (storage, key, value, plan) in pools.items():
+        (store_tails if kernels else store_tails_ref)(key, value, storage.key_tail, storage.value_tail, plan)
+    assert_same_pools(pools[True][0], pools[False][0])
 
 
 def test_int4_launches_reject_missing_tail_operands():
@@ -230,8 +256,13 @@ def test_int4_launches_reject_missing_tail_operands():
     common = dict(block_tables=tables, seq_lens=seq_lens, scale=1.0)
     with pytest.raises(ValueError, match="tail_rows"):
         paged_decode_attention(query, **common, **{**pools, "tail_rows": None})
+    with pytest.raises(ValueError, match="fresh_value"):
+        paged_decode_attention(query, **common, **{**pools, "fresh_value": None})
+    with pytest.raises(ValueError, match="fresh_key"):
+        paged_prefill_attention(query, **common, cu_query_lens=torch.tensor([0, 1, 2], device=DEVICE),
+                                **{**pools, "fresh_key": pools["fresh_key"][:1]})
     with pytest.raises(ValueError, match="key_tail"):
         paged_decode_attention(query, **common, **{**pools, "key_tail": None})
     with pytest.raises(ValueError, match="StorePlan"):
         store_kv(query[:, :1], query[:, :1], torch.tensor([0, 1], device=DEVICE),
-                 **{k: v for k, v in pools.items() if k != "tail_rows"})
+                 **{k: v for k, v in pools.items() if k not in ("tail_rows", "fresh_key", "fresh_value")})

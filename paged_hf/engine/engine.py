@@ -119,7 +119,7 @@ class PagedEngine:
         for (window, _), storage in kinds.items():
             warmup_kernels(storage.attention_operands(), num_heads=text_config.num_attention_heads,
                            dtype=self.model.dtype, sliding_window=window, softcap=softcap,
-                           store_dtype=torch.float32 if storage.rotation is not None else self.model.dtype,
+                           store_dtype=storage.store_dtype,
                            pool_tensors=list(storage.tensors().values()))
         logger.info("compiled the kernels of %d layer kinds in %.1f s", len(kinds), time.perf_counter() - started)
 

@@ -140,6 +140,29 @@ def check_tail_rows(tail_rows, pools: PoolOperands, num_seqs: int, device):
     return tail_rows.contiguous()
 
 
+def check_fresh(fresh_key, fresh_value, pools: PoolOperands, num_tokens: int, head_dim: int, device):
+    """``(fresh_key, fresh_value, their 3 strides)`` for the kernels: a tail format's new K/V of the forward,
+    ``[num_tokens, num_kv_heads, head_dim]`` in the tail pools' dtype, packed like the queries (``storage.FreshKV``);
+    other formats take none (their kernels get placeholders they never read)."""
+    if not pools.fmt.tail:
+        if fresh_key is not None or fresh_value is not None:
+            raise ValueError(f"kv_format={pools.fmt.name!r} keeps no tail: it takes no fresh_key / fresh_value")
+        placeholder = pools.data[0]
+        return placeholder, placeholder, (0, 0, 0)
+    want = (num_tokens, pools.num_kv_heads, head_dim)
+    tail_dtype = pools.tails[0].dtype
+    for name, t in (("fresh_key", fresh_key), ("fresh_value", fresh_value)):
+        if t is None:
+            raise ValueError(f"kv_format={pools.fmt.name!r} reads each query's own block in full precision: it needs "
+                             f"{name}")
+        if tuple(t.shape) != want or t.dtype != tail_dtype or t.device != device:
+            raise ValueError(f"{name} must be {tail_dtype} {list(want)} on {device}, got {t.dtype} {tuple(t.shape)} "
+                             f"on {t.device}")
+    if fresh_key.stride() != fresh_value.stride():
+        raise ValueError("fresh_key and fresh_value must share their strides")
+    return fresh_key, fresh_value, tuple(fresh_key.stride())
+
+
 def check_query(query: torch.Tensor, name: str) -> tuple[int, int, int]:
     if query.dim() != 3:
         raise ValueError(f"{name} must be [tokens, num_heads, head_dim], got {tuple(query.shape)}")

@@ -1,10 +1,13 @@
 """Device code shared by the paged attention kernels (decode and prefill): one pass over a sequence's keys.
 
 ``attend_blocks`` walks positions ``[lo, hi)`` of the quantized (or "auto") blocks in tiles of ``BLOCK_N`` tokens
-gathered through the block table; ``attend_tail`` walks positions of the sequence's full-precision tail (formats
-with ``KVFormat.tail``: the newest, not yet full block, read from the tail pool row of the sequence). Both update
-the same online softmax (running max ``m_i``, sum ``l_i``, float32 accumulator), so a query reads its quantized
-blocks and its tail in one pass; ``attend_sequence`` splits a key range between them (what both kernels call).
+gathered through the block table. Formats with ``KVFormat.tail`` read each query's own block in full precision
+instead (``attention_ref``'s policy): ``attend_tail`` walks the positions older than the forward from the sequence's
+tail row (as it was before the forward), ``attend_fresh`` the forward's own from its new K/V; the blocks are then
+read only where a key's block precedes the query's (``OWN_NONE`` / ``OWN_BEFORE`` / ``OWN_SAME``: which keys of a
+source a row sees, beside causality and the window). All update the same online softmax (running max ``m_i``, sum
+``l_i``, float32 accumulator), so a query reads its quantized blocks and its own block in one pass;
+``attend_sequence`` splits a key range between them (what both kernels call).
 
 K/V codes enter the dots as loaded (int8, float8 decoded from their bits, int4 nibbles; exact in the query's dtype)
 and the side data applies around them:
@@ -29,14 +32,19 @@ import functools
 from ._common import Kernels, constexpr_globals, triton_interpreting
 from .kv_format import CODES_E4M3, CODES_E5M2, CODES_INT4, CODES_INT8, SIDE_CHANNEL, SIDE_TOKEN
 
-_CONSTANTS = ("CODES_E4M3", "CODES_E5M2", "CODES_INT4", "CODES_INT8", "SIDE_CHANNEL", "SIDE_TOKEN")
+_CONSTANTS = ("CODES_E4M3", "CODES_E5M2", "CODES_INT4", "CODES_INT8", "SIDE_CHANNEL", "SIDE_TOKEN", "OWN_NONE",
+              "OWN_BEFORE", "OWN_SAME")
 
 tl = None  # triton.language, bound by bind()
 _STD_MAX = _STD_MIN = _STD_SUM = None  # triton's own combine functions (interpreter reductions)
 row_max = row_min = row_sum = None  # bound by bind()
 
 _HELPERS = ("kv_columns", "load_kv_codes", "load_kv_side", "dot", "softcap_scores", "online_softmax",
-            "key_scores", "add_values", "attend_blocks", "attend_tail", "attend_sequence")
+            "key_scores", "add_values", "attend_blocks", "attend_exact", "attend_sequence")
+# Which keys of a source a row sees, beside causality and the window (``online_softmax``'s ``OWN``): all; those
+# in a block before the row's own (the quantized blocks of a tail format); those in the row's own block (its
+# full-precision reads).
+OWN_NONE, OWN_BEFORE, OWN_SAME = 0, 1, 2
 
 
 @functools.cache
@@ -157,14 +165,20 @@ def softcap_scores(s, cap):
     return tl.where(t < 0, -th, th) * cap
 
 
-def online_softmax(s, m_i, l_i, pos, valid, row_pos, window, scale, softcap, USE_WINDOW: tl.constexpr,
-                   USE_SOFTCAP: tl.constexpr):
-    """Scales (and softcaps) raw scores ``s`` ``[M, N]``, masks keys not visible from each row (causal, window),
-    and advances the online softmax: returns ``(p, alpha, m_new, l_new)``."""
+def online_softmax(s, m_i, l_i, pos, valid, row_pos, row_block, window, scale, softcap, USE_WINDOW: tl.constexpr,
+                   USE_SOFTCAP: tl.constexpr, OWN: tl.constexpr):
+    """Scales (and softcaps) raw scores ``s`` ``[M, N]``, masks keys not visible from each row (causal, window,
+    ``OWN`` against ``row_block``, the first position of each row's own block: the module docstring), and advances
+    the online softmax: returns ``(p, alpha, m_new, l_new)``."""
     s = s * scale
     if USE_SOFTCAP:
         s = softcap_scores(s, softcap)
-    visible = valid[None, :] & (pos[None, :] <= row_pos[:, None])
+    if OWN == OWN_BEFORE:  # implies causal
+        visible = valid[None, :] & (pos[None, :] < row_block[:, None])
+    elif OWN == OWN_SAME:
+        visible = valid[None, :] & (pos[None, :] <= row_pos[:, None]) & (pos[None, :] >= row_block[:, None])
+    else:
+        visible = valid[None, :] & (pos[None, :] <= row_pos[:, None])
     if USE_WINDOW:
         visible = visible & (pos[None, :] > row_pos[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
@@ -239,13 +253,16 @@ def add_values(acc, p, alpha, VC, VS, VZ, block, pos, valid, kv_head, cols, col_
     return acc
 
 
-def attend_blocks(acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, table, kv_head, lo, hi, scale, softcap,
+def attend_blocks(acc, m_i, l_i, q, q_sum, row_pos, row_block, KC, VC, KS, VS, KZ, VZ, table, kv_head, lo, hi, scale,
+                  softcap,
                   window, stride_cb, stride_co, stride_ch, stride_cd, stride_ksb, stride_ks1, stride_ks2,
                   stride_vsb, stride_vso, stride_vsh,
                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   BLOCK_N: tl.constexpr, CODES: tl.constexpr, KEY_SIDE: tl.constexpr, VALUE_SIDE: tl.constexpr,
-                  ZERO: tl.constexpr, DOT: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr):
-    """The online softmax over the block pool's keys at positions ``[lo, hi)`` (rows see keys ``<= row_pos``)."""
+                  ZERO: tl.constexpr, DOT: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                  OWN: tl.constexpr):
+    """The online softmax over the block pool's keys at positions ``[lo, hi)`` (rows see keys ``<= row_pos``; with
+    ``OWN == OWN_BEFORE`` only those before their own block)."""
     cols, col_ok = kv_columns(stride_cd, HEAD_DIM, D_PAD, CODES)
     n = tl.arange(0, BLOCK_N).to(tl.int64)
     for tile in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
@@ -254,61 +271,81 @@ def attend_blocks(acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, tabl
         s, block = key_scores(q, q_sum, KC, KS, KZ, table, tile, pos, valid, kv_head, cols, col_ok,
                               stride_cb, stride_co, stride_ch, stride_ksb, stride_ks1, stride_ks2,
                               HEAD_DIM, D_PAD, PADDED, BLOCK_SIZE, BLOCK_N, CODES, KEY_SIDE, ZERO, DOT)
-        p, alpha, m_i, l_i = online_softmax(s, m_i, l_i, pos, valid, row_pos, window, scale, softcap, USE_WINDOW,
-                                            USE_SOFTCAP)
+        p, alpha, m_i, l_i = online_softmax(s, m_i, l_i, pos, valid, row_pos, row_block, window, scale, softcap,
+                                            USE_WINDOW, USE_SOFTCAP, OWN)
         acc = add_values(acc, p, alpha, VC, VS, VZ, block, pos, valid, kv_head, cols, col_ok, stride_cb, stride_co,
                          stride_ch, stride_vsb, stride_vso, stride_vsh, q.dtype, PADDED, BLOCK_SIZE, CODES,
                          VALUE_SIDE, ZERO, DOT)
     return acc, m_i, l_i
 
 
-def attend_tail(acc, m_i, l_i, q, row_pos, KT, VT, tail_row, kv_head, lo, hi, scale, softcap, window,
-                stride_tr, stride_to, stride_th, stride_td,
-                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                DOT: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr):
-    """The online softmax over the full-precision tail: positions ``[lo, hi)`` at ``pos % BLOCK_SIZE`` of the
-    sequence's tail row (keys and values in the compute dtype, straight into the dots)."""
-    d = tl.arange(0, D_PAD).to(tl.int64)
+def attend_exact(acc, m_i, l_i, q, row_pos, row_block, KT, VT, NK, NV, tail_base, fresh_base, context, lo, hi, stride_to,
+                 stride_td, stride_nn, stride_nd, scale, softcap, window, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, USE_WINDOW: tl.constexpr,
+                 USE_SOFTCAP: tl.constexpr):
+    """The online softmax over full-precision keys at positions ``[lo, hi)``, each row seeing those of its own block
+    only: a position before ``context`` at offset ``pos % BLOCK_SIZE`` of the tail row (element ``tail_base`` of
+    ``KT``/``VT``, offsets at ``stride_to``), a later one at row ``pos - context`` of the forward's new K/V (element
+    ``fresh_base`` of ``NK``/``NV``, rows at ``stride_nn``); channels at ``stride_td`` / ``stride_nd``. Keys and
+    values in the compute dtype, straight into the dots."""
+    d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    n = tl.arange(0, BLOCK_N).to(tl.int64)
-    base = tail_row * stride_tr + kv_head * stride_th
+    n = tl.arange(0, BLOCK_N)
+    KT, VT, NK, NV = KT + tail_base, VT + tail_base, NK + fresh_base, NV + fresh_base  # 64-bit once
     for tile in range(lo, hi, BLOCK_N):
         pos = tile + n
         valid = pos < hi
-        off = base + (pos % BLOCK_SIZE)[:, None] * stride_to + (d * stride_td)[None, :]
-        mask = valid[:, None] & d_ok[None, :]
-        k = tl.load(KT + off, mask=mask, other=0.0).to(q.dtype)
+        old = pos < context
+        # the tile's offsets fit 32 bits: within a tail row, within a forward's new K/V
+        off_tail = ((pos % BLOCK_SIZE).to(tl.int32) * stride_to)[:, None] + (d * stride_td)[None, :]
+        off_fresh = ((pos - context).to(tl.int32) * stride_nn)[:, None] + (d * stride_nd)[None, :]
+        from_tail = (valid & old)[:, None] & d_ok[None, :]
+        from_fresh = (valid & ~old)[:, None] & d_ok[None, :]
+        k = tl.where(from_tail, tl.load(KT + off_tail, mask=from_tail, other=0.0),
+                     tl.load(NK + off_fresh, mask=from_fresh, other=0.0)).to(q.dtype)
         s = dot(q, tl.trans(k), DOT)
-        p, alpha, m_i, l_i = online_softmax(s, m_i, l_i, pos, valid, row_pos, window, scale, softcap, USE_WINDOW,
-                                            USE_SOFTCAP)
-        v = tl.load(VT + off, mask=mask, other=0.0).to(q.dtype)
+        p, alpha, m_i, l_i = online_softmax(s, m_i, l_i, pos, valid, row_pos, row_block, window, scale, softcap,
+                                            USE_WINDOW, USE_SOFTCAP, OWN_SAME)
+        v = tl.where(from_tail, tl.load(VT + off_tail, mask=from_tail, other=0.0),
+                     tl.load(NV + off_fresh, mask=from_fresh, other=0.0)).to(q.dtype)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT)
     return acc, m_i, l_i
 
 
-def attend_sequence(acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, KT, VT, TailRows, seq, seq_len, table,
-                    kv_head, lo, hi, scale, softcap, window, stride_cb, stride_co, stride_ch, stride_cd, stride_ksb,
-                    stride_ks1, stride_ks2, stride_vsb, stride_vso, stride_vsh, stride_tr, stride_to, stride_th,
-                    stride_td, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PADDED: tl.constexpr,
+def attend_sequence(acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, KT, VT, NK, NV, TailRows, seq, context,
+                    fresh_base, first_pos, last_pos, table, kv_head, lo, hi, scale, softcap, window, stride_cb,
+                    stride_co, stride_ch, stride_cd, stride_ksb, stride_ks1, stride_ks2, stride_vsb, stride_vso,
+                    stride_vsh, stride_tr, stride_to, stride_th, stride_td, stride_nn, stride_nh, stride_nd,
+                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PADDED: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CODES: tl.constexpr, KEY_SIDE: tl.constexpr,
                     VALUE_SIDE: tl.constexpr, ZERO: tl.constexpr, DOT: tl.constexpr, USE_WINDOW: tl.constexpr,
                     USE_SOFTCAP: tl.constexpr, TAIL: tl.constexpr):
-    """The online softmax over keys ``[lo, hi)`` of sequence ``seq`` (``seq_len`` tokens): from the blocks, and with
-    ``TAIL`` the positions from its last full block's end on from its tail row."""
-    blocks_end = hi
+    """The online softmax over keys ``[lo, hi)`` of sequence ``seq`` for rows at positions ``first_pos ..
+    last_pos``: from the blocks; with ``TAIL`` the rows' own blocks exact, positions before ``context`` (the tokens
+    the sequence held before the forward) from its tail row, the rest from the new K/V ``NK``/``NV``, whose token
+    ``i`` (position ``context + i``) sits at row ``fresh_base + i``."""
     if TAIL:
-        blocks_end = tl.minimum(hi, (seq_len // BLOCK_SIZE) * BLOCK_SIZE)
-    acc, m_i, l_i = attend_blocks(
-        acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, table, kv_head, lo, blocks_end, scale, softcap,
-        window, stride_cb, stride_co, stride_ch, stride_cd, stride_ksb, stride_ks1, stride_ks2,
-        stride_vsb, stride_vso, stride_vsh, HEAD_DIM, D_PAD, PADDED, BLOCK_SIZE, BLOCK_N, CODES, KEY_SIDE,
-        VALUE_SIDE, ZERO, DOT, USE_WINDOW, USE_SOFTCAP,
-    )
-    if TAIL:
+        own_lo = (first_pos // BLOCK_SIZE) * BLOCK_SIZE  # the first row's own block
+        own_hi = (last_pos // BLOCK_SIZE) * BLOCK_SIZE  # the last row's
+        row_block = (row_pos // BLOCK_SIZE) * BLOCK_SIZE  # each row's (a padding row, at -1, sees nothing anyway)
+        acc, m_i, l_i = attend_blocks(
+            acc, m_i, l_i, q, q_sum, row_pos, row_block, KC, VC, KS, VS, KZ, VZ, table, kv_head, lo, tl.minimum(hi, own_hi),
+            scale, softcap, window, stride_cb, stride_co, stride_ch, stride_cd, stride_ksb, stride_ks1, stride_ks2,
+            stride_vsb, stride_vso, stride_vsh, HEAD_DIM, D_PAD, PADDED, BLOCK_SIZE, BLOCK_N, CODES, KEY_SIDE,
+            VALUE_SIDE, ZERO, DOT, USE_WINDOW, USE_SOFTCAP, OWN_BEFORE,
+        )
         tail_row = tl.load(TailRows + seq).to(tl.int64)
-        acc, m_i, l_i = attend_tail(
-            acc, m_i, l_i, q, row_pos, KT, VT, tail_row, kv_head, tl.maximum(lo, blocks_end), hi, scale, softcap,
-            window, stride_tr, stride_to, stride_th, stride_td, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, DOT,
-            USE_WINDOW, USE_SOFTCAP,
+        acc, m_i, l_i = attend_exact(
+            acc, m_i, l_i, q, row_pos, row_block, KT, VT, NK, NV, tail_row * stride_tr + kv_head * stride_th,
+            fresh_base * stride_nn + kv_head * stride_nh, context, tl.maximum(lo, own_lo), hi, stride_to, stride_td,
+            stride_nn, stride_nd, scale, softcap, window, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, DOT, USE_WINDOW,
+            USE_SOFTCAP,
+        )
+    else:
+        acc, m_i, l_i = attend_blocks(
+            acc, m_i, l_i, q, q_sum, row_pos, row_pos, KC, VC, KS, VS, KZ, VZ, table, kv_head, lo, hi, scale, softcap,
+            window, stride_cb, stride_co, stride_ch, stride_cd, stride_ksb, stride_ks1, stride_ks2,
+            stride_vsb, stride_vso, stride_vsh, HEAD_DIM, D_PAD, PADDED, BLOCK_SIZE, BLOCK_N, CODES, KEY_SIDE,
+            VALUE_SIDE, ZERO, DOT, USE_WINDOW, USE_SOFTCAP, OWN_NONE,
         )
     return acc, m_i, l_i

@@ -8,8 +8,9 @@
   of its sequence in tiles of ``BLOCK_N`` tokens, gathering each token's slot through the block table, so the
   tile size does not depend on the block size;
 - K/V codes enter the dots as loaded and their scales and zero points apply around them (``_tiles``); a format
-  with a full-precision tail (int4) reads positions past the sequence's last full block from its tail row, in
-  the same pass; scores and the online softmax (running max, sum, accumulator) are float32;
+  with a full-precision tail (int4) reads the query's own block exact, from the tail row and the query's own new
+  K/V (``fresh_key`` / ``fresh_value``), in the same pass; scores and the online softmax (running max, sum,
+  accumulator) are float32;
 - each partition writes its partial max, sum and unnormalized output; a reduce kernel rescales and sums them
   (and adds the attention sink, once). A batch whose block tables span a single partition skips the reduce.
   The partition count comes from the block-table width, not from ``seq_lens``: no device-to-host sync. So the
@@ -31,8 +32,8 @@ import torch
 
 from . import _tiles
 from ._common import (  # noqa: F401 - dot_mode, triton_interpreting: re-exported for callers of this module
-    Kernels, Launch, check_index, check_pools, check_query, check_sinks, check_tail_rows, dot_mode, feature_meta,
-    jit_unspecialized, next_pow2, triton_interpreting,
+    Kernels, Launch, check_fresh, check_index, check_pools, check_query, check_sinks, check_tail_rows, dot_mode,
+    feature_meta, jit_unspecialized, next_pow2, triton_interpreting,
 )
 from .attention_ref import paged_attention_core
 
@@ -118,6 +119,8 @@ def paged_decode_attention(
     key_tail: torch.Tensor | None = None,
     value_tail: torch.Tensor | None = None,
     tail_rows: torch.Tensor | None = None,
+    fresh_key: torch.Tensor | None = None,
+    fresh_value: torch.Tensor | None = None,
     *,
     partition_size: int | None = None,
 ) -> torch.Tensor:
@@ -131,7 +134,7 @@ def paged_decode_attention(
     for launch in _decode_launches(
         query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, sinks,
         key_scale, value_scale, key_zero, value_zero, kv_format, out, partition_size, key_tail, value_tail,
-        tail_rows,
+        tail_rows, fresh_key, fresh_value,
     ):
         launch()
     return out
@@ -140,7 +143,7 @@ def paged_decode_attention(
 def _decode_launches(
     query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, sinks,
     key_scale, value_scale, key_zero, value_zero, kv_format, out, partition_size=None, key_tail=None,
-    value_tail=None, tail_rows=None,
+    value_tail=None, tail_rows=None, fresh_key=None, fresh_value=None,
 ) -> list[Launch]:
     k = _kernels()
     num_seqs, num_heads, head_dim = check_query(query, "query")
@@ -158,6 +161,8 @@ def _decode_launches(
             f"seq_lens {tuple(seq_lens.shape)}"
         )
     tail_rows = check_tail_rows(tail_rows, pools, num_seqs, query.device)
+    fresh_key, fresh_value, fresh_strides = check_fresh(fresh_key, fresh_value, pools, num_seqs, head_dim,
+                                                         query.device)
     check_sinks(sinks, num_heads, query.device)
     partition = PARTITION_SIZE if partition_size is None else int(partition_size)
     block_n, options = decode_tiles(head_dim)
@@ -180,10 +185,10 @@ def _decode_launches(
     window = int(sliding_window) if sliding_window is not None else 0
     cap = float(softcap) if softcap is not None else 1.0
     args = (
-        query, *pools.data, *pools.side, *pools.tails, block_tables, seq_lens, tail_rows, sinks, out, part_m,
-        part_l, part_acc, float(scale), cap, window, num_heads, num_parts, partition,
-        *query.stride(), *pools.data_strides, *pools.side_strides, *pools.tail_strides, block_tables.stride(0),
-        *out.stride(),
+        query, *pools.data, *pools.side, *pools.tails, fresh_key, fresh_value, block_tables, seq_lens, tail_rows,
+        sinks, out, part_m, part_l, part_acc, float(scale), cap, window, num_heads, num_parts, partition,
+        *query.stride(), *pools.data_strides, *pools.side_strides, *pools.tail_strides, *fresh_strides,
+        block_tables.stride(0), *out.stride(),
     )
     meta = dict(
         GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, PADDED=head_dim < d_pad,
@@ -240,12 +245,13 @@ def _kernels():
 
 
 def _decode_kernel(
-    Q, KC, VC, KS, VS, KZ, VZ, KT, VT, BlockTables, SeqLens, TailRows, Sinks, Out, PartM, PartL, PartAcc,
+    Q, KC, VC, KS, VS, KZ, VZ, KT, VT, NK, NV, BlockTables, SeqLens, TailRows, Sinks, Out, PartM, PartL, PartAcc,
     scale, softcap, window, num_heads, num_parts, partition,
     stride_qs, stride_qh, stride_qd,
     stride_cb, stride_co, stride_ch, stride_cd,
     stride_ksb, stride_ks1, stride_ks2, stride_vsb, stride_vso, stride_vsh,
     stride_tr, stride_to, stride_th, stride_td,
+    stride_nn, stride_nh, stride_nd,
     stride_bt,
     stride_os, stride_oh, stride_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -288,10 +294,11 @@ def _decode_kernel(
     acc = tl.full([G_PAD, D_PAD], 0.0, tl.float32)
     table = BlockTables + seq * stride_bt
     acc, m_i, l_i = attend_sequence(
-        acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, KT, VT, TailRows, seq, seq_len, table, kv_head,
-        lo, end, scale, softcap, window, stride_cb, stride_co, stride_ch, stride_cd, stride_ksb, stride_ks1,
-        stride_ks2, stride_vsb, stride_vso, stride_vsh, stride_tr, stride_to, stride_th, stride_td, HEAD_DIM,
-        D_PAD, PADDED, BLOCK_SIZE, BLOCK_N, CODES, KEY_SIDE, VALUE_SIDE, ZERO, DOT, USE_WINDOW, USE_SOFTCAP, TAIL,
+        acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, KT, VT, NK, NV, TailRows, seq, seq_len - 1, seq,
+        seq_len - 1, seq_len - 1, table, kv_head, lo, end, scale, softcap, window, stride_cb, stride_co, stride_ch,
+        stride_cd, stride_ksb, stride_ks1, stride_ks2, stride_vsb, stride_vso, stride_vsh, stride_tr, stride_to,
+        stride_th, stride_td, stride_nn, stride_nh, stride_nd, HEAD_DIM, D_PAD, PADDED, BLOCK_SIZE, BLOCK_N, CODES,
+        KEY_SIDE, VALUE_SIDE, ZERO, DOT, USE_WINDOW, USE_SOFTCAP, TAIL,
     )
 
     if DIRECT:

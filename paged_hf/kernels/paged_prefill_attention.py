@@ -11,8 +11,9 @@ signature:
 - a program's rows are ``BLOCK_Q`` consecutive queries x the ``group`` query heads of its KV head (GQA: each K/V
   tile is read once for the group), against the keys ``[0 or window start, last query position]`` in tiles of
   ``BLOCK_N`` tokens gathered through the block table, their codes in the dots and their scales around them
-  (``_tiles``), then, for a format with a full-precision tail, the sequence's tail row; causal (and window)
-  masked per row, online softmax in float32 starting from the sink logit when there are sinks.
+  (``_tiles``); a format with a full-precision tail reads each row's own block exact instead, from the sequence's
+  tail row and the forward's new K/V (``fresh_key`` / ``fresh_value``); causal (and window) masked per row, online
+  softmax in float32 starting from the sink logit when there are sinks.
 
 Kernels are decorated on first launch (see ``paged_decode_attention``), with the helpers of ``_tiles``.
 """
@@ -27,8 +28,8 @@ from . import _tiles
 from . import attention_ref as _attention_ref
 from . import paged_decode_attention as _decode
 from ._common import (
-    Kernels, Launch, check_index, check_pools, check_query, check_sinks, check_tail_rows, dot_mode, feature_meta,
-    jit_unspecialized, next_pow2,
+    Kernels, Launch, check_fresh, check_index, check_pools, check_query, check_sinks, check_tail_rows, dot_mode,
+    feature_meta, jit_unspecialized, next_pow2,
 )
 from .attention_ref import paged_attention_core
 
@@ -153,6 +154,8 @@ def paged_prefill_attention(
     key_tail: torch.Tensor | None = None,
     value_tail: torch.Tensor | None = None,
     tail_rows: torch.Tensor | None = None,
+    fresh_key: torch.Tensor | None = None,
+    fresh_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton varlen prefill; the arguments and result of ``paged_prefill_attention_ref``.
 
@@ -163,6 +166,7 @@ def paged_prefill_attention(
     for launch in _prefill_launches(
         query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sliding_window, softcap,
         sinks, key_scale, value_scale, key_zero, value_zero, kv_format, out, key_tail, value_tail, tail_rows,
+        fresh_key, fresh_value,
     ):
         launch()
     return out
@@ -171,6 +175,7 @@ def paged_prefill_attention(
 def _prefill_launches(
     query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sliding_window, softcap, sinks,
     key_scale, value_scale, key_zero, value_zero, kv_format, out, key_tail=None, value_tail=None, tail_rows=None,
+    fresh_key=None, fresh_value=None,
 ) -> list[Launch]:
     k = _kernels()
     total, num_heads, head_dim = check_query(query, "query")
@@ -190,6 +195,7 @@ def _prefill_launches(
         )
     block_tables, seq_lens, cu_query_lens = block_tables.contiguous(), seq_lens.contiguous(), cu_query_lens.contiguous()
     tail_rows = check_tail_rows(tail_rows, pools, num_seqs, query.device)
+    fresh_key, fresh_value, fresh_strides = check_fresh(fresh_key, fresh_value, pools, total, head_dim, query.device)
     check_sinks(sinks, num_heads, query.device)
     flags = feature_meta(sliding_window, softcap, sinks)
 
@@ -201,11 +207,11 @@ def _prefill_launches(
     d_pad = max(16, next_pow2(head_dim))
     num_tiles = total // block_q + num_seqs
     args = (
-        query, *pools.data, *pools.side, *pools.tails, block_tables, seq_lens, cu_query_lens, tail_rows, sinks, out,
-        float(scale), float(softcap) if softcap is not None else 1.0,
+        query, *pools.data, *pools.side, *pools.tails, fresh_key, fresh_value, block_tables, seq_lens, cu_query_lens,
+        tail_rows, sinks, out, float(scale), float(softcap) if softcap is not None else 1.0,
         int(sliding_window) if sliding_window is not None else 0, num_seqs,
-        *query.stride(), *pools.data_strides, *pools.side_strides, *pools.tail_strides, block_tables.stride(0),
-        *out.stride(),
+        *query.stride(), *pools.data_strides, *pools.side_strides, *pools.tail_strides, *fresh_strides,
+        block_tables.stride(0), *out.stride(),
     )
     meta = dict(
         GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=d_pad,
@@ -242,12 +248,13 @@ def _kernels():
 
 
 def _prefill_kernel(
-    Q, KC, VC, KS, VS, KZ, VZ, KT, VT, BlockTables, SeqLens, CuQueryLens, TailRows, Sinks, Out,
+    Q, KC, VC, KS, VS, KZ, VZ, KT, VT, NK, NV, BlockTables, SeqLens, CuQueryLens, TailRows, Sinks, Out,
     scale, softcap, window, num_seqs,
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_co, stride_ch, stride_cd,
     stride_ksb, stride_ks1, stride_ks2, stride_vsb, stride_vso, stride_vsh,
     stride_tr, stride_to, stride_th, stride_td,
+    stride_nn, stride_nh, stride_nd,
     stride_bt,
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -306,10 +313,11 @@ def _prefill_kernel(
         lo = tl.maximum(lo, context + first_query - window + 1)
     table = BlockTables + seq * stride_bt
     acc, m_i, l_i = attend_sequence(
-        acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, KT, VT, TailRows, seq, seq_len, table, kv_head,
-        lo, hi, scale, softcap, window, stride_cb, stride_co, stride_ch, stride_cd, stride_ksb, stride_ks1,
-        stride_ks2, stride_vsb, stride_vso, stride_vsh, stride_tr, stride_to, stride_th, stride_td, HEAD_DIM,
-        D_PAD, PADDED, BLOCK_SIZE, BLOCK_N, CODES, KEY_SIDE, VALUE_SIDE, ZERO, DOT, USE_WINDOW, USE_SOFTCAP, TAIL,
+        acc, m_i, l_i, q, q_sum, row_pos, KC, VC, KS, VS, KZ, VZ, KT, VT, NK, NV, TailRows, seq, context, q_start,
+        context + first_query, hi - 1, table, kv_head, lo, hi, scale, softcap, window, stride_cb, stride_co,
+        stride_ch, stride_cd, stride_ksb, stride_ks1, stride_ks2, stride_vsb, stride_vso, stride_vsh, stride_tr,
+        stride_to, stride_th, stride_td, stride_nn, stride_nh, stride_nd, HEAD_DIM, D_PAD, PADDED, BLOCK_SIZE,
+        BLOCK_N, CODES, KEY_SIDE, VALUE_SIDE, ZERO, DOT, USE_WINDOW, USE_SOFTCAP, TAIL,
     )
 
     out = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]

@@ -18,7 +18,7 @@ Usage, once per distinct layer kind at engine/server start-up, after the pools e
     warmup_kernels(
         storage.attention_operands(), num_heads=config.num_attention_heads, dtype=model.dtype,
         sliding_window=window, softcap=softcap, sinks=sinks,
-        store_dtype=torch.float32 if storage.rotation is not None else model.dtype,  # what ``write`` stores
+        store_dtype=storage.store_dtype,  # what ``write`` hands the store
         pool_tensors=list(storage.tensors().values()) + list(storage.tail_tensors().values()),
     )
 
@@ -63,15 +63,15 @@ def layer_launches(
         num_heads: query heads (a multiple of the pools' KV heads); ``dtype``: the query dtype the attention
             receives (the model dtype).
         sliding_window, softcap, sinks: the layer's attention options, as the attention passes them.
-        store_dtype: dtype of the K/V the store receives (default ``dtype``; ``QuantizedKVStorage.write`` passes
-            the float32 rotated vectors).
+        store_dtype: dtype of the K/V the store receives (default ``dtype``; ``storage.store_dtype``).
         pool_tensors: the tensors a block copy moves (``storage.tensors().values()`` and the tail pools, which
             forks copy by row; default: the pools, side tensors and tails in ``operands``).
         index_dtype: dtype of ``seq_lens``, ``cu_query_lens``, slots and copy ids (int64 in ``metadata``);
             ``block_table_dtype``: of the block tables (``block_table_rows.TABLE_DTYPE``, int32).
 
     Returns the launches: decode (one partition, written directly), decode over partitions and its reduce,
-    prefill, store (a tail format: the block fill and the tail write), and one block copy per pool tensor.
+    prefill, store (a tail format: the block fill, and the tail write after the attention), and one block copy per
+    pool tensor.
     """
     key_cache = operands["key_cache"]
     kv_format = operands.get("kv_format", "auto")
@@ -82,6 +82,10 @@ def layer_launches(
     side = {name: operands.get(name) for name in _SIDE}
     tails = {name: operands.get(name) for name in _TAILS}
     tail_rows = torch.zeros(1, dtype=index_dtype, device=device) if fmt.tail else None
+    fresh = (None, None)  # a tail format's new K/V of the forward, as the store returns them (``storage.FreshKV``)
+    if fmt.tail:
+        fresh = tuple(torch.zeros(1, num_kv_heads, head_dim, dtype=tails["key_tail"].dtype, device=device)
+                      for _ in range(2))
     options = dict(scale=head_dim ** -0.5, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     seq_lens = torch.ones(1, dtype=index_dtype, device=device)
@@ -91,13 +95,13 @@ def layer_launches(
         tables = torch.zeros(1, blocks, dtype=block_table_dtype, device=device)
         launches += _decode._decode_launches(
             query, key_cache, operands["value_cache"], tables, seq_lens, options["scale"], sliding_window, softcap,
-            sinks, *side.values(), kv_format, torch.empty_like(query), None, *tails.values(), tail_rows,
+            sinks, *side.values(), kv_format, torch.empty_like(query), None, *tails.values(), tail_rows, *fresh,
         )
     tables = torch.zeros(1, 1, dtype=block_table_dtype, device=device)
     cu_query_lens = torch.tensor([0, 1], dtype=index_dtype, device=device)
     launches += _prefill._prefill_launches(
         query, key_cache, operands["value_cache"], tables, seq_lens, cu_query_lens, options["scale"], sliding_window,
-        softcap, sinks, *side.values(), kv_format, torch.empty_like(query), *tails.values(), tail_rows,
+        softcap, sinks, *side.values(), kv_format, torch.empty_like(query), *tails.values(), tail_rows, *fresh,
     )
     states = torch.zeros(1, num_kv_heads, head_dim, dtype=store_dtype or dtype, device=device)
     slots = torch.zeros(1, dtype=index_dtype, device=device)
@@ -107,6 +111,8 @@ def layer_launches(
         plan = StorePlan(slots, ids, ids, ids, ids)
     launches += _store._store_launches(states, states, slots, key_cache, operands["value_cache"], *side.values(),
                                        kv_format, *tails.values(), plan)
+    if fmt.tail:
+        launches.append(_store._tail_launch(*fresh, *tails.values(), plan))
     if pool_tensors is None:
         pool_tensors = [t for t in (key_cache, operands["value_cache"], *side.values(), *tails.values())
                         if t is not None]
