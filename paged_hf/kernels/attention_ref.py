@@ -111,15 +111,18 @@ def paged_attention_core(
         row_starts = window_starts.unsqueeze(1).expand(batch, group, num_queries).reshape(batch, 1, rows)
     steps = [(first, None) for first in range(0, num_blocks, blocks_per_chunk)]
     if pools.fmt.tail:  # then each query's own block, in full precision
-        steps.append((None, pools.own_blocks(seq_lens)))
+        own = pools.own_blocks(seq_lens)
+        steps.append((None, own))
+        # a stored key is read where it precedes the query's own block (or the exact window, for an older query)
+        quantized_below = torch.maximum(row_positions // block_size * block_size, own[2][:, :1].view(batch, 1, 1))
     for first, own in steps:
         if own is None:
             k, v = pools.read(block_tables[:, first : first + blocks_per_chunk].long())
             key_positions = torch.arange(first * block_size, first * block_size + k.shape[2], device=q.device)
             key_positions = key_positions.view(1, 1, 1, -1)
             visible = key_positions <= row_positions.unsqueeze(-1)
-            if pools.fmt.tail:  # the quantized copy of a key is read from outside the query's own block only
-                visible &= key_positions // block_size < row_positions.unsqueeze(-1) // block_size
+            if pools.fmt.tail:
+                visible &= key_positions < quantized_below.unsqueeze(-1)
         else:
             k, v, own_positions, own_valid = own
             key_positions = own_positions.view(batch, 1, 1, -1)
@@ -151,14 +154,15 @@ def _single_chunk_attention(query, query_positions, pools, block_tables, seq_len
                             window_starts) -> torch.Tensor:
     """``paged_attention_core`` for a batch whose keys are read at once: one gather, one fused SDPA call."""
     batch, num_heads, num_queries, head_dim = query.shape
-    k, v = pools.read(block_tables.long())  # [B, kv_heads, L, D]
+    one_query = pools.fmt.tail and num_queries == 1  # decode: its own block replaces the block's codes, no concat
+    k, v = pools.read(block_tables.long(), query_positions[:, 0] if one_query else None, seq_lens)  # [B, H, L, D]
     key_positions = torch.arange(k.shape[2], device=query.device).view(1, 1, -1)
     rows = query_positions.unsqueeze(-1)  # [B, n, 1]
     visible = key_positions <= rows
-    if pools.fmt.tail:  # quantized keys from outside each query's own block, then its own block exact
-        block_size = pools.block_size
-        visible &= key_positions // block_size < rows // block_size
+    if pools.fmt.tail and not one_query:  # stored keys before each query's own block (or the exact window, for a
+        block_size = pools.block_size     # query older than it: a pad column's), then its own block exact
         own_k, own_v, own_positions, own_valid = pools.own_blocks(seq_lens)
+        visible &= key_positions < torch.maximum(rows // block_size * block_size, own_positions[:, None, :1])
         own_positions = own_positions.unsqueeze(1)  # [B, 1, W]
         own_visible = own_valid.unsqueeze(1) & (own_positions <= rows) \
             & (own_positions // block_size == rows // block_size)
@@ -195,14 +199,47 @@ class KVPools:
             raise ValueError(f"kv_format={kv_format!r} keeps a full-precision tail: pass key_tail, value_tail, "
                              f"tail_rows, fresh_keys, fresh_values and num_fresh")
 
-    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, ids: torch.Tensor, own_position: torch.Tensor | None = None,
+             seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of blocks ``ids`` ``[B, n]`` as float32 ``[B, kv_heads, n * block_size, head_dim]``, as stored (a
-        tail format's partial last block reads whatever its codes hold: ``own_blocks`` replaces it)."""
+        tail format's partial last block reads whatever its codes hold: ``own_blocks`` gives its values).
+        ``own_position`` ``[B]`` (a tail format, one query per sequence, with ``seq_lens``): the block holding that
+        position reads the query's own block instead, exact (its keys past the query hold anything: a causal mask
+        hides them)."""
+        own = (None, None) if own_position is None else self._own_block_values(own_position, seq_lens)
         out = []
-        for cache, scale, zero, side in (self.key, self.value):
+        for (cache, scale, zero, side), replace in zip((self.key, self.value), own):
             blocks = read_blocks(cache, scale, zero, self.fmt.name, ids, side)  # [B, n, bs, H, D]
+            if replace is not None:
+                index, exact, use = replace
+                batch = torch.arange(ids.shape[0], device=ids.device)
+                index = index.clamp(0, ids.shape[1] - 1)
+                blocks[batch, index] = torch.where(use[:, None, None, None], exact, blocks[batch, index])
             out.append(blocks.flatten(1, 2).transpose(1, 2))
         return out[0], out[1]
+
+    def _own_block_values(self, position: torch.Tensor, seq_lens: torch.Tensor) -> list:
+        """Per K and V: ``(block index [B], exact values [B, bs, H, D], whether to use them [B])`` of the block
+        holding each query's ``position``: offsets before the forward's first position ``ctx`` from the tail row,
+        later ones from the fresh K/V. A query older than the tail row's block (a pad column's) keeps the stored
+        block."""
+        bs = self.block_size
+        device = self.fresh[0].device
+        position = position.to(device).long()
+        ctx = seq_lens.to(device).long() - self.num_fresh.to(device).long()
+        first = ctx // bs * bs
+        start = position.clamp_min(0) // bs * bs
+        positions = start[:, None] + torch.arange(bs, device=device)[None, :]  # [B, bs]
+        # index into [tail row (bs entries: positions first ..), fresh (W entries: positions ctx ..)]
+        index = torch.where(positions < ctx[:, None], positions - first[:, None], bs + positions - ctx[:, None])
+        index = index.clamp(0, bs + self.fresh[0].shape[1] - 1)
+        rows = self.tail_rows.to(device).long()
+        out = []
+        for tail, fresh in zip(self.tails, self.fresh):
+            window = torch.cat([tail[rows], fresh.to(tail.dtype)], dim=1)  # [B, bs + W, H, D]
+            exact = window.gather(1, index[:, :, None, None].expand(-1, -1, *window.shape[2:])).float()
+            out.append((start // bs, exact, position >= first))
+        return out
 
     def own_blocks(self, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tail formats: the full-precision keys a sequence's queries may read in their own blocks, ``(k, v,
