@@ -4,6 +4,10 @@
 (the same dict transformers then passes to the attention function). Without metadata (no cache, another cache
 class, or a model that calls ``update`` without ``kwargs``) the function attends densely over the K/V and mask it
 was given, so a model loaded with ``attn_implementation="paged"`` works everywhere.
+
+A format with a full-precision tail (int4) stores in two steps around the attention: ``update`` quantizes the
+blocks that fill, the attention reads each query's own block exact (the tail rows as they were before the forward,
+and the forward's new K/V handed over as ``storage.FreshKV``), then writes the new tail rows.
 """
 
 from __future__ import annotations

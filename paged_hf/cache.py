@@ -107,7 +107,9 @@ class PagedCache(DynamicCache):
             stores ``num_key_value_heads / tp_size`` heads, which is what ``memory_budget`` sizes.
 
     With ``attn_implementation="paged"`` the attention reads the blocks directly; with any other
-    implementation ``update`` returns each row's K/V gathered into the dense, padded layout the mask expects.
+    implementation ``update`` returns each row's K/V gathered into the dense, padded layout the mask expects. (int4:
+    the paged attention reads each query's own block in full precision, as a decode step does; a dense view can
+    only hold one value per token, so it reads what is stored: full blocks quantized, the rest exact.)
     """
 
     def __init__(
