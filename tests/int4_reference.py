@@ -2,7 +2,8 @@
 in full precision and hands the attention each row's K/V with its full blocks fake-quantized.
 
 Per row (no padding), positions ``< (length // block_size) * block_size`` are in full blocks: keys quantized per
-channel over the block (``kv_quant.quantize_channels_ref``), values rotated, quantized per token and rotated back;
+channel over the block (``kv_quant.quantize_channels_ref``), values rotated, quantized per token on the block's
+maximum (``quantize_block_values_ref``) and rotated back;
 the rest (the tail) is exact. ``crop`` follows ``PagedCache.crop``'s policy: cropping back into a full block keeps
 its tokens at their dequantized values (the block is quantized again, from them and the new tokens, when it
 refills). Beam search reorders rows (``DynamicCache``'s own ``reorder_cache``): a row's quantized blocks are
@@ -17,7 +18,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from paged_hf.kernels.kv_quant import (
-    dequantize_channels_ref, dequantize_kv_ref, quantize_channels_ref, quantize_kv_ref,
+    dequantize_block_values_ref, dequantize_channels_ref, quantize_block_values_ref, quantize_channels_ref,
 )
 from paged_hf.rotation import kv_rotation, rotate, unrotate
 
@@ -31,7 +32,7 @@ def fake_quantize_blocks(keys: torch.Tensor, values: torch.Tensor, block_size: i
     k = keys.float().view(batch, heads, -1, block_size, head_dim).permute(0, 2, 3, 1, 4)
     v = values.float().view(batch, heads, -1, block_size, head_dim).permute(0, 2, 3, 1, 4)
     k = dequantize_channels_ref(*quantize_channels_ref(k))
-    v = unrotate(dequantize_kv_ref(*quantize_kv_ref(rotate(v, rotation), "int4"), "int4"), rotation)
+    v = unrotate(dequantize_block_values_ref(*quantize_block_values_ref(rotate(v, rotation))), rotation)
     back = (0, 3, 1, 2, 4)
     return (k.permute(back).reshape(batch, heads, length, head_dim).to(keys.dtype),
             v.permute(back).reshape(batch, heads, length, head_dim).to(values.dtype))
