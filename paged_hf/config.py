@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .quant import KV_CACHE_DTYPES
+from .kernels.kv_format import kv_format
+from .quant import KV_CACHE_DTYPES, canonical_kv_format
 
 MAX_BLOCK_SIZE = 1024
 MAX_SEED = 2**63 - 1  # seeds are int64, as vLLM's
@@ -59,6 +60,7 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be a positive int or None, got {self.num_blocks!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        kv_format(canonical_kv_format(self.kv_cache_dtype)).check_block_size(self.block_size)  # int4: even
         if self.memory_budget is not None and (
             isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget < 1
         ):

@@ -1,6 +1,6 @@
 """Quantized KV storage: the pools of one layer in a quantized ``kv_cache_dtype``, laid out as its ``KVFormat``
-says (``kernels/kv_format.py``): codes, float16 scales (and zero points) per token or per channel of a block, and,
-for int4, a full-precision tail.
+says (``kernels/kv_format.py``): codes, side data (float16 scales per token; for int4, per block: key range codes on
+a float16 grid, value scale codes on a float16 maximum), and, for int4, a full-precision tail.
 
 Values (and, but for int4, keys) are rotated by ``rotation.kv_rotation(head_dim)`` before they are quantized
 (outliers spread over all channels); the attention rotates its query by the key rotation and un-rotates its output
@@ -8,7 +8,8 @@ by the value rotation instead of un-rotating each stored vector.
 
 int4 keeps each sequence's newest, not yet full block in a *tail row* of two small pools in the compute dtype
 (``[rows, block_size, num_kv_heads, head_dim]``, one row per sequence row of the ``KVManager``), and quantizes the
-block when it fills (keys per channel over the block, values per token: ``kernels/fill_blocks.py``). A block's
+block when it fills (keys per channel over the block, values per token with a scale code per token on the
+block's maximum: ``kernels/fill_blocks.py``; int4 therefore needs an even ``block_size``). A block's
 codes then depend only on its tokens, and only full blocks hold codes, so prefix hits (which share full blocks
 only) stay exact. The tail rows grow with the manager's sequence rows (``ensure_tail_rows``).
 
@@ -22,8 +23,10 @@ from __future__ import annotations
 import torch
 
 from .kernels import dispatch
-from .kernels.kv_format import KV_FORMATS, SIDE_DTYPE, KVFormat, kv_format
-from .kernels.kv_quant import dequantize_channels_ref, dequantize_kv_ref
+from .kernels.kv_format import KV_FORMATS, KVFormat, kv_format
+from .kernels.kv_quant import (
+    dequantize_block_values_ref, dequantize_channels_ref, dequantize_kv_ref, unpack_int4, value_scales_ref,
+)
 from .rotation import kv_rotation, rotate, unrotate
 from .storage import FreshKV, KVStorage
 
@@ -59,10 +62,10 @@ class QuantizedKVStorage(KVStorage):
     """K and V pools of one layer in a quantized ``kv_format``, with ``KVStorage``'s methods.
 
     Shapes: ``key_cache``/``value_cache`` ``[num_blocks, block_size, num_kv_heads, Dp]`` codes (``Dp = head_dim``,
-    or ``head_dim // 2`` uint8 for int4); side data float16 as ``KVFormat.side_shapes``; for int4 ``key_tail``/
-    ``value_tail`` ``[rows, block_size, num_kv_heads, head_dim]`` in the compute dtype. ``dtype`` is the compute dtype
-    that reads return. Codes hold ``x @ rotation`` where the format rotates (``[head_dim, head_dim]`` float32,
-    orthonormal); reads un-rotate. Invariant: a slot's (int4: a block's) bytes depend only on the K/V last written
+    or ``head_dim // 2`` uint8 for int4); side data as ``KVFormat.side_shapes`` (shapes and dtypes); for int4
+    ``key_tail``/``value_tail`` ``[rows, block_size, num_kv_heads, head_dim]`` in the compute dtype. ``dtype`` is the
+    compute dtype that reads return. Codes hold ``x @ rotation`` where the format rotates (``[head_dim, head_dim]``
+    float32, orthonormal); reads un-rotate. Invariant: a slot's (int4: a block's) bytes depend only on the K/V last written
     to it. Pools start zeroed, and zero bytes read as exact 0.
     """
 
@@ -81,9 +84,10 @@ class QuantizedKVStorage(KVStorage):
         data_shape = (num_blocks, block_size, num_kv_heads, fmt.code_dim(head_dim))
         self.key_cache = torch.zeros(data_shape, dtype=fmt.code_dtype(), device=device)
         self.value_cache = torch.zeros(data_shape, dtype=fmt.code_dtype(), device=device)
-        shapes = fmt.side_shapes(num_blocks, block_size, num_kv_heads, head_dim)
+        side = fmt.side_shapes(num_blocks, block_size, num_kv_heads, head_dim)  # ValueError: int4, odd block_size
         for name in self._POOL_NAMES[2:]:
-            setattr(self, name, torch.zeros(shapes[name], dtype=SIDE_DTYPE, device=device) if name in shapes else None)
+            shape, side_dtype = side.get(name, (None, None))
+            setattr(self, name, None if shape is None else torch.zeros(shape, dtype=side_dtype, device=device))
         self.has_tail = fmt.tail
         tail_shape = (0, block_size, num_kv_heads, head_dim)
         self.key_tail = torch.zeros(tail_shape, dtype=dtype, device=device) if fmt.tail else None
@@ -179,12 +183,21 @@ class QuantizedKVStorage(KVStorage):
         raw = data.view(torch.uint8) if data.dtype.is_floating_point and data.element_size() == 1 else data
         codes = raw[index].view(data.dtype)
         side = self.format.key_side if which == "key" else self.format.value_side
-        if side == "channel":
-            blocks = index[0] if isinstance(index, tuple) else index
-            if isinstance(index, tuple):  # slots: one token of each block, its block's channel scales
+        slots = isinstance(index, tuple)  # (block ids, offsets): one token of each block
+        blocks = index[0] if slots else index
+        if side == "channel":  # int4 keys: the block's channel ranges
+            if slots:
                 values = dequantize_channels_ref(codes.unsqueeze(-3), scale[blocks], zero[blocks]).squeeze(-3)
             else:
                 values = dequantize_channels_ref(codes, scale[blocks], zero[blocks])
+        elif side == "token_code":  # int4 values: each token's scale code on its block's maximum
+            if slots:
+                offsets = index[1]
+                byte = scale[blocks, :, offsets // 2]  # [*S, H]
+                k = (byte >> (4 * (offsets % 2)).unsqueeze(-1).to(byte.dtype)) & 15
+                values = (unpack_int4(codes).float() - 8) * value_scales_ref(k, zero[blocks]).unsqueeze(-1)
+            else:
+                values = dequantize_block_values_ref(codes, scale[blocks], zero[blocks])
         else:
             values = dequantize_kv_ref(codes, scale[index], None if zero is None else zero[index], self.kv_format)
         return unrotate(values, getattr(self, f"{which}_rotation")) if unrotated else values

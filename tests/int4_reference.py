@@ -3,12 +3,13 @@ in full precision, and an attention that gives each query the values the paged c
 
 Per row (no padding): positions ``< (length // block_size) * block_size`` are in full blocks, stored as int4 stores
 them: keys quantized per channel over the block (``kv_quant.quantize_channels_ref``), values rotated, quantized per
-token and rotated back. A query at position ``p`` reads the keys before its own block (``p // block_size *
-block_size``) as stored, and its own block's keys exact (``own_block_attention``, the "paged" attention's policy).
-``policy="stored"`` instead hands any attention the K/V as stored (full blocks quantized, the rest exact): what a
-dense attention over a ``PagedCache`` reads. ``crop`` follows ``PagedCache.crop``'s policy: cropping back into a full
-block keeps its tokens at their dequantized values (the block is quantized again, from them and the new tokens,
-when it refills). Beam search reorders rows (``DynamicCache``'s own ``reorder_cache``): a row's quantized blocks are
+token on the block's maximum (``quantize_block_values_ref``) and rotated back. A query at position ``p`` reads the
+keys before its own block (``p // block_size * block_size``) as stored, and its own block's keys exact
+(``own_block_attention``, the "paged" attention's policy). ``policy="stored"`` instead hands any attention the K/V
+as stored (full blocks quantized, the rest exact): what a dense attention over a ``PagedCache`` reads. ``crop``
+follows ``PagedCache.crop``'s policy: cropping back into a full block keeps its tokens at their dequantized values
+(the block is quantized again, from them and the new tokens, when it refills). Beam search reorders rows
+(``DynamicCache``'s own ``reorder_cache``): a row's quantized blocks are
 recomputed from its values, as a fork of the paged cache shares them.
 
 It recomputes every block at every forward and builds dense K/V: slow, and written for clarity, not speed.
@@ -21,7 +22,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from paged_hf.kernels.kv_quant import (
-    dequantize_channels_ref, dequantize_kv_ref, quantize_channels_ref, quantize_kv_ref,
+    dequantize_block_values_ref, dequantize_channels_ref, quantize_block_values_ref, quantize_channels_ref,
 )
 from paged_hf.rotation import kv_rotation, rotate, unrotate
 
@@ -35,7 +36,7 @@ def fake_quantize_blocks(keys: torch.Tensor, values: torch.Tensor, block_size: i
     k = keys.float().view(batch, heads, -1, block_size, head_dim).permute(0, 2, 3, 1, 4)
     v = values.float().view(batch, heads, -1, block_size, head_dim).permute(0, 2, 3, 1, 4)
     k = dequantize_channels_ref(*quantize_channels_ref(k))
-    v = unrotate(dequantize_kv_ref(*quantize_kv_ref(rotate(v, rotation), "int4"), "int4"), rotation)
+    v = unrotate(dequantize_block_values_ref(*quantize_block_values_ref(rotate(v, rotation))), rotation)
     back = (0, 3, 1, 2, 4)
     return (k.permute(back).reshape(batch, heads, length, head_dim).to(keys.dtype),
             v.permute(back).reshape(batch, heads, length, head_dim).to(values.dtype))

@@ -1,7 +1,8 @@
 """Random paged pools in any ``kv_format`` for the attention tests, and a plain per-sequence reading of them.
 
 ``random_pools`` quantizes random K/V with the reference quantizers as the format lays them out (``KVFormat``):
-per-token codes and scales, or (int4) keys per channel over each block and values per token, plus, for a format with
+per-token codes and scales, or (int4) keys per channel over each block and values per token on the block's maximum
+(``kv_quant``'s block quantizers), plus, for a format with
 a full-precision tail, random tail rows in the compute dtype. The codes of a sequence's partial last block are left
 random too: an attention that read them instead of the tail row would differ.
 
@@ -14,7 +15,13 @@ from __future__ import annotations
 import torch
 
 from paged_hf.kernels.kv_format import kv_format as get_format
-from paged_hf.kernels.kv_quant import dequantize_channels_ref, dequantize_kv_ref, quantize_channels_ref, quantize_kv_ref
+from paged_hf.kernels.kv_quant import (
+    dequantize_block_values_ref, dequantize_channels_ref, dequantize_kv_ref, quantize_block_values_ref,
+    quantize_channels_ref, quantize_kv_ref,
+)
+
+QUANTIZERS = {"channel": quantize_channels_ref, "token_code": quantize_block_values_ref}
+BLOCK_DEQUANTIZERS = {"channel": dequantize_channels_ref, "token_code": dequantize_block_values_ref}
 
 
 def random_pools(kv_format: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -30,7 +37,7 @@ def random_pools(kv_format: str, num_blocks: int, block_size: int, num_kv_heads:
         return {"key_cache": key.to(dtype).to(device), "value_cache": value.to(dtype).to(device)}
     ops = {}
     for which, x, side in (("key", key, fmt.key_side), ("value", value, fmt.value_side)):
-        data, scale, zero = quantize_channels_ref(x) if side == "channel" else quantize_kv_ref(x, kv_format)
+        data, scale, zero = QUANTIZERS[side](x) if side in QUANTIZERS else quantize_kv_ref(x, kv_format)
         ops.update({f"{which}_cache": data, f"{which}_scale": scale, f"{which}_zero": zero})
     if fmt.tail:
         tail_shape = (num_rows, block_size, num_kv_heads, head_dim)
@@ -57,9 +64,9 @@ def dense_kv(pools: dict, table: torch.Tensor, seq_len: int, tail_row: int | Non
                 rows.append(pools[f"{which}_tail"][tail_row, offset].float())
             elif not fmt.quantized:
                 rows.append(cache[block, offset].float())
-            elif side == "channel":
-                whole = dequantize_channels_ref(cache[block].cpu(), pools[f"{which}_scale"][block].cpu(),
-                                                pools[f"{which}_zero"][block].cpu())
+            elif side in BLOCK_DEQUANTIZERS:
+                whole = BLOCK_DEQUANTIZERS[side](cache[block].cpu(), pools[f"{which}_scale"][block].cpu(),
+                                                 pools[f"{which}_zero"][block].cpu())
                 rows.append(whole[offset].to(cache.device))
             else:
                 raw = cache.view(torch.uint8)[block, offset].view(cache.dtype) if cache.element_size() == 1 \

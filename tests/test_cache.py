@@ -26,6 +26,9 @@ def test_bad_cache_config_names_field_and_allowed_values():
         paged_hf.PagedCache(model.config, kv_cache_dtype="int3")
     with pytest.raises(ValueError, match="num_blocks must be a positive int"):
         paged_hf.PagedCache(model.config, num_blocks=0)
+    with pytest.raises(ValueError, match=r"block_size must be even for kv_cache_dtype='int4'.*got block_size=1"):
+        model.generate(**batch, max_new_tokens=2, cache_implementation="paged",
+                       cache_config={"block_size": 1, "kv_cache_dtype": "int4"})
 
 
 def test_pool_too_small_for_batch_fails_before_allocation():

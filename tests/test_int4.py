@@ -2,7 +2,8 @@
 storage and ``PagedCache``.
 
 1. Storage: a block's bytes are those of ``kv_quant`` on the block's own tokens (keys unrotated per channel, values
-   rotated per token), whichever way its tokens arrived (one chunk, decode steps, random chunks), also in bfloat16.
+   rotated per token on the block's maximum), whichever way its tokens arrived (one chunk, decode steps, random
+   chunks), also in bfloat16.
 2. ``PagedCache`` + the "paged" attention against ``Int4ReferenceCache`` (full precision + fake-quantized full
    blocks, each query's own block exact: ``int4_reference.py``): the tail-to-block transition inside a chunked
    prefill and at decode, beam search forking rows with a partly full tail, and ``crop`` back into a quantized block
@@ -23,7 +24,7 @@ from int4_reference import Int4ReferenceCache, fake_quantize_blocks, own_block_a
 from models import require_stories, story_text_ids, stories_tokenizer, tiny_model
 from test_generate_exact import left_padded_batch
 from paged_hf.kernels.fill_blocks import StorePlan
-from paged_hf.kernels.kv_quant import quantize_channels_ref, quantize_kv_ref
+from paged_hf.kernels.kv_quant import quantize_block_values_ref, quantize_channels_ref
 from paged_hf.quant import make_storage
 from paged_hf.rotation import kv_rotation, rotate
 
@@ -85,8 +86,9 @@ def test_block_bytes_do_not_depend_on_how_tokens_arrive(dtype):
     assert torch.equal(first.key_cache[blocks0[0]], codes) and torch.equal(first.key_scale[blocks0[0]], scale)
     assert torch.equal(first.key_zero[blocks0[0]], zero)
     v = rotate(value[:BLOCK_SIZE], kv_rotation(HEAD_DIM)).to(dtype).float()
-    codes, scale, zero = quantize_kv_ref(v, "int4")
+    codes, scale, zero = quantize_block_values_ref(v)
     assert torch.equal(first.value_cache[blocks0[0]], codes) and torch.equal(first.value_scale[blocks0[0]], scale)
+    assert torch.equal(first.value_zero[blocks0[0]], zero)
 
 
 def test_read_slots_reads_full_blocks_dequantized_and_the_tail_exact():

@@ -207,9 +207,10 @@ def test_tiny_value_scales_keep_float16_precision(kv_format):
     ~1e-5 that product would sit among float16 subnormals, so each tile is normalized by its largest scale first.
     Compared at float16's relative tolerance after undoing the magnitude."""
     pools, tables, query, _, seq_lens = attention_case(16, 64, 4, kv_format, [40, 300], 1, torch.float16)
-    pools["value_scale"] = pools["value_scale"] * 1e-4
-    if pools.get("value_zero") is not None:
+    if kv_format == "int4":  # value_scale holds 4-bit scale codes; the scales are value_zero (vmax) times 2^(-k/3)
         pools["value_zero"] = pools["value_zero"] * 1e-4
+    else:
+        pools["value_scale"] = pools["value_scale"] * 1e-4
     prefill_pools = dict(pools)
     if pools.get("value_tail") is not None:  # int4's full-precision tail and new values: as tiny
         pools["value_tail"] = pools["value_tail"] * 1e-4

@@ -1,13 +1,14 @@
 """The int4 paths of the Triton kernels against their torch references (triton's CPU interpreter without CUDA, set
 up as in ``test_kernels.py``).
 
-- Store: the block fill (keys per channel over a block, values per token, from the tail row and the new K/V) and
-  the tail writes, byte for byte, for sequences written in random chunks; block sizes 4..128, head_dim 16..256, the
-  compute dtype float32 / bfloat16 / float16 (new values rounded to it first), rounding ties.
-- Attention: decode and prefill read quantized blocks with per-channel key scales before each query's own block,
-  and its own block exact from the tail row and the new K/V, in one pass, on both key paths (a tile inside one
-  block, ``block_size >= BLOCK_N``: the scales scale the query; a tile spanning blocks: the keys are dequantized
-  with each token's block's scales), with windows, softcap, sinks, partitions, prefill chunks across blocks.
+- Store: the block fill (keys per channel over a block on its grid, values per token with a scale code on the
+  block's maximum, from the tail row and the new K/V) and the tail writes, byte for byte, for sequences written in
+  random chunks; block sizes 2..128, head_dim 16..256, 1..3 KV heads, the compute dtype float32 / bfloat16 /
+  float16 (new values rounded to it first), rounding ties and ties between value scale codes.
+- Attention: decode and prefill read quantized blocks (keys dequantized from their channel ranges, values scaled by
+  their scale codes) before each query's own block, and its own block exact from the tail row and the new K/V, in
+  one pass, for tiles inside one block (``block_size >= BLOCK_N``) and tiles spanning blocks, with windows, softcap,
+  sinks, partitions, prefill chunks across blocks.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def assert_same_pools(kernel, ref):
     for name in [*kernel.tensors(), *kernel.tail_tensors()]:
         got, want = getattr(kernel, name), getattr(ref, name)
-        if name.endswith("_zero"):  # +0.0 and -0.0 are the same zero point (see below)
+        if name == "key_zero":  # +0.0 and -0.0 are the same grid base (see below)
             assert torch.equal(got, want), name
         else:
             assert torch.equal(_bytes(got), _bytes(want)), f"{name} differs in {int((got != want).sum())} places"
@@ -70,7 +71,8 @@ def assert_same_pools(kernel, ref):
 
 # (block_size, head_dim, num_kv_heads, compute dtype)
 STORE_CASES = [(4, 16, 2, torch.float32), (16, 64, 2, torch.float32), (8, 128, 1, torch.bfloat16),
-               (64, 64, 3, torch.float16), (128, 256, 1, torch.bfloat16), (32, 128, 2, torch.float16)]
+               (64, 64, 3, torch.float16), (128, 256, 1, torch.bfloat16), (32, 128, 2, torch.float16),
+               (2, 32, 1, torch.float32), (16, 128, 3, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("block_size,head_dim,num_kv_heads,dtype", STORE_CASES, ids=str)
@@ -107,19 +109,33 @@ def test_fill_and_tail_writes_match_ref_bytes(block_size, head_dim, num_kv_heads
 
 
 def test_fill_rounding_ties():
-    """Per-channel keys and per-token values at and around every rounding tie of ``q = round((x - z) / s)`` with
-    ``z = 0`` and ``s = 1`` exactly (each channel / token holds a 0 and a 15): codes as torch rounds them (round half
-    to even). A zero minimum that is -0.0 in one place and +0.0 in another may give either zero point: compared by
-    value."""
-    grid = torch.arange(0, 15) + 0.5
-    values = torch.cat([grid, torch.nextafter(grid, grid + 1), torch.nextafter(grid, grid - 1)])  # 45 values
+    """Keys and values at and around every rounding tie, and exact ties between value scale codes: codes as torch
+    rounds them (round half to even), the smallest of equally good scale codes.
+
+    Keys: the grid is ``base = 0``, ``step = 1`` (a min of 0 and a max of 255), and most channels hold a 0 and a 15
+    (``lo = 0``, ``s = 1``), so ``q = round(x)`` at ``x = i + 0.5`` and its float32 neighbours; one channel's range
+    ends exactly on grid points (3 and 200: ``floor`` / ``ceil`` of integers). Values: ``vmax = 1`` (a 7), tokens of
+    ties at the power-of-two scales ``s_k`` (``k = 0, 3, .., 15``), a token of ones (``k = 0, 3, 6`` all exact: 0
+    wins), one of quarters (``k = 6, 9, 12`` exact: 6 wins) and a zero token (every code ties: 0). A zero minimum
+    that is -0.0 in one place and +0.0 in another may give either grid base: compared by value."""
+    ties = torch.arange(0, 15) + 0.5
+    values = torch.cat([ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)])  # 45 values
     block_size, head_dim = 64, 48
     key = torch.zeros(block_size, 1, head_dim)
-    key[0], key[1] = 0.0, 15.0  # every channel: min 0, max 15
+    key[1] = 15.0
+    key[1, 0, -1] = 255.0
     key[2:47, 0, :] = values[:, None].expand(45, head_dim)
+    key[:, 0, -2] = 100.0
+    key[0, 0, -2], key[1, 0, -2] = 3.0, 200.0
     value = torch.zeros(block_size, 1, head_dim)
-    value[:, 0, 0], value[:, 0, 1] = 0.0, 15.0  # every token: min 0, max 15
-    value[:, 0, 2:47] = values[None, :45]
+    value[0, 0, 0] = 7.0
+    halves = (torch.arange(head_dim) % 14 - 7) + 0.5  # -6.5 .. 6.5
+    for i, k in enumerate(range(0, 16, 3)):
+        step = 2.0 ** -(k // 3)
+        value[1 + 3 * i, 0] = halves * step
+        value[2 + 3 * i, 0] = torch.nextafter(halves * step, halves * step + 1)
+        value[3 + 3 * i, 0] = torch.nextafter(halves * step, halves * step - 1)
+    value[20, 0], value[21, 0] = 1.0, 0.25  # token 22: zeros
     kernel, ref = (make_storage("int4", 2, block_size, 1, head_dim, torch.float32, DEVICE) for _ in range(2))
     for storage in (kernel, ref):
         storage.ensure_tail_rows(1)
@@ -127,7 +143,12 @@ def test_fill_rounding_ties():
     store_kv(key.to(DEVICE), value.to(DEVICE), slots, **kernel.attention_operands(), plan=plan)
     store_kv_ref(key.to(DEVICE), value.to(DEVICE), slots, **ref.attention_operands(), plan=plan)
     assert_same_pools(kernel, ref)
-    assert (ref.key_scale[1] == 1).all() and (ref.value_scale[1] == 1).all()
+    assert ref.key_zero[1, 0].tolist() == [0.0, 1.0]  # base, step
+    assert ref.key_scale[1, 0, :, 0].tolist() == [0, 15] and ref.key_scale[1, 0, :, -2].tolist() == [3, 200]
+    assert ref.value_zero[1, 0].item() == 1.0
+    value_codes = torch.stack((ref.value_scale[1, 0] & 15, ref.value_scale[1, 0] >> 4), -1).flatten()
+    assert value_codes[20:23].tolist() == [0, 6, 0]
+    assert len(set(value_codes[1:19].tolist())) >= 5  # the tie tokens take several scales
 
 
 # ------------------------------------------------------------------------------------------------ attention

@@ -1,8 +1,8 @@
 """Quantized KV formats: round-trip error bounds, determinism, zero handling, QuantizedKVStorage, bad input.
 
-The per-vector math covers every quantizer (``quantize_kv_ref(x, "int4")`` is int4's value quantizer); the slot-level
-storage tests cover the per-token formats (int8, fp8): int4 stores whole blocks through a tail
-(``tests/test_int4.py``)."""
+The per-vector math and the slot-level storage tests cover the per-token formats (int8, fp8); int4 quantizes whole
+blocks (its quantizers: the "int4 blocks" section here; its storage, which fills blocks through a tail:
+``tests/test_int4.py``)."""
 
 import pytest
 import torch
@@ -10,7 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import paged_hf.kernels.kv_format as kv_format_module
-from paged_hf.kernels.kv_quant import QUANTIZED_KV_FORMATS, dequantize_kv_ref, pack_int4, quantize_kv_ref, unpack_int4
+from paged_hf.kernels.kv_quant import (
+    QUANTIZED_KV_FORMATS,
+    VALUE_SCALE_STEPS,
+    dequantize_block_values_ref,
+    dequantize_channels_ref,
+    dequantize_kv_ref,
+    key_ranges_ref,
+    pack_int4,
+    quantize_block_values_ref,
+    quantize_channels_ref,
+    quantize_kv_ref,
+    unpack_int4,
+)
 from paged_hf.quant import (
     KV_CACHE_DTYPES,
     QuantizedKVStorage,
@@ -24,7 +36,7 @@ from paged_hf.storage import KVStorage
 
 FORMATS = QUANTIZED_KV_FORMATS
 TOKEN_FORMATS = tuple(f for f in FORMATS if f != "int4")  # stored per token, written slot by slot
-CODE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int4": torch.uint8}
+CODE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 HALF_TINY = 2.0**-24  # smallest float16 subnormal: the coarsest rounding a tiny float16 scale can suffer
 
 
@@ -35,10 +47,6 @@ def error_bound(x: torch.Tensor, kv_format: str) -> torch.Tensor:
     slack = 1e-6 * absmax + 1e-30  # float32 arithmetic
     if kv_format == "int8":  # half a step of absmax / 127, the float16 scale rounded up
         return (absmax / 127 * (1 + 2**-10) + HALF_TINY) / 2 + slack
-    if kv_format == "int4":  # half a step of (max - min) / 15, the zero rounded down and the scale up
-        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-        span = hi - lo + lo.abs() * 2**-10 + HALF_TINY
-        return (span / 15 * (1 + 2**-10) + HALF_TINY) / 2 + slack
     fp8 = {"fp8_e4m3": (3, 448.0, 2.0**-10), "fp8_e5m2": (2, 57344.0, 2.0**-17)}
     mantissa_bits, fp8_max, subnormal = fp8[kv_format]
     scale = absmax / fp8_max * (1 + 2**-10) + HALF_TINY
@@ -47,7 +55,7 @@ def error_bound(x: torch.Tensor, kv_format: str) -> torch.Tensor:
 
 # Worst case of the bound relative to each vector's absmax (what the docs promise; fp8: for any scale, also a
 # subnormal float16 one, which keeps codes below finfo.max and so out of the top binade's tighter bound).
-RELATIVE_BOUND = {"int8": 1 / 254, "fp8_e4m3": 1 / 16, "fp8_e5m2": 1 / 8, "int4": 1 / 15}
+RELATIVE_BOUND = {"int8": 1 / 254, "fp8_e4m3": 1 / 16, "fp8_e5m2": 1 / 8}
 
 
 def round_trip(x: torch.Tensor, kv_format: str) -> torch.Tensor:
@@ -82,7 +90,7 @@ def same_bytes(a, b) -> bool:
 @pytest.mark.parametrize("n", [1, 17, 64])
 @pytest.mark.parametrize("heads", [1, 4])
 @pytest.mark.parametrize("head_dim", [8, 64, 128])
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", TOKEN_FORMATS)
 def test_round_trip_error_within_bound(kv_format, head_dim, heads, n):
     x = random_kv(n, heads, head_dim, seed=head_dim * 100 + heads * 10 + n)
     err = (round_trip(x, kv_format).double() - x.double()).abs()
@@ -93,7 +101,7 @@ def test_round_trip_error_within_bound(kv_format, head_dim, heads, n):
 
 @settings(max_examples=100, deadline=None)
 @given(
-    kv_format=st.sampled_from(FORMATS),
+    kv_format=st.sampled_from(TOKEN_FORMATS),
     values=st.lists(
         st.floats(-1e4, 1e4, width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=16
     ).filter(lambda v: len(v) % 2 == 0),
@@ -105,21 +113,17 @@ def test_round_trip_bound_holds_for_any_vector(kv_format, values):
     assert (err <= error_bound(x, kv_format)).all()
 
 
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", TOKEN_FORMATS)
 def test_shapes_and_dtypes(kv_format):
     data, scale, zero = quantize_kv_ref(torch.randn(5, 3, 16), kv_format)
     assert data.dtype == CODE_DTYPES[kv_format]
-    assert data.shape == ((5, 3, 8) if kv_format == "int4" else (5, 3, 16))
-    assert scale.shape == (5, 3) and scale.dtype == torch.float16
-    if kv_format == "int4":
-        assert zero.shape == (5, 3) and zero.dtype == torch.float16
-    else:
-        assert zero is None
+    assert data.shape == (5, 3, 16)
+    assert scale.shape == (5, 3) and scale.dtype == torch.float16 and zero is None
     out = dequantize_kv_ref(data, scale, zero, kv_format, dtype=torch.bfloat16)
     assert out.shape == (5, 3, 16) and out.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", TOKEN_FORMATS)
 def test_dequantize_any_leading_shape(kv_format):
     x = random_kv(2 * 3 * 4, 2, 8)
     data, scale, zero = quantize_kv_ref(x, kv_format)
@@ -138,7 +142,7 @@ def test_int4_packing_order_and_round_trip():
     assert torch.equal(unpack_int4(pack_int4(all_codes)), all_codes)
 
 
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", TOKEN_FORMATS)
 def test_zero_vectors_dequantize_to_exact_zero(kv_format):
     x = random_kv(6, 2, 8)
     x[1] = 0.0
@@ -150,7 +154,7 @@ def test_zero_vectors_dequantize_to_exact_zero(kv_format):
     assert (scale[1] == 0).all() and scale[4, 1] == 0 and (scale[0] > 0).all()
 
 
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", TOKEN_FORMATS)
 def test_tiny_vectors_keep_a_nonzero_scale(kv_format):
     x = torch.tensor([[[1e-7, -3e-8, 2e-7, 0.0]]])  # absmax / qmax underflows float16 unless rounded up
     data, scale, zero = quantize_kv_ref(x, kv_format)
@@ -159,22 +163,14 @@ def test_tiny_vectors_keep_a_nonzero_scale(kv_format):
     assert (err <= error_bound(x, kv_format)).all()
 
 
-def test_int4_constant_vector_is_exact():
-    x = torch.full((3, 2, 8), 0.5)
-    data, scale, zero = quantize_kv_ref(x, "int4")
-    assert (scale == 0).all()
-    assert torch.equal(dequantize_kv_ref(data, scale, zero, "int4"), x)
-
-
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", TOKEN_FORMATS)
 def test_all_zero_bytes_dequantize_to_zero(kv_format):
-    data = torch.zeros(4, 2, 4 if kv_format == "int4" else 8, dtype=CODE_DTYPES[kv_format])
-    side = torch.zeros(4, 2, dtype=torch.float16)
-    out = dequantize_kv_ref(data, side, side if kv_format == "int4" else None, kv_format)
+    data = torch.zeros(4, 2, 8, dtype=CODE_DTYPES[kv_format])
+    out = dequantize_kv_ref(data, torch.zeros(4, 2, dtype=torch.float16), None, kv_format)
     assert torch.equal(out, torch.zeros(4, 2, 8))
 
 
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", TOKEN_FORMATS)
 def test_bytes_depend_only_on_the_vector(kv_format):
     x = random_kv(32, 4, 64)
     whole = quantize_kv_ref(x, kv_format)
@@ -187,15 +183,145 @@ def test_bytes_depend_only_on_the_vector(kv_format):
     assert same_bytes(whole, quantize_kv_ref(x.clone(), kv_format))
 
 
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", TOKEN_FORMATS)
 def test_low_precision_input_equals_its_float32_value(kv_format):
     x = random_kv(8, 2, 16).bfloat16()
     assert same_bytes(quantize_kv_ref(x, kv_format), quantize_kv_ref(x.float(), kv_format))
 
 
-def test_quantize_rejects_odd_head_dim_for_int4():
-    with pytest.raises(ValueError, match="head_dim"):
-        quantize_kv_ref(torch.randn(2, 1, 7), "int4")
+def test_int4_is_not_quantized_per_vector():
+    with pytest.raises(ValueError, match="quantize_block_values_ref"):
+        quantize_kv_ref(torch.randn(2, 1, 8), "int4")
+    with pytest.raises(ValueError, match="quantize_channels_ref"):
+        dequantize_kv_ref(torch.zeros(2, 1, 4, dtype=torch.uint8), torch.zeros(2, 1), None, "int4")
+
+
+# ---------------------------------------------------------------- int4 blocks
+
+
+def random_blocks(blocks: int, block_size: int, heads: int, head_dim: int, seed: int = 0) -> torch.Tensor:
+    """``[blocks, block_size, heads, head_dim]``: per-token magnitudes over five decades, a channel bias and an
+    outlier channel (what keys look like), one-sided tokens; within float16's range (int4's grid saturates
+    beyond)."""
+    g = torch.Generator().manual_seed(seed)
+    magnitude = 10.0 ** (torch.rand(blocks, block_size, heads, 1, generator=g) * 5 - 3)
+    x = (torch.randn(blocks, block_size, heads, head_dim, generator=g) + torch.randn(head_dim, generator=g) * 2)
+    x[..., 3] *= 20
+    return x * magnitude
+
+
+@pytest.mark.parametrize("block_size,head_dim", [(2, 8), (16, 64), (32, 128), (64, 16)])
+def test_int4_key_error_within_half_a_channel_step(block_size, head_dim):
+    """Every key lies in its channel's range (``lo <= x <= lo + 15 s``) and reads back within ``s / 2``."""
+    x = random_blocks(6, block_size, 3, head_dim, seed=block_size + head_dim)
+    codes, range_codes, grid = quantize_channels_ref(x)
+    assert codes.shape == (6, block_size, 3, head_dim // 2) and codes.dtype == torch.uint8
+    assert range_codes.shape == (6, 3, 2, head_dim) and range_codes.dtype == torch.uint8
+    assert grid.shape == (6, 3, 2) and grid.dtype == torch.float16
+    lo, scale = (t.double().unsqueeze(-3) for t in key_ranges_ref(range_codes, grid))
+    xd = x.double()
+    slack = 1e-6 * xd.abs().amax(dim=(-3, -1), keepdim=True)  # float32 arithmetic
+    assert (lo <= xd + slack).all() and (lo + 15 * scale >= xd - slack).all()
+    err = (dequantize_channels_ref(codes, range_codes, grid).double() - xd).abs()
+    assert (err <= scale / 2 + slack).all()
+    # the range of a channel is its own, stretched by at most a grid step each side
+    step = grid[..., 1].double()[..., None, :, None]
+    span = xd.amax(-3, keepdim=True) - xd.amin(-3, keepdim=True)
+    assert (15 * scale <= span + 2 * step + slack).all()
+    assert (range_codes[:, :, 0] <= range_codes[:, :, 1]).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.lists(st.floats(-1e4, 1e4, width=32, allow_nan=False, allow_infinity=False), min_size=16,
+                       max_size=16))
+def test_int4_key_bound_holds_for_any_block(values):
+    x = torch.tensor(values, dtype=torch.float32).view(4, 1, 4)  # 4 tokens, 4 channels
+    codes, range_codes, grid = quantize_channels_ref(x)
+    lo, scale = key_ranges_ref(range_codes, grid)
+    err = (dequantize_channels_ref(codes, range_codes, grid).double() - x.double()).abs()
+    assert torch.isfinite(err).all()
+    assert (err <= scale.double() / 2 + 1e-6 * x.double().abs().max() + 1e-30).all()
+
+
+@pytest.mark.parametrize("block_size,head_dim", [(2, 8), (16, 64), (32, 128), (64, 16)])
+def test_int4_value_error_no_worse_than_the_block_absmax_scale(block_size, head_dim):
+    """Each token's squared error is at most that of ``vmax = up(absmax / 7)`` (candidate ``k = 0``, which clips
+    nothing: each element within vmax / 2), and over many tokens of 64+ channels below that of each token's own
+    absmax / 7."""
+    x = random_blocks(8, block_size, 2, head_dim, seed=3 * block_size + head_dim)
+    codes, scale_codes, vmax = quantize_block_values_ref(x)
+    assert codes.shape == (8, block_size, 2, head_dim // 2) and codes.dtype == torch.uint8
+    assert scale_codes.shape == (8, 2, block_size // 2) and scale_codes.dtype == torch.uint8
+    assert vmax.shape == (8, 2) and vmax.dtype == torch.float16
+    out = dequantize_block_values_ref(codes, scale_codes, vmax).double()
+    xd = x.double()
+    v = vmax.double()[:, None, :, None]
+    assert (v * 7 >= xd.abs().amax(dim=(1, 3), keepdim=True)).all()
+    plain = (torch.round(xd / v).clamp(-8, 7) * v - xd).pow(2).sum(-1)  # [blocks, tokens, heads]
+    error = (out - xd).pow(2).sum(-1)
+    assert (error <= plain * (1 + 1e-5) + head_dim * v[..., 0].pow(2) * 2.0**-30).all()
+    assert (error <= head_dim * (v[..., 0] / 2).pow(2) * (1 + 1e-5)).all()  # k = 0: within vmax / 2 everywhere
+    if head_dim >= 64:  # enough channels for the error-minimizing scale to beat each token's own absmax / 7
+        own = xd.abs().amax(-1, keepdim=True) / 7
+        per_token = (torch.round(xd / own).clamp(-8, 7) * own - xd).pow(2).sum(-1)
+        assert error.sum() < per_token.sum()
+
+
+def test_int4_value_scale_codes_pick_the_least_error_and_pack_by_token():
+    """A block whose tokens have magnitudes 2^(-k/3) of the largest: token t takes a code near its own magnitude, the
+    codes are packed two tokens per byte (token 2i low), and ties go to the smallest code (a zero token: 0)."""
+    block = torch.zeros(16, 1, 8)
+    for t in range(15):
+        block[t, 0] = torch.tensor([7.0, -7.0, 3.5, 1.0, -2.0, 0.5, 6.0, -5.0]) * float(VALUE_SCALE_STEPS[t])
+    codes, scale_codes, vmax = quantize_block_values_ref(block)
+    assert vmax.item() == 1.0
+    k = unpack_int4(scale_codes)[0]
+    assert k[:15].tolist() == list(range(15)) and k[15] == 0  # token 15: all zero, every code ties
+    assert scale_codes[0, 0] == k[0] | (k[1] << 4)
+    out = dequantize_block_values_ref(codes, scale_codes, vmax)
+    assert torch.allclose(out[:15, 0, :2], block[:15, 0, :2]) and torch.equal(out[15], block[15])
+
+
+def test_int4_value_scale_steps_are_the_float32_cube_roots():
+    steps = VALUE_SCALE_STEPS.double()
+    assert steps.dtype == torch.float64 and VALUE_SCALE_STEPS.dtype == torch.float32
+    assert steps[0] == 1 and torch.equal(steps[3:], steps[:-3] / 2)  # 2^(-k/3): exact halvings every third step
+    assert torch.allclose(steps, 2.0 ** (-torch.arange(16, dtype=torch.float64) / 3), rtol=2**-23)
+
+
+def test_int4_constant_and_zero_blocks_are_exact():
+    x = torch.full((2, 4, 3, 8), 0.5)
+    codes, range_codes, grid = quantize_channels_ref(x)
+    assert (grid[..., 1] == 0).all() and (range_codes == 0).all()
+    assert torch.equal(dequantize_channels_ref(codes, range_codes, grid), x)
+    zero = torch.zeros(2, 4, 3, 8)
+    for quantize, dequantize in ((quantize_channels_ref, dequantize_channels_ref),
+                                 (quantize_block_values_ref, dequantize_block_values_ref)):
+        out = dequantize(*quantize(zero))
+        assert torch.equal(out, zero) and not torch.isnan(out).any()
+    # all-zero bytes (a fresh pool) read 0
+    codes = torch.zeros(2, 4, 3, 4, dtype=torch.uint8)
+    assert torch.equal(dequantize_channels_ref(codes, torch.zeros(2, 3, 2, 8, dtype=torch.uint8),
+                                               torch.zeros(2, 3, 2, dtype=torch.float16)), zero)
+    assert torch.equal(dequantize_block_values_ref(codes, torch.zeros(2, 3, 2, dtype=torch.uint8),
+                                                   torch.zeros(2, 3, dtype=torch.float16)), zero)
+
+
+def test_int4_block_bytes_depend_only_on_the_block():
+    x = random_blocks(5, 16, 2, 32, seed=4)
+    for quantize in (quantize_channels_ref, quantize_block_values_ref):
+        whole = quantize(x)
+        for i in (0, 3):
+            assert same_bytes([t[i : i + 1] for t in whole], quantize(x[i : i + 1]))
+        assert same_bytes(quantize(x.bfloat16()), quantize(x.bfloat16().float()))
+
+
+def test_int4_block_quantizers_reject_odd_sizes():
+    for quantize in (quantize_channels_ref, quantize_block_values_ref):
+        with pytest.raises(ValueError, match="head_dim"):
+            quantize(torch.randn(2, 4, 1, 7))
+    with pytest.raises(ValueError, match="even"):
+        quantize_block_values_ref(torch.randn(2, 5, 1, 8))
 
 
 # ---------------------------------------------------------------- QuantizedKVStorage
@@ -283,20 +409,43 @@ def test_grow_keeps_content_and_adds_zeroed_blocks(kv_format):
                        stored_round_trip(key, kv_format))
 
 
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", TOKEN_FORMATS)
 def test_nbytes_and_bytes_per_token_count_scales(kv_format):
-    s = QuantizedKVStorage(10, 64 if kv_format == "int4" else 16, 4, 64, torch.float16, "cpu", kv_format)
-    if kv_format == "int4":  # per token and KV head: 32 bytes of K codes, 32 of V codes, V scale + zero, and the
-        # key scale + zero of each of the 64 channels, over the block's 64 tokens
-        assert s.bytes_per_token == 4 * (32 + 32 + 4 + 64 * 4 // 64)
-    else:
-        assert s.bytes_per_token == 2 * 4 * (64 + 2)
+    s = QuantizedKVStorage(10, 16, 4, 64, torch.float16, "cpu", kv_format)
+    assert s.bytes_per_token == 2 * 4 * (64 + 2)
     bs = s.block_size
     assert s.nbytes == 10 * bs * s.bytes_per_token == sum(p.nbytes for p in pools(s) if p is not None)
     assert s.nbytes == 10 * QuantizedKVStorage.bytes_per_block(bs, 4, 64, torch.float16, kv_format)
     assert bytes_per_block(kv_format, bs, 4, 64, torch.bfloat16) == s.nbytes // 10
     fp16 = KVStorage(10, bs, 4, 64, torch.float16, "cpu")
-    assert fp16.bytes_per_token / s.bytes_per_token >= (3.5 if kv_format == "int4" else 1.9)
+    assert fp16.bytes_per_token / s.bytes_per_token >= 1.9
+
+
+@pytest.mark.parametrize("block_size,head_dim,ratio", [(16, 64, 3.51), (16, 128, 3.53), (32, 64, 3.72),
+                                                       (2, 64, 1.94), (64, 256, 3.87)])
+def test_int4_bytes_per_block_count_every_tensor(block_size, head_dim, ratio):
+    """Per block and KV head: B D bytes of codes, 2 D + 4 of key ranges and grid, B / 2 + 2 of value scale codes and
+    maximum; >= 3.5x fewer than float16 at the default block size 16."""
+    s = QuantizedKVStorage(10, block_size, 3, head_dim, torch.float16, "cpu", "int4")
+    per_block = QuantizedKVStorage.bytes_per_block(block_size, 3, head_dim, torch.float16, "int4")
+    assert per_block == 3 * (block_size * head_dim + 2 * head_dim + 4 + block_size // 2 + 2)
+    assert s.nbytes == 10 * per_block == sum(p.nbytes for p in pools(s))
+    assert bytes_per_block("int4", block_size, 3, head_dim, torch.bfloat16) == per_block
+    fp16 = KVStorage.bytes_per_block(block_size, 3, head_dim, torch.float16)
+    assert fp16 / per_block >= ratio
+    if block_size == 16:
+        assert fp16 / per_block >= 3.5
+
+
+def test_int4_odd_block_size_is_rejected():
+    for call in (
+        lambda: QuantizedKVStorage(2, 1, 1, 8, torch.float32, "cpu", "int4"),
+        lambda: make_storage("int4", 2, 3, 1, 8, torch.float32, "cpu"),
+        lambda: bytes_per_block("int4", 1, 1, 8, torch.float32),
+    ):
+        with pytest.raises(ValueError, match=r"block_size must be even for kv_cache_dtype='int4'.*block_size=[13]"):
+            call()
+    assert make_storage("int8", 2, 1, 1, 8, torch.float32, "cpu").block_size == 1
 
 
 def test_make_storage_and_bytes_per_block_for_auto_and_alias():
@@ -308,10 +457,17 @@ def test_make_storage_and_bytes_per_block_for_auto_and_alias():
     assert fp8.key_cache.dtype == torch.float8_e4m3fn and fp8.dtype == torch.bfloat16
     assert fp8.key_cache.shape == (3, 4, 2, 8) and fp8.key_scale.shape == (3, 4, 2) and fp8.key_zero is None
     int4 = make_storage("int4", 3, 4, 2, 8, torch.float32, "cpu")
-    assert int4.key_cache.shape == (3, 4, 2, 4) and int4.value_zero.shape == (3, 4, 2)
-    assert int4.key_scale.shape == int4.key_zero.shape == (3, 2, 8)  # per channel of each block
+    assert int4.key_cache.shape == (3, 4, 2, 4)
+    assert int4.key_scale.shape == (3, 2, 2, 8) and int4.key_scale.dtype == torch.uint8  # channel ranges
+    assert int4.key_zero.shape == (3, 2, 2) and int4.key_zero.dtype == torch.float16  # grid of each block, head
+    assert int4.value_scale.shape == (3, 2, 2) and int4.value_scale.dtype == torch.uint8  # a code per token
+    assert int4.value_zero.shape == (3, 2) and int4.value_zero.dtype == torch.float16  # vmax of each block, head
     assert int4.key_tail.shape == (0, 4, 2, 8) and int4.key_tail.dtype == torch.float32
     assert all(torch.equal(raw_bytes(p), torch.zeros_like(raw_bytes(p))) for p in pools(int4))
+    k, v = int4.read_blocks(torch.arange(3))  # a fresh pool reads exact zeros
+    assert torch.equal(k, torch.zeros(3, 4, 2, 8)) and torch.equal(v, torch.zeros(3, 4, 2, 8))
+    k, v = int4.read_slots(torch.arange(12))
+    assert torch.equal(k, torch.zeros(12, 2, 8)) and torch.equal(v, torch.zeros(12, 2, 8))
 
 
 # ---------------------------------------------------------------- bad input

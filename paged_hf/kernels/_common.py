@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from .kv_format import SIDE_DTYPE, KVFormat, kv_format
+from .kv_format import KVFormat, kv_format
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -38,10 +38,13 @@ class PoolOperands:
     """Validated pools of one launch.
 
     ``data``: K and V codes (float8 as uint8 views; the compute dtype for "auto"); ``side``: key scale, value scale,
-    key zero, value zero (None where the format has none); ``side_strides``: the key side data's three strides then
-    the value side data's (``[block, token, head]`` per token, ``[block, head, channel]`` per channel; zeros share
-    their scale's strides); ``tails``: the K and V tail pools (None without a tail) and ``tail_strides`` their four
-    strides; ``meta``: the format's kernel constexprs.
+    key zero, value zero (None where the format has none); ``side_strides``: three strides of the key side data then
+    three of the value side data: per-token scales ``[block, token, head]``; int4 keys (side "channel") the grid's
+    ``[block, head, base/step]`` (the range codes sit at ``head_dim`` times the grid's offset, plus the channel);
+    int4 values (side "token_code") ``vmax``'s block stride, the scale codes' byte stride, ``vmax``'s head stride
+    (``[block, token pair, head]``: a token's scale-code byte sits at ``block_size // 2`` times ``vmax``'s offset
+    plus its pair); ``tails``: the K and V tail pools (None without a tail) and ``tail_strides`` their four strides;
+    ``meta``: the format's kernel constexprs.
     """
 
     def __init__(self, fmt: KVFormat, data, side, side_strides, tails, tail_strides, block_size: int,
@@ -87,24 +90,32 @@ def check_pools(query, key_cache, value_cache, key_scale, value_scale, key_zero,
     if key_cache.dtype.is_floating_point and key_cache.element_size() == 1:  # float8: the kernels decode bits
         data = (key_cache.view(torch.uint8), value_cache.view(torch.uint8))
 
-    shapes = fmt.side_shapes(num_blocks, block_size, num_kv_heads, head_dim)
+    layout = fmt.side_shapes(num_blocks, block_size, num_kv_heads, head_dim)
     side = {"key_scale": key_scale, "value_scale": value_scale, "key_zero": key_zero, "value_zero": value_zero}
     for name, t in side.items():
-        if name in shapes and t is None:
+        if name in layout and t is None:
             raise ValueError(f"kv_format={fmt.name!r} needs {name}")
-        if name not in shapes and t is not None:
+        if name not in layout and t is not None:
             raise ValueError(f"kv_format={fmt.name!r} takes no {name}")
         if t is None:
             continue
-        if tuple(t.shape) != shapes[name] or t.dtype != SIDE_DTYPE or t.device != device:
-            raise ValueError(f"{name} must be float16 {shapes[name]} on {device}, got {t.dtype} {tuple(t.shape)} "
+        shape, side_dtype = layout[name]
+        if tuple(t.shape) != shape or t.dtype != side_dtype or t.device != device:
+            raise ValueError(f"{name} must be {side_dtype} {shape} on {device}, got {t.dtype} {tuple(t.shape)} "
                              f"on {t.device}")
     side_strides = []
-    for which in ("key", "value"):
+    for which, kind in (("key", fmt.key_side), ("value", fmt.value_side)):
         scale, zero = side[f"{which}_scale"], side[f"{which}_zero"]
-        if zero is not None and zero.stride() != scale.stride():
-            raise ValueError(f"{which}_zero strides {zero.stride()} != {which}_scale strides {scale.stride()}")
-        side_strides += list(scale.stride()) if scale is not None else [0, 0, 0]
+        if kind == "channel":  # int4 keys: range codes [nb, H, 2, D] at head_dim x the grid [nb, H, 2]'s offset
+            _check_nested_strides(f"{which}_scale", scale, f"{which}_zero", zero, head_dim, "head_dim")
+            side_strides += list(zero.stride())
+        elif kind == "token_code":  # int4 values: scale codes [nb, H, B // 2] at B // 2 x vmax [nb, H]'s offset
+            _check_nested_strides(f"{which}_scale", scale, f"{which}_zero", zero, block_size // 2, "block_size // 2")
+            side_strides += [zero.stride(0), scale.stride(2), zero.stride(1)]
+        else:
+            if zero is not None and zero.stride() != scale.stride():
+                raise ValueError(f"{which}_zero strides {zero.stride()} != {which}_scale strides {scale.stride()}")
+            side_strides += list(scale.stride()) if scale is not None else [0, 0, 0]
 
     tails = (key_tail, value_tail)
     if fmt.tail:
@@ -124,6 +135,17 @@ def check_pools(query, key_cache, value_cache, key_scale, value_scale, key_zero,
         tail_strides = (0, 0, 0, 0)
     return PoolOperands(fmt, data, (key_scale, value_scale, key_zero, value_zero), tuple(side_strides), tails,
                         tuple(tail_strides), block_size, num_kv_heads)
+
+
+def _check_nested_strides(name, codes, grid_name, grid, factor: int, factor_name: str) -> None:
+    """int4 side pools: ``codes`` (one more dimension than ``grid``, its last of stride 1) must sit at ``factor``
+    times ``grid``'s element offsets, so the kernels reach both with ``grid``'s strides (contiguous pools do; the
+    stride of a dimension of size 1 is never used)."""
+    expected = [factor * s for s in grid.stride()] + [1]
+    for dim, (size, stride) in enumerate(zip(codes.shape, codes.stride())):
+        if size > 1 and stride != expected[dim]:
+            raise ValueError(f"{name} strides {codes.stride()} must be {tuple(expected)} ({grid_name} strides "
+                             f"{grid.stride()} times {factor_name}, then 1): keep both contiguous")
 
 
 def check_tail_rows(tail_rows, pools: PoolOperands, num_seqs: int, device):

@@ -1,5 +1,6 @@
 """Device helpers that reproduce the torch reference's rounding bit for bit (the store and block-fill kernels):
-round half to even, float16 rounded up / down as ``kv_quant._half_up`` / ``_half_down``, and float8 encoding.
+round half to even, float16 rounded up / down as ``kv_quant._half_up`` / ``_half_down``, float8 encoding, and int4's
+value scale steps ``2^(-k/3)``.
 
 Plain functions until ``bind()`` decorates them (interpreted, they stay plain Python; see ``_tiles``).
 """
@@ -8,10 +9,13 @@ from __future__ import annotations
 
 import functools
 
-from ._common import Kernels, triton_interpreting
+from ._common import Kernels, constexpr_globals, triton_interpreting
+from .kv_quant import CUBE_ROOT_HALF, CUBE_ROOT_QUARTER
+
+_CONSTANTS = ("CUBE_ROOT_HALF", "CUBE_ROOT_QUARTER")
 
 tl = None  # triton.language, bound by bind()
-_HELPERS = ("round_half_even", "half_up", "half_down", "float8_bits", "cast_rn")
+_HELPERS = ("round_half_even", "half_up", "half_down", "float8_bits", "cast_rn", "value_scale_step")
 
 
 @functools.cache
@@ -23,6 +27,7 @@ def bind() -> Kernels:
 
     tl = language
     g = globals()
+    constexpr_globals(g, _CONSTANTS)
     if not triton_interpreting():
         for name in _HELPERS:
             g[name] = triton.jit(g[name])
@@ -82,3 +87,12 @@ def float8_bits(x, E4M3: tl.constexpr):
         subnormal = (a + 128.0).to(tl.int32, bitcast=True) - (134 << 23)  # 2^7: ulp 2^-16
         code = tl.where(a < 6.103515625e-05, subnormal, normal)  # smallest normal 2^-14
     return (code | sign).to(tl.uint8)
+
+
+def value_scale_step(k):
+    """``kv_quant.VALUE_SCALE_STEPS[k]`` (float32 ``2^(-k/3)``) of int ``k`` in ``[0, 15]`` (a tensor): a float32
+    cube root of ``1 / 2^(k % 3)`` times ``2^-(k // 3)``, built from its bits (exact)."""
+    k = k.to(tl.int32)
+    r = k % 3
+    root = tl.where(r == 0, 1.0, tl.where(r == 1, CUBE_ROOT_HALF, CUBE_ROOT_QUARTER))
+    return root * ((127 - k // 3) << 23).to(tl.float32, bitcast=True)

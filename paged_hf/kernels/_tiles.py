@@ -2,10 +2,10 @@
 
 ``attend_blocks`` walks positions ``[lo, hi)`` of the quantized (or "auto") blocks in tiles of ``BLOCK_N`` tokens
 gathered through the block table. Formats with ``KVFormat.tail`` read each query's own block in full precision
-instead (``attention_ref``'s policy): ``attend_tail`` walks the positions older than the forward from the sequence's
-tail row (as it was before the forward), ``attend_fresh`` the forward's own from its new K/V; the blocks are then
-read only where a key's block precedes the query's (``OWN_NONE`` / ``OWN_BEFORE`` / ``OWN_SAME``: which keys of a
-source a row sees, beside causality and the window). All update the same online softmax (running max ``m_i``, sum
+instead (``attention_ref``'s policy): ``attend_exact`` walks its positions, those older than the forward from the
+sequence's tail row (as it was before the forward), the forward's own from its new K/V; the blocks are then read
+only where a key's block precedes the query's (``OWN_NONE`` / ``OWN_BEFORE`` / ``OWN_SAME``: which keys of a source
+a row sees, beside causality and the window). All update the same online softmax (running max ``m_i``, sum
 ``l_i``, float32 accumulator), so a query reads its quantized blocks and its own block in one pass;
 ``attend_sequence`` splits a key range between them (what both kernels call).
 
@@ -13,10 +13,14 @@ K/V codes enter the dots as loaded (int8, float8 decoded from their bits, int4 n
 and the side data applies around them:
 
 - per-token scales (and zero points) scale the scores and probabilities: ``q . (c s + z) = (q . c) s + z sum(q)``,
-  ``sum_j p_j (c_j s_j + z_j) = sum_j (p_j s_j) c_j + sum_j p_j z_j``;
-- per-channel key scales (int4 keys, over a block): when a tile lies in one block (``BLOCK_SIZE >= BLOCK_N``) they
-  scale the query instead, ``q . (c * s + z) = (q * s) . c + q . z``; a tile spanning several blocks dequantizes
-  its keys (``c * s + z`` with each token's block's scales) before the dot.
+  ``sum_j p_j (c_j s_j + z_j) = sum_j (p_j s_j) c_j + sum_j p_j z_j``; int4 values (``load_value_code_side``) take
+  each token's ``s = vmax * 2^(-k/3)`` from its 4-bit scale code ``k`` (``value_scale``) and its block's ``vmax``
+  (``value_zero``), and ``z = -8 s`` (codes ``q + 8``);
+- per-channel key ranges (int4 keys, over a block; ``channel_ranges`` reads each channel's range codes in
+  ``key_scale`` and its block's grid in ``key_zero``): a tile's keys are dequantized (``lo + s c`` with each token's
+  block's ranges) before the dot. Scaling the query per channel instead (``(q * s) . c + q . lo``, exact codes in
+  the dot) cost more registers once ``s`` and ``lo`` were computed from codes rather than loaded: compiled for
+  sm_90 it spilled at head_dim 256 (up to 1 KiB), where the dequantized keys take 142-185 registers.
 
 Plain functions here; the kernel modules decorate them on first launch (``bind``). Interpreted, they stay plain
 Python (the interpreter re-patches ``triton.language`` on every call of a jitted function) and the reductions go
@@ -30,17 +34,19 @@ from __future__ import annotations
 import functools
 
 from ._common import Kernels, constexpr_globals, triton_interpreting
-from .kv_format import CODES_E4M3, CODES_E5M2, CODES_INT4, CODES_INT8, SIDE_CHANNEL, SIDE_TOKEN
+from .kv_format import CODES_E4M3, CODES_E5M2, CODES_INT4, CODES_INT8, SIDE_CHANNEL, SIDE_TOKEN, SIDE_TOKEN_CODE
 
-_CONSTANTS = ("CODES_E4M3", "CODES_E5M2", "CODES_INT4", "CODES_INT8", "SIDE_CHANNEL", "SIDE_TOKEN", "OWN_NONE",
-              "OWN_BEFORE", "OWN_SAME")
+_CONSTANTS = ("CODES_E4M3", "CODES_E5M2", "CODES_INT4", "CODES_INT8", "SIDE_CHANNEL", "SIDE_TOKEN",
+              "SIDE_TOKEN_CODE", "OWN_NONE", "OWN_BEFORE", "OWN_SAME")
 
 tl = None  # triton.language, bound by bind()
 _STD_MAX = _STD_MIN = _STD_SUM = None  # triton's own combine functions (interpreter reductions)
 row_max = row_min = row_sum = None  # bound by bind()
+value_scale_step = None  # _rounding's, bound by bind()
 
 _HELPERS = ("kv_columns", "load_kv_codes", "load_kv_side", "dot", "softcap_scores", "online_softmax",
-            "key_scores", "add_values", "attend_blocks", "attend_exact", "attend_sequence")
+            "key_scores", "add_values", "attend_blocks", "attend_exact", "attend_sequence", "channel_ranges",
+            "load_value_code_side")
 # Which keys of a source a row sees, beside causality and the window (``online_softmax``'s ``OWN``): all; those
 # in a block before the row's own (the quantized blocks of a tail format); those in the row's own block (its
 # full-precision reads).
@@ -50,11 +56,14 @@ OWN_NONE, OWN_BEFORE, OWN_SAME = 0, 1, 2
 @functools.cache
 def bind() -> Kernels:
     """Imports triton, binds ``tl`` and decorates the helpers (once). Returns them by name."""
-    global tl, _STD_MAX, _STD_MIN, _STD_SUM, row_max, row_min, row_sum
+    global tl, _STD_MAX, _STD_MIN, _STD_SUM, row_max, row_min, row_sum, value_scale_step
     import triton
     import triton.language as language
 
+    from . import _rounding
+
     tl = language
+    value_scale_step = _rounding.bind().value_scale_step
     g = globals()
     constexpr_globals(g, _CONSTANTS)
     if triton_interpreting():
@@ -189,6 +198,19 @@ def online_softmax(s, m_i, l_i, pos, valid, row_pos, row_block, window, scale, s
     return p, alpha, m_new, l_i * alpha + row_sum(p, 1)
 
 
+def channel_ranges(KS, KZ, grid, d, mask, stride_ks2, HEAD_DIM: tl.constexpr):
+    """int4 keys: ``(base, step, u_lo, du)`` float32 of channels ``d`` (broadcast with ``grid``, the element offsets
+    of their blocks' grids ``[base, step]`` in ``KZ``, real blocks; the range codes ``u_lo``, ``u_hi`` in ``KS`` at
+    ``HEAD_DIM`` times the grid's offsets, plus the channel; ``du = u_hi - u_lo``, codes read as 0 where not
+    ``mask``): a key channel is ``lo + s c`` with ``lo = base + step u_lo`` and ``s = step du / 15``
+    (``kv_quant.key_ranges_ref``)."""
+    base = tl.load(KZ + grid).to(tl.float32)
+    step = tl.load(KZ + (grid + stride_ks2)).to(tl.float32)
+    u_lo = tl.load(KS + (grid * HEAD_DIM + d), mask=mask, other=0).to(tl.float32)
+    u_hi = tl.load(KS + ((grid + stride_ks2) * HEAD_DIM + d), mask=mask, other=0).to(tl.float32)
+    return base, step, u_lo, u_hi - u_lo
+
+
 def key_scores(q, q_sum, KC, KS, KZ, table, tile, pos, valid, kv_head, cols, col_ok,
                stride_cb, stride_co, stride_ch, stride_ksb, stride_ks1, stride_ks2,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -198,27 +220,13 @@ def key_scores(q, q_sum, KC, KS, KZ, table, tile, pos, valid, kv_head, cols, col
     block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     row_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
     k = load_kv_codes(KC, row_off, valid, cols, col_ok, CODES, PADDED)
-    if KEY_SIDE == SIDE_CHANNEL:  # per-channel scale and zero point over each block: [block, head, channel]
+    if KEY_SIDE == SIDE_CHANNEL:  # int4: each channel lo + s c over its block, dequantized before the dot
         d = tl.arange(0, D_PAD).to(tl.int64)
-        d_ok = d < HEAD_DIM
-        if BLOCK_SIZE >= BLOCK_N:  # the whole tile lies in one block: its scales scale the query
-            first = tl.load(table + tile // BLOCK_SIZE).to(tl.int64)
-            side = first * stride_ksb + kv_head * stride_ks1 + d * stride_ks2
-            k_scale = tl.load(KS + side, mask=d_ok, other=0.0).to(tl.float32)
-            k_zero = tl.load(KZ + side, mask=d_ok, other=0.0).to(tl.float32)
-            qf = q.to(tl.float32)
-            if q.dtype == tl.float16:  # q * s / top keeps float16 range; top: a power of two >= max(s)
-                top = tl.exp2(tl.ceil(tl.log2(tl.maximum(row_max(k_scale, 0), 5.9604644775390625e-08))))
-                s = dot((qf * (k_scale / top)[None, :]).to(q.dtype), tl.trans(k.to(q.dtype)), DOT) * top
-            else:
-                s = dot((qf * k_scale[None, :]).to(q.dtype), tl.trans(k.to(q.dtype)), DOT)
-            s = s + row_sum(qf * k_zero[None, :], 1)[:, None]
-        else:  # the tile spans blocks: dequantize with each token's block's scales
-            side = (block * stride_ksb + kv_head * stride_ks1)[:, None] + (d * stride_ks2)[None, :]
-            side_ok = valid[:, None] & d_ok[None, :]
-            k_scale = tl.load(KS + side, mask=side_ok, other=0.0).to(tl.float32)
-            k_zero = tl.load(KZ + side, mask=side_ok, other=0.0).to(tl.float32)
-            s = dot(q, tl.trans((k.to(tl.float32) * k_scale + k_zero).to(q.dtype)), DOT)
+        base, step, u_lo, du = channel_ranges(KS, KZ, (block * stride_ksb + kv_head * stride_ks1)[:, None],
+                                              d[None, :], valid[:, None] & (d < HEAD_DIM)[None, :], stride_ks2,
+                                              HEAD_DIM)
+        keys = (base + step * u_lo) + (step * du * (1.0 / 15.0)) * k.to(tl.float32)
+        s = dot(q, tl.trans(keys.to(q.dtype)), DOT)
     else:
         s = dot(q, tl.trans(k.to(q.dtype)), DOT)
         if KEY_SIDE == SIDE_TOKEN:
@@ -230,23 +238,40 @@ def key_scores(q, q_sum, KC, KS, KZ, table, tile, pos, valid, kv_head, cols, col
     return s, block
 
 
+def load_value_code_side(VS, VZ, block, offset, kv_head, valid, stride_vsb, stride_vso, stride_vsh,
+                         BLOCK_SIZE: tl.constexpr):
+    """int4 values: each token's scale ``s = vmax * 2^(-k/3)`` (its 4-bit code ``k`` in ``VS``, its block's ``vmax``
+    in ``VZ``) and zero point ``-8 s`` (codes ``q + 8``), float32 ``[N]``, 0 where not ``valid``."""
+    side = block * stride_vsb + kv_head * stride_vsh  # vmax [nb, H]; scale codes at BLOCK_SIZE // 2 x it
+    vmax = tl.load(VZ + side, mask=valid, other=0.0).to(tl.float32)
+    byte = tl.load(VS + (side * (BLOCK_SIZE // 2) + (offset // 2) * stride_vso), mask=valid, other=0).to(tl.int32)
+    k = (byte >> (4 * (offset % 2)).to(tl.int32)) & 15
+    s = vmax * value_scale_step(k)
+    return s, -8.0 * s
+
+
 def add_values(acc, p, alpha, VC, VS, VZ, block, pos, valid, kv_head, cols, col_ok, stride_cb, stride_co,
                stride_ch, stride_vsb, stride_vso, stride_vsh, dtype, PADDED: tl.constexpr,
                BLOCK_SIZE: tl.constexpr, CODES: tl.constexpr, VALUE_SIDE: tl.constexpr, ZERO: tl.constexpr,
                DOT: tl.constexpr):
-    """``acc * alpha + p @ v`` for the tile's values (codes in the dot, per-token scales on ``p``)."""
+    """``acc * alpha + p @ v`` for the tile's values (codes in the dot, per-token scales on ``p``, zero points
+    added as ``sum_j p_j z_j``)."""
     offset = pos % BLOCK_SIZE
     v = load_kv_codes(VC, block * stride_cb + offset * stride_co + kv_head * stride_ch, valid, cols, col_ok, CODES,
                       PADDED).to(dtype)
-    if VALUE_SIDE == SIDE_TOKEN:
-        v_scale, v_zero = load_kv_side(VS, VZ, block * stride_vsb + offset * stride_vso + kv_head * stride_vsh,
-                                       valid, ZERO)
+    if VALUE_SIDE == SIDE_TOKEN or VALUE_SIDE == SIDE_TOKEN_CODE:
+        if VALUE_SIDE == SIDE_TOKEN_CODE:
+            v_scale, v_zero = load_value_code_side(VS, VZ, block, offset, kv_head, valid, stride_vsb, stride_vso,
+                                                   stride_vsh, BLOCK_SIZE)
+        else:
+            v_scale, v_zero = load_kv_side(VS, VZ, block * stride_vsb + offset * stride_vso + kv_head * stride_vsh,
+                                           valid, ZERO)
         if v.dtype == tl.float16:  # p * s / top in [0, 1], top a power of two >= max(s): no float16 underflow
             top = tl.exp2(tl.ceil(tl.log2(tl.maximum(row_max(v_scale, 0), 5.9604644775390625e-08))))
             acc = (acc * (alpha / top)[:, None] + dot((p * (v_scale / top)[None, :]).to(v.dtype), v, DOT)) * top
         else:  # bfloat16 (float32's range), float32
             acc = acc * alpha[:, None] + dot((p * v_scale[None, :]).to(v.dtype), v, DOT)
-        if ZERO:
+        if ZERO or VALUE_SIDE == SIDE_TOKEN_CODE:
             acc = acc + row_sum(p * v_zero[None, :], 1)[:, None]
     else:
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT)

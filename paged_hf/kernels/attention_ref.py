@@ -5,14 +5,14 @@ A batch whose scores fit one chunk (``SCORE_ELEMENTS_PER_CHUNK``) gathers its bl
 contexts, softcap and attention sinks go one chunk of blocks at a time with an online softmax (the same algorithm
 as the GPU kernels), so no dense copy of a whole batch's K/V beyond one chunk is ever built.
 
-Blocks are dequantized as they are read (``read_blocks``: per-token or per-channel side data, as the ``KVFormat``
-says). A format with a full-precision tail (int4) reads each query's *own block* in full precision: a query at
-position ``p`` sees the keys before its block start ``p // block_size * block_size`` as stored (quantized full
-blocks, also those this forward filled) and the keys of its own block, up to ``p``, exact: the ones older than the
-forward from its sequence's tail row (as it was before the forward: the tail writes come after the attention), the
-forward's own from its new K/V (``fresh_*``). So a decode step and a prefill chunk see the same values for the same
-tokens, whatever the chunking; and since only full blocks are read quantized and a prefix hit shares full blocks
-only, a prefix hit and a miss still attend to the same values.
+Blocks are dequantized as they are read (``read_blocks``: per-token scales or int4's per-block side data, as the
+``KVFormat`` says). A format with a full-precision tail (int4) reads each query's *own block* in full precision: a
+query at position ``p`` sees the keys before its block start ``p // block_size * block_size`` as stored (quantized
+full blocks, also those this forward filled) and the keys of its own block, up to ``p``, exact: the ones older than
+the forward from its sequence's tail row (as it was before the forward: the tail writes come after the attention),
+the forward's own from its new K/V (``fresh_*``). So a decode step and a prefill chunk see the same values for the
+same tokens, whatever the chunking; and since only full blocks are read quantized and a prefix hit shares full
+blocks only, a prefix hit and a miss still attend to the same values.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_format import kv_format as _kv_format
-from .kv_quant import dequantize_channels_ref, dequantize_kv_ref
+from .kv_quant import dequantize_block_values_ref, dequantize_channels_ref, dequantize_kv_ref
 
 # Upper bound on the score elements (batch x query heads x queries x keys) held per chunk.
 SCORE_ELEMENTS_PER_CHUNK = 1 << 22
@@ -61,9 +61,9 @@ def paged_attention_core(
         block_tables: ``[B, max_blocks]`` int block ids; entries past a sequence's length must be valid ids.
         seq_lens: ``[B]`` tokens held by each sequence (positions ``0 .. seq_len - 1``).
         sinks: ``[num_heads]`` attention-sink logits that join each softmax denominator, or None.
-        key_scale, value_scale, key_zero, value_zero, kv_format: for quantized pools (see ``kv_format``): codes in
-            the caches, scales (and zeros) per token ``[num_blocks, block_size, num_kv_heads]`` or per channel
-            ``[num_blocks, num_kv_heads, head_dim]``; each chunk is dequantized as it is read.
+        key_scale, value_scale, key_zero, value_zero, kv_format: for quantized pools: codes in the caches and the
+            side data as ``kv_format``'s module docstring lays it out (float16 scales per token; int4: key range
+            codes and grid, value scale codes and maximum); each chunk is dequantized as it is read.
         window_starts: ``[B, n]`` the first key position each query sees, in place of ``sliding_window`` (a window
             measured over a padded timeline, where pads take window room), or None.
         key_tail, value_tail, tail_rows: formats with a full-precision tail: ``[rows, block_size, num_kv_heads,
@@ -268,12 +268,16 @@ class KVPools:
 
 def read_blocks(cache, scale, zero, kv_format: str, ids: torch.Tensor, side: str = "token") -> torch.Tensor:
     """Blocks ``ids`` of one pool as float32 ``[*ids.shape, block_size, num_kv_heads, head_dim]``; ``side``: the
-    granularity of the pool's scales ("token": ``[num_blocks, block_size, heads]``, "channel": ``[num_blocks, heads,
-    head_dim]``)."""
+    pool's ``KVFormat`` side ("token": a float16 scale per token ``[num_blocks, block_size, heads]``; int4's
+    "channel": key range codes ``[num_blocks, heads, 2, head_dim]`` and grid ``[num_blocks, heads, 2]``, and
+    "token_code": value scale codes ``[num_blocks, heads, block_size // 2]`` and maximum ``[num_blocks, heads]``, in
+    ``scale`` and ``zero``)."""
     if kv_format == "auto":
         return cache[ids].float()
     raw = cache.view(torch.uint8) if cache.element_size() == 1 and cache.dtype.is_floating_point else cache
     codes = raw[ids].view(cache.dtype)  # float8 has no CPU indexing kernel: index its bytes
     if side == "channel":
         return dequantize_channels_ref(codes, scale[ids], zero[ids], torch.float32)
+    if side == "token_code":
+        return dequantize_block_values_ref(codes, scale[ids], zero[ids], torch.float32)
     return dequantize_kv_ref(codes, scale[ids], None if zero is None else zero[ids], kv_format, torch.float32)

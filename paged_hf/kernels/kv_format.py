@@ -5,9 +5,11 @@ and compile report build example operands from it, and the benchmarks count byte
 
 - the stored codes: their dtype (``None``: the compute dtype, no codes) and how many values one code holds
   (int4: two per byte);
-- its side data: a scale (and, for asymmetric formats, a zero point) per *token* per KV head (``[num_blocks,
-  block_size, num_kv_heads]``) or per *channel* of a block per KV head (``[num_blocks, num_kv_heads, head_dim]``,
-  over the block's tokens), separately for keys and values; always float16;
+- its side data (``side_shapes``: the shape and dtype of each side pool), separately for keys and values:
+  ``"token"``: a float16 scale per token per KV head (``[num_blocks, block_size, num_kv_heads]``);
+  ``"channel"`` (int4 keys): a range per channel of a block per KV head, as 8-bit codes on a float16 grid of the
+  (block, head); ``"token_code"`` (int4 values): a 4-bit scale code per token on a float16 maximum of the
+  (block, head);
 - its tail policy: ``tail=True`` keeps each sequence's newest, not yet full block in the compute dtype (a "tail"
   pool of one block per sequence row, outside the block pool) and quantizes the block once, when it fills;
 - which of K and V are stored rotated (``rotation.py``).
@@ -21,16 +23,32 @@ auto        model dtype  none                           none                    
 int8        int8         scale per token                scale per token                no    K and V
 fp8_e4m3    float8 e4m3  scale per token                scale per token                no    K and V
 fp8_e5m2    float8 e5m2  scale per token                scale per token                no    K and V
-int4        uint8 (x2)   scale + zero per channel/block scale + zero per token         yes   V only
+int4        uint8 (x2)   range per channel/block        scale code per token           yes   V only
 =========== ============ ============================== ============================== ===== ================
 
-int4 bytes per token per KV head: ``D + 4 + 4 D / B`` (codes, value scale + zero, the key scales + zeros of a block
-shared by its ``B`` tokens): at D = 64, 3.05x fewer than float16 at B = 16, 3.37x at 32, 3.56x at 64, 3.66x at 128.
-The per-channel side data is paid once per block, so the block size is int4's granularity knob: ``block_size=64``
-is the setting that reaches 3.5x (``benchmarks/kv_quality.py`` reports both, and the bytes held with the tail at
-128, 768 and 4096 tokens). Its keys are quantized per channel over the block (keys have outlier channels: KIVI,
-KVQuant) and not rotated (a rotation mixes those channels: measured worse); its values per token after the rotation
-(measured better). See ``benchmarks/RESULTS.md`` for the measurements behind these choices.
+The four side operands keep their names and order everywhere (``key_scale, value_scale, key_zero, value_zero``;
+``nb`` blocks, ``H`` KV heads); what they hold:
+
+- int8, fp8: ``key_scale``, ``value_scale`` float16 ``[nb, B, H]`` (a scale per token); no zeros.
+- int4: ``key_scale`` uint8 ``[nb, H, 2, D]``: each key channel's range codes ``u_lo`` (index 0) and ``u_hi`` (1);
+  ``key_zero`` float16 ``[nb, H, 2]``: the grid of the (block, head), ``base`` (0) and ``step`` (1);
+  ``value_scale`` uint8 ``[nb, H, B // 2]``: each token's scale code ``k`` in ``[0, 15]``, two per byte, token
+  ``2i`` in the low nibble; ``value_zero`` float16 ``[nb, H]``: ``vmax`` of the (block, head).
+
+int4 (``kv_quant`` has the math): a key channel ``c`` of a block covers ``[lo_c, hi_c]``, ``lo_c = base + step *
+u_lo``, ``hi_c = base + step * u_hi``, and decodes ``x = lo_c + q (hi_c - lo_c) / 15``; a value token decodes
+``x = (q - 8) s``, ``s = vmax * 2^(-k / 3)``. The kernels need the int4 side pools contiguous over a block (as
+allocated): the range codes of ``(block, head)`` start at ``head_dim`` times the grid's element offset, the scale
+codes at ``block_size // 2`` times ``vmax``'s (``_common.check_pools`` checks it), so three strides per side reach
+them (``PoolOperands.side_strides``). int4 needs an even ``block_size``.
+
+int4 bytes per block per KV head: ``B D`` of codes, ``2 D + 4`` of key ranges and grid, ``B / 2 + 2`` of value
+scale codes and maximum, i.e. ``B D + 2 D + B / 2 + 6``: 1166 at D = 64, B = 16, 3.51x fewer than float16 (3.53x
+at D = 128; 3.73x at B = 32, D = 64). Its keys are quantized per channel over the block (keys have outlier
+channels: KIVI, KVQuant) and not rotated (a rotation mixes those channels: measured worse); its values per token
+after the rotation (measured better). The side data went from float16 scales and zeros per channel and per token
+to 8-bit ranges on a per-(block, head) grid and 4-bit log-scale codes, which moved the KL to the float16 model
+barely (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -39,12 +57,12 @@ from dataclasses import dataclass
 
 import torch
 
-SIDE_DTYPE = torch.float16  # every scale and zero point
+SIDE_DTYPE = torch.float16  # the float side data (scales, zero points, int4's grid and vmax)
 _FP8 = {"fp8_e4m3": getattr(torch, "float8_e4m3fn", None), "fp8_e5m2": getattr(torch, "float8_e5m2", None)}
 # Kernel constexprs. CODES: how a code decodes; SIDE: granularity of a scale.
 CODES_MODEL, CODES_INT8, CODES_E4M3, CODES_E5M2, CODES_INT4 = 0, 1, 2, 3, 4
-SIDE_NONE, SIDE_TOKEN, SIDE_CHANNEL = 0, 1, 2
-_SIDE_IDS = {"none": SIDE_NONE, "token": SIDE_TOKEN, "channel": SIDE_CHANNEL}
+SIDE_NONE, SIDE_TOKEN, SIDE_CHANNEL, SIDE_TOKEN_CODE = 0, 1, 2, 3
+_SIDE_IDS = {"none": SIDE_NONE, "token": SIDE_TOKEN, "channel": SIDE_CHANNEL, "token_code": SIDE_TOKEN_CODE}
 
 
 @dataclass(frozen=True)
@@ -56,8 +74,8 @@ class KVFormat:
     code_dtype_name: str | None  # torch dtype name of the codes; None: the compute dtype
     values_per_code: int
     key_side: str  # "none" | "token" | "channel"
-    value_side: str  # "none" | "token"
-    zero_points: bool  # asymmetric: a zero point beside every scale
+    value_side: str  # "none" | "token" | "token_code"
+    zero_points: bool  # key_zero / value_zero pools exist (int4: the key grid and the value maximum)
     tail: bool  # newest partial block kept in the compute dtype, quantized when full
     rotate_keys: bool
     rotate_values: bool
@@ -84,27 +102,41 @@ class KVFormat:
                              f"must be a multiple of {self.values_per_code}, got {head_dim=}")
         return head_dim // self.values_per_code
 
+    def check_block_size(self, block_size: int) -> None:
+        """ValueError when this format cannot lay out blocks of ``block_size`` tokens (int4: odd sizes)."""
+        if self.value_side == "token_code" and block_size % 2:
+            raise ValueError(f"block_size must be even for kv_cache_dtype={self.name!r} (two value scale codes per "
+                             f"byte along a block's tokens), got block_size={block_size}")
+
     def side_shapes(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> dict:
-        """``{pool name: shape}`` of the side data (float16), in the kernels' argument order: key scale, value
-        scale, key zero, value zero; formats without some of them leave them out."""
-        shapes = {}
-        for which, side in (("key", self.key_side), ("value", self.value_side)):
-            if side == "token":
-                shapes[f"{which}_scale"] = (num_blocks, block_size, num_kv_heads)
-            elif side == "channel":
-                shapes[f"{which}_scale"] = (num_blocks, num_kv_heads, head_dim)
+        """``{pool name: (shape, dtype)}`` of the side data, in the kernels' argument order: key scale, value scale,
+        key zero, value zero; formats without some of them leave them out (see the module docstring for what each
+        holds). ValueError for a ``block_size`` the format cannot lay out."""
+        self.check_block_size(block_size)
+        pools = {}
+        if self.key_side == "token":
+            pools["key_scale"] = ((num_blocks, block_size, num_kv_heads), SIDE_DTYPE)
+        elif self.key_side == "channel":  # range codes u_lo, u_hi per channel
+            pools["key_scale"] = ((num_blocks, num_kv_heads, 2, head_dim), torch.uint8)
+        if self.value_side == "token":
+            pools["value_scale"] = ((num_blocks, block_size, num_kv_heads), SIDE_DTYPE)
+        elif self.value_side == "token_code":  # 4-bit scale codes, two tokens per byte
+            pools["value_scale"] = ((num_blocks, num_kv_heads, block_size // 2), torch.uint8)
         if self.zero_points:
-            shapes.update({name.replace("scale", "zero"): shape for name, shape in list(shapes.items())})
-        return shapes
+            if self.key_side == "channel":  # the grid: base, step
+                pools["key_zero"] = ((num_blocks, num_kv_heads, 2), SIDE_DTYPE)
+            if self.value_side == "token_code":  # vmax
+                pools["value_zero"] = ((num_blocks, num_kv_heads), SIDE_DTYPE)
+        return pools
 
     def bytes_per_block(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes of one block of one layer: codes (or the compute dtype) plus every scale and zero point. The tail
-        pool is not counted here (``tail_bytes_per_row``)."""
+        """Bytes of one block of one layer: codes (or the compute dtype) plus all the side data. The tail pool is not
+        counted here (``tail_bytes_per_row``)."""
         if not self.quantized:
             return 2 * block_size * num_kv_heads * head_dim * _itemsize(dtype)
         codes = 2 * block_size * num_kv_heads * self.code_dim(head_dim) * _itemsize(self.code_dtype())
-        side = sum(_numel(s) for s in self.side_shapes(1, block_size, num_kv_heads, head_dim).values())
-        return codes + side * _itemsize(SIDE_DTYPE)
+        side = self.side_shapes(1, block_size, num_kv_heads, head_dim).values()
+        return codes + sum(_numel(shape) * _itemsize(side_dtype) for shape, side_dtype in side)
 
     def tail_bytes_per_row(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes of one sequence row of the tail pools (K and V of one block in the compute dtype); 0 without."""
@@ -134,7 +166,7 @@ KV_FORMATS = {
         KVFormat("int8", CODES_INT8, "int8", 1, "token", "token", False, False, True, True),
         KVFormat("fp8_e4m3", CODES_E4M3, "float8_e4m3fn", 1, "token", "token", False, False, True, True),
         KVFormat("fp8_e5m2", CODES_E5M2, "float8_e5m2", 1, "token", "token", False, False, True, True),
-        KVFormat("int4", CODES_INT4, "uint8", 2, "channel", "token", True, True, False, True),
+        KVFormat("int4", CODES_INT4, "uint8", 2, "channel", "token_code", True, True, False, True),
     )
 }
 QUANTIZED_KV_FORMATS = tuple(name for name, fmt in KV_FORMATS.items() if fmt.quantized)

@@ -2,53 +2,85 @@
 
 Two granularities (which format uses which: ``kv_format.KVFormat``):
 
-- per vector (``quantize_kv_ref``): one scale (and, for int4, one zero point) per ``[head_dim]`` vector, i.e. per
-  token per KV head. The bytes of a vector depend only on that vector's own values.
-- per channel (``quantize_channels_ref``, int4 keys): one scale and zero point per channel of a KV head over a
-  block's tokens. The bytes of a block depend only on that block's own tokens: the store quantizes a block once,
-  when it is full (``kv_format.KVFormat.tail``), so the same tokens still give the same bytes.
+- per vector (``quantize_kv_ref``: int8, fp8): one scale per ``[head_dim]`` vector, i.e. per token per KV head.
+  The bytes of a vector depend only on that vector's own values.
+- per block (int4: ``quantize_channels_ref`` for keys, ``quantize_block_values_ref`` for values): side data shared
+  by a block's tokens of one KV head. The bytes of a block depend only on that block's own tokens: the store
+  quantizes a block once, when it is full (``kv_format.KVFormat.tail``), so the same tokens still give the same
+  bytes.
 
 Either way the same tokens always give the same bytes, whatever batch or slot they were written with, so prefix-
 cache hits and recomputation agree bit for bit.
 
-Formats (``q`` = stored code, ``s``/``z`` = float16 scale/zero, ``absmax = max |x|`` over the group):
+Formats (``q`` = stored code, ``s`` = float16 scale, ``absmax = max |x|`` over the group):
 
 - ``int8``: symmetric, ``s = absmax / 127``, ``x ~ q * s`` with ``q`` in ``[-127, 127]``. Error <= ``s / 2`` =
   ``absmax / 254`` (0.39%; plus up to 2^-25 absolute once ``s`` is a subnormal float16, ``absmax`` < 0.0078).
   Asymmetric int8 (scale + zero) was measured: 1.1x (Gaussian) to 1.5x (post-RoPE keys of stories260K) lower
   mean error, but it costs 2 more bytes per vector, so int8 would save 1.88x instead of 1.94x over fp16 at
   head_dim 64, and symmetric already keeps every vector within 0.4% of its absmax.
-- ``int4``: asymmetric (LMDeploy style), ``z = min``, ``s = (max - min) / 15``, ``x ~ q * s + z`` with ``q`` in
-  ``[0, 15]``, the min and max taken over the group (a vector, or a channel over a block); two codes per uint8,
-  even index (vectors: even channel) in the low nibble. Error <= ``(max - min) / 30`` <= ``absmax / 15`` (6.7%).
-  Measured: 1.2x (Gaussian) to 1.8x (one-sided data; 1.5-1.7x on stories260K K/V) lower mean error than
-  symmetric int4 (``[-7, 7]``), which spends half its levels on the side a vector does not use.
 - ``fp8_e4m3`` / ``fp8_e5m2``: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` codes, ``s = absmax / finfo.max``
   (so no code overflows), ``x ~ q * s``. Error per element <= 2^-4 (e4m3) / 2^-3 (e5m2) of ``|x|`` plus a subnormal
   floor (2^-10 * s resp. 2^-17 * s). Relative to ``absmax``: <= 1/28 (3.6%) resp. 1/14 (7.1%) while ``s`` is a
   normal float16 (``absmax`` >= 0.027 resp. 3.5), at worst 1/16 resp. 1/8 (a subnormal ``s`` rounded up leaves
   ``absmax / s`` below the top binade).
+- ``int4`` keys (``quantize_channels_ref``), per channel ``c`` over a block's tokens, asymmetric, on a grid of the
+  (block, KV head): ``base = down(min_c mn_c)``, ``step = up((max_c mx_c - base) / 255)`` (float16; ``mn_c``,
+  ``mx_c``: the channel's min and max over the tokens); 8-bit range codes ``u_lo = floor((mn_c - base) / step)``,
+  ``u_hi = ceil((mx_c - base) / step)`` (one more step outwards where float32 rounding left ``mn_c`` or ``mx_c``
+  outside; both 0 when ``step == 0``), ``lo_c = base + step u_lo``, ``hi_c = base + step u_hi``, ``s_c = (hi_c -
+  lo_c) / 15``; ``q = round((x - lo_c) / s_c)`` in ``[0, 15]``, ``x ~ lo_c + s_c q``. Every value lies in ``[lo_c,
+  hi_c]`` (``base`` and ``step`` rounded outwards, the range codes too), so the error is <= ``s_c / 2`` (plus
+  float32 rounding) = ``(mx_c - mn_c + 2 step) / 30``: the range stretches by at most a grid step (1/255 of the
+  block's range) on each side. The codes: two per uint8, even channel in the low nibble.
+- ``int4`` values (``quantize_block_values_ref``), per token, symmetric, 4-bit log-scale codes: ``vmax = up(max |x|
+  / 7)`` over the block's tokens and channels (float16); candidate scales ``s_k = vmax * 2^(-k/3)``, ``k = 0 ..
+  15`` (``VALUE_SCALE_STEPS``, float32); each token takes the ``k`` whose codes ``q = clamp(round(x / s_k), -8,
+  7)`` give the least squared error ``sum_d (q s_k - x)^2`` (ties: the smallest ``k``), stored as ``q + 8`` in
+  ``[0, 15]``; ``x ~ (code - 8) s_k``. ``k = 0`` clips nothing (``7 vmax >= max |x|``), so a token's squared error
+  is never above that of the block's absmax scale, ``<= D (vmax / 2)^2`` (a smaller scale may clip an outlier
+  channel when that lowers the token's total); a token much smaller than the block's largest gets a scale down to
+  ``vmax / 32``. The squared errors are summed exactly, as integers (each term ``((q
+  s_k - x) / vmax)^2 * 2^32`` truncated), so the choice does not depend on the order of a sum (the Triton fill
+  reproduces it bit for bit).
 
-Rounding of the float16 side data: the zero point is rounded down and the scale up to the next float16, so
-every code lies in range and no value is cut at the edges (also with subnormal scales; the clamps only absorb
-float32 rounding). ``s == 0`` only for a group whose values all equal ``z`` (symmetric formats: all zero), which
-dequantizes exactly, with no NaN; all-zero bytes (a fresh pool slot) dequantize to 0 in every format.
-Inputs must be finite; magnitudes beyond the float16 range of the side data (``|x| > 65504 * qmax``, or
-``|min| > 65504`` for int4) saturate.
+Rounding of the float16 side data: zero points and ``base`` are rounded down, scales, ``step`` and ``vmax`` up to
+the next float16, so every code lies in range and no value is cut at the edges (also with subnormal scales; the
+clamps only absorb float32 rounding). A zero scale only comes with a group whose values all equal its zero point
+(symmetric formats: all zero), which dequantizes exactly, with no NaN; all-zero bytes (a fresh pool slot)
+dequantize to 0 in every format. Inputs must be finite; magnitudes beyond the float16 range of the side data
+(``|x| > 65504 * qmax``; int4: ``|x| > 65504`` for keys, ``> 7 * 65504`` for values) saturate.
 """
 
 from __future__ import annotations
+
+import struct
 
 import torch
 
 from .kv_format import QUANTIZED_KV_FORMATS, kv_format as _kv_format
 
 __all__ = ["QUANTIZED_KV_FORMATS", "quantize_kv_ref", "dequantize_kv_ref", "quantize_channels_ref",
-           "dequantize_channels_ref", "pack_int4", "unpack_int4"]
+           "dequantize_channels_ref", "quantize_block_values_ref", "dequantize_block_values_ref", "key_ranges_ref",
+           "value_scales_ref", "pack_int4", "unpack_int4", "VALUE_SCALE_STEPS"]
 
 _HALF_MAX = torch.finfo(torch.float16).max
 _INT8_MAX = 127
 _INT4_LEVELS = 15
+_GRID_LEVELS = 255  # int4 key range codes: 8 bits on the (block, head) grid
+_VALUE_LEVELS = 7  # int4 values: q in [-8, 7], vmax = up(absmax / 7)
+_ERROR_UNIT = 4294967296.0  # 2^32: int4 value errors ((q s - x) / vmax)^2 summed as integers of this unit
+
+
+def _float32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+# 2^(-1/3), 2^(-2/3) rounded to float32; the Triton fill and attention use the same constants (``_rounding``).
+CUBE_ROOT_HALF, CUBE_ROOT_QUARTER = _float32(2.0 ** (-1 / 3)), _float32(2.0 ** (-2 / 3))
+# s_k / vmax = 2^(-k/3) as float32: a cube root of 1/2^(k % 3) times 2^-(k // 3) (exact), k = 0 .. 15.
+VALUE_SCALE_STEPS = torch.tensor([(1.0, CUBE_ROOT_HALF, CUBE_ROOT_QUARTER)[k % 3] * 2.0 ** -(k // 3)
+                                  for k in range(16)], dtype=torch.float32)
 
 
 def kv_data_dtype(kv_format: str) -> torch.dtype:
@@ -89,23 +121,25 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
 
 
+def _per_vector_format(kv_format: str) -> torch.dtype:
+    """The code dtype of a per-vector format (int8, fp8); ValueError for int4, which quantizes whole blocks."""
+    if kv_format == "int4":
+        raise ValueError("int4 quantizes whole blocks: quantize_channels_ref (keys) and quantize_block_values_ref "
+                         "(values), not per vector")
+    return kv_data_dtype(kv_format)
+
+
 def quantize_kv_ref(
     x: torch.Tensor, kv_format: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Quantizes ``x`` ``[..., D]`` (float, finite; ``[n, H, D]`` in the cache) one ``[D]`` vector at a time.
+) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """Quantizes ``x`` ``[..., D]`` (float, finite; ``[n, H, D]`` in the cache) one ``[D]`` vector at a time (int8,
+    fp8; int4 quantizes blocks: see the module docstring).
 
-    Returns ``(data, scale, zero)``: ``data`` ``[..., D]`` int8 / float8, or ``[..., D // 2]`` uint8 for int4;
-    ``scale`` ``[...]`` float16; ``zero`` ``[...]`` float16 for int4, else None. Computed in float32.
+    Returns ``(data, scale, None)``: ``data`` ``[..., D]`` int8 / float8; ``scale`` ``[...]`` float16; no zero point.
+    Computed in float32.
     """
-    data_dtype = kv_data_dtype(kv_format)
+    data_dtype = _per_vector_format(kv_format)
     x = x.float()
-    if kv_format == "int4":
-        if x.shape[-1] % 2:
-            raise ValueError(f"int4 packs two values per byte: head_dim must be even, got head_dim={x.shape[-1]}")
-        zero = _half_down(x.amin(-1))
-        scale = _half_up((x.amax(-1) - zero.float()) / _INT4_LEVELS)
-        codes = torch.round(_safe_div(x - zero.float().unsqueeze(-1), scale.float().unsqueeze(-1)))
-        return pack_int4(codes.clamp(0, _INT4_LEVELS)), scale, zero
     absmax = x.abs().amax(-1)
     if kv_format == "int8":
         scale = _half_up(absmax / _INT8_MAX)
@@ -120,44 +154,110 @@ def quantize_kv_ref(
 def dequantize_kv_ref(
     data: torch.Tensor,
     scale: torch.Tensor,
-    zero: torch.Tensor | None,
+    zero: None,
     kv_format: str,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Inverse of ``quantize_kv_ref`` on any leading shape ``S``.
-
-    ``data`` ``[*S, Dp]`` (``Dp = D // 2`` for int4, else ``D``), ``scale`` (and ``zero`` for int4) ``[*S]``.
-    Returns ``[*S, D]`` in ``dtype``; computed in float32.
-    """
-    if kv_format == "int4":
-        if zero is None:
-            raise ValueError("int4 needs a zero point: got zero=None")
-        codes = unpack_int4(data).float()
-        return (codes * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).to(dtype)
-    kv_data_dtype(kv_format)  # validates the name
+    """Inverse of ``quantize_kv_ref`` on any leading shape ``S``: ``data`` ``[*S, D]``, ``scale`` ``[*S]`` (``zero``:
+    None, kept for the call shape). Returns ``[*S, D]`` in ``dtype``; computed in float32."""
+    _per_vector_format(kv_format)  # validates the name
+    if zero is not None:
+        raise ValueError(f"kv_format={kv_format!r} is symmetric: it takes no zero point")
     return (data.float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
-def quantize_channels_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int4 per channel: ``x`` ``[..., T, H, D]`` (float, finite: a block's ``T`` tokens) quantized with one scale and
-    zero point per ``(h, d)`` over the ``T`` tokens; the same asymmetric math as ``quantize_kv_ref(.., "int4")``
-    along the token axis.
-
-    Returns ``(codes [..., T, H, D // 2] uint8, scale [..., H, D] float16, zero [..., H, D] float16)``; codes are packed
-    along ``D`` as for vectors (channel ``2i`` in the low nibble). Computed in float32.
-    """
+def _check_int4_block(x: torch.Tensor) -> None:
+    if x.dim() < 3:
+        raise ValueError(f"int4 quantizes blocks [..., T, H, D], got {tuple(x.shape)}")
     if x.shape[-1] % 2:
         raise ValueError(f"int4 packs two values per byte: head_dim must be even, got head_dim={x.shape[-1]}")
+
+
+def key_ranges_ref(range_codes: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 keys: ``(lo, s)`` float32 ``[..., H, D]`` of each channel from its range codes ``[..., H, 2, D]`` uint8
+    and the grid ``[..., H, 2]`` float16 (``lo = base + step u_lo``, ``s = (base + step u_hi - lo) / 15``: the
+    float32 operations the Triton fill repeats)."""
+    base = grid[..., 0].float().unsqueeze(-1)
+    step = grid[..., 1].float().unsqueeze(-1)
+    lo = base + step * range_codes[..., 0, :].float()
+    hi = base + step * range_codes[..., 1, :].float()
+    return lo, (hi - lo) / _INT4_LEVELS
+
+
+def quantize_channels_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 keys: ``x`` ``[..., T, H, D]`` (float, finite: a block's ``T`` tokens) quantized per ``(h, d)`` channel
+    over the ``T`` tokens, on a grid per ``h`` (see the module docstring).
+
+    Returns ``(codes [..., T, H, D // 2] uint8, range_codes [..., H, 2, D] uint8, grid [..., H, 2] float16)``: the
+    codes packed along ``D`` (channel ``2i`` in the low nibble), ``range_codes[..., 0, :]`` = ``u_lo``, ``[..., 1,
+    :]`` = ``u_hi``, ``grid[..., 0]`` = ``base``, ``grid[..., 1]`` = ``step``. Computed in float32.
+    """
+    _check_int4_block(x)
     x = x.float()
-    zero = _half_down(x.amin(-3))
-    scale = _half_up((x.amax(-3) - zero.float()) / _INT4_LEVELS)
-    codes = torch.round(_safe_div(x - zero.float().unsqueeze(-3), scale.float().unsqueeze(-3)))
-    return pack_int4(codes.clamp(0, _INT4_LEVELS)), scale, zero
+    lowest, highest = x.amin(-3), x.amax(-3)  # [..., H, D]
+    base = _half_down(lowest.amin(-1))  # [..., H]
+    step = _half_up((highest.amax(-1) - base.float()) / _GRID_LEVELS)
+    b, st = base.float().unsqueeze(-1), step.float().unsqueeze(-1)
+    flat = st == 0
+    u_lo = torch.floor(_safe_div(lowest - b, st)).clamp(0, _GRID_LEVELS)
+    u_hi = torch.ceil(_safe_div(highest - b, st)).clamp(0, _GRID_LEVELS)
+    # one step outwards where float32 rounding (of the quotient, or of base + step u) left the extreme outside
+    u_lo = torch.where((b + st * u_lo > lowest) & (u_lo > 0), u_lo - 1, u_lo)
+    u_hi = torch.where((b + st * u_hi < highest) & (u_hi < _GRID_LEVELS), u_hi + 1, u_hi)
+    u_lo, u_hi = torch.where(flat, 0.0, u_lo), torch.where(flat, 0.0, u_hi)
+    range_codes = torch.stack((u_lo, u_hi), dim=-2).to(torch.uint8)
+    grid = torch.stack((base, step), dim=-1)
+    lo, scale = key_ranges_ref(range_codes, grid)
+    lo, scale = lo.unsqueeze(-3), scale.unsqueeze(-3)
+    codes = torch.round(_safe_div(x - lo, scale)).clamp(0, _INT4_LEVELS)
+    codes = torch.where(scale == 0, 0.0, codes)
+    return pack_int4(codes), range_codes.contiguous(), grid.contiguous()
 
 
-def dequantize_channels_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+def dequantize_channels_ref(codes: torch.Tensor, range_codes: torch.Tensor, grid: torch.Tensor,
                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of ``quantize_channels_ref``: ``codes [..., T, H, D // 2]``, ``scale``/``zero`` ``[..., H, D]`` ->
-    ``[..., T, H, D]`` in ``dtype`` (float32 math)."""
-    values = unpack_int4(codes).float()
-    return (values * scale.float().unsqueeze(-3) + zero.float().unsqueeze(-3)).to(dtype)
+    """Inverse of ``quantize_channels_ref``: ``codes [..., T, H, D // 2]``, ``range_codes [..., H, 2, D]``, ``grid
+    [..., H, 2]`` -> ``[..., T, H, D]`` in ``dtype`` (float32 math: ``lo + s * q``)."""
+    lo, scale = key_ranges_ref(range_codes, grid)
+    return (lo.unsqueeze(-3) + scale.unsqueeze(-3) * unpack_int4(codes).float()).to(dtype)
+
+
+def value_scales_ref(scale_codes: torch.Tensor, vmax: torch.Tensor) -> torch.Tensor:
+    """int4 values: the float32 scales ``vmax * VALUE_SCALE_STEPS[k]`` of unpacked scale codes ``k`` ``[*S]`` (any
+    integer dtype) with ``vmax`` broadcastable to ``[*S]`` (float16)."""
+    return vmax.float() * VALUE_SCALE_STEPS.to(scale_codes.device)[scale_codes.long()]
+
+
+def quantize_block_values_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 values: ``x`` ``[..., T, H, D]`` (float, finite: a block's ``T`` tokens, ``T`` even) quantized per token
+    with a 4-bit log-scale code on the block's ``vmax`` per ``h`` (see the module docstring).
+
+    Returns ``(codes [..., T, H, D // 2] uint8, scale_codes [..., H, T // 2] uint8, vmax [..., H] float16)``: the
+    codes (``q + 8``) packed along ``D`` (channel ``2i`` in the low nibble), the scale codes along ``T`` (token
+    ``2i`` in the low nibble). Computed in float32.
+    """
+    _check_int4_block(x)
+    if x.shape[-3] % 2:
+        raise ValueError(f"int4 packs two value scale codes per byte: the block's tokens must be even, got "
+                         f"{x.shape[-3]}")
+    x = x.float()
+    vmax = _half_up(x.abs().amax(dim=(-3, -1)) / _VALUE_LEVELS)  # [..., H]
+    v = vmax.float()
+    scales = (v.unsqueeze(-1) * VALUE_SCALE_STEPS.to(x.device)).unsqueeze(-1).unsqueeze(-4)  # [..., 1, H, 16, 1]
+    unit = torch.where(v == 0, 1.0, v)[..., None, :, None, None]
+    xs = x.unsqueeze(-2)  # [..., T, H, 1, D]
+    q = torch.round(_safe_div(xs, scales)).clamp(-_VALUE_LEVELS - 1, _VALUE_LEVELS)  # [..., T, H, 16, D]
+    error = (q * scales - xs) / unit
+    error = (error * error * _ERROR_UNIT).to(torch.int64).sum(-1)  # [..., T, H, 16], exact
+    best = error.argmin(-1, keepdim=True)  # the first (smallest k) of equal errors
+    codes = q.gather(-2, best.unsqueeze(-1).expand(*best.shape, x.shape[-1])).squeeze(-2) + (_VALUE_LEVELS + 1)
+    scale_codes = pack_int4(best.squeeze(-1).transpose(-1, -2))  # [..., H, T // 2]
+    return pack_int4(codes), scale_codes.contiguous(), vmax.contiguous()
+
+
+def dequantize_block_values_ref(codes: torch.Tensor, scale_codes: torch.Tensor, vmax: torch.Tensor,
+                                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of ``quantize_block_values_ref``: ``codes [..., T, H, D // 2]``, ``scale_codes [..., H, T // 2]``,
+    ``vmax [..., H]`` -> ``[..., T, H, D]`` in ``dtype`` (float32 math: ``(code - 8) * s``)."""
+    scale = value_scales_ref(unpack_int4(scale_codes), vmax.unsqueeze(-1)).transpose(-1, -2)  # [..., T, H]
+    return ((unpack_int4(codes).float() - (_VALUE_LEVELS + 1)) * scale.unsqueeze(-1)).to(dtype)

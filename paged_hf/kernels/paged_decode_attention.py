@@ -207,9 +207,10 @@ def _decode_launches(
 
 
 def key_tile(block_n: int, pools) -> int:
-    """The key tile for ``pools``: per-channel key scales (int4) want a tile inside one block, where the scales
-    scale the query and the codes enter the dot exact: the block size when it is smaller than ``block_n`` but at
-    least 16 (``tl.dot``'s smallest); below 16 the tile spans blocks and its keys are dequantized (``_tiles``)."""
+    """The key tile for ``pools``: per-channel key ranges (int4) keep a tile inside one block, the block size when it
+    is smaller than ``block_n`` but at least 16 (``tl.dot``'s smallest): the tiles the compile report measured (the
+    query was scaled per channel of one block then; the keys are now dequantized per token's block, so a tile
+    spanning blocks, as below 16, is read alike: ``_tiles``)."""
     if pools.fmt.key_side == "channel" and 16 <= pools.block_size < block_n:
         return pools.block_size
     return block_n

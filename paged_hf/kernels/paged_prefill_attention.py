@@ -39,9 +39,9 @@ from .attention_ref import paged_attention_core
 # spilled from head_dim 128 on, and the quantized formats sat at 255 registers at 4 warps everywhere; at 8 warps they
 # fit with 32-key tiles up to head_dim 128 (64-key ones at 64, but for int4, whose nibble interleave costs more) and
 # 16-key tiles at 256, where int4 needs 32-row programs. ``maxnreg=255`` lets ptxas use the registers it needs:
-# left to itself it sometimes stopped at 128 and spilled. int4 keys per channel (the query scaled per channel in each
-# tile): at head_dim 256, 32-row programs spilled 2 KiB at 8 warps and 16-row ones 408 bytes; 16 rows at 4 warps fit
-# (254 registers, no spill).
+# left to itself it sometimes stopped at 128 and spilled. int4 keys per channel, when the query was scaled per channel
+# in each tile: at head_dim 256, 32-row programs spilled 2 KiB at 8 warps and 16-row ones 408 bytes; 16 rows at 4
+# warps fit (254 registers, no spill). The keys are now dequantized per tile instead: 185 registers there.
 _OPTIONS = dict(num_warps=8, num_stages=2, maxnreg=255, enable_fp_fusion=True)
 PREFILL_TILES = (  # (largest head_dim, kv formats (None: any), BLOCK_M, BLOCK_N, launch options)
     (64, ("int4",), 64, 32, _OPTIONS),

@@ -37,7 +37,7 @@ from . import paged_prefill_attention as _prefill
 from . import store_kv as _store
 from ._common import Launch
 from .fill_blocks import StorePlan
-from .kv_format import SIDE_DTYPE, kv_format as _kv_format
+from .kv_format import kv_format as _kv_format
 
 _SIDE = ("key_scale", "value_scale", "key_zero", "value_zero")
 _TAILS = ("key_tail", "value_tail")
@@ -135,7 +135,7 @@ def warmup_kernels(operands: dict, num_heads: int, dtype: torch.dtype, **options
 def example_operands(kv_format: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                      dtype: torch.dtype, device="cpu", num_tail_rows: int = 4) -> dict:
     """Zero-filled operands laid out like ``make_storage(...).attention_operands()`` (the ``KVFormat``'s codes,
-    float16 side data and, for a tail format, ``num_tail_rows`` tail rows in ``dtype``): for compile reports and
+    side data and, for a tail format, ``num_tail_rows`` tail rows in ``dtype``): for compile reports and
     tests that need a layer's shapes and dtypes, not its data."""
     fmt = _kv_format(kv_format)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -144,9 +144,9 @@ def example_operands(kv_format: str, num_blocks: int, block_size: int, num_kv_he
                 "value_cache": torch.zeros(shape, dtype=dtype, device=device)}
     code_shape = (*shape[:3], fmt.code_dim(head_dim))
     ops = {name: torch.zeros(code_shape, dtype=fmt.code_dtype(), device=device) for name in ("key_cache", "value_cache")}
-    shapes = fmt.side_shapes(num_blocks, block_size, num_kv_heads, head_dim)
+    side = fmt.side_shapes(num_blocks, block_size, num_kv_heads, head_dim)
     for name in _SIDE:
-        ops[name] = torch.zeros(shapes[name], dtype=SIDE_DTYPE, device=device) if name in shapes else None
+        ops[name] = torch.zeros(side[name][0], dtype=side[name][1], device=device) if name in side else None
     if fmt.tail:
         for name in _TAILS:
             ops[name] = torch.zeros((num_tail_rows, *shape[1:]), dtype=dtype, device=device)
