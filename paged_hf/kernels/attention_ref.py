@@ -50,6 +50,7 @@ def paged_attention_core(
     fresh_keys: torch.Tensor | None = None,
     fresh_values: torch.Tensor | None = None,
     num_fresh: torch.Tensor | None = None,
+    fresh_is_query: bool = False,
 ) -> torch.Tensor:
     """Causal attention of queries against the paged K/V of their sequences.
 
@@ -73,6 +74,7 @@ def paged_attention_core(
         fresh_keys, fresh_values, num_fresh: tail formats: the forward's new K/V of each sequence, ``[B, W,
             num_kv_heads, head_dim]`` (rotated as stored), its first ``num_fresh[b]`` entries at positions ``ctx ..
             seq_lens - 1``. A query reads its own block from the tail row and these (module docstring).
+            ``fresh_is_query``: each sequence's one new token is its one query (a decode step: a shorter read).
 
     Returns ``[B, num_heads, n, head_dim]`` in ``query.dtype``; computed in float32.
     """
@@ -81,7 +83,7 @@ def paged_attention_core(
     group = num_heads // num_kv_heads
     assert group * num_kv_heads == num_heads, f"{num_heads=} is not a multiple of {num_kv_heads=}"
     pools = KVPools(key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, key_tail,
-                    value_tail, tail_rows, fresh_keys, fresh_values, num_fresh)
+                    value_tail, tail_rows, fresh_keys, fresh_values, num_fresh, fresh_is_query)
     num_blocks = block_tables.shape[1]
     if not torch.compiler.is_compiling():  # read only the blocks that hold tokens (a host sync: eager only)
         max_len = int(seq_lens.max()) if seq_lens.numel() else 0
@@ -185,7 +187,8 @@ class KVPools:
     full-precision window of each sequence's own blocks (tail row + new K/V)."""
 
     def __init__(self, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, key_tail,
-                 value_tail, tail_rows, fresh_keys=None, fresh_values=None, num_fresh=None) -> None:
+                 value_tail, tail_rows, fresh_keys=None, fresh_values=None, num_fresh=None,
+                 fresh_is_query: bool = False) -> None:
         self.fmt = _kv_format(kv_format)
         self.key = (key_cache, key_scale, key_zero, self.fmt.key_side)
         self.value = (value_cache, value_scale, value_zero, self.fmt.value_side)
@@ -193,6 +196,7 @@ class KVPools:
         self.tail_rows = tail_rows
         self.fresh = (fresh_keys, fresh_values)
         self.num_fresh = num_fresh
+        self.fresh_is_query = fresh_is_query
         self.block_size = key_cache.shape[1]
         if self.fmt.tail and any(t is None for t in (key_tail, value_tail, tail_rows, fresh_keys, fresh_values,
                                                       num_fresh)):
@@ -214,18 +218,28 @@ class KVPools:
                 index, exact, use = replace
                 batch = torch.arange(ids.shape[0], device=ids.device)
                 index = index.clamp(0, ids.shape[1] - 1)
-                blocks[batch, index] = torch.where(use[:, None, None, None], exact, blocks[batch, index])
+                if use is not None:
+                    exact = torch.where(use[:, None, None, None], exact, blocks[batch, index])
+                blocks[batch, index] = exact
             out.append(blocks.flatten(1, 2).transpose(1, 2))
         return out[0], out[1]
 
     def _own_block_values(self, position: torch.Tensor, seq_lens: torch.Tensor) -> list:
-        """Per K and V: ``(block index [B], exact values [B, bs, H, D], whether to use them [B])`` of the block
-        holding each query's ``position``: offsets before the forward's first position ``ctx`` from the tail row,
-        later ones from the fresh K/V. A query older than the tail row's block (a pad column's) keeps the stored
-        block."""
+        """Per K and V: ``(block index [B], exact values [B, bs, H, D], whether to use them [B] or None: all)`` of
+        the block holding each query's ``position``: offsets before the forward's first position ``ctx`` from the
+        tail row, later ones from the fresh K/V. A query older than the tail row's block (a pad column's) keeps the
+        stored block."""
         bs = self.block_size
         device = self.fresh[0].device
         position = position.to(device).long()
+        if self.fresh_is_query:  # a decode step: the tail row, with the query's own K/V at its offset
+            rows, batch = self.tail_rows.to(device).long(), torch.arange(position.shape[0], device=device)
+            out = []
+            for tail, fresh in zip(self.tails, self.fresh):
+                exact = tail[rows].float()
+                exact[batch, position % bs] = fresh[:, 0].float()
+                out.append((position // bs, exact, None))
+            return out
         ctx = seq_lens.to(device).long() - self.num_fresh.to(device).long()
         first = ctx // bs * bs
         start = position.clamp_min(0) // bs * bs

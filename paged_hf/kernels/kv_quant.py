@@ -62,7 +62,7 @@ from .kv_format import QUANTIZED_KV_FORMATS, kv_format as _kv_format
 
 __all__ = ["QUANTIZED_KV_FORMATS", "quantize_kv_ref", "dequantize_kv_ref", "quantize_channels_ref",
            "dequantize_channels_ref", "quantize_block_values_ref", "dequantize_block_values_ref", "key_ranges_ref",
-           "value_scales_ref", "pack_int4", "unpack_int4", "VALUE_SCALE_STEPS"]
+           "value_scales_ref", "pack_int4", "unpack_int4", "unpack_int4_float", "VALUE_SCALE_STEPS"]
 
 _HALF_MAX = torch.finfo(torch.float16).max
 _INT8_MAX = 127
@@ -119,6 +119,15 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """``[..., D // 2]`` uint8 -> ``[..., D]`` uint8 codes (inverse of ``pack_int4``)."""
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def unpack_int4_float(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., D // 2]`` uint8 -> ``[..., D]`` float32 codes: ``unpack_int4(packed).float()`` in fewer passes (the
+    hot read of the torch path: each nibble is cast straight into its place)."""
+    out = torch.empty((*packed.shape, 2), dtype=torch.float32, device=packed.device)
+    out[..., 0] = packed & 0xF
+    out[..., 1] = packed >> 4
+    return out.flatten(-2)
 
 
 def _per_vector_format(kv_format: str) -> torch.dtype:
@@ -219,7 +228,7 @@ def dequantize_channels_ref(codes: torch.Tensor, range_codes: torch.Tensor, grid
     """Inverse of ``quantize_channels_ref``: ``codes [..., T, H, D // 2]``, ``range_codes [..., H, 2, D]``, ``grid
     [..., H, 2]`` -> ``[..., T, H, D]`` in ``dtype`` (float32 math: ``lo + s * q``)."""
     lo, scale = key_ranges_ref(range_codes, grid)
-    return (lo.unsqueeze(-3) + scale.unsqueeze(-3) * unpack_int4(codes).float()).to(dtype)
+    return torch.addcmul(lo.unsqueeze(-3), scale.unsqueeze(-3), unpack_int4_float(codes)).to(dtype)
 
 
 def value_scales_ref(scale_codes: torch.Tensor, vmax: torch.Tensor) -> torch.Tensor:
@@ -260,4 +269,5 @@ def dequantize_block_values_ref(codes: torch.Tensor, scale_codes: torch.Tensor, 
     """Inverse of ``quantize_block_values_ref``: ``codes [..., T, H, D // 2]``, ``scale_codes [..., H, T // 2]``,
     ``vmax [..., H]`` -> ``[..., T, H, D]`` in ``dtype`` (float32 math: ``(code - 8) * s``)."""
     scale = value_scales_ref(unpack_int4(scale_codes), vmax.unsqueeze(-1)).transpose(-1, -2)  # [..., T, H]
-    return ((unpack_int4(codes).float() - (_VALUE_LEVELS + 1)) * scale.unsqueeze(-1)).to(dtype)
+    scale = scale.unsqueeze(-1)
+    return torch.addcmul(scale * -(_VALUE_LEVELS + 1), unpack_int4_float(codes), scale).to(dtype)

@@ -89,7 +89,7 @@ def paged_decode_attention_ref(
     fresh = {}
     if fresh_key is not None:
         fresh = dict(fresh_keys=fresh_key.unsqueeze(1), fresh_values=fresh_value.unsqueeze(1),
-                     num_fresh=torch.ones_like(positions[:, 0]))
+                     num_fresh=torch.ones_like(positions[:, 0]), fresh_is_query=True)
     out = paged_attention_core(
         query.unsqueeze(2), positions, key_cache, value_cache, block_tables, seq_lens,
         scale, sliding_window, softcap, sinks, key_scale, value_scale, key_zero, value_zero, kv_format,
