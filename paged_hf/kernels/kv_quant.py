@@ -228,7 +228,9 @@ def dequantize_channels_ref(codes: torch.Tensor, range_codes: torch.Tensor, grid
     """Inverse of ``quantize_channels_ref``: ``codes [..., T, H, D // 2]``, ``range_codes [..., H, 2, D]``, ``grid
     [..., H, 2]`` -> ``[..., T, H, D]`` in ``dtype`` (float32 math: ``lo + s * q``)."""
     lo, scale = key_ranges_ref(range_codes, grid)
-    return torch.addcmul(lo.unsqueeze(-3), scale.unsqueeze(-3), unpack_int4_float(codes)).to(dtype)
+    # a multiply, then an add: ``addcmul`` may fuse them (one rounding) in its vectorized body and not in its
+    # remainder, so a value's bits would follow the batch's size (a prefix hit and a miss would then differ)
+    return (unpack_int4_float(codes).mul_(scale.unsqueeze(-3)).add_(lo.unsqueeze(-3))).to(dtype)
 
 
 def value_scales_ref(scale_codes: torch.Tensor, vmax: torch.Tensor) -> torch.Tensor:
@@ -269,5 +271,4 @@ def dequantize_block_values_ref(codes: torch.Tensor, scale_codes: torch.Tensor, 
     """Inverse of ``quantize_block_values_ref``: ``codes [..., T, H, D // 2]``, ``scale_codes [..., H, T // 2]``,
     ``vmax [..., H]`` -> ``[..., T, H, D]`` in ``dtype`` (float32 math: ``(code - 8) * s``)."""
     scale = value_scales_ref(unpack_int4(scale_codes), vmax.unsqueeze(-1)).transpose(-1, -2)  # [..., T, H]
-    scale = scale.unsqueeze(-1)
-    return torch.addcmul(scale * -(_VALUE_LEVELS + 1), unpack_int4_float(codes), scale).to(dtype)
+    return unpack_int4_float(codes).sub_(_VALUE_LEVELS + 1).mul_(scale.unsqueeze(-1)).to(dtype)
