@@ -242,3 +242,54 @@ def test_the_survivors_of_an_isolated_step_keep_their_logprobs_and_prompt_logpro
             assert got.keys() == want.keys() and list(got.values()) == pytest.approx(list(want.values()), abs=2e-5)
         assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
     assert_all_freed(engine)
+
+
+@contextlib.contextmanager
+def poisoned_late(model, poison: int):
+    """Like ``poisoned``, but the forward raises in its last decoder layer: the layers before it have stored their
+    K/V (and, for int4, written their tail rows) when it fails."""
+    seen = {"poison": False}
+
+    def note(module, args):
+        seen["poison"] = bool((args[0] == poison).any())
+
+    def fail(module, *args, **kwargs):
+        if seen["poison"]:
+            raise RuntimeError(f"poisoned input: token {poison}")
+
+    handles = [model.get_input_embeddings().register_forward_pre_hook(note),
+               model.model.layers[-1].register_forward_pre_hook(fail)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_an_int4_chunk_that_refills_its_tail_row_computes_again_after_a_failed_step(stories):
+    """int4: a prompt chunk that starts inside a block (its older tokens in the tail row) and leaves tokens in a later
+    block writes that tail row after each layer's attention. When the step fails in its last layer, the earlier
+    layers' tail rows already hold the new tokens, so a retry would quantize the block from them: the sequence
+    computes its tokens again instead, and ends with its solo tokens and logprobs."""
+    model, tok = stories
+    options = dict(block_size=4, num_blocks=64, kv_cache_dtype="int4", max_num_batched_tokens=9)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    long_prompt = story_openings()[2]
+    solo = PagedEngine(model, tok, **options).generate([long_prompt], params, use_tqdm=False)[0].outputs[0]
+    poison = pick_poison([solo.token_ids])
+    doomed = SamplingParams(max_tokens=6, temperature=0.0, logit_bias={poison: 100})
+    engine = PagedEngine(model, tok, **options)
+    with poisoned_late(model, poison):
+        ids = [engine.add_request("Once upon", doomed), engine.add_request(long_prompt, params)]
+        first = engine.step()  # the doomed prefill (3 tokens) + the long prompt's tokens 0..5: a tail of 2
+        assert not any(o.finished for o in first)
+        done = {}
+        while engine.has_unfinished_requests():  # the doomed decode fails beside the chunk 6..13 (tail rewritten)
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert "poisoned" in done[ids[0]].error
+    got = done[ids[1]].outputs[0]
+    assert got.token_ids == solo.token_ids
+    got_lp = [step[t].logprob for step, t in zip(got.logprobs, got.token_ids)]
+    want_lp = [step[t].logprob for step, t in zip(solo.logprobs, solo.token_ids)]
+    assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-3, (got_lp, want_lp)
+    assert_all_freed(engine)

@@ -10,6 +10,11 @@ step fills (the scheduler registers them when it schedules: in one forward every
 before it attends). Run apart, such a reader must run after its writer succeeded, and if the writer failed, the
 blocks hold nothing: the reader goes back to the waiting queue to compute its prompt again. So the sub-batches run in
 waves, each wave holding the sequences whose writers all succeeded.
+
+A format with a full-precision tail (int4) adds one more. A prompt chunk that starts inside a block (older tokens in
+its tail row) and leaves tokens in a later block writes that tail row after each layer's attention, over the older
+tokens; a retry would then quantize the block from the new ones. Such a sequence does not retry: it computes its
+tokens again (``tail_rewriters``).
 """
 
 from __future__ import annotations
@@ -69,8 +74,12 @@ def isolate(runner: ModelRunner, output: SchedulerOutput, error: BaseException) 
     writers = same_step_writers(items, runner.kv)
     result = Isolation()
     succeeded: dict[int, bool] = {}
-    pending = list(range(len(items)))
-    known = error if not any(writers) else None  # with no dependency, the whole batch is known to raise `error`
+    for i in tail_rewriters(items, runner.kv):  # their blocks cannot be refilled from their tail rows: compute again
+        succeeded[i] = False
+        result.requeue.append(i)
+    pending = [i for i in range(len(items)) if i not in succeeded]
+    # with no dependency and no one set aside, the whole batch is known to raise `error`
+    known = error if not any(writers) and not succeeded else None
     while pending:
         blocked = [i for i in pending if any(succeeded.get(w) is False for w in writers[i])]
         for i in blocked:
@@ -108,6 +117,17 @@ def _bisect(runner: ModelRunner, output: SchedulerOutput, indices: list[int], er
     half = len(indices) // 2
     _bisect(runner, output, indices[:half], None, succeeded, result)
     _bisect(runner, output, indices[half:], None, succeeded, result)
+
+
+def tail_rewriters(items: list[ScheduledSequence], kv: KVManager) -> list[int]:
+    """Tail formats: the scheduled sequences whose chunk fills a block that holds older tokens of their tail row and
+    leaves new tokens in a later block, i.e. whose tail writes overwrite tokens a retry's block fill reads."""
+    if not kv.has_tail:
+        return []
+    size = kv.block_size
+    return [index for index, item in enumerate(items)
+            if item.start % size and (item.start + item.num_tokens) % size
+            and item.start // size != (item.start + item.num_tokens) // size]
 
 
 def same_step_writers(items: list[ScheduledSequence], kv: KVManager) -> list[set[int]]:
