@@ -37,7 +37,7 @@ import torch  # noqa: E402
 NUM_KV_HEADS, GROUP, BLOCK_SIZE = 8, 4, 16
 FORMATS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
 KERNEL_NAMES = {"_decode_kernel": "decode", "_decode_reduce_kernel": "reduce", "_prefill_kernel": "prefill",
-                "_store_kernel": "store", "_copy_kernel": "copy"}
+                "_store_kernel": "store", "_fill_kernel": "fill", "_copy_kernel": "copy"}
 
 
 def main() -> int:
@@ -161,7 +161,8 @@ def collect(args) -> dict:
         for head_dim in args.head_dims:
             for kv_format in args.formats:
                 query_dtype = torch.float32 if args.before and kv_format != "auto" else dtype
-                store_dtype = dtype if kv_format == "auto" else torch.float32  # rotated K/V: float32
+                # what the storage hands its store: the compute dtype ("auto"; int4's tails), else rotated float32
+                store_dtype = dtype if kv_format in ("auto", "int4") else torch.float32
                 for window, softcap, sinks in layers:
                     operands = example_operands(kv_format, 40, BLOCK_SIZE, NUM_KV_HEADS, head_dim, dtype)
                     heads = NUM_KV_HEADS * GROUP

@@ -142,6 +142,7 @@ COMPILE_SUBSET = [
     ("prefill", "int4", "bfloat16", 256, True),
     ("decode-parts", "fp8_e5m2", "bfloat16", 128, False),
     ("decode-parts", "int8", "float16", 128, True),
+    ("fill", "int4", "bfloat16", 128, False),  # int4's block fill: two passes whose tiles differ in shape
 ]
 
 # paged_hf/kernels loaded as a package of its own (as in test_kernels): importing paged_hf imports transformers
@@ -158,8 +159,9 @@ for kernel, kv_format, dtype, head_dim, features in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
     options = dict(sliding_window=4096, softcap=30.0, sinks=torch.zeros(32)) if features else {}
     launches = layer_launches(example_operands(kv_format, 40, 16, 8, head_dim, dtype), 32, dtype,
-                              store_dtype=torch.float32, **options)
-    launch = {"decode": launches[0], "decode-parts": launches[1], "prefill": launches[3]}[kernel]
+                              store_dtype=dtype if kv_format == "int4" else torch.float32, **options)
+    launch = {"decode": launches[0], "decode-parts": launches[1], "prefill": launches[3], "fill": launches[4]}[kernel]
+    assert kernel != "fill" or launch.kernel.fn.__name__ == "_fill_kernel", launch.kernel.fn.__name__
     result = aot.compile_launch(launch)
     results.append(dict(kernel=kernel, kv_format=kv_format, head_dim=head_dim, features=features,
                         spills=result.spills, shared=result.shared, registers=result.registers,

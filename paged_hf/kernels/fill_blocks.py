@@ -293,13 +293,15 @@ def _fill_kernel(
         # pass 1: vmax = up(max |x| / 7) over the block
         absmax = row_max(tl.full([2], 0.0, tl.float32), 0)
         for t0 in range(0, BLOCK_SIZE, VALUE_TOKENS):
-            o = t0 + tl.arange(0, VALUE_TOKENS).to(tl.int64)
-            ok = (o < BLOCK_SIZE)[:, None] & c_ok[None, :]
-            even = block_values(V, VT, o, 2 * c, ok, first, num_old, tail_row, head, stride_vn, stride_vh,
-                                stride_vd, stride_tr, stride_to, stride_th, stride_td)
-            odd = block_values(V, VT, o, 2 * c + 1, ok, first, num_old, tail_row, head, stride_vn, stride_vh,
-                               stride_vd, stride_tr, stride_to, stride_th, stride_td)
-            magnitude = tl.maximum(tl.where(ok, tl.abs(even), 0.0), tl.where(ok, tl.abs(odd), 0.0))
+            tokens = t0 + tl.arange(0, VALUE_TOKENS).to(tl.int64)
+            tokens_ok = (tokens < BLOCK_SIZE)[:, None] & c_ok[None, :]
+            # (names are per pass: triton types a name once, and the passes' tiles have other shapes)
+            t_even = block_values(V, VT, tokens, 2 * c, tokens_ok, first, num_old, tail_row, head, stride_vn,
+                                  stride_vh, stride_vd, stride_tr, stride_to, stride_th, stride_td)
+            t_odd = block_values(V, VT, tokens, 2 * c + 1, tokens_ok, first, num_old, tail_row, head, stride_vn,
+                                 stride_vh, stride_vd, stride_tr, stride_to, stride_th, stride_td)
+            magnitude = tl.maximum(tl.where(tokens_ok, tl.abs(t_even), 0.0),
+                                   tl.where(tokens_ok, tl.abs(t_odd), 0.0))
             absmax = tl.maximum(absmax, row_max(row_max(magnitude, 1), 0))
         vmax = half_up(tl.math.div_rn(absmax, 7.0))
         side = block * stride_vsb + head * stride_vsh  # value_zero [nb, H]; scale codes at BLOCK_SIZE // 2 x it
@@ -309,15 +311,16 @@ def _fill_kernel(
         for p0 in range(0, BLOCK_SIZE // 2, VALUE_PAIRS):
             pair = p0 + tl.arange(0, VALUE_PAIRS).to(tl.int64)
             pair_ok = pair < BLOCK_SIZE // 2
-            ok = pair_ok[:, None] & c_ok[None, :]
+            pairs_ok = pair_ok[:, None] & c_ok[None, :]
             scale_byte = tl.full([VALUE_PAIRS], 0, tl.int32)
             for half in range(2):
-                o = 2 * pair + half
-                even = block_values(V, VT, o, 2 * c, ok, first, num_old, tail_row, head, stride_vn, stride_vh,
-                                    stride_vd, stride_tr, stride_to, stride_th, stride_td)
-                odd = block_values(V, VT, o, 2 * c + 1, ok, first, num_old, tail_row, head, stride_vn, stride_vh,
-                                   stride_vd, stride_tr, stride_to, stride_th, stride_td)
-                packed, k = value_codes(even, odd, v)
-                tl.store(VC + (codes_base + o[:, None] * stride_co + c[None, :] * stride_cd), packed, mask=ok)
+                pair_tokens = 2 * pair + half
+                p_even = block_values(V, VT, pair_tokens, 2 * c, pairs_ok, first, num_old, tail_row, head,
+                                      stride_vn, stride_vh, stride_vd, stride_tr, stride_to, stride_th, stride_td)
+                p_odd = block_values(V, VT, pair_tokens, 2 * c + 1, pairs_ok, first, num_old, tail_row, head,
+                                     stride_vn, stride_vh, stride_vd, stride_tr, stride_to, stride_th, stride_td)
+                v_packed, k = value_codes(p_even, p_odd, v)
+                tl.store(VC + (codes_base + pair_tokens[:, None] * stride_co + c[None, :] * stride_cd), v_packed,
+                         mask=pairs_ok)
                 scale_byte = scale_byte | (k << (4 * half))
             tl.store(VS + (side * (BLOCK_SIZE // 2) + pair * stride_vso), scale_byte.to(tl.uint8), mask=pair_ok)
