@@ -151,7 +151,7 @@ def main() -> int:
         key = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
         value = torch.randn_like(key)
         slots = torch.randperm(tokens + 8 * BLOCK_SIZE, device=device)[:tokens]
-        sec = bench.time(lambda: store_kv(key, value, slots, **pools))
+        sec = bench.time(lambda: store_whole(key, value, slots, pools))  # int4: whole blocks fill
         written = sum(t.nbytes for t in pool_tensors(pools)) * tokens / (tokens + 8 * BLOCK_SIZE)
         moved = key.nbytes * 2 + written
         ids = torch.randperm(tokens // BLOCK_SIZE, device=device)
@@ -227,20 +227,53 @@ def table(headers, rows) -> list[str]:
 # ------------------------------------------------------------------------------------------------ cases
 
 
-def make_pools(kv_format: str, num_blocks: int, device) -> dict:
-    """Pools of random K/V in ``kv_format`` (quantized on the GPU by the store kernel)."""
-    from paged_hf.quant import make_storage  # noqa: PLC0415
+def block_fill_plan(first_block: int, num_blocks: int, device):
+    """A tail format's ``StorePlan`` for ``num_blocks * BLOCK_SIZE`` new tokens that fill blocks ``first_block ..``
+    whole, in order (no token stays in a tail row)."""
+    from paged_hf.kernels.fill_blocks import StorePlan  # noqa: PLC0415
+
+    fills = torch.arange(num_blocks, device=device)
+    return StorePlan(torch.full((num_blocks * BLOCK_SIZE,), -1, device=device), fills + first_block,
+                     torch.zeros_like(fills), fills * BLOCK_SIZE, torch.zeros_like(fills))
+
+
+def store_whole(key, value, slots, pools: dict, first_block: int = 0) -> None:
+    """Stores ``key``/``value`` at ``slots``; a tail format (int4) quantizes whole blocks instead: the tokens fill
+    blocks ``first_block ..`` in order (``slots`` unused)."""
     from paged_hf.kernels.store_kv import store_kv  # noqa: PLC0415
 
+    plan = {}
+    if pools.get("key_tail") is not None:
+        plan = {"plan": block_fill_plan(first_block, key.shape[0] // BLOCK_SIZE, key.device)}
+    store_kv(key, value, slots, **pools, **plan)
+
+
+def tail_operands(pools: dict, num_seqs: int, num_tokens: int, device) -> dict:
+    """A tail format's attention operands beside the pools: every sequence on tail row 0, and random new K/V of the
+    forward's ``num_tokens`` queries (what the store hands the attention); nothing for other formats."""
+    if pools.get("key_tail") is None:
+        return {}
+    fresh = torch.randn(2, num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=pools["key_tail"].dtype, device=device)
+    return dict(tail_rows=torch.zeros(num_seqs, dtype=torch.long, device=device), fresh_key=fresh[0],
+                fresh_value=fresh[1])
+
+
+def make_pools(kv_format: str, num_blocks: int, device) -> dict:
+    """Pools of random K/V in ``kv_format`` (quantized on the GPU by the store kernel; int4: whole blocks, one tail
+    row)."""
+    from paged_hf.quant import make_storage  # noqa: PLC0415
+
     storage = make_storage(kv_format, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DTYPE, device)
+    storage.ensure_tail_rows(1)
+    operands = storage.attention_operands()
     tokens = num_blocks * BLOCK_SIZE
     step = 1 << 16
     for first in range(0, tokens, step):
         n = min(step, tokens - first)
         key = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
-        store_kv(key, torch.randn_like(key), torch.arange(first, first + n, device=device),
-                 **storage.attention_operands())
-    return storage.attention_operands()
+        store_whole(key, torch.randn_like(key), torch.arange(first, first + n, device=device), operands,
+                    first // BLOCK_SIZE)
+    return operands
 
 
 def pool_tensors(pools: dict) -> list[torch.Tensor]:
@@ -249,8 +282,9 @@ def pool_tensors(pools: dict) -> list[torch.Tensor]:
 
 
 def bytes_per_token(pools: dict) -> float:
-    """Pool bytes of one token (K and V, codes and side data)."""
-    return sum(t[0, 0].nbytes for t in pool_tensors(pools))
+    """Pool bytes of one token (K and V, codes and side data, a block's shared side data spread over its tokens)."""
+    cache = pools["key_cache"]
+    return sum(t.nbytes for t in pool_tensors(pools)) / (cache.shape[0] * cache.shape[1])
 
 
 class DecodeCase:
@@ -264,7 +298,8 @@ class DecodeCase:
         self.batch, self.context, self.device = batch, context, device
         self.query = torch.randn(batch, NUM_KV_HEADS * GROUP, HEAD_DIM, dtype=DTYPE, device=device)
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-        self.kwargs = dict(block_tables=tables, seq_lens=seq_lens, scale=HEAD_DIM ** -0.5, **self.pools)
+        self.kwargs = dict(block_tables=tables, seq_lens=seq_lens, scale=HEAD_DIM ** -0.5, **self.pools,
+                           **tail_operands(self.pools, batch, batch, device))
         self.kv_bytes = batch * context * bytes_per_token(self.pools)
 
     def dense_fits(self) -> bool:
@@ -291,7 +326,7 @@ class PrefillCase:
         self.query = torch.randn(chunk, NUM_KV_HEADS * GROUP, HEAD_DIM, dtype=DTYPE, device=device)
         self.kwargs = dict(block_tables=tables, seq_lens=torch.tensor([total], device=device),
                            cu_query_lens=torch.tensor([0, chunk], device=device), scale=HEAD_DIM ** -0.5,
-                           **self.pools)
+                           **self.pools, **tail_operands(self.pools, 1, chunk, device))
         visible = chunk * past + chunk * (chunk + 1) / 2
         self.flops = 4 * visible * NUM_KV_HEADS * GROUP * HEAD_DIM
         self.past, self.chunk, self.device = past, chunk, device
@@ -367,26 +402,42 @@ def spot_check(device, quick: bool = False) -> list[str]:
         value = torch.randn(key.shape, device=device, generator=gen)
         slots = torch.randperm(key.shape[0], device=device, generator=gen)
         ref_storage = make_storage(kv_format, 400, BLOCK_SIZE, 2, HEAD_DIM, dtype, device)
-        store_kv(key.to(dtype), value.to(dtype), slots, **storage.attention_operands())
-        store_kv_ref(key.to(dtype), value.to(dtype), slots, **ref_storage.attention_operands())
+        plan = {}
+        if storage.has_tail:  # int4: every block filled whole (from the tokens in order)
+            plan = {"plan": block_fill_plan(0, 400, device)}
+            for one in (storage, ref_storage):
+                one.ensure_tail_rows(4)
+            storage.key_tail.normal_(generator=gen)  # the rows the attention reads (both sides read these pools)
+            storage.value_tail.normal_(generator=gen)
+        store_kv(key.to(dtype), value.to(dtype), slots, **storage.attention_operands(), **plan)
+        store_kv_ref(key.to(dtype), value.to(dtype), slots, **ref_storage.attention_operands(), **plan)
         same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                    for a, b in zip(storage.tensors().values(), ref_storage.tensors().values()))
         pools = storage.attention_operands()
+        if storage.has_tail:
+            pools["tail_rows"] = torch.arange(4, device=device)
         lengths = torch.tensor([1, 17, 700, 1500], device=device)
         tables = torch.randperm(400, device=device, generator=gen).view(4, 100)
         query = torch.randn(4, 2 * GROUP, HEAD_DIM, device=device, generator=gen).to(dtype)
         sinks = torch.randn(2 * GROUP, device=device, generator=gen)
         options = dict(scale=HEAD_DIM ** -0.5, sliding_window=600, softcap=30.0, sinks=sinks)
-        out = paged_decode_attention(query, block_tables=tables, seq_lens=lengths, **pools, **options)
-        ref = paged_decode_attention_ref(query, block_tables=tables, seq_lens=lengths, **pools, **options)
+        fresh = {}
+        if storage.has_tail:  # the queries' own new K/V
+            fresh = dict(fresh_key=torch.randn(4, 2, HEAD_DIM, device=device, generator=gen).to(dtype),
+                         fresh_value=torch.randn(4, 2, HEAD_DIM, device=device, generator=gen).to(dtype))
+        out = paged_decode_attention(query, block_tables=tables, seq_lens=lengths, **pools, **options, **fresh)
+        ref = paged_decode_attention_ref(query, block_tables=tables, seq_lens=lengths, **pools, **options, **fresh)
         decode_err = (out.float() - ref.float()).abs().max().item()
         cu = torch.tensor([0, 1, 18, 318, 318], device=device)  # chunks of 1, 17, 300 and 0 queries
         pq = torch.randn(318, 2 * GROUP, HEAD_DIM, device=device, generator=gen).to(dtype)
         plens = torch.tensor([5, 40, 1000, 20], device=device)
+        if storage.has_tail:
+            fresh = dict(fresh_key=torch.randn(318, 2, HEAD_DIM, device=device, generator=gen).to(dtype),
+                         fresh_value=torch.randn(318, 2, HEAD_DIM, device=device, generator=gen).to(dtype))
         out = paged_prefill_attention(pq, block_tables=tables, seq_lens=plens, cu_query_lens=cu, **pools,
-                                      **options)
+                                      **options, **fresh)
         ref = paged_prefill_attention_ref(pq, block_tables=tables, seq_lens=plens, cu_query_lens=cu, **pools,
-                                          **options)
+                                          **options, **fresh)
         prefill_err = (out.float() - ref.float()).abs().max().item()
         rows.append([kv_format, str(dtype).split(".")[-1], "yes" if same else "NO", f"{decode_err:.1e}",
                      f"{prefill_err:.1e}"])
