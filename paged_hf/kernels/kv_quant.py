@@ -254,15 +254,23 @@ def quantize_block_values_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     x = x.float()
     vmax = _half_up(x.abs().amax(dim=(-3, -1)) / _VALUE_LEVELS)  # [..., H]
     v = vmax.float()
-    scales = (v.unsqueeze(-1) * VALUE_SCALE_STEPS.to(x.device)).unsqueeze(-1).unsqueeze(-4)  # [..., 1, H, 16, 1]
-    unit = torch.where(v == 0, 1.0, v)[..., None, :, None, None]
-    xs = x.unsqueeze(-2)  # [..., T, H, 1, D]
-    q = torch.round(_safe_div(xs, scales)).clamp(-_VALUE_LEVELS - 1, _VALUE_LEVELS)  # [..., T, H, 16, D]
-    error = (q * scales - xs) / unit
-    error = (error * error * _ERROR_UNIT).to(torch.int64).sum(-1)  # [..., T, H, 16], exact
-    best = error.argmin(-1, keepdim=True)  # the first (smallest k) of equal errors
-    codes = q.gather(-2, best.unsqueeze(-1).expand(*best.shape, x.shape[-1])).squeeze(-2) + (_VALUE_LEVELS + 1)
-    scale_codes = pack_int4(best.squeeze(-1).transpose(-1, -2))  # [..., H, T // 2]
+    scales = v.unsqueeze(-1) * VALUE_SCALE_STEPS.to(x.device)  # [..., H, 16]
+    unit = torch.where(v == 0, 1.0, v).unsqueeze(-2).unsqueeze(-1)  # [..., 1, H, 1]
+    best = best_q = best_error = None
+    for k in range(VALUE_SCALE_STEPS.shape[0]):  # one scale at a time: a 16x smaller working set than all at once
+        scale = scales[..., k].unsqueeze(-2).unsqueeze(-1)  # [..., 1, H, 1]
+        q = torch.round(_safe_div(x, scale)).clamp(-_VALUE_LEVELS - 1, _VALUE_LEVELS)  # [..., T, H, D]
+        error = (q * scale - x) / unit
+        error = (error * error * _ERROR_UNIT).to(torch.int64).sum(-1)  # [..., T, H], exact
+        if best is None:
+            best, best_q, best_error = torch.zeros_like(error), q, error
+        else:  # strictly lower: of equal errors the first (smallest k) stays
+            lower = error < best_error
+            best = torch.where(lower, k, best)
+            best_q = torch.where(lower.unsqueeze(-1), q, best_q)
+            best_error = torch.where(lower, error, best_error)
+    codes = best_q + (_VALUE_LEVELS + 1)
+    scale_codes = pack_int4(best.transpose(-1, -2))  # [..., H, T // 2]
     return pack_int4(codes), scale_codes.contiguous(), vmax.contiguous()
 
 
