@@ -65,7 +65,6 @@ def main() -> int:
     from paged_hf.kernels.copy_blocks import copy_blocks  # noqa: PLC0415
     from paged_hf.kernels.paged_decode_attention import paged_decode_attention  # noqa: PLC0415
     from paged_hf.kernels.paged_prefill_attention import paged_prefill_attention  # noqa: PLC0415
-    from paged_hf.kernels.store_kv import store_kv  # noqa: PLC0415
 
     bench = Bench(args.repeats)
     device = torch.device("cuda")

@@ -14,7 +14,7 @@ string split across steps is found and the search never rescans the whole output
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 _INCOMPLETE = "\ufffd"
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
