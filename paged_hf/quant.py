@@ -171,9 +171,8 @@ class QuantizedKVStorage(KVStorage):
 
     def write_tails(self, fresh: FreshKV, plan) -> None:
         """Writes the forward's new tokens whose block is not full into their tail rows (after the attention,
-        which reads the tail rows as they were before the forward)."""
-        if self.has_tail:
-            self.kernels.store_tails(fresh.key, fresh.value, self.key_tail, self.value_tail, plan)
+        which reads the tail rows as they were before the forward). ``fresh``: what ``write`` returned."""
+        self.kernels.store_tails(fresh.key, fresh.value, self.key_tail, self.value_tail, plan)
 
     def _dequantize(self, which: str, index, unrotated: bool = True) -> torch.Tensor:
         """Dequantized K or V (float32; un-rotated unless ``unrotated=False``) of ``index`` (block ids ``[*S]`` or

@@ -100,9 +100,6 @@ class KVStorage:
         self.kernels.store(key, value, slots, **self.attention_operands())
         return None
 
-    def write_tails(self, fresh: FreshKV, plan) -> None:
-        """A tail format's tail writes (after the forward's attention); nothing here."""
-
     def read_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``block_ids`` (any shape ``S``) as ``[*S, block_size, num_kv_heads, head_dim]``."""
         return self.key_cache[block_ids], self.value_cache[block_ids]

@@ -43,7 +43,7 @@ def fake_quantize_blocks(keys: torch.Tensor, values: torch.Tensor, block_size: i
 
 
 def own_block_attention(block_size: int) -> str:
-    """Registers (once) and returns the name of an attention that reads, for each query, the keys before its own
+    """Registers and returns the name of an attention that reads, for each query, the keys before its own
     block fake-quantized and its own block exact (``key``/``value``: a row's full-precision K/V, queries its last
     positions; unpadded rows; sliding window and softcap as the model passes them)."""
     name = f"int4_reference_{block_size}"
@@ -69,8 +69,7 @@ def own_block_attention(block_size: int) -> str:
         out = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ values
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
-    if name not in AttentionInterface._global_mapping:
-        AttentionInterface.register(name, attention)
+    AttentionInterface.register(name, attention)  # (again: the same function of the same block size)
     return name
 
 

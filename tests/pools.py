@@ -6,7 +6,7 @@ per-token codes and scales, or (int4) keys per channel over each block and value
 a full-precision tail, random tail rows in the compute dtype. The codes of a sequence's partial last block are left
 random too: an attention that read them instead of the tail row would differ.
 
-``dense_kv`` reads one sequence's K/V position by position (float32), as an oracle independent of
+``random_block_tables`` gives sequences distinct random blocks. ``dense_kv`` reads one sequence's K/V position by position (float32), as an oracle independent of
 ``attention_ref``'s batched gathers.
 """
 
@@ -76,3 +76,18 @@ def dense_kv(pools: dict, table: torch.Tensor, seq_len: int, tail_row: int | Non
                                               None if zero is None else zero[block, offset], fmt.name))
         out.append(torch.stack(rows) if rows else torch.zeros(0))
     return out[0], out[1]
+
+
+def random_block_tables(lengths, block_size: int, num_blocks: int, generator: torch.Generator,
+                        spare_columns: int = 1) -> torch.Tensor:
+    """``[len(lengths), max blocks + spare_columns]`` int64 block tables: distinct random blocks for each sequence's
+    tokens, then random (valid, possibly shared) ids in the columns past them, so no entry is out of range."""
+    needed = [-(-n // block_size) for n in lengths]
+    assert sum(needed) <= num_blocks, "not enough blocks for the test's sequences"
+    order = torch.randperm(num_blocks, generator=generator)
+    tables = torch.randint(0, num_blocks, (len(lengths), max(needed, default=0) + spare_columns), generator=generator)
+    used = 0
+    for s, n in enumerate(needed):
+        tables[s, :n] = order[used : used + n]
+        used += n
+    return tables

@@ -12,7 +12,7 @@ import torch
 from paged_hf.kernels import attention_ref
 from paged_hf.kernels.attention_ref import paged_attention_core
 from paged_hf.kernels.kv_format import kv_format as get_format
-from pools import dense_kv, random_pools
+from pools import dense_kv, random_block_tables, random_pools
 
 FORMATS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
 
@@ -28,12 +28,7 @@ def _case(kv_format, block_size=8, num_kv_heads=2, group=3, head_dim=16, lengths
         pools["num_fresh"] = torch.tensor([min(queries, n) for n in lengths])
         for which in ("keys", "values"):
             pools[f"fresh_{which}"] = torch.randn(len(lengths), queries, num_kv_heads, head_dim, generator=gen)
-    order = torch.randperm(num_blocks, generator=gen)
-    tables = torch.randint(0, num_blocks, (len(lengths), max(needed) + 1), generator=gen)
-    used = 0
-    for s, n in enumerate(needed):
-        tables[s, :n] = order[used : used + n]
-        used += n
+    tables = random_block_tables(lengths, block_size, num_blocks, gen)
     query = torch.randn(len(lengths), num_kv_heads * group, queries, head_dim, generator=gen)
     # the last `queries` positions of each sequence; positions before 0 are padding queries
     positions = torch.stack([torch.arange(n - queries, n) for n in lengths])

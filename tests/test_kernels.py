@@ -25,18 +25,13 @@ from pathlib import Path
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel launch
+from triton_kernels import require_triton_kernels
 
-pytest.importorskip("triton", reason="triton is not installed (pip install triton): the Triton kernels are untested")
-if not CUDA and os.environ.get("TRITON_INTERPRET", "").lower() not in ("1", "true", "on", "yes"):
-    pytest.skip("no CUDA device and TRITON_INTERPRET is disabled: the Triton kernels cannot run",
-                allow_module_level=True)
+CUDA = require_triton_kernels()  # before the kernel imports below
 
 from paged_hf.kernels import dispatch  # noqa: E402
 from paged_hf.kernels.copy_blocks import copy_blocks, copy_blocks_ref  # noqa: E402
-from pools import random_pools  # noqa: E402
+from pools import random_block_tables, random_pools  # noqa: E402
 from paged_hf.kernels.paged_decode_attention import (  # noqa: E402
     _decode_launches,
     paged_decode_attention,
@@ -69,17 +64,9 @@ def make_pools(kv_format, num_blocks, block_size, num_kv_heads, head_dim, dtype=
 def make_tables(lengths, block_size, num_blocks, spare_columns=1, seed=0):
     """Block tables with distinct random blocks per sequence, ``spare_columns`` unused (but valid) entries past the
     longest sequence (so some blocks of the table are empty), padded rows filled with valid random ids."""
-    gen = torch.Generator().manual_seed(seed + 1)
-    needed = [-(-n // block_size) for n in lengths]
-    width = max(needed, default=0) + spare_columns
-    assert sum(needed) <= num_blocks, "not enough blocks for the test's sequences"
-    order = torch.randperm(num_blocks, generator=gen)
-    table = torch.randint(0, num_blocks, (len(lengths), width), generator=gen)
-    used = 0
-    for s, n in enumerate(needed):
-        table[s, :n] = order[used : used + n]
-        used += n
-    return table.to(torch.int32).to(DEVICE)
+    tables = random_block_tables(lengths, block_size, num_blocks, torch.Generator().manual_seed(seed + 1),
+                                 spare_columns)
+    return tables.to(torch.int32).to(DEVICE)
 
 
 def assert_close(out, ref, dtype):

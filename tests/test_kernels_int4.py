@@ -14,19 +14,13 @@ up as in ``test_kernels.py``).
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel launch
+from triton_kernels import require_triton_kernels
 
-pytest.importorskip("triton", reason="triton is not installed (pip install triton): the Triton kernels are untested")
-if not CUDA and os.environ.get("TRITON_INTERPRET", "").lower() not in ("1", "true", "on", "yes"):
-    pytest.skip("no CUDA device and TRITON_INTERPRET is disabled: the Triton kernels cannot run",
-                allow_module_level=True)
+CUDA = require_triton_kernels()  # before the kernel imports below
 
 from paged_hf.kernels.fill_blocks import StorePlan  # noqa: E402
 from paged_hf.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
@@ -36,7 +30,7 @@ from paged_hf.kernels.paged_prefill_attention import (  # noqa: E402
 )
 from paged_hf.kernels.store_kv import store_kv, store_kv_ref, store_tails, store_tails_ref  # noqa: E402
 from paged_hf.quant import make_storage  # noqa: E402
-from pools import random_pools  # noqa: E402
+from pools import random_block_tables, random_pools  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -179,12 +173,7 @@ def attention_case(block_size, head_dim, group, lengths, num_kv_heads, dtype, se
     pools = random_pools("int4", num_blocks, block_size, num_kv_heads, head_dim, dtype, seed, len(lengths) + 2,
                          DEVICE, key_offset=2.0)
     pools["tail_rows"] = torch.randperm(len(lengths) + 2, generator=gen)[: len(lengths)].to(DEVICE)
-    order = torch.randperm(num_blocks, generator=gen)
-    tables = torch.randint(0, num_blocks, (len(lengths), max(needed) + 1), generator=gen)
-    used = 0
-    for s, n in enumerate(needed):
-        tables[s, :n] = order[used : used + n]
-        used += n
+    tables = random_block_tables(lengths, block_size, num_blocks, gen)
     num_queries = len(lengths) if query_lens is None else sum(query_lens)
     query = torch.randn(num_queries, num_kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
     for which, offset in (("key", 2.0), ("value", 0.0)):  # the queries' own new K/V, packed like them

@@ -115,8 +115,7 @@ def paged_attention_core(
     if pools.fmt.tail:  # then each query's own block, in full precision
         own = pools.own_blocks(seq_lens)
         steps.append((None, own))
-        # a stored key is read where it precedes the query's own block (or the exact window, for an older query)
-        quantized_below = torch.maximum(row_positions // block_size * block_size, own[2][:, :1].view(batch, 1, 1))
+        stored_below = pools.stored_below(row_positions, own[2][:, :1].view(batch, 1, 1))
     for first, own in steps:
         if own is None:
             k, v = pools.read(block_tables[:, first : first + blocks_per_chunk].long())
@@ -124,12 +123,11 @@ def paged_attention_core(
             key_positions = key_positions.view(1, 1, 1, -1)
             visible = key_positions <= row_positions.unsqueeze(-1)
             if pools.fmt.tail:
-                visible &= key_positions < quantized_below.unsqueeze(-1)
+                visible &= key_positions < stored_below.unsqueeze(-1)
         else:
             k, v, own_positions, own_valid = own
             key_positions = own_positions.view(batch, 1, 1, -1)
-            visible = own_valid.view(batch, 1, 1, -1) & (key_positions <= row_positions.unsqueeze(-1)) \
-                & (key_positions // block_size == row_positions.unsqueeze(-1) // block_size)
+            visible = pools.own_visible(key_positions, own_valid.view(batch, 1, 1, -1), row_positions.unsqueeze(-1))
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, kv_heads, rows, L]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -161,13 +159,11 @@ def _single_chunk_attention(query, query_positions, pools, block_tables, seq_len
     key_positions = torch.arange(k.shape[2], device=query.device).view(1, 1, -1)
     rows = query_positions.unsqueeze(-1)  # [B, n, 1]
     visible = key_positions <= rows
-    if pools.fmt.tail and not one_query:  # stored keys before each query's own block (or the exact window, for a
-        block_size = pools.block_size     # query older than it: a pad column's), then its own block exact
+    if pools.fmt.tail and not one_query:  # stored keys before each query's own block, then its own block exact
         own_k, own_v, own_positions, own_valid = pools.own_blocks(seq_lens)
-        visible &= key_positions < torch.maximum(rows // block_size * block_size, own_positions[:, None, :1])
+        visible &= key_positions < pools.stored_below(rows, own_positions[:, None, :1])
         own_positions = own_positions.unsqueeze(1)  # [B, 1, W]
-        own_visible = own_valid.unsqueeze(1) & (own_positions <= rows) \
-            & (own_positions // block_size == rows // block_size)
+        own_visible = pools.own_visible(own_positions, own_valid.unsqueeze(1), rows)
         k, v = torch.cat([k, own_k], dim=2), torch.cat([v, own_v], dim=2)
         key_positions = torch.cat([key_positions.expand(batch, 1, -1), own_positions], dim=2)
         visible = torch.cat([visible, own_visible], dim=2)
@@ -254,6 +250,16 @@ class KVPools:
             exact = window.gather(1, index[:, :, None, None].expand(-1, -1, *window.shape[2:])).float()
             out.append((start // bs, exact, position >= first))
         return out
+
+    def stored_below(self, row_positions: torch.Tensor, window_first: torch.Tensor) -> torch.Tensor:
+        """Tail formats: a row reads the stored (quantized) keys below this position: its own block's start, or the
+        exact window's first position (``own_blocks``) for a row older than the window (a pad column's query)."""
+        return torch.maximum(row_positions // self.block_size * self.block_size, window_first)
+
+    def own_visible(self, positions: torch.Tensor, valid: torch.Tensor, row_positions: torch.Tensor) -> torch.Tensor:
+        """Tail formats: which exact keys (``own_blocks``' ``positions`` / ``valid``) a row at ``row_positions`` sees:
+        those of its own block, up to its position (all broadcast together)."""
+        return valid & (positions <= row_positions) & (positions // self.block_size == row_positions // self.block_size)
 
     def own_blocks(self, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tail formats: the full-precision keys a sequence's queries may read in their own blocks, ``(k, v,
