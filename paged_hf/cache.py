@@ -148,6 +148,10 @@ class PagedCache(DynamicCache):
         self._dense_slots: list[tuple] = []  # per group, for a dense attention: [B, kv_length] slots, tail slots
         self._state = "idle"  # "planned": the next forward's plan is ready; "running": layers are writing it
         self._written: set[int] = set()  # layers that wrote the running plan (finds a forward that was cut short)
+        # The attention the model actually calls, from the config its mask builders get (observe_forward); until a
+        # forward has been observed, the config this cache was built from. A config is only data: a cache built
+        # from another config object (another instance, AutoConfig, a copy) must follow the model, not the copy.
+        self._attention: str | None = None
 
     @property
     def num_tokens(self) -> list[int]:
@@ -156,12 +160,16 @@ class PagedCache(DynamicCache):
 
     # ------------------------------------------------------------------------------------ the step
     def observe_forward(self, batch: int, query_len: int, attention_mask: torch.Tensor | None,
-                        position_ids: torch.Tensor | None, device) -> None:
+                        position_ids: torch.Tensor | None, device, attention: str | None = None) -> None:
         """Plans the coming forward of ``[batch, query_len]`` tokens (called when its masks are built, before any
-        layer runs). ``attention_mask``: HF's 2D mask over the padded timeline, or None. Planning twice for one
-        forward (a full and a sliding mask) is a no-op."""
+        layer runs). ``attention_mask``: HF's 2D mask over the padded timeline, or None. ``attention``: the
+        ``_attn_implementation`` of the model running the forward (its mask builders' config), which decides
+        whether layers hand the paged attention its metadata or return dense K/V. Planning twice for one forward
+        (a full and a sliding mask) is a no-op."""
         if self._state == "planned":
             return
+        if attention is not None:
+            self._attention = attention
         self._plan(batch, query_len, self._new_columns(batch, query_len, attention_mask, position_ids), device)
         self._state = "planned"
 
@@ -224,9 +232,15 @@ class PagedCache(DynamicCache):
             )
         self._written = set()
         self._dense_slots = []
-        if self.text_config._attn_implementation != "paged":  # every group's dense layout, once per forward
+        if not self._reads_blocks:  # every group's dense layout, once per forward
             self._dense_slots = [self._slots_of_columns(g, *self._mask_window(g, seen, query_len))
                                  for g in range(len(self.kv.groups))]
+
+    @property
+    def _reads_blocks(self) -> bool:
+        """Whether this forward's attention is the paged one (reads the blocks) rather than a dense one."""
+        attention = self._attention if self._attention is not None else self.text_config._attn_implementation
+        return attention == "paged"
 
     def _window_starts(self, seen: int, query_len: int) -> list[torch.Tensor | None]:
         """Per sliding group, ``[B, q]``: the first real position each of this forward's columns sees when its window
@@ -296,7 +310,7 @@ class PagedCache(DynamicCache):
         fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
         if layer.layer_idx == self._last_layer:
             self._state = "idle"
-        if kwargs is not None and self.text_config._attn_implementation == "paged":
+        if kwargs is not None and self._reads_blocks:
             kwargs[METADATA_KEY] = (metadata, group, storage, fresh)  # the attention writes the tails after it reads
             return key_states, value_states
         if fresh is not None:  # a dense read sees what is stored: full blocks quantized, the rest from the tails

@@ -25,12 +25,18 @@ def _preprocess_mask_arguments(config, inputs_embeds, attention_mask, cache, pos
     if isinstance(cache, PagedCache) and kwargs.get("encoder_hidden_states") is None:
         mask_2d = attention_mask if attention_mask is None or attention_mask.dim() == 2 else None
         cache.observe_forward(inputs_embeds.shape[0], inputs_embeds.shape[1], mask_2d, position_ids,
-                              inputs_embeds.device)
+                              inputs_embeds.device, attention=_attention_of(config))
         if config._attn_implementation == "paged":
             return True, None, None, None, None, None, None  # early exit: no mask
     return _originals["_preprocess_mask_arguments"](
         config, inputs_embeds, attention_mask, cache, position_ids, layer_idx, *args, **kwargs
     )
+
+
+def _attention_of(config) -> str | None:
+    """The attention implementation the model runs with (a name), as its mask builders' config says."""
+    attention = getattr(config, "_attn_implementation", None)
+    return attention if isinstance(attention, str) else None
 
 
 def apply() -> None:
