@@ -34,6 +34,12 @@ from .metadata import METADATA_KEY, AttentionMetadata, PadQueries, build_metadat
 __all__ = ["PagedCache", "PagedCacheFullError", "PagedLayer", "METADATA_KEY"]
 
 
+def _devices() -> list[torch.device]:
+    """This machine's devices a pool could live on: the host and each CUDA device."""
+    cuda = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return [torch.device("cpu"), *cuda]
+
+
 class PagedLayer(CacheLayerMixin):
     """One layer's view of a ``PagedCache``; the cache owns the pools and tables.
 
@@ -138,6 +144,7 @@ class PagedCache(DynamicCache):
                                        or max_length < 1):
             raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
         self.kv = KVManager(self.text_config, block_size, kv_cache_dtype, num_blocks, num_kv_heads=num_kv_heads)
+        self.kv.check_fits_on(_devices())  # a pool no device here can hold fails now, not at the first forward
         Cache.__init__(self, layers=[PagedLayer(self, idx, self.kv.group_of[idx]) for idx in sorted(self.kv.group_of)])
         self._min_table_width = -(-max_length // block_size) if max_length else 1
         self._last_layer = max(self.kv.group_of)

@@ -202,12 +202,20 @@ class KVManager:
             self.allocate_layer(idx, self.num_kv_heads, dtype, device)
 
     def _check_fits(self, dtype, device, num_kv_heads: int) -> None:
+        self.check_fits_on([torch.device(device)], dtype, num_kv_heads)
+
+    def check_fits_on(self, devices: list[torch.device], dtype=None, num_kv_heads: int | None = None) -> None:
+        """ValueError unless the fixed pool fits the device among ``devices`` with the most memory available.
+        ``PagedCache`` asks this at construction over every device of the machine (the model's is not known yet),
+        so a pool no device can hold fails there; the first layer asks again for the device it lands on."""
+        if self.growable:
+            return
         total = self.layer_block_bytes(dtype, num_kv_heads) * len(self.group_of) * self.groups[0].pool.num_blocks
-        available = available_memory(torch.device(device))
+        available, device = max((available_memory(d), str(d)) for d in devices)
         if total > available:
             raise ValueError(
                 f"the KV pool needs {total / 2**30:.2f} GiB ({self.groups[0].pool.num_blocks} blocks x "
-                f"{len(self.group_of)} layers) but {torch.device(device)} has {available / 2**30:.2f} GiB available: "
+                f"{len(self.group_of)} layers) but {device} has {available / 2**30:.2f} GiB available: "
                 f"lower num_blocks / memory_budget"
             )
 

@@ -44,6 +44,15 @@ def test_pool_too_small_for_batch_fails_before_allocation():
     assert cache.stats().kv_cache_used == 0
 
 
+def test_pool_no_device_can_hold_fails_at_construction():
+    model = tiny_model("llama", "paged")
+    with pytest.raises(ValueError, match=r"the KV pool needs [\d.]+ GiB \(1000000000000 blocks x 3 layers\) but cpu "
+                                         r"has [\d.]+ GiB available: lower num_blocks"):
+        paged_hf.PagedCache(model.config, num_blocks=10**12)
+    cache = paged_hf.PagedCache(model.config, num_blocks=64)  # one that fits still builds, and allocates nothing yet
+    assert cache.stats().kv_cache_total == 64 and all(not group.storages for group in cache.kv.groups)
+
+
 def test_pool_exhaustion_mid_generate_says_how_to_size():
     model = tiny_model("llama", "paged")
     batch = left_padded_batch()
