@@ -260,7 +260,8 @@ class PagedEngine:
             return
         logits = model_output.logits
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        result = sample(logits.index_select(0, index), sampled, self._decode_token if self._decode else None)
+        result = sample(logits.index_select(0, index), sampled, self._decode_token if self._decode else None,
+                        self.eos_token_ids)
         for row, error in result.errors.items():
             self._fail(sampled[row].request, error, touched)
         receiving = [seq.status is not SequenceStatus.FINISHED for seq in sampled]

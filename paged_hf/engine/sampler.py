@@ -12,6 +12,7 @@ A failing logits processor fails its row only.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -28,13 +29,17 @@ class SamplerOutput:
     errors: dict[int, BaseException]
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None) -> SamplerOutput:
+def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
+           eos_token_ids: Collection[int] = ()) -> SamplerOutput:
     """Samples one token per row of ``logits`` ``[R, vocab]`` for ``seqs[r]`` (its request's ``SamplingParams``).
 
-    ``decode_token(id) -> str`` names the tokens of logprob entries (None: no text).
+    ``decode_token(id) -> str`` names the tokens of logprob entries (None: no text). ``eos_token_ids``: the model's
+    end tokens, which a row still short of its ``min_tokens`` may not draw (nor its ``stop_token_ids``), as vLLM's
+    and transformers' ``min_new_tokens``: they get -inf after the other processing, greedy rows included.
     """
     params = [seq.request.params for seq in seqs]
-    if all(p.plain_greedy for p in params):  # the common fast path: one argmax over the batch
+    held_back = _held_back_stops(seqs, params, eos_token_ids, logits.shape[-1])
+    if not held_back and all(p.plain_greedy for p in params):  # the common fast path: one argmax over the batch
         return SamplerOutput(torch.argmax(logits, dim=-1).tolist(), [None] * len(seqs), {})
     raw = logits
     logits = logits.float()
@@ -54,6 +59,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None) -> Sam
                  or p.frequency_penalty]
     if penalized:
         logits = _apply_penalties(logits, penalized, seqs, params)
+    if held_back:
+        logits = logits if logits is not raw else logits.clone()
+        rows, token_ids = zip(*held_back)
+        logits.index_put_((torch.tensor(rows, device=logits.device), torch.tensor(token_ids, device=logits.device)),
+                          torch.tensor(float("-inf"), device=logits.device))
 
     greedy = [p.greedy for p in params]
     tokens = torch.argmax(logits, dim=-1)
@@ -106,6 +116,18 @@ def position_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_k: list[in
             entry[token] = Logprob(chosen_lp_l[r], ranks_l[r], decode_token(token) if decode_token else None)
         out.append(entry)
     return out
+
+
+def _held_back_stops(seqs: list[Sequence], params, eos_token_ids: Collection[int],
+                     vocab: int) -> list[tuple[int, int]]:
+    """``(row, token id)`` pairs a row may not draw yet: its stop token ids and the end tokens (unless it ignores
+    EOS) while it has fewer than ``min_tokens`` output tokens."""
+    pairs = []
+    for row, (seq, p) in enumerate(zip(seqs, params)):
+        if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            pairs.extend((row, token) for token in sorted(stops) if 0 <= token < vocab)
+    return pairs
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: list[int], params) -> torch.Tensor:

@@ -234,9 +234,10 @@ class Scheduler:
             seq.token_ids.append(token)
             params = seq.request.params
             num_output = len(seq.token_ids) - len(seq.request.prompt_token_ids)
-            if token in params.stop_token_ids:
+            held_back = num_output <= params.min_tokens  # the sampler masks stops until min_tokens are out
+            if token in params.stop_token_ids and not held_back:
                 self.finish(seq, "stop", token)
-            elif not params.ignore_eos and token in self.eos_token_ids and num_output >= params.min_tokens:
+            elif not params.ignore_eos and token in self.eos_token_ids and not held_back:
                 self.finish(seq, "stop", None)
             elif num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 self.finish(seq, "length")
