@@ -89,6 +89,15 @@ def story_text_ids(tokenizer, num_tokens: int) -> torch.Tensor:
     return torch.tensor(ids)
 
 
+def output_text(tokenizer, prompt_ids: list[int], output_ids: list[int]) -> str:
+    """The text ``output_ids`` add after ``prompt_ids`` (vLLM's and the engine's rule: a SentencePiece output's first
+    token keeps its leading space, which ``decode(output_ids)`` alone drops)."""
+    head = tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
+    full = tokenizer.decode(list(prompt_ids) + list(output_ids), skip_special_tokens=True)
+    assert full.startswith(head), (head, full)
+    return full[len(head):]
+
+
 def token_logprobs(completion) -> list[float]:
     """The logprob of each sampled token of a ``CompletionOutput`` (the one place tests read that format)."""
     return [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]

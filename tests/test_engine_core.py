@@ -17,7 +17,7 @@ from paged_hf.engine.sampler import _filter
 from paged_hf.kv_manager import KVManager
 from paged_hf.kv_stats import EngineStats, KVCacheStats, PagedCacheStats
 from paged_hf.metadata import build_metadata
-from models import stories_model, stories_tokenizer, story_openings, tiny_model
+from models import output_text, stories_model, stories_tokenizer, story_openings, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -104,14 +104,17 @@ def test_output_kinds_carry_the_same_text_and_tokens(stories):
     for entries in ([e for d in deltas for e in d.logprobs], only.logprobs):
         assert [list(e) for e in entries] == [list(e) for e in final.logprobs]
         assert max(abs(a[t].logprob - b[t].logprob) for a, b in zip(entries, final.logprobs) for t in a) < 1e-5
-    assert final.text == tok.decode(final.token_ids, skip_special_tokens=True)
+    prompt_ids = seen[RequestOutputKind.CUMULATIVE][-1].prompt_token_ids
+    assert final.text == output_text(tok, prompt_ids, final.token_ids)
+    assert final.text.startswith(" ")  # a SentencePiece output keeps its first token's space
     engine.check_invariants()
 
 
 # ------------------------------------------------------------------------------------------ detokenizer
 def test_incremental_text_equals_one_decode_of_the_output(stories):
     """Random token ids (byte-fallback pieces that split characters included) fed one or a few at a time: the
-    emitted deltas concatenate to ``tokenizer.decode(ids, skip_special_tokens=True)``."""
+    emitted deltas concatenate to the text the output adds to the prompt's (``decode(prompt + output)`` less
+    ``decode(prompt)``, skip_special_tokens=True), for prompts shorter and longer than the context window."""
     _, tok = stories
     decode = decoder_for(tok)
     rng = random.Random(0)
@@ -122,16 +125,16 @@ def test_incremental_text_equals_one_decode_of_the_output(stories):
         else:
             start = rng.randrange(len(text_ids) - 30)
             output = text_ids[start : start + rng.randint(1, 30)]
-        prompt = [1, 5, 9]
+        prompt = [1] + text_ids[: rng.randint(0, 12)]
         token_ids = list(prompt)
-        detok = IncrementalDetokenizer(decode, len(prompt))
+        detok = IncrementalDetokenizer(decode, len(prompt), token_ids)
         streamed = ""
         while len(token_ids) < len(prompt) + len(output):
             step = rng.randint(1, 3)
             token_ids.extend(output[len(token_ids) - len(prompt) : len(token_ids) - len(prompt) + step])
             streamed += detok.update(token_ids)
         streamed += detok.finish(token_ids)
-        assert streamed == detok.text == tok.decode(output, skip_special_tokens=True), output
+        assert streamed == detok.text == output_text(tok, prompt, output), (prompt, output)
 
 
 def test_stop_strings_are_found_across_steps_in_the_new_text_only():
@@ -261,10 +264,8 @@ def test_kernels_are_chosen_once_per_pool(monkeypatch):
 
 def test_a_pool_that_cannot_fit_raises_before_allocating(stories):
     model, tok = stories
-    cache = paged_hf.PagedCache(model.config, num_blocks=10**12)  # constructing costs nothing
-    with pytest.raises(ValueError, match="num_blocks / memory_budget"):
-        model(input_ids=torch.tensor([[1, 5, 9]]), cache=cache, use_cache=True)
-    assert not any(g.storages for g in cache.kv.groups)
+    with pytest.raises(ValueError, match="num_blocks / memory_budget"):  # at construction, before any forward
+        paged_hf.PagedCache(model.config, num_blocks=10**12)
     with pytest.raises(ValueError, match="num_blocks / memory_budget"):
         PagedEngine(model, tok, num_blocks=10**12)
     model.set_attn_implementation("sdpa")

@@ -23,7 +23,7 @@ httpx = pytest.importorskip("httpx", reason="the backpressure test sends raw req
 
 from paged_hf import PagedEngine, SamplingParams  # noqa: E402
 from paged_hf.server.app import build_app  # noqa: E402
-from models import stories_model, stories_tokenizer, story_openings  # noqa: E402
+from models import output_text, stories_model, stories_tokenizer, story_openings  # noqa: E402
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
@@ -101,7 +101,7 @@ def greedy_reference(stories, prompt: str, max_tokens: int, add_special_tokens: 
     ids = tok(prompt, return_tensors="pt", add_special_tokens=add_special_tokens)
     out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False)
     model.set_attn_implementation(attn)
-    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    return output_text(tok, ids["input_ids"][0].tolist(), out[0, ids["input_ids"].shape[1]:].tolist())
 
 
 def engine_texts(stories, prompts: list, params: list[SamplingParams]) -> list[list[str]]:
@@ -225,3 +225,17 @@ def test_flood_past_queue_limit_gets_503_and_admitted_requests_finish(stories):
     finally:
         running.stop()
         model.set_attn_implementation("sdpa")
+
+
+def test_first_token_keeps_its_space_in_text_stream_and_logprobs(stories, client):
+    """SentencePiece: the first output token's leading space is part of the text, the first streamed chunk and the
+    first logprobs entry, as in ``decode(prompt + output)`` (it was decoded alone, without the prompt)."""
+    whole = client.completions.create(model="stories260K", prompt="Lily and Tom", max_tokens=6, temperature=0,
+                                      logprobs=2)
+    text = whole.choices[0].text
+    assert text.startswith(" were") and text == greedy_reference(stories, "Lily and Tom", 6)
+    assert "".join(whole.choices[0].logprobs.tokens) == text
+    assert all(name.startswith(" ") for name in whole.choices[0].logprobs.top_logprobs[0])
+    chunks = [c.choices[0].text for c in client.completions.create(
+        model="stories260K", prompt="Lily and Tom", max_tokens=6, temperature=0, stream=True) if c.choices]
+    assert chunks[0].startswith(" we") and "".join(chunks) == text

@@ -15,7 +15,7 @@ pytest.importorskip("uvicorn", reason="the server needs uvicorn (pip install 'pa
 httpx = pytest.importorskip("httpx", reason="the tests send raw requests")
 
 from paged_hf import PagedEngine, SamplingParams  # noqa: E402
-from models import story_openings  # noqa: E402
+from models import output_text, story_openings  # noqa: E402
 from test_engine_isolation import poisoned  # noqa: E402
 from test_server import chat_stories  # noqa: E402
 from test_server import serving as serve  # noqa: E402
@@ -105,7 +105,7 @@ def pick_poison(stories, prompt: str, max_tokens: int, text_tokens: int) -> tupl
     out = PagedEngine(model, tok, block_size=16, num_blocks=64).generate(
         [prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     seen = set(out.outputs[0].token_ids) | set(tok(prompt)["input_ids"])
-    text = tok.decode(out.outputs[0].token_ids[:text_tokens], skip_special_tokens=True)
+    text = output_text(tok, out.prompt_token_ids, out.outputs[0].token_ids[:text_tokens])
     return next(t for t in range(300, 512) if t not in seen), text
 
 

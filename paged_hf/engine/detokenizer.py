@@ -2,10 +2,12 @@
 
 Each step decodes only a short window: the tokens since the last emitted text (``read_offset``) plus the window
 before them (from ``prefix_offset``), and emits what the new tokens add to that window's text. The window keeps
-tokenizer context (a SentencePiece token's leading space). Text waits for the next token while it ends in an
-incomplete character (U+FFFD) or in a byte-fallback token (``<0xE2>``): such a run of byte tokens decodes all or
-nothing (one U+FFFD per byte when it is not valid UTF-8), so a window never starts or ends inside one.
-Concatenated, the deltas equal ``tokenizer.decode(output_ids, skip_special_tokens=True)``.
+tokenizer context (a SentencePiece token's leading space): the first window reaches ``CONTEXT_TOKENS`` back into
+the prompt, as vLLM's does, so the first output token keeps its space too. Text waits for the next token while it
+ends in an incomplete character (U+FFFD) or in a byte-fallback token (``<0xE2>``): such a run of byte tokens decodes
+all or nothing (one U+FFFD per byte when it is not valid UTF-8), so a window never starts or ends inside one.
+Concatenated, the deltas equal what the output adds to the prompt's text: ``decode(prompt + output)`` less
+``decode(prompt)`` (``skip_special_tokens=True``), which is ``decode(output)`` for a byte-level tokenizer.
 
 Stop strings are searched in the new text plus the last ``len(longest stop) - 1`` characters before it, so a stop
 string split across steps is found and the search never rescans the whole output.
@@ -17,6 +19,7 @@ import re
 from collections.abc import Sequence
 
 _INCOMPLETE = "\ufffd"
+CONTEXT_TOKENS = 5  # prompt tokens the first window starts with (vLLM's initial offset)
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
@@ -35,9 +38,34 @@ class Decoder:
             self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.byte_tokens = frozenset(i for piece, i in vocab.items() if _BYTE_TOKEN.fullmatch(piece))
+        self.special_tokens = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self._anchor = self._anchor_token(vocab)
+        self._texts: dict[int, str] = {}
 
     def __call__(self, ids: Sequence[int]) -> str:
         return self._decode(ids)
+
+    def token_text(self, token_id: int) -> str:
+        """The text one token adds after ordinary text (cached per id): a SentencePiece token keeps its leading
+        space, which decoding it alone drops (vLLM names logprob tokens in context the same way)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._decode([token_id])
+            if self._anchor is not None:
+                before, after = self._anchor
+                full = self._decode([before, token_id])
+                if full.startswith(after):
+                    text = full[len(after):]
+            self._texts[token_id] = text
+        return text
+
+    def _anchor_token(self, vocab: dict[str, int]) -> tuple[int, str] | None:
+        """A plain letter token and its text, to decode single tokens after (None: no such token)."""
+        for piece in ("a", "e", "t", "x"):
+            token = vocab.get(piece)
+            if token is not None and self._decode([token]) == piece:
+                return token, piece
+        return None
 
 
 def decoder_for(tokenizer) -> Decoder:
@@ -50,18 +78,27 @@ class IncrementalDetokenizer:
     ``token_ids`` is the sequence's own list (prompt + output), read in place: no per-step copy of the output.
     """
 
-    __slots__ = ("decode", "origin", "text", "prefix_offset", "read_offset")
+    __slots__ = ("decode", "origin", "text", "prefix_offset", "read_offset", "base", "base_text")
 
-    def __init__(self, decode: Decoder, origin: int) -> None:
+    def __init__(self, decode: Decoder, origin: int, token_ids: Sequence[int] = ()) -> None:
+        """``origin``: the index of the first output token (the prompt length) in ``token_ids``, the sequence's
+        tokens so far (their last ``CONTEXT_TOKENS`` before ``origin`` give the first token its context)."""
         self.decode = decode
-        self.origin = origin  # index of the first output token (the prompt length)
+        self.origin = origin
         self.text = ""
-        self.prefix_offset = origin  # first token of the context window
+        base = max(origin - CONTEXT_TOKENS, 0) if len(token_ids) >= origin else origin
+        if base < origin and token_ids[origin - 1] in decode.byte_tokens:  # the output may finish its character
+            base = origin
+        while 0 < base < origin and token_ids[base] in decode.byte_tokens:  # never start inside a byte run
+            base -= 1
+        self.base = base  # first context token: the text is what the output adds to decode(token_ids[base:origin])
+        self.base_text = decode(list(token_ids[base:origin])) if base < origin else ""
+        self.prefix_offset = base  # first token of the context window
         self.read_offset = origin  # first token whose text is not emitted yet
 
     def update(self, token_ids: list[int]) -> str:
         """Emits the text the tokens after ``read_offset`` add (possibly "" while a character is incomplete)."""
-        if len(token_ids) <= self.read_offset or token_ids[-1] in self.decode.byte_tokens:
+        if len(token_ids) <= self.read_offset or self._ends_in_byte_token(token_ids):
             return ""
         context = self.decode(token_ids[self.prefix_offset : self.read_offset]) \
             if self.read_offset > self.prefix_offset else ""
@@ -73,14 +110,23 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def _ends_in_byte_token(self, token_ids: list[int]) -> bool:
+        """Whether the last token that has text is a byte-fallback token (a skipped special token between byte
+        tokens does not end their run: decoding drops it and joins the bytes)."""
+        skipped = self.decode.special_tokens
+        for index in range(len(token_ids) - 1, self.read_offset - 1, -1):
+            if token_ids[index] not in skipped:
+                return token_ids[index] in self.decode.byte_tokens
+        return False
+
     def finish(self, token_ids: list[int]) -> str:
         """Completes the text with one decode of the whole output (what is still held back for an incomplete
         character, or all of it when the text was never needed per step); returns what it added."""
-        full = self.decode(token_ids[self.origin :])
-        if not full.startswith(self.text):  # a tokenizer whose window text is not a prefix of the whole
+        full = self.decode(token_ids[self.base :])
+        if not full.startswith(self.base_text + self.text):  # a tokenizer whose window text is not a prefix
             return ""
-        delta = full[len(self.text) :]
-        self.text = full
+        delta = full[len(self.base_text) + len(self.text) :]
+        self.text += delta
         self.prefix_offset = self.read_offset = len(token_ids)
         return delta
 

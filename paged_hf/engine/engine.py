@@ -297,7 +297,7 @@ class PagedEngine:
         request.prompt_logprobs.extend(entries)
 
     def _decode_token(self, token_id: int) -> str:
-        return self._decode([token_id])
+        return self._decode.token_text(token_id)
 
     def _process_text(self, seq: Sequence) -> None:
         """Extends the text where the request needs it now (streams, stop strings) and applies stop strings; a
@@ -310,7 +310,7 @@ class PagedEngine:
         if not per_step and not finished:
             return
         if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(self._decode, seq.num_prompt_tokens)
+            seq.detokenizer = IncrementalDetokenizer(self._decode, seq.num_prompt_tokens, seq.token_ids)
         if per_step:
             delta = seq.detokenizer.update(seq.token_ids)
             stop_applies = params.stop and (not finished or seq.finish_reason == "length")

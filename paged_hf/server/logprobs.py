@@ -1,7 +1,8 @@
 """The engine's logprobs (``{token id: Logprob}`` per generated token) in OpenAI's two response shapes.
 
-Tokens are named by the text they add in context, so that the tokens of a choice concatenate to its text (a
-SentencePiece token's leading space included, which decoding it alone would drop). The sampled token's text comes
+Tokens are named by the text they add in context (the prompt's last tokens for the first one), so that the tokens
+of a choice concatenate to its text (a SentencePiece token's leading space included, which decoding it alone would
+drop). The sampled token's text comes
 from an incremental detokenizer over the choice's tokens (a token that ends inside a multi-byte character gets "",
 the token completing it the character); an alternative's text is what it would have added after the same previous
 tokens. One ``ChoiceLogprobs`` per choice keeps that state across the chunks of a stream.
@@ -17,10 +18,11 @@ CONTEXT_TOKENS = 4  # previous tokens an alternative is decoded after
 class ChoiceLogprobs:
     """Names and formats the logprobs of one choice, chunk after chunk."""
 
-    def __init__(self, decode) -> None:
+    def __init__(self, decode, prompt_token_ids: list[int]) -> None:
+        """``prompt_token_ids``: the prompt the choice continues; its last tokens name the first token in context."""
         self.decode = decode
-        self.token_ids: list[int] = []
-        self.detokenizer = IncrementalDetokenizer(decode, 0)
+        self.token_ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.detokenizer = IncrementalDetokenizer(decode, len(self.token_ids), self.token_ids)
         self.offset = 0  # characters of text before the next token
 
     def _named(self, token_ids: list[int], entries: list[dict]):

@@ -29,10 +29,12 @@ class ResponseBuilder:
         self.model, self.chat, self.n, self.decode, self.logprobs = model, chat, n, decode, logprobs
         self._choice_logprobs: dict[int, ChoiceLogprobs] = {}
 
-    def _logprobs(self, index: int, completion):
+    def _logprobs(self, index: int, completion, prompt_token_ids: list[int]):
         if self.logprobs is None or completion.logprobs is None:
             return None
-        state = self._choice_logprobs.setdefault(index, ChoiceLogprobs(self.decode))
+        state = self._choice_logprobs.get(index)
+        if state is None:
+            state = self._choice_logprobs[index] = ChoiceLogprobs(self.decode, prompt_token_ids)
         if self.chat:
             return state.chat(completion.token_ids, completion.logprobs, self.logprobs)
         return state.completion(completion.token_ids, completion.logprobs)
@@ -43,7 +45,7 @@ class ResponseBuilder:
         for p, out in enumerate(finals):
             for completion in out.outputs:
                 index = p * self.n + completion.index
-                choice = {"index": index, "logprobs": self._logprobs(index, completion),
+                choice = {"index": index, "logprobs": self._logprobs(index, completion, out.prompt_token_ids),
                           "finish_reason": completion.finish_reason}
                 if self.chat:
                     choice["message"] = {"role": "assistant", "content": completion.text}
@@ -53,10 +55,11 @@ class ResponseBuilder:
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": usage(finals)}
 
-    def chunk(self, index: int, completion, first: bool) -> str:
-        """One SSE event for the new part of a choice (``completion`` is a DELTA output)."""
+    def chunk(self, index: int, completion, first: bool, prompt_token_ids: list[int]) -> str:
+        """One SSE event for the new part of a choice (``completion`` is a DELTA output of a prompt of
+        ``prompt_token_ids``)."""
         text, reason = completion.text, completion.finish_reason
-        logprobs = self._logprobs(index, completion)
+        logprobs = self._logprobs(index, completion, prompt_token_ids)
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
@@ -156,7 +159,7 @@ async def events(loop: EngineLoop, ids: list[str], queues: list[asyncio.Queue], 
                 first = index not in started
                 if first or completion.text or completion.finish_reason or \
                         (builder.logprobs is not None and completion.token_ids):
-                    yield builder.chunk(index, completion, first)
+                    yield builder.chunk(index, completion, first, item.prompt_token_ids)
                     started.add(index)
                 if completion.finish_reason is not None:
                     closed.add(index)
