@@ -5,6 +5,7 @@ Bad input raises ``ValueError`` naming the field and the allowed values, before 
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -70,11 +71,22 @@ class CacheConfig:
     def from_dict(cls, options: dict[str, Any] | None) -> "CacheConfig":
         """Builds a config from ``generate(cache_config={...})``; unknown keys raise ``ValueError``."""
         options = dict(options or {})
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(options) - set(allowed))
-        if unknown:
-            raise ValueError(f"cache_config has unknown key(s) {unknown}; allowed keys are {allowed}")
+        check_known("cache_config", "key", options, [f.name for f in fields(cls)])
         return cls(**options)
+
+
+def check_known(what: str, kind: str, options: Mapping[str, Any], allowed: list[str]) -> None:
+    """ValueError naming each of ``options`` not in ``allowed``, the closest allowed name, and the allowed names."""
+    unknown = sorted(set(options) - set(allowed))
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, allowed, n=1, cutoff=0.6)
+        if close:
+            hints.append(f"{name!r}: did you mean {close[0]!r}?")
+    raise ValueError(f"{what} has unknown {kind}(s) {unknown}" + (f" ({'; '.join(hints)})" if hints else "")
+                     + f"; allowed {kind}s are {allowed}")
 
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -150,6 +162,13 @@ class EngineConfig:
     max_logprobs: int = 20
     max_n: int = 128
     max_stop_strings: int = 32
+
+    @classmethod
+    def from_options(cls, what: str, options: Mapping[str, Any]) -> "EngineConfig":
+        """Builds a config from ``what``'s keyword options (``PagedEngine(**options)``); an unknown option raises
+        ``ValueError`` naming it and the closest valid one."""
+        check_known(what, "option", options, [f.name for f in fields(cls)])
+        return cls(**options)
 
     def __post_init__(self) -> None:
         CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype)

@@ -24,7 +24,7 @@ from dataclasses import fields, replace
 
 import torch
 
-from .config import EngineConfig, SamplingParams
+from .config import EngineConfig, SamplingParams, check_known
 from .engine import PagedEngine, RequestOutput, RequestOutputKind
 
 GIB = 1 << 30
@@ -235,10 +235,8 @@ def _engine_options(options: dict) -> dict:
             value = options.pop(name)
             if allowed is not None and value not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)} here ({WHY_NOT[name]}), got {value!r}")
-    if options:
-        raise ValueError(
-            f"LLM got unknown keyword(s) {sorted(options)}; engine options are {list(ENGINE_OPTIONS)} (plus vLLM's "
-            f"num_gpu_blocks_override, kv_cache_memory_bytes), accepted vLLM keywords are {list(VLLM_KEYWORDS)}")
+    check_known("LLM", "keyword", options,
+                [*ENGINE_OPTIONS, "num_gpu_blocks_override", "kv_cache_memory_bytes", *VLLM_KEYWORDS])
     EngineConfig(**engine)  # bad values raise here, naming the field, before the model loads
     return engine
 

@@ -282,3 +282,16 @@ def test_cache_and_engine_statistics_share_their_names(stories):
     assert cache_stats.kv_cache_total == engine_stats.kv_cache_total == 8
     assert cache_stats["kv_cache_utilization"] == engine_stats.kv_cache_utilization == 0.0
     assert set(dict(engine_stats)) >= shared | {"kv_cache_utilization", "num_running", "preemption_count"}
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_num_seq": 4}, r"PagedEngine has unknown option\(s\) \['max_num_seq'\] \('max_num_seq': did you mean "
+                         r"'max_num_seqs'\?\); allowed options are \['block_size', "),
+    ({"blocksize": 16, "zzz": 1}, r"unknown option\(s\) \['blocksize', 'zzz'\] \('blocksize': did you mean "
+                                  r"'block_size'\?\)"),
+])
+def test_an_unknown_engine_option_is_named_with_the_closest_valid_one(stories, options, message):
+    model, tok = stories
+    with pytest.raises(ValueError, match=message):
+        PagedEngine(model, tok, **options)
+    model.set_attn_implementation("sdpa")

@@ -93,7 +93,7 @@ def test_chat_takes_one_conversation_or_a_list(llm):
         ({"enable_chunked_prefill": False}, "enable_chunked_prefill must be one of"),
         ({"max_num_seqs": 0}, "max_num_seqs must be an int >= 1"),
         ({"kv_cache_dtype": "int3"}, "kv_cache_dtype must be one of"),
-        ({"swap_spaces": 4}, r"unknown keyword\(s\) \['swap_spaces'\]"),
+        ({"swap_spaces": 4}, r"unknown keyword\(s\) \['swap_spaces'\] \('swap_spaces': did you mean 'swap_space'\?\)"),
         ({"dtype": "float64"}, "dtype must be 'auto', one of"),
         ({"device": "tpu"}, "device must be one of"),
         ({"tokenizer_mode": "slow"}, "tokenizer_mode must be 'auto'"),

@@ -49,7 +49,7 @@ class PagedEngine:
     """
 
     def __init__(self, model, tokenizer=None, **options) -> None:
-        self.config = EngineConfig(**options)
+        self.config = EngineConfig.from_options("PagedEngine", options)
         self.group = tensor_parallel_group(model)
         self._broken: TensorParallelError | None = None  # set when the tensor-parallel group broke
         self._timeout_s = DEFAULT_TIMEOUT_S
