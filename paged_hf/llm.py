@@ -25,7 +25,7 @@ from dataclasses import fields, replace
 import torch
 
 from .config import EngineConfig, SamplingParams, check_known
-from .engine import PagedEngine, RequestOutput, RequestOutputKind
+from .engine import PagedEngine, RequestOutput
 
 GIB = 1 << 30
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -191,29 +191,9 @@ class LLM:
         return params
 
     def _run(self, prompts, params, priorities, use_tqdm) -> list[RequestOutput]:
-        engine, request_ids = self.llm_engine, []
-        try:  # add_request validates each prompt and queues nothing for a bad one: fail before any work, as vLLM
-            for (prompt, cache_salt), p, priority in zip(prompts, params, priorities):
-                request_ids.append(engine.add_request(prompt, p, priority=priority, cache_salt=cache_salt,
-                                                      output_kind=RequestOutputKind.FINAL_ONLY))
-        except Exception:
-            for request_id in request_ids:
-                engine.abort(request_id)
-            raise
-        pending, done = set(request_ids), {}
-        bar = _progress_bar(len(request_ids), use_tqdm)
-        while pending and engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
-                    done[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        if pending:
-            raise RuntimeError(f"the engine stopped with requests {sorted(pending)} unfinished")
-        outputs = [done[request_id] for request_id in request_ids]
+        # PagedEngine.generate checks every prompt before any work (a bad one raises, nothing stays queued)
+        outputs = self.llm_engine.generate([prompt for prompt, _ in prompts], list(params), use_tqdm,
+                                           priority=list(priorities), cache_salt=[salt for _, salt in prompts])
         failed = [o for o in outputs if o.error is not None]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed; request {failed[0].request_id}: "
@@ -371,16 +351,6 @@ def _engine_prompt(prompt) -> tuple[object, str | None]:
         return list(prompt), None
     raise ValueError(f"a prompt must be a string, a dict with 'prompt' or 'prompt_token_ids', or a list of token ids, "
                      f"got {prompt!r}")
-
-
-def _progress_bar(total: int, use_tqdm):
-    if not use_tqdm:
-        return None
-    if callable(use_tqdm):  # vLLM accepts a tqdm-like factory
-        return use_tqdm(total=total, desc="Processed prompts")
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
-    return tqdm(total=total, desc="Processed prompts", unit="req")
 
 
 def _host_memory() -> dict:

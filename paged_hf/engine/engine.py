@@ -340,9 +340,15 @@ class PagedEngine:
 
     # ------------------------------------------------------------------------------- front ends
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Runs ``prompts`` (one or a list) to completion; outputs in prompt order. A prompt that cannot run
-        gets an output with ``error`` set and the others proceed.
+                 use_tqdm: bool = True, *, priority: list[int] | None = None,
+                 cache_salt: list[str | None] | None = None) -> list[RequestOutput]:
+        """Runs ``prompts`` (one or a list) to completion; outputs in prompt order.
+
+        Every prompt is checked before any work starts: one that cannot run (too long, ids outside the vocabulary,
+        bad parameters) raises its ``ValueError`` and leaves nothing queued, as ``LLM.generate`` and vLLM do. A
+        request that fails while it runs (a logits processor that raises, NaN logits, a failed step) fails alone:
+        its output has ``error`` set and ``finish_reason == "error"``, and the others complete.
+        ``priority`` / ``cache_salt``: one per prompt, as ``add_request``'s.
 
         Under tensor parallelism every rank may call it (as under ``torchrun``): the leader runs the prompts it was
         given, the followers run the leader's steps, and every rank returns the leader's outputs."""
@@ -353,26 +359,32 @@ class PagedEngine:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"params has {len(params_list)} entries for {len(prompts)} prompts")
+        for name, values in (("priority", priority), ("cache_salt", cache_salt)):
+            if values is not None and len(values) != len(prompts):
+                raise ValueError(f"{name} has {len(values)} entries for {len(prompts)} prompts")
+        priorities = priority if priority is not None else [0] * len(prompts)
+        salts = cache_salt if cache_salt is not None else [None] * len(prompts)
+        order: list[str] = []
+        try:
+            for prompt, p, rank, salt in zip(prompts, params_list, priorities, salts):
+                order.append(self.add_request(prompt, p, output_kind=RequestOutputKind.FINAL_ONLY, priority=rank,
+                                              cache_salt=salt))
+        except Exception:
+            for request_id in order:
+                self.abort(request_id)
+            raise
         results: dict[str, RequestOutput] = {}
-        order = []
-        for prompt, p in zip(prompts, params_list):
-            try:
-                order.append(self.add_request(prompt, p, output_kind=RequestOutputKind.FINAL_ONLY))
-            except ValueError as error:
-                failed = Request(f"rejected-{next(self._ids)}", prompt if isinstance(prompt, str) else None, [],
-                                 p or SamplingParams())
-                failed.error = error
-                for seq in failed.sequences:
-                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
-                order.append(failed.request_id)
-                results[failed.request_id] = RequestOutput.of(failed)
-        bar = _progress(len(order) - len(results), use_tqdm)
-        while self.has_unfinished_requests():
+        pending = set(order)
+        bar = _progress(len(order), use_tqdm)
+        while pending and self.has_unfinished_requests():
             for out in self.step():
-                if out.finished:
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
                     results[out.request_id] = out
                     bar.update(1)
         bar.close()
+        if pending:
+            raise RuntimeError(f"the engine stopped with requests {sorted(pending)} unfinished")
         outputs = [results[rid] for rid in order]
         if self._broken is None:
             self.runner.broadcast(("done", outputs))
@@ -489,17 +501,20 @@ class PagedEngine:
         self.kv.check_invariants()
 
 
-def _progress(total: int, enabled: bool):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        enabled = False
-    if not enabled:
-        class _Silent:
-            def update(self, n): pass
-            def close(self): pass
-        return _Silent()
-    return tqdm(total=total, desc="requests", unit="req")
+def _progress(total: int, use_tqdm):
+    """A progress bar over ``total`` requests: ``use_tqdm`` True (tqdm), False (none), or a tqdm-like factory
+    (vLLM accepts one)."""
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Processed prompts")
+    if use_tqdm:
+        from tqdm.auto import tqdm  # noqa: PLC0415 - a dependency, imported when a bar is shown
+
+        return tqdm(total=total, desc="Processed prompts", unit="req")
+
+    class _Silent:
+        def update(self, n): pass
+        def close(self): pass
+    return _Silent()
 
 
 def _load_tokenizer(model: str, tokenizer):
