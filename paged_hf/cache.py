@@ -29,7 +29,7 @@ from .kv_manager import (
     KVManager, LayerGroup, PagedCacheFullError, SequenceKV, block_id_bytes, check_supported, local_kv_heads,
 )
 from .kv_stats import PagedCacheStats
-from .metadata import METADATA_KEY, AttentionMetadata, PadQueries, build_metadata, write_layer_kv
+from .metadata import METADATA_KEY, AttentionMetadata, PadQueries, build_metadata, table_width, write_layer_kv
 
 __all__ = ["PagedCache", "PagedCacheFullError", "PagedLayer", "METADATA_KEY"]
 
@@ -146,7 +146,7 @@ class PagedCache(DynamicCache):
         self.kv = KVManager(self.text_config, block_size, kv_cache_dtype, num_blocks, num_kv_heads=num_kv_heads)
         self.kv.check_fits_on(_devices())  # a pool no device here can hold fails now, not at the first forward
         Cache.__init__(self, layers=[PagedLayer(self, idx, self.kv.group_of[idx]) for idx in sorted(self.kv.group_of)])
-        self._min_table_width = -(-max_length // block_size) if max_length else 1
+        self._min_table_width = table_width(-(-max_length // block_size)) if max_length else 1
         self._last_layer = max(self.kv.group_of)
         self.seq_length = 0  # columns of HF's padded timeline
         self.rows: list[SequenceKV] = []  # one sequence per batch row

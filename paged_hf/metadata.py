@@ -125,7 +125,7 @@ def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], cou
         token_seq = torch.repeat_interleave(torch.arange(num_seqs), counts_t)
         positions = torch.arange(num_tokens) - query_start_loc[token_seq] + starts_t[token_seq]
     longest = max((s + c for s, c in zip(starts, counts)), default=1)
-    width = max(min_width, _bucket(-(-longest // kv.block_size)))
+    width = max(min_width, table_width(-(-longest // kv.block_size)))
     rows = torch.tensor([seq.row for seq in seqs], dtype=torch.long)
     tails = _tail_plan(kv.block_size, rows, starts_t, counts_t, query_start_loc, token_seq, positions) \
         if kv.has_tail else None
@@ -189,8 +189,9 @@ def _moved(value, device: torch.device):
     return value
 
 
-def _bucket(num_blocks: int) -> int:
-    """The table width for ``num_blocks`` blocks: the next power of two (at least 1)."""
+def table_width(num_blocks: int) -> int:
+    """The block-table width for ``num_blocks`` blocks: the next power of two (at least 1), so that lengths in one
+    bucket share a shape (a compiled step does not recompile for them)."""
     return 1 << max(0, num_blocks - 1).bit_length()
 
 

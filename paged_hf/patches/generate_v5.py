@@ -13,6 +13,7 @@ encoder-decoder, state-space, ...) keeps transformers' default cache, with a war
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import warnings
@@ -20,6 +21,7 @@ from contextvars import ContextVar
 
 from transformers.generation.utils import GenerationMixin
 
+from ..metadata import table_width
 from . import default_paged
 
 TRANSFORMERS_VERSIONS = ("5.20", "6")
@@ -50,6 +52,7 @@ def _prepare_cache_for_generation(
 ):
     request = _paged_request.get()
     if request is None and generation_config.cache_implementation != "paged":
+        _compile_on_any_device(generation_config, model_kwargs.get("cache"))
         return _originals["_prepare_cache_for_generation"](
             self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
         )
@@ -68,7 +71,24 @@ def _prepare_cache_for_generation(
     options = dict((request or {}).get("cache_config") or generation_config.cache_config
                    or default_paged.cache_config() or {})
     _build_paged_cache(self, options, generation_config, model_kwargs, batch_size, max_cache_length)
+    _compile_on_any_device(generation_config, model_kwargs.get("cache"))
     return None
+
+
+def _compile_on_any_device(generation_config, cache) -> None:
+    """An explicit ``compile_config`` with a compileable ``PagedCache`` compiles on every device, the CPU included:
+    transformers skips compiling off CUDA/XPU unless the private ``_compile_all_devices`` is set, which would
+    ignore the call's parameter silently. (``generation_config`` is generate's own copy; the user's
+    ``CompileConfig`` is copied, not changed.)"""
+    from ..cache import PagedCache  # noqa: PLC0415
+
+    compile_config = generation_config.compile_config
+    if compile_config is None or compile_config._compile_all_devices or not isinstance(cache, PagedCache) \
+            or not cache.is_compileable:
+        return
+    compile_config = copy.copy(compile_config)
+    compile_config._compile_all_devices = True
+    generation_config.compile_config = compile_config
 
 
 def _prepare_default_paged_cache(
@@ -96,7 +116,8 @@ def _build_paged_cache(self, options, generation_config, model_kwargs, batch_siz
     attention_mask = model_kwargs.get("attention_mask")
     if config.num_blocks is None and config.memory_budget is None:
         options["num_blocks"] = _blocks_for_generate(
-            generation_config, attention_mask, batch_size, max_cache_length, config.block_size
+            generation_config, attention_mask, batch_size, max_cache_length, config.block_size,
+            bucketed=generation_config.compile_config is not None,
         )
     elif config.num_blocks is not None:
         prompt_blocks = _prompt_blocks(generation_config, attention_mask, config.block_size)
@@ -119,11 +140,16 @@ def _checked_config(options: dict):
     return CacheConfig.from_dict(options)  # unknown keys and bad values raise here, before any allocation
 
 
-def _blocks_for_generate(generation_config, attention_mask, batch_size, max_cache_length, block_size) -> int:
+def _blocks_for_generate(generation_config, attention_mask, batch_size, max_cache_length, block_size,
+                         bucketed: bool = False) -> int:
     """Blocks for the whole call: each row's real prompt tokens plus its new tokens, rounded up to blocks, for
-    every beam / returned sequence, plus one block per row for copy-on-write tails under beam search."""
+    every beam / returned sequence, plus one block per row for copy-on-write tails under beam search.
+    ``bucketed`` (a compiled call): every row gets its block-table width (a power of two of blocks), so calls
+    whose lengths share a width bucket share the pool's shape and a compiled step does not recompile."""
     expansion = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-    if attention_mask is None:
+    if bucketed:
+        per_row = [table_width(math.ceil(max_cache_length / block_size)) * block_size] * batch_size
+    elif attention_mask is None:
         per_row = [max_cache_length] * batch_size
     else:
         new_tokens = max(max_cache_length - attention_mask.shape[-1], 0)
