@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 import paged_hf
 from paged_hf import PagedEngine, SamplingParams
-from paged_hf.engine import engine as engine_module
+from paged_hf.engine import worker as worker_module
 from paged_hf.kv_manager import block_id_bytes
 from models import output_text, stories_model, stories_tokenizer, story_openings, tiny_model
 
@@ -123,16 +123,16 @@ def test_burst_admitted_in_one_step_shares_the_prefix_it_computes(stories, promp
 def test_failed_forward_unregisters_the_blocks_it_was_to_fill(stories, monkeypatch):
     engine = engine_for(stories, block_size=4)
     prompt = story_openings()[0] * 2
-    real = engine.runner.execute
+    real = engine.runner.run
 
-    def exploding(scheduled):
+    def exploding(step):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.runner, "execute", exploding)
+    monkeypatch.setattr(engine.runner, "run", exploding)  # every forward, the retries in parts too
     out = engine.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "error" and "device lost" in out.error
     assert engine.get_stats()["kv_cache_cached_blocks"] == 0, "blocks never filled must not stay in the cache"
-    monkeypatch.setattr(engine.runner, "execute", real)
+    monkeypatch.setattr(engine.runner, "run", real)
     again = engine.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert again.metrics.num_prefix_cached_tokens == 0
     reference = engine_for(stories, block_size=4, enable_prefix_caching=False).generate([prompt], GREEDY,
@@ -235,7 +235,7 @@ def test_auto_sized_pool_follows_the_memory_budget(stories, monkeypatch):
     engine = PagedEngine(model, tok, kv_cache_memory=100 * per_block / 2**30, swap_space=0)
     assert engine.get_stats()["kv_cache_total"] == 100
     # CPU without a budget: DEFAULT_CPU_KV_CACHE_GIB, not a fraction of all the RAM
-    monkeypatch.setattr(engine_module, "DEFAULT_CPU_KV_CACHE_GIB", 60 * per_block / 2**30)
+    monkeypatch.setattr(worker_module, "DEFAULT_CPU_KV_CACHE_GIB", 60 * per_block / 2**30)
     assert PagedEngine(model, tok, swap_space=0).get_stats()["kv_cache_total"] == 60
 
 

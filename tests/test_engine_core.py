@@ -12,7 +12,7 @@ import torch
 import paged_hf
 from paged_hf import PagedEngine, SamplingParams
 from paged_hf.engine import RequestOutputKind
-from paged_hf.engine.detokenizer import IncrementalDetokenizer, decoder_for, find_stop
+from paged_hf.engine.detokenizer import Decoder, IncrementalDetokenizer, find_stop
 from paged_hf.engine.sampler import _filter
 from paged_hf.kv_manager import KVManager
 from paged_hf.kv_stats import EngineStats, KVCacheStats, PagedCacheStats
@@ -116,7 +116,7 @@ def test_incremental_text_equals_one_decode_of_the_output(stories):
     emitted deltas concatenate to the text the output adds to the prompt's (``decode(prompt + output)`` less
     ``decode(prompt)``, skip_special_tokens=True), for prompts shorter and longer than the context window."""
     _, tok = stories
-    decode = decoder_for(tok)
+    decode = Decoder(tok)
     rng = random.Random(0)
     text_ids = tok(" ".join(story_openings()), add_special_tokens=False)["input_ids"]
     for trial in range(200):
@@ -294,4 +294,17 @@ def test_an_unknown_engine_option_is_named_with_the_closest_valid_one(stories, o
     model, tok = stories
     with pytest.raises(ValueError, match=message):
         PagedEngine(model, tok, **options)
+    model.set_attn_implementation("sdpa")
+
+
+def test_engine_forward_keeps_the_paged_attention_when_another_user_switches_the_model(stories):
+    """A model shared with other code (a generate call that switched it to sdpa): the engine's forward switches it
+    back instead of attending densely over only the new K/V."""
+    model, tok = stories
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine = PagedEngine(model, tok)
+    expected = engine.generate(["Lily and Tom"], params, use_tqdm=False)[0].outputs[0].token_ids
+    model.set_attn_implementation("sdpa")
+    again = engine.generate(["Lily and Tom"], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == expected and model.config._attn_implementation == "paged"
     model.set_attn_implementation("sdpa")

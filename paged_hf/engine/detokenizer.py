@@ -68,17 +68,13 @@ class Decoder:
         return None
 
 
-def decoder_for(tokenizer) -> Decoder:
-    return Decoder(tokenizer)
-
-
 class IncrementalDetokenizer:
     """The text of one sequence's output tokens ``token_ids[origin:]``, extended as tokens arrive.
 
     ``token_ids`` is the sequence's own list (prompt + output), read in place: no per-step copy of the output.
     """
 
-    __slots__ = ("decode", "origin", "text", "prefix_offset", "read_offset", "base", "base_text")
+    __slots__ = ("decode", "origin", "text", "prefix_offset", "read_offset", "base", "base_text", "done")
 
     def __init__(self, decode: Decoder, origin: int, token_ids: Sequence[int] = ()) -> None:
         """``origin``: the index of the first output token (the prompt length) in ``token_ids``, the sequence's
@@ -95,6 +91,7 @@ class IncrementalDetokenizer:
         self.base_text = decode(list(token_ids[base:origin])) if base < origin else ""
         self.prefix_offset = base  # first token of the context window
         self.read_offset = origin  # first token whose text is not emitted yet
+        self.done = False  # the text is final (finished, or cut at a stop string)
 
     def update(self, token_ids: list[int]) -> str:
         """Emits the text the tokens after ``read_offset`` add (possibly "" while a character is incomplete)."""
@@ -121,7 +118,11 @@ class IncrementalDetokenizer:
 
     def finish(self, token_ids: list[int]) -> str:
         """Completes the text with one decode of the whole output (what is still held back for an incomplete
-        character, or all of it when the text was never needed per step); returns what it added."""
+        character, or all of it when the text was never needed per step); returns what it added. Once only: the
+        text is final after it (and after ``truncate``)."""
+        if self.done:
+            return ""
+        self.done = True
         full = self.decode(token_ids[self.base :])
         if not full.startswith(self.base_text + self.text):  # a tokenizer whose window text is not a prefix
             return ""
@@ -133,6 +134,7 @@ class IncrementalDetokenizer:
     def truncate(self, length: int) -> None:
         """Cuts the text at ``length`` characters (a stop string) for good."""
         self.text = self.text[:length]
+        self.done = True
 
 
 def find_stop(text: str, num_new_chars: int, stops: tuple[str, ...], longest: int) -> tuple[str, int] | None:

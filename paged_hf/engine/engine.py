@@ -1,38 +1,35 @@
 """``PagedEngine``: continuous batching over a stock transformers model.
 
-One ``step()`` reads schedule -> execute -> update from output: the scheduler picks the sequences and their tokens
-(and allocates their blocks), the runner runs one forward and returns the logits, the sampler draws every row at
-once, the scheduler applies the tokens (finishing on EOS, stop tokens and lengths), and the output stage decodes
-new text where a request needs it (streams, stop strings) and builds the outputs. Requests join and leave at
-every step; blocks are freed the moment a sequence finishes, aborts or fails.
+One ``step()`` reads schedule -> execute -> update -> outputs, each owned by one object: the scheduler picks the
+sequences and their tokens (and allocates their blocks); the runner runs one forward, samples every row at once and
+returns a ``RunnerOutput``; the scheduler applies it (tokens, finishing, failures, the prefix cache's step), asking
+the output stage whether a sequence's new text ends in a stop string; the output stage builds the outputs. Requests
+join and leave at every step; blocks are freed the moment a sequence finishes, aborts or fails.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
-import time
 from collections.abc import Iterator
+import time
 
 import torch
 
-from ..config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig, SamplingParams
+from ..config import EngineConfig, SamplingParams
 from ..distributed import tensor_parallel_group
 from ..distributed.group import DEFAULT_TIMEOUT_S, TensorParallelError
 from ..distributed.launch import check_launch_options
-from ..kv_manager import KVManager, available_memory, block_id_bytes, local_kv_heads
 from ..kv_stats import EngineStats
-from .detokenizer import IncrementalDetokenizer, decoder_for, find_stop
 from . import parallel
-from .isolation import isolate
-from .request import Request, RequestOutput, RequestOutputKind, Sequence, SequenceStatus
-from .runner import BlockCopyError, ModelRunner
-from .sampler import position_logprobs, sample
-from .scheduler import Scheduler, SchedulerOutput
+from .detokenizer import Decoder
+from .output import OutputStage
+from .request import Request, RequestOutput, RequestOutputKind
+from .runner import ModelRunner
+from .scheduler import Scheduler
 from .validation import check_params, check_prompt_ids, prompt_ids, vocab_size
+from .worker import GIB, build_kv, follow, max_model_len_of, prepare_model
 
-GIB = 1 << 30
 logger = logging.getLogger("paged_hf")
 
 
@@ -45,83 +42,30 @@ class PagedEngine:
             rank 0 leads (requests, scheduling, sampling); the others follow (``follow()``, or ``generate`` under
             ``torchrun``). ``PagedEngine.from_pretrained(path, tensor_parallel_size=N)`` starts the ranks itself.
         tokenizer: needed for string prompts, chat messages, ``stop`` strings and output text.
-        **options: ``EngineConfig`` fields (``block_size``, ``kv_cache_dtype``, ``max_num_seqs``, ...).
+        **options: ``EngineConfig`` fields (``block_size``, ``kv_cache_dtype``, ``max_num_seqs``, ...); an unknown
+            one raises ``ValueError`` naming it and the closest valid one.
     """
 
-    def __init__(self, model, tokenizer=None, **options) -> None:
+    def __init__(self, model, tokenizer=None, *, _executor=None, **options) -> None:
         self.config = EngineConfig.from_options("PagedEngine", options)
         self.group = tensor_parallel_group(model)
         self._broken: TensorParallelError | None = None  # set when the tensor-parallel group broke
         self._timeout_s = DEFAULT_TIMEOUT_S
-        if getattr(model.config, "is_encoder_decoder", False):
-            raise NotImplementedError(f"PagedEngine serves decoder-only models; {type(model).__name__} is not")
-        if model.config._attn_implementation != "paged":
-            model.set_attn_implementation("paged")
-        self.model = model.eval()
+        self.model = prepare_model(model)
         self.tokenizer = tokenizer
-        text_config = model.config.get_text_config(decoder=True)
-        self.max_model_len = self.config.max_model_len or getattr(text_config, "max_position_embeddings", 4096)
-        self.vocab_size = vocab_size(model, text_config)
-        tp_size = self.group.size if self.group is not None else 1
-        num_blocks = self.config.num_blocks or self._blocks_from_memory(model, text_config, tp_size)
-        if self.group is not None:  # every rank must hold the same blocks: the smallest pool wins
-            num_blocks = self.group.min(num_blocks)
-        self.kv = KVManager(text_config, self.config.block_size, self.config.kv_cache_dtype, num_blocks,
-                            enable_prefix_caching=self.config.enable_prefix_caching,
-                            swap_space_bytes=int(self.config.swap_space * GIB),
-                            num_kv_heads=local_kv_heads(text_config, tp_size))
-        self.kv.allocate_all(model.dtype, model.device)
-        self._warm_up_kernels(text_config)
+        self.max_model_len = max_model_len_of(self.config, model)
+        self.vocab_size = vocab_size(model, model.config.get_text_config(decoder=True))
+        self.kv = build_kv(model, self.config, self.group)
         self.eos_token_ids = self._eos_token_ids()
+        self.output = OutputStage(Decoder(tokenizer) if tokenizer is not None else None)
         self.scheduler = Scheduler(self.config, self.kv, self.eos_token_ids, self.max_model_len)
-        self.runner = ModelRunner(model, self.kv, self.group)
-        self._decode = decoder_for(tokenizer) if tokenizer is not None else None
-        self.requests: dict[str, Request] = {}
+        self.runner = ModelRunner(model, self.kv, self.group, _executor, self.eos_token_ids,
+                                  self.output.token_text if tokenizer is not None else None)
         self._ids = itertools.count()
-        self._forks_pending: set[str] = set()  # requests with n > 1 whose other samples wait for the prompt
-        self._generated_tokens = 0
         self._busy_seconds = 0.0
         logger.info("PagedEngine: %d KV blocks of %d tokens (%s, %.2f GiB) on %s, max_model_len %d",
-                    num_blocks, self.config.block_size, self.config.kv_cache_dtype,
+                    self.kv.num_total_blocks, self.config.block_size, self.config.kv_cache_dtype,
                     self.kv.stats().kv_cache_bytes / GIB, model.device, self.max_model_len)
-
-    # ----------------------------------------------------------------------------------- setup
-    def _blocks_from_memory(self, model, text_config, tp_size: int) -> int:
-        """Blocks that fit the KV memory budget (``kv_cache_memory``, else the device default: see
-        ``EngineConfig``), capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use."""
-        if self.config.kv_cache_memory is not None:
-            budget = self.config.kv_cache_memory * GIB
-        elif model.device.type == "cuda":
-            budget = available_memory(model.device) * self.config.gpu_memory_utilization
-        else:
-            budget = min(DEFAULT_CPU_KV_CACHE_GIB * GIB, available_memory(model.device) / 2)
-        per_block = block_id_bytes(text_config, self.config.block_size, self.config.kv_cache_dtype,
-                                   local_kv_heads(text_config, tp_size), dtype=model.dtype)
-        cap = self.config.max_num_seqs * math.ceil(self.max_model_len / self.config.block_size)
-        return max(1, min(int(budget) // per_block, cap))
-
-    def _warm_up_kernels(self, text_config) -> None:
-        """On the Triton path, compiles every kernel variant the layers will launch now, so no request waits for a
-        compile (one variant per kind of layer: nothing compiled depends on the batch). A model with attention
-        sinks compiles its sink variants at its first step."""
-        kinds: dict[tuple, object] = {}
-        for group in self.kv.groups:
-            for storage in group.storages.values():
-                if storage.kernels.triton:
-                    kinds.setdefault((group.window, storage.kv_format if hasattr(storage, "kv_format") else "auto"),
-                                     storage)
-        if not kinds:
-            return
-        from ..kernels.warmup import warmup_kernels  # noqa: PLC0415 - imports triton
-
-        started = time.perf_counter()
-        softcap = getattr(text_config, "attn_logit_softcapping", None)
-        for (window, _), storage in kinds.items():
-            warmup_kernels(storage.attention_operands(), num_heads=text_config.num_attention_heads,
-                           dtype=self.model.dtype, sliding_window=window, softcap=softcap,
-                           store_dtype=storage.store_dtype,
-                           pool_tensors=list(storage.tensors().values()))
-        logger.info("compiled the kernels of %d layer kinds in %.1f s", len(kinds), time.perf_counter() - started)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
@@ -129,6 +73,11 @@ class PagedEngine:
             value = getattr(source, "eos_token_id", None)
             ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
         return ids
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The requests not finished yet, by id (the scheduler's)."""
+        return self.scheduler.requests
 
     # -------------------------------------------------------------------------------- requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -156,61 +105,17 @@ class PagedEngine:
                 f"or raise num_blocks"
             )
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already running")
         request = Request(request_id, text, ids, params, priority, cache_salt, RequestOutputKind(output_kind))
-        if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]
-        self.requests[request_id] = request
-        if params.n > 1:
-            self._forks_pending.add(request_id)
-        self.scheduler.add(request.sequences[0])
+        self.scheduler.add(request)
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its blocks; unknown or finished ids are ignored."""
-        request = self.requests.pop(request_id, None)
-        self._forks_pending.discard(request_id)
-        if request is not None:
-            for seq in request.sequences:
-                self.scheduler.finish(seq, "abort")
-
-    def _fail(self, request: Request, error: BaseException, touched: dict[str, Request]) -> None:
-        touched[request.request_id] = request
-        if request.error is not None:
-            return
-        request.error = error
-        for seq in request.sequences:
-            self.scheduler.finish(seq, "error")
-        logger.warning("request %s failed: %s: %s", request.request_id, type(error).__name__, error)
-
-    def _break(self, error: TensorParallelError, touched: dict[str, Request]) -> None:
-        """The tensor-parallel group broke: every request fails with ``error``, and so does every later call."""
-        logger.error("the engine cannot run any more: %s", error)
-        self._broken = error
-        for request in list(self.requests.values()):
-            self._fail(request, error, touched)
-
-    def _isolate(self, output: SchedulerOutput, error: BaseException, touched: dict[str, Request]) -> None:
-        """The forward of ``output`` raised: re-runs its sequences in halves to find the ones that raise alone, fails
-        their requests, and goes on with the others (their logits are those of the full batch)."""
-        logger.warning("a forward of %d sequences raised %s: %s; running them in parts to find the cause",
-                       len(output.scheduled), type(error).__name__, error)
-        result = isolate(self.runner, output, error)
-        for index, culprit_error in result.failed:
-            self._fail(output.scheduled[index].seq.request, culprit_error, touched)
-        for index in result.requeue:
-            seq = output.scheduled[index].seq
-            if seq.status is SequenceStatus.RUNNING:
-                self.scheduler.requeue(seq)
-        logger.warning("isolated %d failing sequence(s) in %d forwards; %d recompute their prompt",
-                       len(result.failed), result.num_forwards, len(result.requeue))
-        merged = result.merged(output, keep=lambda item: item.seq.status is SequenceStatus.RUNNING)
-        if merged is not None:
-            self._update(*merged, touched)
+        if self.scheduler.abort(request_id) is not None:
+            self.output.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.scheduler.requests)
 
     # ------------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -219,126 +124,16 @@ class PagedEngine:
         self._require_leader("step")
         started = time.perf_counter()
         output = self.scheduler.schedule()
-        touched: dict[str, Request] = {}
+        changed: list[Request] = []
         if output.scheduled:
-            try:
-                model_output = self.runner.execute(output)
-            except TensorParallelError as error:  # no forward can run any more: every request fails
-                self.kv.end_step(failed=True)
-                self._break(error, touched)
-            except BlockCopyError as error:  # every sequence of the step may hold wrong K/V: fail them all
-                self.kv.end_step(failed=True)
-                for item in output.scheduled:
-                    self._fail(item.seq.request, error, touched)
-            except Exception as error:  # the forward raised: the requests that cause it fail alone
-                self._isolate(output, error, touched)
-                self.kv.end_step(failed=True)
-            else:
-                self.kv.end_step(failed=False)
-                self._update(output, model_output, touched)
+            result = self.runner.execute(output)
+            if result.broken:
+                logger.error("the engine cannot run any more: %s", result.step_error)
+                self._broken = result.step_error
+            changed = self.scheduler.update_from_output(output, result, self.output.stop_string)
         self._busy_seconds += time.perf_counter() - started
-        return self._outputs(touched)
+        return self.output.outputs(changed)
 
-    def _update(self, output: SchedulerOutput, model_output, touched: dict[str, Request]) -> None:
-        """Samples, applies the tokens, and post-processes the sequences that got one."""
-        sampled = [item.seq for item in output.scheduled if item.samples]
-        rows = list(model_output.sample_rows)
-        if self._forks_pending:  # a request with n > 1 whose prompt completes now: its other samples join
-            for row, seq in list(zip(rows, sampled)):
-                if seq.index == 0 and seq.request.request_id in self._forks_pending:
-                    self._forks_pending.discard(seq.request.request_id)
-                    for sibling in seq.request.sequences[1:]:
-                        if sibling.status is SequenceStatus.FORK_PENDING:
-                            sampled.append(sibling)
-                            rows.append(row)
-        for index, (first, count) in model_output.prompt_rows.items():
-            item = output.scheduled[index]
-            self._record_prompt_logprobs(item, model_output.logits[first : first + count])
-            touched[item.seq.request.request_id] = item.seq.request  # progress, even without a token
-        if not sampled:
-            self.scheduler.update_from_output(output, [], [])
-            return
-        logits = model_output.logits
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        result = sample(logits.index_select(0, index), sampled, self._decode_token if self._decode else None,
-                        self.eos_token_ids)
-        for row, error in result.errors.items():
-            self._fail(sampled[row].request, error, touched)
-        receiving = [seq.status is not SequenceStatus.FINISHED for seq in sampled]
-        self.scheduler.update_from_output(output, sampled, result.token_ids)
-        now = time.monotonic()
-        final_only = RequestOutputKind.FINAL_ONLY
-        for seq, got, entry in zip(sampled, receiving, result.logprobs):
-            if not got:
-                continue
-            request = seq.request
-            self._generated_tokens += 1
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            if entry is not None:
-                seq.logprobs.append(entry)
-                seq.cumulative_logprob += entry[seq.token_ids[-1]].logprob
-            if self._decode is not None:
-                self._process_text(seq)
-            if request.output_kind is not final_only or seq.status is SequenceStatus.FINISHED:
-                touched[request.request_id] = request
-
-    def _record_prompt_logprobs(self, item, logits: torch.Tensor) -> None:
-        """Logprobs of the prompt tokens after positions ``item.start ..`` (once, even if recomputed later)."""
-        request = item.seq.request
-        recorded = len(request.prompt_logprobs)  # entries for prompt tokens 0 .. recorded - 1
-        targets = request.prompt_token_ids[item.start + 1 : item.start + 1 + logits.shape[0]]
-        skip = max(0, recorded - (item.start + 1))
-        if skip >= len(targets):
-            return
-        chosen = torch.tensor(targets[skip:], dtype=torch.long, device=logits.device)
-        entries = position_logprobs(logits[skip:], chosen, [request.params.prompt_logprobs] * len(chosen),
-                                    self._decode_token if self._decode else None)
-        request.prompt_logprobs.extend(entries)
-
-    def _decode_token(self, token_id: int) -> str:
-        return self._decode.token_text(token_id)
-
-    def _process_text(self, seq: Sequence) -> None:
-        """Extends the text where the request needs it now (streams, stop strings) and applies stop strings; a
-        request that only wants its final output is decoded once, when it finishes."""
-        if self._decode is None:
-            return
-        request, params = seq.request, seq.request.params
-        per_step = params.stop or request.output_kind is not RequestOutputKind.FINAL_ONLY
-        finished = seq.status is SequenceStatus.FINISHED
-        if not per_step and not finished:
-            return
-        if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(self._decode, seq.num_prompt_tokens, seq.token_ids)
-        if per_step:
-            delta = seq.detokenizer.update(seq.token_ids)
-            stop_applies = params.stop and (not finished or seq.finish_reason == "length")
-            if stop_applies and delta and seq.num_output_tokens >= params.min_tokens:
-                longest = max(len(s) for s in params.stop)
-                found = find_stop(seq.detokenizer.text, len(delta), params.stop, longest)
-                if found is not None:
-                    seq.detokenizer.truncate(found[1])
-                    if finished:
-                        seq.finish_reason, seq.stop_reason = "stop", found[0]
-                    else:
-                        self.scheduler.finish(seq, "stop", found[0])
-                    return
-        if seq.status is SequenceStatus.FINISHED:  # not by a stop string (that returned above)
-            seq.detokenizer.finish(seq.token_ids)
-
-    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
-        outputs = []
-        for request in touched.values():
-            if request.finished:
-                self.requests.pop(request.request_id, None)
-                self._forks_pending.discard(request.request_id)
-            elif request.output_kind is RequestOutputKind.FINAL_ONLY:
-                continue
-            outputs.append(RequestOutput.of(request))
-        return outputs
-
-    # ------------------------------------------------------------------------------- front ends
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, *, priority: list[int] | None = None,
                  cache_salt: list[str | None] | None = None) -> list[RequestOutput]:
@@ -353,7 +148,7 @@ class PagedEngine:
         Under tensor parallelism every rank may call it (as under ``torchrun``): the leader runs the prompts it was
         given, the followers run the leader's steps, and every rank returns the leader's outputs."""
         if self.group is not None and not self.group.is_leader:
-            return parallel.follow(self, until_done=True)
+            return follow(self.runner, until_done=True)
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
         params_list = params if isinstance(params, list) else [params] * len(prompts)
@@ -430,22 +225,22 @@ class PagedEngine:
             from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
             return cls(AutoModelForCausalLM.from_pretrained(model, **model_kwargs).eval(), tokenizer, **options)
-        EngineConfig(**options)  # bad options fail here, before any process starts
+        EngineConfig.from_options("PagedEngine", options)  # bad options fail here, before any process starts
         loaded, executor = parallel.start_tensor_parallel(model, tensor_parallel_size, distributed_executor_backend,
                                                           model_kwargs, options, distributed_timeout)
         try:
-            engine = cls(loaded, tokenizer, **options)
+            engine = cls(loaded, tokenizer, _executor=executor, **options)
         except BaseException:
             executor.shutdown(timeout_s=5)
             raise
-        engine.runner.executor, engine._timeout_s = executor, distributed_timeout
+        engine._timeout_s = distributed_timeout
         return engine
 
     def follow(self) -> None:
         """A follower rank: runs the leader's steps until the leader's ``shutdown()``."""
         if self.group is None or self.group.is_leader:
             raise RuntimeError("follow() is for the follower ranks of a tensor-parallel engine (rank > 0)")
-        parallel.follow(self)
+        follow(self.runner)
 
     @property
     def broken(self) -> TensorParallelError | None:
@@ -492,8 +287,8 @@ class PagedEngine:
             preemption_count=scheduler.num_preemptions,
             num_swapped_out=scheduler.num_swapped_out,
             num_swapped_in=scheduler.num_swapped_in,
-            generated_tokens=self._generated_tokens,
-            generation_tokens_per_s=self._generated_tokens / self._busy_seconds if self._busy_seconds else 0.0,
+            generated_tokens=scheduler.num_generated_tokens,
+            generation_tokens_per_s=scheduler.num_generated_tokens / self._busy_seconds if self._busy_seconds else 0.0,
             tensor_parallel_size=self.group.size if self.group is not None else 1,
         )
 

@@ -19,13 +19,14 @@ tokens again (``tail_rewriters``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..distributed.group import TensorParallelError
 from ..kv_manager import KVManager
-from .runner import ModelOutput, ModelRunner
+from .model_output import ModelOutput
 from .scheduler import ScheduledSequence, SchedulerOutput
 
 
@@ -67,14 +68,15 @@ class Isolation:
         return SchedulerOutput(items, num_decodes), ModelOutput(logits, sample_rows, prompt_rows)
 
 
-def isolate(runner: ModelRunner, output: SchedulerOutput, error: BaseException) -> Isolation:
+def isolate(forward: Callable[[SchedulerOutput], ModelOutput], kv: KVManager, output: SchedulerOutput,
+            error: BaseException) -> Isolation:
     """Re-runs the sequences of ``output`` (whose block copies are done and whose forward raised ``error``) in
-    sub-batches until each culprit is found alone."""
+    sub-batches, each through ``forward``, until each culprit is found alone."""
     items = output.scheduled
-    writers = same_step_writers(items, runner.kv)
+    writers = same_step_writers(items, kv)
     result = Isolation()
     succeeded: dict[int, bool] = {}
-    for i in tail_rewriters(items, runner.kv):  # their blocks cannot be refilled from their tail rows: compute again
+    for i in tail_rewriters(items, kv):  # their blocks cannot be refilled from their tail rows: compute again
         succeeded[i] = False
         result.requeue.append(i)
     pending = [i for i in range(len(items)) if i not in succeeded]
@@ -87,13 +89,13 @@ def isolate(runner: ModelRunner, output: SchedulerOutput, error: BaseException) 
             result.requeue.append(i)
         ready = [i for i in pending if i not in succeeded and all(succeeded.get(w) for w in writers[i])]
         assert ready or blocked, "same-step block dependencies form a cycle"
-        _bisect(runner, output, ready, known, succeeded, result)
+        _bisect(forward, output, ready, known, succeeded, result)
         known = None
         pending = [i for i in pending if i not in succeeded]
     return result
 
 
-def _bisect(runner: ModelRunner, output: SchedulerOutput, indices: list[int], error: BaseException | None,
+def _bisect(forward: Callable[[SchedulerOutput], ModelOutput], output: SchedulerOutput, indices: list[int], error: BaseException | None,
             succeeded: dict[int, bool], result: Isolation) -> None:
     if not indices:
         return
@@ -101,7 +103,7 @@ def _bisect(runner: ModelRunner, output: SchedulerOutput, indices: list[int], er
         sub = SchedulerOutput([output.scheduled[i] for i in indices], sum(1 for i in indices if i < output.num_decodes))
         result.num_forwards += 1
         try:
-            model_output = runner.forward(sub)
+            model_output = forward(sub)
         except TensorParallelError:  # the group broke: no sub-batch can run; the engine fails everything
             raise
         except Exception as raised:  # noqa: BLE001 - a culprit may raise anything; it is reported, not swallowed
@@ -115,8 +117,8 @@ def _bisect(runner: ModelRunner, output: SchedulerOutput, indices: list[int], er
         result.failed.append((indices[0], error))
         return
     half = len(indices) // 2
-    _bisect(runner, output, indices[:half], None, succeeded, result)
-    _bisect(runner, output, indices[half:], None, succeeded, result)
+    _bisect(forward, output, indices[:half], None, succeeded, result)
+    _bisect(forward, output, indices[half:], None, succeeded, result)
 
 
 def tail_rewriters(items: list[ScheduledSequence], kv: KVManager) -> list[int]:

@@ -1,4 +1,5 @@
-"""The engine under tensor parallelism: starting the ranks, the followers' loop, and the leader's messages.
+"""The engine under tensor parallelism: starting the ranks, and the leader's messages (``worker`` has the
+followers' loop).
 
 Rank 0 (the leader) runs the engine: requests, scheduler, sampling. Before every forward it broadcasts the step's
 ``StepInput`` (token ids, attention metadata, block copies); each follower runs the same forward on its shard of
@@ -27,40 +28,10 @@ import torch
 from ..distributed import check_tensor_parallel
 from ..distributed.group import DEFAULT_TIMEOUT_S, free_port, init_group
 from ..distributed.launch import GroupAddress, ModelSpec, launch_workers
+from .worker import run_follower
 
 logger = logging.getLogger("paged_hf")
 IDLE_MESSAGE_EVERY = 0.25  # of the group's timeout
-
-
-def follow(engine, until_done: bool = False):
-    """A follower's loop: runs every step the leader broadcasts until it says stop (or, ``until_done``, until its
-    ``generate`` returns: then returns the same outputs). A step that raises here raises on the leader too (same
-    inputs), which isolates the culprit and broadcasts the retries: the follower just goes on."""
-    group, runner = engine.runner.group, engine.runner
-    while True:
-        message = group.broadcast()
-        kind = message[0]
-        if kind == "step":
-            try:
-                runner.run(message[1])
-            except Exception as error:  # noqa: BLE001 - the leader reports it, with the same error
-                logger.warning("rank %d: a step raised %s: %s", group.rank, type(error).__name__, error)
-        elif kind == "done" and until_done:
-            return message[1]
-        elif kind == "stop":
-            return None
-
-
-def run_follower(rank: int, group: GroupAddress, spec: ModelSpec, engine_options: dict) -> None:
-    """A follower rank's whole life (the target ``launch_workers`` starts): join, load its shard, follow, leave."""
-    from .engine import PagedEngine  # noqa: PLC0415 - the engine module imports this one
-
-    init_group(rank, group.size, group.address, group.port, group.backend, group.timeout_s)
-    try:
-        PagedEngine(spec.load(group.size), None, **engine_options).follow()
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
 
 
 def start_tensor_parallel(model: str, tensor_parallel_size: int, backend: str, model_kwargs: dict,

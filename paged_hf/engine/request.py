@@ -55,8 +55,7 @@ class Sequence:
     """One sample of a request. ``token_ids`` = prompt + generated; K/V exists for ``num_computed_tokens``."""
 
     __slots__ = ("request", "index", "token_ids", "status", "num_computed_tokens", "kv", "finish_reason",
-                 "stop_reason", "logprobs", "cumulative_logprob", "generator", "detokenizer", "num_sent_tokens",
-                 "num_sent_logprobs", "sent_text_length")
+                 "stop_reason", "logprobs", "cumulative_logprob", "generator", "detokenizer")
 
     def __init__(self, request: "Request", index: int, token_ids: list[int]) -> None:
         self.request = request
@@ -70,10 +69,7 @@ class Sequence:
         self.logprobs: list[PositionLogprobs] = []
         self.cumulative_logprob = 0.0
         self.generator: torch.Generator | None = None
-        self.detokenizer: IncrementalDetokenizer | None = None
-        self.num_sent_tokens = 0  # DELTA outputs: what the last output already carried
-        self.num_sent_logprobs = 0
-        self.sent_text_length = 0
+        self.detokenizer: IncrementalDetokenizer | None = None  # the output stage's
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -86,10 +82,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.request.prompt_token_ids):]
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def output_text(self) -> str:
@@ -135,8 +127,8 @@ class Request:
         self.output_kind = output_kind
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.error: BaseException | None = None
-        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
-        self.num_sent_prompt_logprobs = 0
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = [None] if params.prompt_logprobs is not None \
+            else None
         self.sequences = [Sequence(self, i, list(prompt_token_ids)) for i in range(params.n)]
         for seq in self.sequences[1:]:
             seq.status = SequenceStatus.FORK_PENDING
@@ -180,37 +172,3 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-
-    @staticmethod
-    def of(request: Request) -> "RequestOutput":
-        """The output of ``request`` now, per its ``output_kind`` (a DELTA output marks what it carried as sent)."""
-        delta = request.output_kind is RequestOutputKind.DELTA
-        wants_logprobs = request.params.logprobs is not None
-        outputs = []
-        for seq in request.sequences:
-            prompt_len = len(request.prompt_token_ids)
-            if delta:
-                tokens = seq.token_ids[prompt_len + seq.num_sent_tokens:]
-                text = seq.output_text[seq.sent_text_length:]
-                logprobs = seq.logprobs[seq.num_sent_logprobs:] if wants_logprobs else None
-                seq.num_sent_tokens += len(tokens)
-                seq.sent_text_length += len(text)
-                seq.num_sent_logprobs += len(logprobs or ())
-            else:
-                tokens = seq.token_ids[prompt_len:]
-                text = seq.output_text
-                logprobs = list(seq.logprobs) if wants_logprobs else None
-            outputs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=tokens, finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason, logprobs=logprobs,
-                cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-            ))
-        prompt_logprobs = request.prompt_logprobs
-        if prompt_logprobs is not None and delta:
-            prompt_logprobs = prompt_logprobs[request.num_sent_prompt_logprobs:]
-            request.num_sent_prompt_logprobs += len(prompt_logprobs)
-        return RequestOutput(
-            request.request_id, request.prompt, request.prompt_token_ids, outputs, request.finished,
-            request.metrics, None if request.error is None else f"{type(request.error).__name__}: {request.error}",
-            None if prompt_logprobs is None else list(prompt_logprobs),
-        )

@@ -1,14 +1,18 @@
-"""One forward of the stock HF model over every scheduled sequence.
+"""The engine's runner: one forward of the stock HF model over every scheduled sequence, then sampling.
 
 The scheduled tokens are laid back to back in one row (``input_ids`` ``[1, T]``) with each token's own position;
 the ``AttentionMetadata`` (built once, on the model's device) tells the ``"paged"`` attention which tokens belong to
 which sequence and where their blocks are. Only the rows whose next token is sampled get logits
-(``logits_to_keep``), plus the prompt positions of requests that asked for prompt logprobs.
+(``logits_to_keep``), plus the prompt positions of requests that asked for prompt logprobs. ``execute`` returns a
+``RunnerOutput`` (the sampled tokens, logprobs, prompt logprobs and the requests that failed) and changes no request
+or sequence: the scheduler applies it. A forward that raises is run again in parts to find the sequences that
+cause it (``isolation``); under tensor parallelism the followers run every forward the leader plans (``run``).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -18,17 +22,34 @@ from ..distributed.group import TensorParallelError
 from ..kv_manager import KVManager
 from ..metadata import AttentionMetadata, build_metadata
 from .forward_cache import EngineCache
-from .scheduler import SchedulerOutput
+from .isolation import isolate
+from .model_output import ModelOutput
+from .request import PositionLogprobs, Request, Sequence
+from .sampler import position_logprobs, sample
+from .scheduler import ScheduledSequence, SchedulerOutput
+
+logger = logging.getLogger("paged_hf")
 
 
 @dataclass
-class ModelOutput:
-    """Logits of one step: ``logits[i]`` predicts the token after position ``positions[i]`` of sequence
-    ``output.scheduled[sequence[i]]``. The last row of each sampling sequence comes first, in scheduled order."""
+class RunnerOutput:
+    """What one step gave, for the scheduler to apply. ``seqs[i]`` drew ``token_ids[i]`` (with ``logprobs[i]``
+    when its request asked for them; the samples of an ``n > 1`` request whose prompt completed are among them);
+    ``prompt_logprobs``: per scheduled sequence that asked, the entries of its chunk's prompt positions.
+    ``errors``: requests that fail alone (their forward or their sampling raised); ``requeue``: sequences whose
+    prefix a failed sequence of the step was to write (they compute their prompt again); ``retried``: the forward
+    raised and ran again in parts. ``step_error``: nothing of the step ran (its block copies failed, or, with
+    ``broken``, the tensor-parallel group broke)."""
 
-    logits: torch.Tensor  # [R, vocab]
-    sample_rows: list[int]  # rows of `logits` holding each sampling sequence's next-token logits, scheduled order
-    prompt_rows: dict[int, tuple[int, int]]  # scheduled index -> (first row, count) of its prompt-logprob rows
+    seqs: list[Sequence] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[tuple[ScheduledSequence, list[PositionLogprobs]]] = field(default_factory=list)
+    errors: list[tuple[Request, BaseException]] = field(default_factory=list)
+    requeue: list[Sequence] = field(default_factory=list)
+    retried: bool = False
+    step_error: BaseException | None = None
+    broken: bool = False
 
 
 class BlockCopyError(RuntimeError):
@@ -52,13 +73,19 @@ class ModelRunner:
     """Runs the engine's forwards. ``group``: the tensor-parallel group, whose other ranks run every forward the
     leader plans (the runner broadcasts each ``StepInput`` before running it); None on one process."""
 
-    def __init__(self, model, kv: KVManager, group=None) -> None:
+    def __init__(self, model, kv: KVManager, group=None, executor=None, eos_token_ids=frozenset(),
+                 token_text=None) -> None:
+        """``executor``: the follower processes this process started (``PagedEngine.from_pretrained``), checked
+        before each broadcast; ``eos_token_ids``: what ``min_tokens`` holds back; ``token_text(id) -> str``: names
+        logprob entries (None: no names)."""
         self.model = model
         self.kv = kv
         self.cache = EngineCache(kv)
         self.device = model.device
         self.group = group
-        self.executor = None  # the followers this process started (from_pretrained), checked before each broadcast
+        self.executor = executor
+        self.eos_token_ids = eos_token_ids
+        self.token_text = token_text
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self.last_broadcast = time.monotonic()
@@ -95,12 +122,69 @@ class ModelRunner:
         return step, list(range(len(sample_index))), prompt_rows
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> ModelOutput:
-        """Runs the step's block copies, then the forward; returns the logits the step needs.
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        """Runs the step's block copies, then its forward, and samples every row at once."""
+        try:
+            model_output = self._run_planned(output, output.copies)
+        except TensorParallelError as error:  # no forward can run any more
+            return RunnerOutput(step_error=error, broken=True)
+        except BlockCopyError as error:  # every sequence of the step may hold wrong K/V
+            return RunnerOutput(step_error=error)
+        except Exception as error:  # noqa: BLE001 - the forward raised: the sequences that cause it fail alone
+            return self._isolate(output, error)
+        return self._sample(output, model_output)
 
-        A failure of the copies raises ``BlockCopyError``; a failure of the forward raises what it raised (the copies
-        are done then: ``forward`` can run parts of the step again)."""
-        return self._run_planned(output, output.copies)
+    def _isolate(self, output: SchedulerOutput, error: BaseException) -> RunnerOutput:
+        logger.warning("a forward of %d sequences raised %s: %s; running them in parts to find the cause",
+                       len(output.scheduled), type(error).__name__, error)
+        try:
+            found = isolate(self.forward, self.kv, output, error)
+        except TensorParallelError as broken:
+            return RunnerOutput(step_error=broken, broken=True)
+        failed = {id(output.scheduled[i].seq.request): (output.scheduled[i].seq.request, e) for i, e in found.failed}
+        requeue = [output.scheduled[i].seq for i in found.requeue]
+        logger.warning("isolated %d failing sequence(s) in %d forwards; %d recompute their prompt",
+                       len(found.failed), found.num_forwards, len(requeue))
+        requeued = {id(seq) for seq in requeue}
+        merged = found.merged(output, keep=lambda item: id(item.seq.request) not in failed
+                              and id(item.seq) not in requeued)
+        result = self._sample(*merged) if merged is not None else RunnerOutput()
+        result.errors = list(failed.values()) + result.errors
+        result.requeue, result.retried = requeue, True
+        return result
+
+    def _sample(self, output: SchedulerOutput, model_output: ModelOutput) -> RunnerOutput:
+        """Draws the next token of every sampling sequence (and of the samples joining a completed prompt) from
+        their rows, and scores the prompt positions of the sequences that asked for prompt logprobs."""
+        result = RunnerOutput()
+        logits = model_output.logits
+        for index, (first, count) in model_output.prompt_rows.items():
+            item = output.scheduled[index]
+            targets = item.seq.request.prompt_token_ids[item.start + 1 : item.start + 1 + count]
+            chosen = torch.tensor(targets, dtype=torch.long, device=logits.device)
+            entries = position_logprobs(logits[first : first + count], chosen,
+                                        [item.seq.request.params.prompt_logprobs] * count, self.token_text)
+            result.prompt_logprobs.append((item, entries))
+        seqs, rows = [], []
+        for item, row in zip((item for item in output.scheduled if item.samples), model_output.sample_rows):
+            seqs.append(item.seq)
+            rows.append(row)
+            for fork in item.forks:
+                seqs.append(fork)
+                rows.append(row)
+        if not seqs:
+            return result
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        drawn = sample(logits.index_select(0, index), seqs, self.token_text, self.eos_token_ids)
+        failed = {id(seqs[row].request): seqs[row].request for row in drawn.errors}
+        for row, error in drawn.errors.items():
+            result.errors.append((seqs[row].request, error))
+        for seq, token, entry in zip(seqs, drawn.token_ids, drawn.logprobs):
+            if id(seq.request) not in failed:
+                result.seqs.append(seq)
+                result.token_ids.append(token)
+                result.logprobs.append(entry)
+        return result
 
     @torch.inference_mode()
     def forward(self, output: SchedulerOutput) -> ModelOutput:
@@ -141,6 +225,11 @@ class ModelRunner:
             raise BlockCopyError(f"the step's block copies failed: {type(error).__name__}: {error}") from error
         metadata = step.metadata if step.metadata.device == self.device else step.metadata.to(self.device)
         keep = step.keep.to(self.device, non_blocking=True)
+        attention = self.model.config._attn_implementation
+        if attention != "paged":  # another user of the model switched it: the engine's forward reads the blocks
+            logger.warning("the engine's model was switched to attn_implementation=%r; switching it back to 'paged' "
+                           "for the engine's forward", attention)
+            self.model.set_attn_implementation("paged")
         self.cache.metadata = metadata
         kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
         try:

@@ -1,5 +1,8 @@
-"""Iteration-level scheduler: which sequences run in the next forward and how many tokens each, and every change
-to a sequence's state after the forward (``update_from_output``).
+"""Iteration-level scheduler: the owner of every request and sequence state. It picks which sequences run in the
+next forward and how many tokens each (``schedule``), and makes every change after the forward
+(``update_from_output``): computed tokens, prompt logprobs, the samples of ``n > 1`` joining their prompt, the new
+tokens and their logprobs, finishing (EOS, stop tokens, lengths, and stop strings on the output stage's verdict),
+failures, and the prefix cache's step.
 
 Each step: running sequences first (oldest / most important first), then swapped-out sequences come back, then
 waiting ones are admitted, all within ``max_num_batched_tokens`` and ``max_num_seqs``. When blocks run out a victim
@@ -12,11 +15,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
 from ..kv_manager import BlockCopy, KVManager
-from .request import Sequence, SequenceStatus
+from .request import Request, Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # the runner imports this module
+    from .runner import RunnerOutput
 
 logger = logging.getLogger("paged_hf")
 
@@ -28,12 +36,14 @@ AUTO_SWAP_MIN_BLOCKS = 4
 @dataclass(slots=True)
 class ScheduledSequence:
     """``seq`` computes tokens ``start .. start + num_tokens - 1`` this step; ``samples``: the last of them is its
-    newest token, so the step samples the next one."""
+    newest token, so the step samples the next one. ``forks``: the other samples of an ``n > 1`` request whose
+    prompt this chunk completes; they draw their first tokens from the same logits and then share its blocks."""
 
     seq: Sequence
     start: int
     num_tokens: int
     samples: bool
+    forks: list[Sequence] = field(default_factory=list)
 
 
 @dataclass
@@ -55,6 +65,8 @@ class Scheduler:
         self.kv = kv
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}  # every request not finished, by id
+        self.num_generated_tokens = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -72,13 +84,34 @@ class Scheduler:
             return (seq.request.priority, arrival, seq.index)
         return (arrival, seq.index)
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, request: Request) -> None:
+        """Queues a checked request (its other samples wait for its prompt, ``FORK_PENDING``)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        self.waiting.append(request.sequences[0])
         if self._priority:
             self.waiting = deque(sorted(self.waiting, key=self._order))
 
+    def abort(self, request_id: str) -> Request | None:
+        """Stops a request and frees its blocks (no output follows); unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            for seq in request.sequences:
+                self.finish(seq, "abort")
+        return request
+
+    def fail(self, request: Request, error: BaseException) -> None:
+        """Ends every sample of ``request`` with ``finish_reason="error"``; the first error is the one reported."""
+        if request.error is not None:
+            return
+        request.error = error
+        for seq in request.sequences:
+            self.finish(seq, "error")
+        logger.warning("request %s failed: %s: %s", request.request_id, type(error).__name__, error)
+
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
-        """Ends ``seq``: out of every queue, its blocks freed."""
+        """Ends ``seq``: out of every queue, its blocks freed; its request leaves when its last sample ends."""
         if seq.status is SequenceStatus.FINISHED:
             return
         if seq.status is SequenceStatus.RUNNING:
@@ -94,6 +127,7 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         if seq.request.finished:
             seq.request.metrics.finished_time = time.monotonic()
+            self.requests.pop(seq.request.request_id, None)
 
     # ------------------------------------------------------------------------------ preemption
     def _preempt(self, victim: Sequence) -> None:
@@ -211,33 +245,80 @@ class Scheduler:
         start = seq.num_computed_tokens
         if self.kv.prefix_caching:
             self.kv.cache_full_blocks(seq.kv, seq.token_ids, start + count, seq.request.cache_salt)
-        out.append(ScheduledSequence(seq, start, count, start + count == len(seq.token_ids)))
+        samples = start + count == len(seq.token_ids)
+        forks = [s for s in seq.request.sequences[1:] if s.status is SequenceStatus.FORK_PENDING] \
+            if samples and seq.index == 0 else []
+        out.append(ScheduledSequence(seq, start, count, samples, forks))
 
     # -------------------------------------------------------------------------- after the step
-    def update_from_output(self, output: SchedulerOutput, sampled: list[Sequence], token_ids: list[int]) -> None:
-        """Advances the scheduled sequences past their computed tokens, forks the samples waiting for a prompt
-        that just completed, and appends each sampled token (``sampled[i]`` gets ``token_ids[i]``), finishing
-        sequences on EOS, a stop token, ``max_tokens`` or ``max_model_len``. Stop strings are the caller's."""
+    def update_from_output(self, output: SchedulerOutput, result: "RunnerOutput",
+                           stop_string: Callable[[Sequence], str | None]) -> list[Request]:
+        """Applies one step's ``result`` to its sequences; returns the requests it changed (a token, prompt
+        logprobs, a failure, an end), in order. ``stop_string(seq)``: the output stage's verdict on a sequence that
+        just got a token (the stop string its text now ends with, or None)."""
+        touched: dict[str, Request] = {}
+        if result.step_error is not None:  # nothing of the step ran: its requests (every request: a broken group) fail
+            failing = list(self.requests.values()) if result.broken else \
+                list({id(i.seq.request): i.seq.request for i in output.scheduled}.values())
+            for request in failing:
+                self.fail(request, result.step_error)
+                touched[request.request_id] = request
+            self.kv.end_step(failed=True)
+            return list(touched.values())
+        for request, error in result.errors:
+            self.fail(request, error)
+            touched[request.request_id] = request
+        for seq in result.requeue:
+            if seq.status is SequenceStatus.RUNNING:
+                self.requeue(seq)
         for item in output.scheduled:
             if item.seq.status is SequenceStatus.RUNNING:
                 item.seq.num_computed_tokens += item.num_tokens
-        for seq in sampled:
-            if seq.status is SequenceStatus.FORK_PENDING:
+        for item, entries in result.prompt_logprobs:
+            request = item.seq.request
+            if item.seq.status is SequenceStatus.RUNNING and request.prompt_logprobs is not None:
+                skip = len(request.prompt_logprobs) - (item.start + 1)  # recorded before (a recomputed chunk)
+                request.prompt_logprobs.extend(entries[max(0, skip):])
+                touched[request.request_id] = request
+        now = time.monotonic()
+        for seq, token, entry in zip(result.seqs, result.token_ids, result.logprobs):
+            if seq.status is SequenceStatus.FORK_PENDING:  # its prompt completed this step: share sample 0's blocks
                 leader = seq.request.sequences[0]
+                if leader.status is not SequenceStatus.RUNNING:
+                    continue
                 seq.kv = self.kv.fork(leader.kv)
                 seq.num_computed_tokens = leader.num_computed_tokens
                 seq.status = SequenceStatus.RUNNING
                 self._join_running(seq)
-        for seq, token in zip(sampled, token_ids):
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.token_ids.append(token)
-            params = seq.request.params
-            num_output = len(seq.token_ids) - len(seq.request.prompt_token_ids)
-            held_back = num_output <= params.min_tokens  # the sampler masks stops until min_tokens are out
-            if token in params.stop_token_ids and not held_back:
-                self.finish(seq, "stop", token)
-            elif not params.ignore_eos and token in self.eos_token_ids and not held_back:
-                self.finish(seq, "stop", None)
-            elif num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-                self.finish(seq, "length")
+            self._append(seq, token, entry, now)
+            stop = stop_string(seq)
+            if stop is not None:
+                if seq.status is SequenceStatus.FINISHED:  # by length: the stop string came first
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                else:
+                    self.finish(seq, "stop", stop)
+            touched[seq.request.request_id] = seq.request
+        self.kv.end_step(failed=result.retried)
+        return list(touched.values())
+
+    def _append(self, seq: Sequence, token: int, entry, now: float) -> None:
+        """Appends a sampled token (and its logprobs) and finishes ``seq`` on a stop token, EOS or a length."""
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        metrics = seq.request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        if entry is not None:
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += entry[token].logprob
+        params = seq.request.params
+        num_output = len(seq.token_ids) - len(seq.request.prompt_token_ids)
+        held_back = num_output <= params.min_tokens  # the sampler masks stops until min_tokens are out
+        if token in params.stop_token_ids and not held_back:
+            self.finish(seq, "stop", token)
+        elif not params.ignore_eos and token in self.eos_token_ids and not held_back:
+            self.finish(seq, "stop", None)
+        elif num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            self.finish(seq, "length")

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..config import SamplingParams
 from ..engine import PagedEngine, RequestOutputKind
-from ..engine.detokenizer import decoder_for
+from ..engine.detokenizer import Decoder
 from .body import DEFAULT_MAX_REQUEST_BYTES, ClientGone, parse_body, read_body
 from .engine_loop import EngineDeadError, EngineLoop, QueueFullError
 from .errors import ApiError, bad_request, install_handlers, internal_error
@@ -43,7 +43,7 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
     metrics = ServerMetrics()
     loop = EngineLoop(engine, max_queue_len, on_output=metrics.observe)
     tokenize = PromptTokenizer(engine.tokenizer, engine.max_model_len)
-    decode = decoder_for(engine.tokenizer)
+    decode = Decoder(engine.tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -1,0 +1,118 @@
+"""The output stage: text, stop strings and the ``RequestOutput``s of a step.
+
+It owns the detokenizer of every sequence (``Sequence.detokenizer``, written here only) and what each request's last
+output carried (``_Sent``, for ``DELTA`` outputs), so building an output changes no sequence. Text is decoded per step
+only where a request needs it then (a stream, stop strings); a request that only wants its final output is decoded
+once, when it finishes. The scheduler asks ``stop_string`` for its verdict after appending a token, and finishes the
+sequence on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .detokenizer import Decoder, IncrementalDetokenizer, find_stop
+from .request import CompletionOutput, Request, RequestOutput, RequestOutputKind, Sequence, SequenceStatus
+
+
+@dataclass
+class _Sent:
+    """What a ``DELTA`` request's outputs carried so far: per sample, tokens, logprobs and text characters."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[int] = field(default_factory=list)
+    text: list[int] = field(default_factory=list)
+    prompt_logprobs: int = 0
+
+
+class OutputStage:
+    """Detokenization, stop strings and outputs for one engine (``decoder``: None runs on token ids alone)."""
+
+    def __init__(self, decoder: Decoder | None) -> None:
+        self.decoder = decoder
+        self._sent: dict[str, _Sent] = {}
+
+    def token_text(self, token_id: int) -> str | None:
+        """A logprob entry's name for ``token_id`` (its text in context), or None without a tokenizer."""
+        return None if self.decoder is None else self.decoder.token_text(token_id)
+
+    # ------------------------------------------------------------------------------------- the verdict
+    def stop_string(self, seq: Sequence) -> str | None:
+        """Extends ``seq``'s text where its request needs it now and returns the stop string its new text ends,
+        if any (the text is cut before it, for good). Called once per sampled token, after the scheduler appended
+        it (and finished the sequence on EOS, a stop token or a length)."""
+        if self.decoder is None:
+            return None
+        params = seq.request.params
+        if not params.stop and seq.request.output_kind is RequestOutputKind.FINAL_ONLY:
+            return None  # decoded once, when it finishes
+        detokenizer = self._detokenizer(seq)
+        delta = detokenizer.update(seq.token_ids)
+        finished = seq.status is SequenceStatus.FINISHED
+        if not params.stop or not delta or (finished and seq.finish_reason != "length") \
+                or seq.num_output_tokens < params.min_tokens:
+            return None
+        found = find_stop(detokenizer.text, len(delta), params.stop, max(len(s) for s in params.stop))
+        if found is None:
+            return None
+        detokenizer.truncate(found[1])
+        return found[0]
+
+    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.decoder, seq.num_prompt_tokens, seq.token_ids)
+        return seq.detokenizer
+
+    # ------------------------------------------------------------------------------------- outputs
+    def outputs(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        """The outputs of ``requests`` (those the step changed), per their ``output_kind``: ``FINAL_ONLY`` ones
+        only when they finish."""
+        out = []
+        for request in requests:
+            if request.output_kind is RequestOutputKind.FINAL_ONLY and not request.finished:
+                continue
+            out.append(self.output_of(request))
+        return out
+
+    def output_of(self, request: Request) -> RequestOutput:
+        """``request``'s output now (a ``DELTA`` request's: what is new since its last one)."""
+        if request.finished and self.decoder is not None:
+            for seq in request.sequences:
+                self._detokenizer(seq).finish(seq.token_ids)
+        delta = request.output_kind is RequestOutputKind.DELTA
+        sent = self._sent.setdefault(request.request_id, _Sent()) if delta else None
+        wants_logprobs = request.params.logprobs is not None
+        prompt_len = len(request.prompt_token_ids)
+        outputs = []
+        for seq in request.sequences:
+            tokens, text = seq.token_ids[prompt_len:], seq.output_text
+            logprobs = seq.logprobs if wants_logprobs else None
+            if sent is not None:
+                while len(sent.tokens) <= seq.index:
+                    sent.tokens.append(0), sent.logprobs.append(0), sent.text.append(0)
+                tokens, text = tokens[sent.tokens[seq.index]:], text[sent.text[seq.index]:]
+                logprobs = logprobs[sent.logprobs[seq.index]:] if logprobs is not None else None
+                sent.tokens[seq.index] += len(tokens)
+                sent.text[seq.index] += len(text)
+                sent.logprobs[seq.index] += len(logprobs or ())
+            outputs.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(tokens), finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason, logprobs=None if logprobs is None else list(logprobs),
+                cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+            ))
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is not None and sent is not None:
+            prompt_logprobs = prompt_logprobs[sent.prompt_logprobs:]
+            sent.prompt_logprobs += len(prompt_logprobs)
+        if request.finished:
+            self._sent.pop(request.request_id, None)
+        return RequestOutput(
+            request.request_id, request.prompt, request.prompt_token_ids, outputs, request.finished,
+            request.metrics, None if request.error is None else f"{type(request.error).__name__}: {request.error}",
+            None if prompt_logprobs is None else list(prompt_logprobs),
+        )
+
+    def forget(self, request_id: str) -> None:
+        """Drops what is kept for a request that left without a final output (aborted)."""
+        self._sent.pop(request_id, None)

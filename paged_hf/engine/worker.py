@@ -1,0 +1,130 @@
+"""What every rank of an engine builds, and a tensor-parallel follower's whole life.
+
+Each rank (the leader, which runs the ``PagedEngine``, and each follower) prepares its model for the paged attention,
+sizes and allocates the same KV pool (the smallest pool of the group wins, agreed by a collective) and builds a
+``ModelRunner``. A follower is nothing more: it runs every forward the leader broadcasts (``follow``) and never
+sees a request, a tokenizer or a scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from ..config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
+from ..distributed import tensor_parallel_group
+from ..distributed.group import init_group
+from ..kv_manager import KVManager, available_memory, block_id_bytes, local_kv_heads
+from .runner import ModelRunner
+
+GIB = 1 << 30
+logger = logging.getLogger("paged_hf")
+
+
+def prepare_model(model):
+    """``model`` switched to the ``"paged"`` attention, in eval mode; NotImplementedError for encoder-decoders."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise NotImplementedError(f"PagedEngine serves decoder-only models; {type(model).__name__} is not")
+    if model.config._attn_implementation != "paged":
+        model.set_attn_implementation("paged")
+    return model.eval()
+
+
+def max_model_len_of(config: EngineConfig, model) -> int:
+    """``config.max_model_len``, else the model's ``max_position_embeddings`` (4096 without one)."""
+    text_config = model.config.get_text_config(decoder=True)
+    return config.max_model_len or getattr(text_config, "max_position_embeddings", 4096)
+
+
+def build_kv(model, config: EngineConfig, group=None) -> KVManager:
+    """This rank's KV manager: pool sized (``num_blocks``, else from memory), agreed with the group, allocated on
+    the model's device, its Triton kernels compiled (a collective under tensor parallelism: every rank calls it)."""
+    text_config = model.config.get_text_config(decoder=True)
+    tp_size = group.size if group is not None else 1
+    num_blocks = config.num_blocks or _blocks_from_memory(model, config, text_config, tp_size)
+    if group is not None:  # every rank must hold the same blocks: the smallest pool wins
+        num_blocks = group.min(num_blocks)
+    kv = KVManager(text_config, config.block_size, config.kv_cache_dtype, num_blocks,
+                   enable_prefix_caching=config.enable_prefix_caching, swap_space_bytes=int(config.swap_space * GIB),
+                   num_kv_heads=local_kv_heads(text_config, tp_size))
+    kv.allocate_all(model.dtype, model.device)
+    _warm_up_kernels(kv, text_config, model.dtype)
+    return kv
+
+
+def _blocks_from_memory(model, config: EngineConfig, text_config, tp_size: int) -> int:
+    """Blocks that fit the KV memory budget (``kv_cache_memory``, else the device default: see ``EngineConfig``),
+    capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use."""
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory * GIB
+    elif model.device.type == "cuda":
+        budget = available_memory(model.device) * config.gpu_memory_utilization
+    else:
+        budget = min(DEFAULT_CPU_KV_CACHE_GIB * GIB, available_memory(model.device) / 2)
+    per_block = block_id_bytes(text_config, config.block_size, config.kv_cache_dtype,
+                               local_kv_heads(text_config, tp_size), dtype=model.dtype)
+    cap = config.max_num_seqs * math.ceil(max_model_len_of(config, model) / config.block_size)
+    return max(1, min(int(budget) // per_block, cap))
+
+
+def _warm_up_kernels(kv: KVManager, text_config, dtype: torch.dtype) -> None:
+    """On the Triton path, compiles every kernel variant the layers will launch now, so no request waits for a
+    compile (one variant per kind of layer: nothing compiled depends on the batch). A model with attention sinks
+    compiles its sink variants at its first step."""
+    kinds: dict[tuple, object] = {}
+    for group in kv.groups:
+        for storage in group.storages.values():
+            if storage.kernels.triton:
+                kinds.setdefault((group.window, getattr(storage, "kv_format", "auto")), storage)
+    if not kinds:
+        return
+    from ..kernels.warmup import warmup_kernels  # noqa: PLC0415 - imports triton
+
+    started = time.perf_counter()
+    softcap = getattr(text_config, "attn_logit_softcapping", None)
+    for (window, _), storage in kinds.items():
+        warmup_kernels(storage.attention_operands(), num_heads=text_config.num_attention_heads, dtype=dtype,
+                       sliding_window=window, softcap=softcap, store_dtype=storage.store_dtype,
+                       pool_tensors=list(storage.tensors().values()))
+    logger.info("compiled the kernels of %d layer kinds in %.1f s", len(kinds), time.perf_counter() - started)
+
+
+# ------------------------------------------------------------------------------------------ followers
+def follow(runner: ModelRunner, until_done: bool = False):
+    """A follower's loop: runs every step the leader broadcasts until it says stop (or, ``until_done``, until its
+    ``generate`` returns: then returns the same outputs). A step that raises here raises on the leader too (same
+    inputs), which isolates the culprit and broadcasts the retries: the follower just goes on."""
+    group = runner.group
+    while True:
+        message = group.broadcast()
+        kind = message[0]
+        if kind == "step":
+            try:
+                runner.run(message[1])
+            except Exception as error:  # noqa: BLE001 - the leader reports it, with the same error
+                logger.warning("rank %d: a step raised %s: %s", group.rank, type(error).__name__, error)
+        elif kind == "done" and until_done:
+            return message[1]
+        elif kind == "stop":
+            return None
+
+
+def follower_runner(model, engine_options: dict, group) -> ModelRunner:
+    """A follower's runner over its shard ``model``: the pool the leader's engine builds, and nothing else."""
+    config = EngineConfig.from_options("PagedEngine", engine_options)
+    model = prepare_model(model)
+    return ModelRunner(model, build_kv(model, config, group), group)
+
+
+def run_follower(rank: int, group, spec, engine_options: dict) -> None:
+    """A follower rank's whole life (the target ``launch_workers`` starts): join, load its shard, follow, leave."""
+    init_group(rank, group.size, group.address, group.port, group.backend, group.timeout_s)
+    try:
+        model = spec.load(group.size)
+        follow(follower_runner(model, engine_options, tensor_parallel_group(model)))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
