@@ -39,13 +39,13 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """HF attention signature. ``query`` is ``[B, heads, q, head_dim]``; returns ``[B, q, heads, head_dim]``."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    metadata = kwargs.get(METADATA_KEY)
-    if metadata is None:
+    step = kwargs.get(METADATA_KEY)
+    if step is None:
         if softcap is None and s_aux is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale)
         return dense_attention(query, key, value, attention_mask, scale, softcap, s_aux), None
 
-    metadata, group, storage, fresh = metadata  # AttentionMetadata, GroupMetadata, KVStorage, FreshKV | None
+    metadata, group, storage, fresh = step.metadata, step.group, step.storage, step.fresh
     flat = metadata.select_new_tokens(query)  # [n, heads, head_dim], packed by sequence
     if group.window_starts is None:
         packed = paged_attention(flat, metadata, group, storage, scale, softcap, s_aux, fresh)
@@ -56,8 +56,8 @@ def paged_attention_forward(
     if metadata.pad_queries is not None:
         pads = metadata.pad_queries
         queries = query.transpose(1, 2).reshape(-1, query.shape[1], query.shape[3]).index_select(0, pads.index)
-        result = attend_at_positions(queries, pads.rows, pads.positions, pads.window_starts[group_index(metadata,
-                                     group)], metadata, group, storage, scale, softcap, s_aux, fresh)
+        result = attend_at_positions(queries, pads.rows, pads.positions, pads.window_starts[step.group_index],
+                                     metadata, group, storage, scale, softcap, s_aux, fresh)
         out = out.reshape(-1, *out.shape[2:]).index_copy(0, pads.index, result.to(out.dtype)).view(out.shape)
     if fresh is not None:  # a tail format: the tail rows were read as they were before this forward
         storage.write_tails(fresh, group.store_plan)
@@ -135,10 +135,6 @@ def attend_at_positions(queries, rows, positions, window_starts, metadata, group
         tail_rows=None if tail_rows is None else tail_rows.index_select(0, rows),
     ).squeeze(2)
     return unrotate(out, storage.value_rotation)
-
-
-def group_index(metadata, group) -> int:
-    return next(i for i, g in enumerate(metadata.groups) if g is group)
 
 
 def dense_attention(query, key, value, attention_mask, scale, softcap=None, sinks=None) -> torch.Tensor:

@@ -29,7 +29,9 @@ from .kv_manager import (
     KVManager, LayerGroup, PagedCacheFullError, SequenceKV, block_id_bytes, check_supported, local_kv_heads,
 )
 from .kv_stats import PagedCacheStats
-from .metadata import METADATA_KEY, AttentionMetadata, PadQueries, build_metadata, table_width, write_layer_kv
+from .metadata import (
+    METADATA_KEY, AttentionMetadata, LayerStep, PadQueries, build_metadata, table_width, write_layer_kv,
+)
 
 __all__ = ["PagedCache", "PagedCacheFullError", "PagedLayer", "METADATA_KEY"]
 
@@ -318,7 +320,7 @@ class PagedCache(DynamicCache):
         if layer.layer_idx == self._last_layer:
             self._state = "idle"
         if kwargs is not None and self._reads_blocks:
-            kwargs[METADATA_KEY] = (metadata, group, storage, fresh)  # the attention writes the tails after it reads
+            kwargs[METADATA_KEY] = LayerStep(metadata, group, layer.group.index, storage, fresh)
             return key_states, value_states
         if fresh is not None:  # a dense read sees what is stored: full blocks quantized, the rest from the tails
             storage.write_tails(fresh, group.store_plan)

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .kernels.fill_blocks import StorePlan
 from .kv_manager import KVManager, SequenceKV
 
-# The layer kwargs entry the "paged" attention reads: (AttentionMetadata, GroupMetadata, KVStorage, FreshKV | None).
+# The layer kwargs entry the "paged" attention reads: a ``LayerStep``.
 METADATA_KEY = "paged_hf_metadata"
 
 
@@ -102,6 +103,18 @@ class AttentionMetadata:
         out = flat.new_zeros((self.batch_size * self.query_len, *flat.shape[1:]))
         out.index_copy_(0, self.token_index, flat)
         return out.view(self.batch_size, self.query_len, *flat.shape[1:])
+
+
+class LayerStep(NamedTuple):
+    """What one layer's cache update hands its ``"paged"`` attention (the layer kwargs' ``METADATA_KEY``): the
+    forward's metadata, the layer's group (and its index in ``metadata.groups``), the layer's storage, and, for a
+    tail format, the forward's new K/V (``storage.FreshKV``: the attention writes the tails after it reads)."""
+
+    metadata: AttentionMetadata
+    group: GroupMetadata
+    group_index: int
+    storage: object  # KVStorage
+    fresh: object | None  # FreshKV
 
 
 def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], counts: list[int], num_decodes: int,

@@ -285,7 +285,8 @@ def test_per_query_path_reads_own_blocks_like_the_batched_path(family, text_ids)
     differences = []
 
     def checking_attention(module, query, key, value, attention_mask, **kwargs):
-        metadata, group, storage, fresh = kwargs[METADATA_KEY]
+        step = kwargs[METADATA_KEY]
+        metadata, group, storage, fresh = step.metadata, step.group, step.storage, step.fresh
         flat = metadata.select_new_tokens(query)
         scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
         batched = paged_attention_module.paged_attention(flat, metadata, group, storage, scale, None, None, fresh)

@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..kv_manager import KVManager, LayerGroup
-from ..metadata import METADATA_KEY, AttentionMetadata, write_layer_kv
+from ..metadata import METADATA_KEY, AttentionMetadata, LayerStep, write_layer_kv
 
 
 class _EngineLayer(CacheLayerMixin):
@@ -31,7 +31,7 @@ class _EngineLayer(CacheLayerMixin):
                 f"{type(self).__name__}: layer {self.layer_idx} called cache.update without kwargs, so the paged "
                 f"attention cannot receive the step's block tables; the engine needs a model that passes kwargs"
             )
-        kwargs[METADATA_KEY] = (metadata, group, storage, fresh)  # the attention writes the tails after it reads
+        kwargs[METADATA_KEY] = LayerStep(metadata, group, self.group.index, storage, fresh)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
