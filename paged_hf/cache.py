@@ -29,6 +29,7 @@ from .kv_manager import (
     KVManager, LayerGroup, PagedCacheFullError, SequenceKV, block_id_bytes, check_supported, local_kv_heads,
 )
 from .kv_stats import PagedCacheStats
+from .timeline import PaddedTimeline
 from .metadata import (
     METADATA_KEY, AttentionMetadata, LayerStep, PadQueries, build_metadata, table_width, write_layer_kv,
 )
@@ -150,9 +151,8 @@ class PagedCache(DynamicCache):
         Cache.__init__(self, layers=[PagedLayer(self, idx, self.kv.group_of[idx]) for idx in sorted(self.kv.group_of)])
         self._min_table_width = table_width(-(-max_length // block_size)) if max_length else 1
         self._last_layer = max(self.kv.group_of)
-        self.seq_length = 0  # columns of HF's padded timeline
         self.rows: list[SequenceKV] = []  # one sequence per batch row
-        self.columns = torch.zeros((0, 0), dtype=torch.long)  # [B, seq_length]: real position per column, -1: pad
+        self.timeline = PaddedTimeline()  # HF's padded [B, seq_length] columns over the rows
         self._metadata: AttentionMetadata | None = None
         self._dense_slots: list[tuple] = []  # per group, for a dense attention: [B, kv_length] slots, tail slots
         self._state = "idle"  # "planned": the next forward's plan is ready; "running": layers are writing it
@@ -161,6 +161,16 @@ class PagedCache(DynamicCache):
         # forward has been observed, the config this cache was built from. A config is only data: a cache built
         # from another config object (another instance, AutoConfig, a copy) must follow the model, not the copy.
         self._attention: str | None = None
+
+    @property
+    def seq_length(self) -> int:
+        """Columns of HF's padded timeline."""
+        return self.timeline.seq_length
+
+    @property
+    def columns(self) -> torch.Tensor:
+        """``[B, seq_length]``: the real position of each column of each row, -1 for a pad."""
+        return self.timeline.columns
 
     @property
     def num_tokens(self) -> list[int]:
@@ -179,31 +189,14 @@ class PagedCache(DynamicCache):
             return
         if attention is not None:
             self._attention = attention
-        self._plan(batch, query_len, self._new_columns(batch, query_len, attention_mask, position_ids), device)
+        self._plan(batch, query_len,
+                   self.timeline.new_columns(batch, query_len, attention_mask, position_ids, self.num_tokens), device)
         self._state = "planned"
-
-    def _new_columns(self, batch: int, query_len: int, attention_mask, position_ids) -> torch.Tensor:
-        """``[B, q]`` bool: which of the forward's columns are real tokens."""
-        if attention_mask is not None and attention_mask.dim() == 2 \
-                and attention_mask.shape[-1] == self.seq_length + query_len:
-            new = attention_mask[:, -query_len:].to("cpu", torch.bool)
-            return new.expand(batch, -1) if new.shape[0] == 1 and batch > 1 else new
-        columns = torch.arange(query_len)
-        if position_ids is None:
-            return torch.ones((batch, query_len), dtype=torch.bool)
-        positions = position_ids[0] if position_ids.dim() == 3 else position_ids  # multimodal RoPE: [3, B, q]
-        last = positions[:, -1].to("cpu")
-        if last.numel() == 1:
-            last = last.expand(batch)
-        held = torch.tensor(self.num_tokens if self.rows else [0] * batch)
-        counts = last + 1 - held
-        counts = torch.where((counts >= 1) & (counts <= query_len), counts, torch.full_like(counts, query_len))
-        return columns.unsqueeze(0) >= (query_len - counts).unsqueeze(1)  # left padding: the last columns are real
 
     def _plan(self, batch: int, query_len: int, new: torch.Tensor, device) -> None:
         if not self.rows:
             self.rows = [self.kv.new_sequence() for _ in range(batch)]
-            self.columns = torch.zeros((batch, 0), dtype=torch.long)
+            self.timeline.reset(batch)
         elif batch != len(self.rows):
             raise ValueError(
                 f"PagedCache holds {len(self.rows)} sequences but the forward has batch size {batch}; "
@@ -223,13 +216,12 @@ class PagedCache(DynamicCache):
             device=device, token_index=token_index, batch_size=batch, query_len=query_len,
             min_width=self._min_table_width,
         )
-        positions = torch.tensor(starts).unsqueeze(1) + new.long().cumsum(1) - 1  # a pad: its row's last real one
         seen = self.seq_length
-        self.columns = torch.cat([self.columns, torch.where(new, positions, -1)], dim=1)
-        self.seq_length += query_len
+        positions = self.timeline.append(new, starts)  # a pad: its row's last real one
         pads = ~new & (positions >= 0)
         index = pads.flatten().nonzero().squeeze(1) if bool(pads.any()) else None
-        starts_of = self._window_starts(seen, query_len)  # group -> [B, q] first visible position, or None
+        windows = [g.window for g in self.kv.groups]
+        starts_of = self.timeline.window_starts(windows, seen, query_len)  # per group: [B, q] first seen, or None
         for g, group in enumerate(self._metadata.groups):
             if starts_of[g] is not None:
                 flat = starts_of[g].flatten()
@@ -242,8 +234,8 @@ class PagedCache(DynamicCache):
         self._written = set()
         self._dense_slots = []
         if not self._reads_blocks:  # every group's dense layout, once per forward
-            self._dense_slots = [self._slots_of_columns(g, *self._mask_window(g, seen, query_len))
-                                 for g in range(len(self.kv.groups))]
+            self._dense_slots = [self._slots(group, *self.timeline.mask_window(group.window, seen, query_len))
+                                 for group in self.kv.groups]
 
     @property
     def _reads_blocks(self) -> bool:
@@ -251,55 +243,9 @@ class PagedCache(DynamicCache):
         attention = self._attention if self._attention is not None else self.text_config._attn_implementation
         return attention == "paged"
 
-    def _window_starts(self, seen: int, query_len: int) -> list[torch.Tensor | None]:
-        """Per sliding group, ``[B, q]``: the first real position each of this forward's columns sees when its window
-        counts timeline columns (HF's masks), where that differs from counting real tokens: a pad after a real token
-        somewhere in the timeline. None elsewhere (the plain window applies)."""
-        windows = [g.window for g in self.kv.groups]
-        if all(w is None for w in windows):
-            return [None] * len(windows)
-        real = self.columns >= 0
-        if not bool((~real & (real.cumsum(1) > 0)).any()):
-            return [None] * len(windows)
-        before = real.long().cumsum(1) - real.long()  # real tokens in columns < c
-        columns = torch.arange(seen, seen + query_len)
-        out = []
-        for window in windows:
-            if window is None:
-                out.append(None)
-                continue
-            first = (columns - window + 1).clamp_min(0)  # the first column each query sees
-            out.append(before[:, first])
-        return out
-
-    def _mask_window(self, group_index: int, seen: int, query_len: int) -> tuple[int, int]:
-        """``(first column, number of columns)`` HF's mask covers for this group (``get_mask_sizes``)."""
-        window = self.kv.groups[group_index].window
-        if window is None:
-            return 0, seen + query_len
-        first = max(seen - window + 1, 0)
-        return first, (window - 1 + query_len) if seen >= window else seen + query_len
-
-    def _slots_of_columns(self, group_index: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[B, count]`` slots of timeline columns ``first ..``; pads and positions with no block map to slot 0. A
-        tail format also gets ``[B, count]`` tail slots: ``row * block_size + offset`` for the positions in a row's
-        partial last block (they live in its tail row), -1 elsewhere; else None."""
-        positions = self.columns[:, first : first + count]
-        group = self.kv.groups[group_index]
-        block_size = group.block_size
-        rows = torch.tensor([s.row for s in self.rows])
-        width = max(1, max((len(s.tables[group_index].blocks) for s in self.rows), default=1))
-        tables = group.rows.gather(rows, width).long()
-        clamped = positions.clamp_min(0)
-        blocks = tables.gather(1, (clamped // block_size).clamp_max(width - 1))
-        slots = torch.where(positions >= 0, blocks * block_size + clamped % block_size, 0)
+    def _slots(self, group, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         device = self._metadata.device if self._metadata is not None else "cpu"
-        tail_slots = None
-        if self.kv.has_tail:
-            full_end = torch.tensor(self.num_tokens) // block_size * block_size
-            in_tail = (positions >= 0) & (clamped >= full_end[:, None])
-            tail_slots = torch.where(in_tail, rows[:, None] * block_size + clamped % block_size, -1).to(device)
-        return slots.to(device), tail_slots
+        return self.timeline.slots(group, self.rows, first, count, self.kv.has_tail, device)
 
     def _update_layer(self, layer: PagedLayer, key_states, value_states, kwargs: dict | None):
         if self._state == "planned":
@@ -307,7 +253,8 @@ class PagedCache(DynamicCache):
         elif self._state == "idle" or layer.layer_idx in self._written:  # no plan, or a new forward
             batch, _, query_len, _ = key_states.shape
             position_ids = kwargs.get("position_ids") if kwargs else None
-            self._plan(batch, query_len, self._new_columns(batch, query_len, None, position_ids), key_states.device)
+            new = self.timeline.new_columns(batch, query_len, None, position_ids, self.num_tokens)
+            self._plan(batch, query_len, new, key_states.device)
             self._state = "running"
         if not torch.compiler.is_compiling():
             self._written.add(layer.layer_idx)
@@ -334,7 +281,7 @@ class PagedCache(DynamicCache):
             return None
         window = layer.group.window
         first = 0 if window is None else max(self.seq_length - (window - 1), 0)
-        slots, tail_slots = self._slots_of_columns(layer.group.index, first, self.seq_length - first)
+        slots, tail_slots = self._slots(layer.group, first, self.seq_length - first)
         states = storage.read_slots(slots.to(storage.device),
                                     None if tail_slots is None else tail_slots.to(storage.device))[which]  # [B,L,H,D]
         pads = (self.columns[:, first:] < 0).to(storage.device)
@@ -347,7 +294,7 @@ class PagedCache(DynamicCache):
         for seq in self.rows:
             self.kv.discard(seq)
         self.rows = forks
-        self.columns = self.columns[torch.tensor(rows, dtype=torch.long)]
+        self.timeline.select(rows)
         self._metadata, self._state = None, "idle"
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -378,13 +325,9 @@ class PagedCache(DynamicCache):
         remove = -tokens_to_remove
         if remove == 0 or not self.rows:
             return
-        if remove > self.seq_length:
-            raise ValueError(f"cannot crop {remove} tokens from a cache of {self.seq_length}")
-        dropped = (self.columns[:, -remove:] >= 0).sum(1).tolist()
+        dropped = self.timeline.crop(remove)
         for seq, count in zip(self.rows, dropped):
             self.kv.truncate(seq, seq.num_tokens - count)
-        self.columns = self.columns[:, :-remove]
-        self.seq_length -= remove
         self._metadata, self._state = None, "idle"
 
     def reset(self) -> None:
@@ -392,8 +335,7 @@ class PagedCache(DynamicCache):
         for seq in self.rows:
             self.kv.discard(seq)
         self.rows = []
-        self.columns = torch.zeros((0, 0), dtype=torch.long)
-        self.seq_length = 0
+        self.timeline.reset()
         self._metadata, self._state = None, "idle"
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
