@@ -4,7 +4,6 @@ scheduler, not this object, decides what each forward holds."""
 
 from __future__ import annotations
 
-import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..kv_manager import KVManager, LayerGroup
@@ -53,8 +52,3 @@ class EngineCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
-
-
-# A prepared 4D mask makes transformers' mask builders return it as is: the paged attention never reads a mask,
-# so an engine forward skips building a [1, 1, T, T] one.
-NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
