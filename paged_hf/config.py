@@ -139,6 +139,9 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV of full blocks whose token prefix was already computed.
         swap_space: GiB of CPU memory for swapped-out blocks. preemption_mode: "recompute", "swap" or "auto".
         scheduling_policy: "fcfs" or "priority" (lower ``priority`` value runs first).
+        cpu_threads_bind: the CPUs a CPU engine's forward runs on, one intra-op thread each: "auto" (the CPUs this
+            process may use), "nobind" (leave torch's threads as they are) or a list such as "0-3" (vLLM's
+            ``VLLM_CPU_OMP_THREADS_BIND``); see ``paged_hf.engine.threads``.
 
     Limits on one request, checked by ``PagedEngine.add_request`` (a request past one gets a ``ValueError`` naming
     the parameter, before it is queued):
@@ -162,6 +165,7 @@ class EngineConfig:
     max_logprobs: int = 20
     max_n: int = 128
     max_stop_strings: int = 32
+    cpu_threads_bind: str = "auto"
 
     @classmethod
     def from_options(cls, what: str, options: Mapping[str, Any]) -> "EngineConfig":
@@ -171,7 +175,10 @@ class EngineConfig:
         return cls(**options)
 
     def __post_init__(self) -> None:
+        from .engine.threads import check_cpu_threads_bind  # noqa: PLC0415 - the engine package imports this one
+
         CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype)
+        check_cpu_threads_bind(self.cpu_threads_bind)
         _check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         if self.kv_cache_memory is not None:
             _check_number("kv_cache_memory", self.kv_cache_memory, 0.0, float("inf"), low_open=True)

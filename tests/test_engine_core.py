@@ -308,3 +308,25 @@ def test_engine_forward_keeps_the_paged_attention_when_another_user_switches_the
     again = engine.generate(["Lily and Tom"], params, use_tqdm=False)[0].outputs[0].token_ids
     assert again == expected and model.config._attn_implementation == "paged"
     model.set_attn_implementation("sdpa")
+
+
+def test_cpu_threads_bind_pins_the_engine_and_is_checked(stories):
+    import os
+
+    model, tok = stories
+    with pytest.raises(ValueError, match=r"cpu_threads_bind must be 'auto', 'nobind' or a CPU list such as '0-3'"):
+        PagedEngine(model, tok, cpu_threads_bind="first two")
+    threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    try:
+        torch.set_num_threads(1)
+        PagedEngine(model, tok, cpu_threads_bind="auto")  # auto never changes a running program's threads
+        assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == affinity
+        first = min(affinity)
+        engine = PagedEngine(model, tok, cpu_threads_bind=str(first))
+        assert engine.cpu_threads == [first] and os.sched_getaffinity(0) == {first} and torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="names CPUs .* this process may not run on"):
+            PagedEngine(model, tok, cpu_threads_bind=f"{max(affinity) + 1}")
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+        model.set_attn_implementation("sdpa")

@@ -27,6 +27,7 @@ from .output import OutputStage
 from .request import Request, RequestOutput, RequestOutputKind
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from .threads import bind_cpu_threads
 from .validation import check_params, check_prompt_ids, prompt_ids, vocab_size
 from .worker import GIB, build_kv, follow, max_model_len_of, prepare_model
 
@@ -52,6 +53,7 @@ class PagedEngine:
         self._broken: TensorParallelError | None = None  # set when the tensor-parallel group broke
         self._timeout_s = DEFAULT_TIMEOUT_S
         self.model = prepare_model(model)
+        self.cpu_threads = bind_cpu_threads(self.config.cpu_threads_bind, model.device)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len_of(self.config, model)
         self.vocab_size = vocab_size(model, model.config.get_text_config(decoder=True))

@@ -1,0 +1,91 @@
+"""The CPU threads an engine's forward runs on (the meaning of vLLM's ``VLLM_CPU_OMP_THREADS_BIND``).
+
+``cpu_threads_bind`` (``EngineConfig``):
+- ``"auto"`` (default): in a process that already runs torch (``PagedEngine``, ``LLM``), its threads are left as
+  the program set them (``OMP_NUM_THREADS``, ``torch.set_num_threads``), never changed behind its back; a process
+  that starts for the engine (``paged-hf serve``) gets one pinned thread per CPU it may run on (its affinity mask);
+- a CPU list, ``"0-3"`` or ``"0,2,4-5"``: those CPUs only, one intra-op thread each, the process bound to them;
+- ``"nobind"``: torch's threads and the process's affinity are left as they are, everywhere.
+
+In a process that has not started torch's OpenMP runtime yet (``paged-hf serve`` before it imports torch),
+``omp_environment`` also pins each OpenMP thread to its own CPU (``OMP_PROC_BIND`` / ``OMP_PLACES``) and makes idle
+threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``): on a machine that other processes share, a spinning
+thread takes the core another process's work needs, and every parallel region then waits for its slowest thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("paged_hf")
+KEYWORDS = ("auto", "nobind")
+
+
+def parse_cpu_list(spec: str, name: str = "cpu_threads_bind") -> list[int]:
+    """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]``; ValueError naming ``name`` for anything else."""
+    cpus: list[int] = []
+    try:
+        for part in spec.split(","):
+            low, _, high = part.strip().partition("-")
+            first, last = int(low), int(high or low)
+            if first < 0 or last < first:
+                raise ValueError
+            cpus.extend(range(first, last + 1))
+    except ValueError:
+        raise ValueError(f"{name} must be 'auto', 'nobind' or a CPU list such as '0-3' or '0,2,4-5', "
+                         f"got {spec!r}") from None
+    return sorted(set(cpus))
+
+
+def check_cpu_threads_bind(spec) -> None:
+    """ValueError unless ``spec`` is a keyword or a CPU list (the CPUs' existence is checked when binding)."""
+    if not isinstance(spec, str):
+        raise ValueError(f"cpu_threads_bind must be a string ('auto', 'nobind' or a CPU list), got {spec!r}")
+    if spec not in KEYWORDS:
+        parse_cpu_list(spec)
+
+
+def chosen_cpus(spec: str) -> list[int] | None:
+    """The CPUs ``spec`` names (None for ``"nobind"``); ValueError for CPUs this process may not run on."""
+    if spec == "nobind":
+        return None
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+    if spec == "auto":
+        return allowed
+    cpus = parse_cpu_list(spec)
+    outside = [c for c in cpus if c not in allowed]
+    if outside:
+        raise ValueError(f"cpu_threads_bind={spec!r} names CPUs {outside} this process may not run on "
+                         f"(allowed: {allowed})")
+    return cpus
+
+
+def bind_cpu_threads(spec: str, device) -> list[int] | None:
+    """Binds this process's intra-op threads as ``spec`` says (CPU devices only); returns the CPUs, logged."""
+    if torch.device(device).type != "cpu":
+        return None
+    if spec in KEYWORDS:
+        logger.info("PagedEngine: %d intra-op threads, as this process set them (cpu_threads_bind=%r)",
+                    torch.get_num_threads(), spec)
+        return None
+    cpus = chosen_cpus(spec)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+    if torch.get_num_threads() != len(cpus):
+        torch.set_num_threads(len(cpus))
+    logger.info("PagedEngine: %d intra-op threads bound to CPUs %s (cpu_threads_bind=%r)", len(cpus), cpus, spec)
+    return cpus
+
+
+def omp_environment(spec: str) -> dict[str, str]:
+    """Environment that pins each OpenMP thread of a process not yet running torch to its own CPU of ``spec``
+    (empty for ``"nobind"``); variables already set are kept."""
+    cpus = chosen_cpus(spec)
+    if cpus is None:
+        return {}
+    wanted = {"OMP_NUM_THREADS": str(len(cpus)), "OMP_PROC_BIND": "close", "OMP_WAIT_POLICY": "PASSIVE",
+              "OMP_PLACES": ",".join(f"{{{c}}}" for c in cpus)}
+    return {name: value for name, value in wanted.items() if name not in os.environ}
