@@ -246,9 +246,11 @@ class Scheduler:
         if self.kv.prefix_caching:
             self.kv.cache_full_blocks(seq.kv, seq.token_ids, start + count, seq.request.cache_salt)
         samples = start + count == len(seq.token_ids)
-        forks = [s for s in seq.request.sequences[1:] if s.status is SequenceStatus.FORK_PENDING] \
-            if samples and seq.index == 0 else []
-        out.append(ScheduledSequence(seq, start, count, samples, forks))
+        if samples and seq.request.params.n > 1 and seq.index == 0:
+            forks = [s for s in seq.request.sequences[1:] if s.status is SequenceStatus.FORK_PENDING]
+            out.append(ScheduledSequence(seq, start, count, samples, forks))
+        else:
+            out.append(ScheduledSequence(seq, start, count, samples))
 
     # -------------------------------------------------------------------------- after the step
     def update_from_output(self, output: SchedulerOutput, result: "RunnerOutput",
