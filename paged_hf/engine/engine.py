@@ -76,6 +76,7 @@ class PagedEngine:
         self.scheduler = Scheduler(self.config, self.kv, self.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(model, self.kv, self.group)
         self._decode = decoder_for(tokenizer) if tokenizer is not None else None
+        self._other_decoders = {}  # (skip_special_tokens, spaces_between_special_tokens) -> Decoder, when asked
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._forks_pending: set[str] = set()  # requests with n > 1 whose other samples wait for the prompt
@@ -133,11 +134,13 @@ class PagedEngine:
     # -------------------------------------------------------------------------------- requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, cache_salt: str | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                    enable_prefix_caching: bool = True) -> str:
         """Queues a request; raises ``ValueError`` (and queues nothing) for a prompt that can never run.
 
         ``output_kind`` says what ``step()`` returns for it: everything so far (default), only what is new
-        (streaming), or one output when it finishes.
+        (streaming), or one output when it finishes. ``enable_prefix_caching=False``: this request reuses no cached
+        prefix (it computes its whole prompt; its blocks are still cached for later requests).
         """
         self._require_leader("add_request")
         params = params or SamplingParams()
@@ -159,6 +162,7 @@ class PagedEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         request = Request(request_id, text, ids, params, priority, cache_salt, RequestOutputKind(output_kind))
+        request.reuse_prefix = bool(enable_prefix_caching)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         self.requests[request_id] = request
@@ -295,6 +299,15 @@ class PagedEngine:
                                     self._decode_token if self._decode else None)
         request.prompt_logprobs.extend(entries)
 
+    def _decoder(self, params: SamplingParams):
+        """The output-text decoder ``params`` ask for (special tokens skipped, unless asked otherwise)."""
+        if params.skip_special_tokens and params.spaces_between_special_tokens:
+            return self._decode
+        key = (params.skip_special_tokens, params.spaces_between_special_tokens)
+        if key not in self._other_decoders:
+            self._other_decoders[key] = decoder_for(self.tokenizer, *key)
+        return self._other_decoders[key]
+
     def _decode_token(self, token_id: int) -> str:
         return self._decode([token_id])
 
@@ -309,7 +322,7 @@ class PagedEngine:
         if not per_step and not finished:
             return
         if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(self._decode, seq.num_prompt_tokens)
+            seq.detokenizer = IncrementalDetokenizer(self._decoder(params), seq.num_prompt_tokens)
         if per_step:
             delta = seq.detokenizer.update(seq.token_ids)
             stop_applies = params.stop and (not finished or seq.finish_reason == "length")
@@ -317,7 +330,7 @@ class PagedEngine:
                 longest = max(len(s) for s in params.stop)
                 found = find_stop(seq.detokenizer.text, len(delta), params.stop, longest)
                 if found is not None:
-                    seq.detokenizer.truncate(found[1])
+                    seq.detokenizer.truncate(found[1] + (len(found[0]) if params.include_stop_str_in_output else 0))
                     if finished:
                         seq.finish_reason, seq.stop_reason = "stop", found[0]
                     else:
