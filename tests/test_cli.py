@@ -152,7 +152,8 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
     seen = {}
     monkeypatch.setattr(cli, "_load_engine", lambda args: (seen.setdefault("engine", cli._engine_options(args)),
                                                            "model"))
-    monkeypatch.setattr(app_module, "build_app", lambda engine, name, *limits: seen.update(app=(name, *limits)))
+    monkeypatch.setattr(app_module, "build_app", lambda engine, name, *limits, **options: seen.update(
+        app=(name, *limits), options=options))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(uvicorn=kwargs))
     logger = logging.getLogger("paged_hf")
     level, handlers, propagate = logger.level, list(logger.handlers), logger.propagate
