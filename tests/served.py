@@ -17,7 +17,8 @@ import httpx
 
 from models import STORIES, require_stories
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+CHAT_TEMPLATE = "{% if preamble is defined %}{{ preamble }}\n{% endif %}" \
+                "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
                 "{% if add_generation_prompt %}assistant:{% endif %}"
 ROOT = Path(__file__).resolve().parents[1]
 

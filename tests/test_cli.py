@@ -161,6 +161,9 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
         assert cli.main(["serve", "--max-request-bytes", "1000", "--log-level", "debug", "--max-n", "3",
                          "--max-logprobs", "4", "--max-stop-strings", "2", "--max-queue-len", "9"]) == 0
         assert logger.level == logging.DEBUG and any(getattr(h, "paged_hf_cli", False) for h in logger.handlers)
+        options = seen.pop("options")
+        assert cli.main(["serve", "--allow-unknown-fields"]) == 0 and seen["options"] == {"allow_unknown_fields": True}
+        seen["options"] = options
     finally:
         logger.setLevel(level)
         logger.handlers[:] = handlers
@@ -168,3 +171,4 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
     assert {k: seen["engine"][k] for k in ("max_n", "max_logprobs", "max_stop_strings")} == \
         {"max_n": 3, "max_logprobs": 4, "max_stop_strings": 2}
     assert seen["app"] == ("model", 9, 1000) and seen["uvicorn"]["log_level"] == "debug"
+    assert seen["options"] == {"allow_unknown_fields": False}

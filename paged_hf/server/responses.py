@@ -126,7 +126,9 @@ class ResponseBuilder:
     def usage(self, finals) -> dict:
         prompt = sum(len(o.prompt_token_ids) for o in finals)
         completion = sum(self.num_completion_tokens(c) for o in finals for c in o.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(o.metrics.num_prefix_cached_tokens for o in finals if o.metrics is not None)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def chunk(self, p: int, index: int, out, completion, first: bool, usage: dict | None = None) -> str:
         """One SSE event for the new part of a choice (``completion`` is a DELTA output of ``out``); ``usage``:
