@@ -78,3 +78,16 @@ class Served:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def client_program(name: str, variable: str) -> str | None:
+    """A third-party client's command: ``$variable``, else ``.clients/<venv>/bin/<name>`` (tests/clients/install.sh),
+    else ``name`` on PATH; None where none is found."""
+    given = os.environ.get(variable)
+    if given:
+        return given
+    venv = {"lm_eval": "lm-eval"}.get(name, name)
+    installed = ROOT / ".clients" / venv / "bin" / name
+    if installed.is_file():
+        return str(installed)
+    return shutil.which(name)
