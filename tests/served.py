@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from models import STORIES, require_stories
 
 CHAT_TEMPLATE = "{% if preamble is defined %}{{ preamble }}\n{% endif %}" \

@@ -23,17 +23,17 @@ from starlette.concurrency import run_in_threadpool
 from ..config import SamplingParams
 from ..engine import PagedEngine, RequestOutputKind
 from ..engine.detokenizer import decoder_for
-from .body import DEFAULT_MAX_REQUEST_BYTES, ClientGone, parse_body, read_body
+from .body import CLIENT_GONE, DEFAULT_MAX_REQUEST_BYTES, ClientGone, parse_body, read_body
 from .engine_loop import EngineDeadError, EngineLoop, QueueFullError
 from .errors import ApiError, bad_request, install_handlers, internal_error
 from .logprobs import TokenBytes
 from .metrics import ServerMetrics
 from .prompts import PromptTokenizer
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import Echo, ResponseBuilder, collect, events
+from .tokenizer_api import add_tokenizer_routes
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives no max_tokens (capped by the room its prompt leaves)
-CLIENT_GONE = 499  # nginx's status for a client that closed the connection (nobody reads it)
 logger = logging.getLogger("paged_hf")
 
 
@@ -124,37 +124,7 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
         return await run(raw, body, [prompt], params, chat=True, logprobs=body.num_top_logprobs, rename=rename,
                          echo=Echo(prompt_logprobs=body.prompt_logprobs))
 
-    @app.post("/tokenize")
-    async def tokenize_route(raw: Request):
-        try:
-            body = await parse(raw, TokenizeRequest)
-        except ClientGone:
-            return Response(status_code=CLIENT_GONE)
-        if body.messages is not None:
-            chat = ChatCompletionRequest(messages=body.messages, chat_template_kwargs=body.chat_template_kwargs)
-            prompt = await tokenize.chat(chat.chat(), chat.template_kwargs(), body.add_generation_prompt is not False,
-                                         bool(body.add_special_tokens))
-            ids = prompt["prompt_token_ids"]
-        else:
-            ids = await tokenize.encode(body.prompt, body.add_special_tokens is not False)
-        strs = engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
-
-    @app.post("/detokenize")
-    async def detokenize_route(raw: Request):
-        try:
-            body = await parse(raw, DetokenizeRequest)
-        except ClientGone:
-            return Response(status_code=CLIENT_GONE)
-        vocab = engine.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"tokens holds {bad}, not a token id of this model (0 .. {vocab - 1})", "tokens")
-        return {"prompt": await run_in_threadpool(decode, body.tokens)}
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info():
-        return tokenizer_summary(engine.tokenizer, engine.max_model_len)
+    add_tokenizer_routes(app, engine, tokenize, decode, parse)
 
     async def run(raw: Request, body, prompts: list, params: SamplingParams, chat: bool, logprobs, rename, echo):
         per_prompt = [params if body.max_tokens_given else default_max_tokens(params, p, engine.max_model_len)
@@ -171,7 +141,8 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
             raise bad_request(error, rename) from None
         ids = [request_id for request_id, _ in submitted]
         queues = [outputs for _, outputs in submitted]
-        builder = ResponseBuilder(model_name, chat, params.n, decode, logprobs, body.request_id, token_bytes, echo)
+        builder = ResponseBuilder(model_name, chat, params.n, decode, logprobs, body.request_id, token_bytes, echo,
+                                  params.skip_special_tokens)
         if body.stream:
             return StreamingResponse(events(loop, ids, queues, builder, body.include_usage, body.continuous_usage),
                                      media_type="text/event-stream")
@@ -185,14 +156,6 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
 
 def _truncation(body) -> int | None:
     return None if body.truncate_prompt_tokens in (None, -1) else body.truncate_prompt_tokens
-
-
-def tokenizer_summary(tokenizer, max_model_len: int) -> dict:
-    """``/tokenizer_info`` (vLLM's): the tokenizer's class, special tokens, chat template and lengths."""
-    special = {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    return {"tokenizer_class": type(tokenizer).__name__, **{k: v for k, v in special.items() if v is not None},
-            "model_max_length": max_model_len, "vocab_size": len(tokenizer),
-            "chat_template": getattr(tokenizer, "chat_template", None)}
 
 
 def sampling_params(body, logprobs: int | None, rename: dict[str, str], prompt_logprobs: int | None = None

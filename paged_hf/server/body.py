@@ -23,6 +23,9 @@ logger = logging.getLogger("paged_hf")
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
+CLIENT_GONE = 499  # nginx's status for a client that closed the connection (nobody reads it)
+
+
 class ClientGone(Exception):
     """The client disconnected before its body was read: there is nobody to answer."""
 

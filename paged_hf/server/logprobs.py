@@ -82,9 +82,10 @@ def openai_token(raw: bytes) -> str:
 class ChoiceLogprobs:
     """Names and formats the logprobs of one choice, chunk after chunk."""
 
-    def __init__(self, decode, token_bytes: TokenBytes | None = None) -> None:
+    def __init__(self, decode, token_bytes: TokenBytes | None = None, skip_special_tokens: bool = True) -> None:
         self.decode = decode
         self.token_bytes = token_bytes
+        self.skip_special = skip_special_tokens  # chat: special tokens get no entry (not part of the content)
         self.token_ids: list[int] = []
         self.detokenizer = IncrementalDetokenizer(decode, 0)
         self.offset = 0  # characters of text before the next token
@@ -129,7 +130,7 @@ class ChoiceLogprobs:
         """``/v1/chat/completions``: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]} for the new
         content tokens (``top_logprobs``: the ``top`` most likely, in rank order)."""
         content = []
-        special = self.token_bytes.special_ids if self.token_bytes is not None else frozenset()
+        special = self.token_bytes.special_ids if self.token_bytes is not None and self.skip_special else frozenset()
         for token, _, entry, _, window, context in self._named(token_ids, entries):
             if token in special:
                 continue
@@ -146,7 +147,7 @@ class ChoiceLogprobs:
     def _own(self, window: list[int], token: int, context: str) -> tuple[str, bytes]:
         """A token's OpenAI name and its own bytes, after ``window`` (whose text is ``context``)."""
         raw = self.token_bytes.raw(token) if self.token_bytes is not None else None
-        if self.token_bytes is not None and token in self.token_bytes.special_ids:  # an alternative: its piece
+        if self.token_bytes is not None and token in self.token_bytes.special_ids:  # named by its piece
             piece = self.token_bytes.pieces.get(token, "")
             return piece, piece.encode("utf-8")
         if raw is not None:

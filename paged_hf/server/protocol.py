@@ -33,17 +33,17 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gui
           "guided_whitespace_pattern", "structured_outputs", "structural_tag")
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictBody):
     include_usage: bool | None = False  # a last chunk, before [DONE], with empty choices and the request's usage
     continuous_usage_stats: bool | None = False  # vLLM's: the usage so far in every chunk too
     include_obfuscation: bool | None = None  # OpenAI's padding against side channels: none is added here
 
 
-class _Sampling(_Strict):
+class _Sampling(StrictBody):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -226,12 +226,12 @@ class CompletionRequest(_Sampling):
                            "logprobs")
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictBody):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[ContentPart] | None = ""
     name: str | None = None
@@ -310,28 +310,3 @@ class ChatCompletionRequest(_Sampling):
                 raise ApiError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
                                "top_logprobs")
 
-
-class TokenizeRequest(_Strict):
-    """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` through the chat template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template has them)
-    add_generation_prompt: bool | None = None
-    return_token_strs: bool | None = False
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    def check_supported(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise ApiError(400, "give either prompt or messages", "prompt")
-
-
-class DetokenizeRequest(_Strict):
-    """vLLM's ``/detokenize``: token ids to text."""
-
-    model: str | None = None
-    tokens: list[int]
-
-    def check_supported(self) -> None:
-        pass

@@ -42,12 +42,13 @@ class ResponseBuilder:
     """The response shapes of one HTTP request (completion or chat), and each choice's logprobs state."""
 
     def __init__(self, model: str, chat: bool, n: int, decode, logprobs: int | None, request_id: str | None = None,
-                 token_bytes: TokenBytes | None = None, echo: Echo | None = None) -> None:
+                 token_bytes: TokenBytes | None = None, echo: Echo | None = None, skip_special_tokens: bool = True
+                 ) -> None:
         prefix = "chatcmpl-" if chat else "cmpl-"
         self.id = prefix + (request_id if request_id is not None else uuid.uuid4().hex[:24])
         self.created = int(time.time())
         self.model, self.chat, self.n, self.decode, self.logprobs = model, chat, n, decode, logprobs
-        self.token_bytes = token_bytes
+        self.token_bytes, self.skip_special_tokens = token_bytes, skip_special_tokens
         self.echo = echo or Echo()
         self._choice_logprobs: dict[int, ChoiceLogprobs] = {}
         self._prompt_entries: dict[int, list] = {}  # prompt index -> its prompt logprobs received so far
@@ -73,7 +74,8 @@ class ResponseBuilder:
     def _logprobs(self, index: int, completion):
         if self.logprobs is None or completion.logprobs is None:
             return None
-        state = self._choice_logprobs.setdefault(index, ChoiceLogprobs(self.decode, self.token_bytes))
+        state = self._choice_logprobs.setdefault(
+            index, ChoiceLogprobs(self.decode, self.token_bytes, self.skip_special_tokens))
         if self.chat:
             return state.chat(completion.token_ids, completion.logprobs, self.logprobs)
         return state.completion(completion.token_ids, completion.logprobs)
