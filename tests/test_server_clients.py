@@ -220,6 +220,20 @@ def test_every_reference_field_null_is_the_default(served, path, fields, base):
         "include_usage": None, "include_obfuscation": None, "continuous_usage_stats": None}}).status_code == 200
 
 
+def test_message_fields_null_are_the_default(served):
+    history = [{"role": "user", "content": "Hi", "name": None},
+               {"role": "assistant", "content": "Hello.", "refusal": None, "tool_calls": None, "function_call": None,
+                "audio": None},
+               {"role": "user", "content": "Tell me a story."}]
+    plain = [{k: v for k, v in m.items() if v is not None} for m in history]
+    got = post(served, "/v1/chat/completions", {"messages": history, "max_tokens": 4, "temperature": 0})
+    want = post(served, "/v1/chat/completions", {"messages": plain, "max_tokens": 4, "temperature": 0})
+    assert got.status_code == 200 and got.json()["choices"][0]["message"] == want.json()["choices"][0]["message"]
+    calls = [{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}]
+    refused = post(served, "/v1/chat/completions", {"messages": calls, "max_tokens": 1})
+    assert refused.status_code == 400 and "messages.0.tool_calls" in refused.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("field, value", [
     ("audio", {"voice": "alloy", "format": "wav"}), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {}), ("tools", [{"type": "function", "function": {"name": "f"}}]),

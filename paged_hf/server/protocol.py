@@ -235,11 +235,23 @@ class ChatMessage(StrictBody):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[ContentPart] | None = ""
     name: str | None = None
+    refusal: str | None = None  # an assistant turn that refused: its text when it has no content
+    tool_calls: list | None = None  # OpenAI's assistant-message fields for what is not built here: null or empty
+    function_call: dict | None = None
+    audio: dict | None = None
+
+    def check_supported(self, index: int) -> None:
+        for name in ("tool_calls", "function_call", "audio"):
+            if getattr(self, name):
+                raise ApiError(400, f"messages.{index}.{name} is not supported: paged_hf has no tool calls or audio",
+                               "messages")
 
     def as_dict(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
+        if not content and self.refusal:
+            content = self.refusal
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name  # for chat templates that read it
@@ -286,6 +298,8 @@ class ChatCompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
+        for index, message in enumerate(self.messages):
+            message.check_supported(index)
         for name in ("tools", "functions", "function_call"):
             if getattr(self, name):
                 raise ApiError(400, f"{name} is not supported: paged_hf does not call tools", name)
