@@ -143,7 +143,12 @@ def _add_serve(subcommands) -> None:
                         help="waiting requests beyond which the server answers 503 with Retry-After")
     parser.add_argument("--max-request-bytes", type=_positive_int, default=16 * 2**20,
                         help="request bodies past this many bytes get 413 (default: %(default)s, 16 MiB)")
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send and /v1/models lists (default: the model folder's name, "
+                             "or the .gguf file's name with --gguf-file)")
+    parser.add_argument("--allow-unknown-fields", action="store_true",
+                        help="ignore request fields this server does not know, with a warning, instead of a 400 "
+                             "naming them (vLLM's behaviour)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                         help="for paged_hf's log (startup, request failures; debug: preemptions) and uvicorn's")
     parser.set_defaults(handler=_run_serve)
@@ -173,7 +178,8 @@ def _run_serve(args) -> int:
 
     configure_logging(args.log_level)
     engine, name = _load_engine(args)
-    app = build_app(engine, args.served_model_name or name, args.max_queue_len, args.max_request_bytes)
+    app = build_app(engine, args.served_model_name or name, args.max_queue_len, args.max_request_bytes,
+                    allow_unknown_fields=args.allow_unknown_fields)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -214,6 +214,9 @@ class SamplingParams:
     ``prompt_logprobs=k``: the same for every prompt token after the first. Logprobs are those of the model's raw
     distribution (before penalties, temperature and filtering), as a plain forward over prompt + output gives them.
     ``logit_bias``: {token id: bias in [-100, 100]} added to the logits before sampling (greedy too), as OpenAI's.
+    ``skip_special_tokens=False`` keeps special tokens in the output text (``spaces_between_special_tokens`` is
+    handed to tokenizers whose ``decode`` takes it); ``include_stop_str_in_output`` ends the text after the stop
+    string that stopped it instead of before it (vLLM's names and defaults).
 
     Every value is checked here (types, ranges, finite numbers: NaN or inf is refused); the limits that depend on
     the model or the engine (token ids in the vocabulary, ``max_model_len``, ``EngineConfig.max_n`` ...) are checked
@@ -238,6 +241,9 @@ class SamplingParams:
     min_tokens: int = 0
     logits_processors: tuple | list | None = None
     logit_bias: Mapping[int, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
@@ -255,6 +261,8 @@ class SamplingParams:
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
         _check_bool("ignore_eos", self.ignore_eos)
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+            _check_bool(name, getattr(self, name))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         processors = self.logits_processors

@@ -152,7 +152,8 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
     seen = {}
     monkeypatch.setattr(cli, "_load_engine", lambda args: (seen.setdefault("engine", cli._engine_options(args)),
                                                            "model"))
-    monkeypatch.setattr(app_module, "build_app", lambda engine, name, *limits: seen.update(app=(name, *limits)))
+    monkeypatch.setattr(app_module, "build_app", lambda engine, name, *limits, **options: seen.update(
+        app=(name, *limits), options=options))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(uvicorn=kwargs))
     logger = logging.getLogger("paged_hf")
     level, handlers, propagate = logger.level, list(logger.handlers), logger.propagate
@@ -160,6 +161,9 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
         assert cli.main(["serve", "--max-request-bytes", "1000", "--log-level", "debug", "--max-n", "3",
                          "--max-logprobs", "4", "--max-stop-strings", "2", "--max-queue-len", "9"]) == 0
         assert logger.level == logging.DEBUG and any(getattr(h, "paged_hf_cli", False) for h in logger.handlers)
+        first = dict(seen)
+        assert cli.main(["serve", "--allow-unknown-fields"]) == 0 and seen["options"] == {"allow_unknown_fields": True}
+        seen.update(first)
     finally:
         logger.setLevel(level)
         logger.handlers[:] = handlers
@@ -167,3 +171,4 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
     assert {k: seen["engine"][k] for k in ("max_n", "max_logprobs", "max_stop_strings")} == \
         {"max_n": 3, "max_logprobs": 4, "max_stop_strings": 2}
     assert seen["app"] == ("model", 9, 1000) and seen["uvicorn"]["log_level"] == "debug"
+    assert seen["options"] == {"allow_unknown_fields": False}

@@ -142,7 +142,7 @@ def test_a_prompt_the_engine_refuses_aborts_the_prompts_queued_before_it(server)
     (COMPLETIONS, {"prompt": "word " * 600}, 400, "prompt", "max_model_len=512 leaves no room"),
     (CHAT, {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages", "maximum context length"),
     (COMPLETIONS, {"suffix": "The end."}, 400, "suffix", "suffix is not supported"),
-    (COMPLETIONS, {"echo": True}, 400, "echo", "echo is not supported"),
+    (COMPLETIONS, {"max_tokens": 0}, 400, "max_tokens", "0 is allowed only with echo: true"),
     (COMPLETIONS, {"best_of": 3}, 400, "best_of", "best_of must equal n"),
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
     (CHAT, {"tool_choice": "auto"}, 400, "tool_choice", "not supported"),

@@ -30,15 +30,20 @@ class Decoder:
     magnitude faster per call), else its ``decode``.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> None:
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-            self._decode = lambda ids: backend.decode(list(ids), skip_special_tokens=True)
+        skip = skip_special_tokens
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False) and \
+                spaces_between_special_tokens:
+            self._decode = lambda ids: backend.decode(list(ids), skip_special_tokens=skip)
+        elif spaces_between_special_tokens:
+            self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)
         else:
-            self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+            self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip,
+                                                        spaces_between_special_tokens=False)
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.byte_tokens = frozenset(i for piece, i in vocab.items() if _BYTE_TOKEN.fullmatch(piece))
-        self.special_tokens = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self.special_tokens = frozenset(getattr(tokenizer, "all_special_ids", ())) if skip else frozenset()
         self._anchor = self._anchor_token(vocab)
         self._texts: dict[int, str] = {}
 

@@ -22,7 +22,6 @@ from ..distributed.group import DEFAULT_TIMEOUT_S, TensorParallelError
 from ..distributed.launch import check_launch_options
 from ..kv_stats import EngineStats
 from . import parallel
-from .detokenizer import Decoder
 from .output import OutputStage
 from .request import Request, RequestOutput, RequestOutputKind
 from .runner import ModelRunner
@@ -59,7 +58,7 @@ class PagedEngine:
         self.vocab_size = vocab_size(model, model.config.get_text_config(decoder=True))
         self.kv = build_kv(model, self.config, self.group)
         self.eos_token_ids = self._eos_token_ids()
-        self.output = OutputStage(Decoder(tokenizer) if tokenizer is not None else None)
+        self.output = OutputStage(tokenizer)
         self.scheduler = Scheduler(self.config, self.kv, self.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(model, self.kv, self.group, _executor, self.eos_token_ids,
                                   self.output.token_text if tokenizer is not None else None)
@@ -84,11 +83,13 @@ class PagedEngine:
     # -------------------------------------------------------------------------------- requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, cache_salt: str | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                    enable_prefix_caching: bool = True) -> str:
         """Queues a request; raises ``ValueError`` (and queues nothing) for a prompt that can never run.
 
         ``output_kind`` says what ``step()`` returns for it: everything so far (default), only what is new
-        (streaming), or one output when it finishes.
+        (streaming), or one output when it finishes. ``enable_prefix_caching=False``: this request reuses no cached
+        prefix (it computes its whole prompt; its blocks are still cached for later requests).
         """
         self._require_leader("add_request")
         params = params or SamplingParams()
@@ -108,6 +109,7 @@ class PagedEngine:
             )
         request_id = str(next(self._ids)) if request_id is None else request_id
         request = Request(request_id, text, ids, params, priority, cache_salt, RequestOutputKind(output_kind))
+        request.reuse_prefix = bool(enable_prefix_caching)
         self.scheduler.add(request)
         return request_id
 

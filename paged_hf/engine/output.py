@@ -27,11 +27,22 @@ class _Sent:
 
 
 class OutputStage:
-    """Detokenization, stop strings and outputs for one engine (``decoder``: None runs on token ids alone)."""
+    """Detokenization, stop strings and outputs for one engine (``tokenizer``: None runs on token ids alone)."""
 
-    def __init__(self, decoder: Decoder | None) -> None:
-        self.decoder = decoder
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.decoder = Decoder(tokenizer) if tokenizer is not None else None
+        self._other_decoders: dict[tuple[bool, bool], Decoder] = {}  # the rarer special-token settings, when asked
         self._sent: dict[str, _Sent] = {}
+
+    def _decoder_for(self, params) -> Decoder:
+        """The output-text decoder ``params`` ask for (special tokens skipped, unless asked otherwise)."""
+        if params.skip_special_tokens and params.spaces_between_special_tokens:
+            return self.decoder
+        key = (params.skip_special_tokens, params.spaces_between_special_tokens)
+        if key not in self._other_decoders:
+            self._other_decoders[key] = Decoder(self.tokenizer, *key)
+        return self._other_decoders[key]
 
     def token_text(self, token_id: int) -> str | None:
         """A logprob entry's name for ``token_id`` (its text in context), or None without a tokenizer."""
@@ -56,12 +67,13 @@ class OutputStage:
         found = find_stop(detokenizer.text, len(delta), params.stop, max(len(s) for s in params.stop))
         if found is None:
             return None
-        detokenizer.truncate(found[1])
+        detokenizer.truncate(found[1] + (len(found[0]) if params.include_stop_str_in_output else 0))
         return found[0]
 
     def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
         if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(self.decoder, seq.num_prompt_tokens, seq.token_ids)
+            seq.detokenizer = IncrementalDetokenizer(self._decoder_for(seq.request.params), seq.num_prompt_tokens,
+                                                     seq.token_ids)
         return seq.detokenizer
 
     # ------------------------------------------------------------------------------------- outputs

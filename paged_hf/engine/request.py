@@ -124,6 +124,7 @@ class Request:
         self.params = params
         self.priority = priority
         self.cache_salt = cache_salt
+        self.reuse_prefix = True  # False: the scheduler looks up no cached prefix for it
         self.output_kind = output_kind
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.error: BaseException | None = None

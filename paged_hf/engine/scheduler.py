@@ -214,8 +214,9 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.kv is None:
                 seq.kv = kv.new_sequence()
-            # prompt logprobs need the logits of every prompt position: such a request computes its whole prompt
-            hits = [] if seq.request.params.prompt_logprobs is not None else \
+            # prompt logprobs need the logits of every prompt position: such a request computes its whole prompt,
+            # as does one that asked for no prefix reuse
+            hits = [] if seq.request.params.prompt_logprobs is not None or not seq.request.reuse_prefix else \
                 kv.find_prefix_hits(seq.kv, seq.token_ids, seq.request.cache_salt)
             count = min(len(seq.token_ids) - len(hits) * kv.block_size, budget)
             if kv.admission_blocks(hits, count) > kv.num_free_blocks:

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions (both with SSE streaming),
-/v1/models, /health and /metrics (Prometheus).
+/v1/models and /v1/models/{id}, vLLM's /tokenize, /detokenize and /tokenizer_info, /health and /metrics
+(Prometheus).
 
 A request goes: body read under ``max_request_bytes`` (413) and parsed (400: JSON, UTF-8, surrogates, unknown or
 unsupported fields) -> model name checked (404) -> ``SamplingParams`` (400 naming the field) -> prompts tokenized in
@@ -22,28 +23,31 @@ from starlette.concurrency import run_in_threadpool
 from ..config import SamplingParams
 from ..engine import PagedEngine, RequestOutputKind
 from ..engine.detokenizer import Decoder
-from .body import DEFAULT_MAX_REQUEST_BYTES, ClientGone, parse_body, read_body
+from .body import CLIENT_GONE, DEFAULT_MAX_REQUEST_BYTES, ClientGone, parse_body, read_body
 from .engine_loop import EngineDeadError, EngineLoop, QueueFullError
 from .errors import ApiError, bad_request, install_handlers, internal_error
+from .logprobs import TokenBytes
 from .metrics import ServerMetrics
 from .prompts import PromptTokenizer
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .responses import ResponseBuilder, collect, events
+from .responses import Echo, ResponseBuilder, collect, events
+from .tokenizer_api import add_tokenizer_routes
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives no max_tokens (capped by the room its prompt leaves)
-CLIENT_GONE = 499  # nginx's status for a client that closed the connection (nobody reads it)
 logger = logging.getLogger("paged_hf")
 
 
 def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The app; its engine loop starts and stops with the app's lifespan."""
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allow_unknown_fields: bool = False) -> FastAPI:
+    """The app; its engine loop starts and stops with the app's lifespan. ``allow_unknown_fields``: a request
+    field this server does not know is ignored with a warning instead of a 400 (vLLM's behaviour)."""
     if engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer: PagedEngine(model, tokenizer)")
     metrics = ServerMetrics()
     loop = EngineLoop(engine, max_queue_len, on_output=metrics.observe)
     tokenize = PromptTokenizer(engine.tokenizer, engine.max_model_len)
     decode = Decoder(engine.tokenizer)
+    token_bytes = TokenBytes(engine.tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -58,6 +62,8 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
     app = FastAPI(title="paged_hf", version="0.1.0", lifespan=lifespan)
     app.state.engine_loop = loop
     install_handlers(app)
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "paged_hf",
+                  "max_model_len": engine.max_model_len}
 
     @app.get("/health")
     async def health():
@@ -72,12 +78,17 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "paged_hf",
-                                            "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise ApiError(404, f"The model `{model_id}` does not exist.", "model", "model_not_found")
+        return model_card
 
     async def parse(raw: Request, model):
-        body = await parse_body(await read_body(raw, max_request_bytes), model)
-        if body.model is not None and body.model != model_name:
+        body = await parse_body(await read_body(raw, max_request_bytes), model, allow_unknown_fields)
+        if getattr(body, "model", None) is not None and body.model != model_name:
             raise ApiError(404, f"The model `{body.model}` does not exist.", "model", "model_not_found")
         body.check_supported()
         return body
@@ -88,9 +99,13 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
             body = await parse(raw, CompletionRequest)
         except ClientGone:
             return Response(status_code=CLIENT_GONE)
-        params = sampling_params(body, body.logprobs, {})
-        prompts = await tokenize.completions(body.prompts())
-        return await run(raw, body, prompts, params, chat=False, logprobs=body.logprobs, rename={})
+        params = sampling_params(body, body.logprobs, {}, body.engine_prompt_logprobs)
+        prompts = await tokenize.completions(body.prompts(), body.add_special_tokens is not False,
+                                             _truncation(body))
+        echo = Echo(echo=bool(body.echo), scores_only=body.scores_only,
+                    texts=[p.get("prompt") if isinstance(p, dict) else None for p in prompts],
+                    prompt_logprobs=body.prompt_logprobs)
+        return await run(raw, body, prompts, params, chat=False, logprobs=body.logprobs, rename={}, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
@@ -98,18 +113,25 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
             body = await parse(raw, ChatCompletionRequest)
         except ClientGone:
             return Response(status_code=CLIENT_GONE)
+        if body.stream and body.prompt_logprobs is not None:
+            raise ApiError(400, "prompt_logprobs is not available with stream: true on chat completions (use "
+                                "/v1/completions, which streams them)", "prompt_logprobs")
         max_tokens = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         rename = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
-        params = sampling_params(body, body.num_top_logprobs, rename)
-        prompt = await tokenize.chat(body.chat())
-        return await run(raw, body, [prompt], params, chat=True, logprobs=body.num_top_logprobs, rename=rename)
+        params = sampling_params(body, body.num_top_logprobs, rename, body.prompt_logprobs)
+        prompt = await tokenize.chat(body.chat(), body.template_kwargs(), body.add_generation_prompt is not False,
+                                     bool(body.add_special_tokens), _truncation(body))
+        return await run(raw, body, [prompt], params, chat=True, logprobs=body.num_top_logprobs, rename=rename,
+                         echo=Echo(prompt_logprobs=body.prompt_logprobs))
 
-    async def run(raw: Request, body, prompts: list, params: SamplingParams, chat: bool, logprobs, rename):
+    add_tokenizer_routes(app, engine, tokenize, decode, parse)
+
+    async def run(raw: Request, body, prompts: list, params: SamplingParams, chat: bool, logprobs, rename, echo):
         per_prompt = [params if body.max_tokens_given else default_max_tokens(params, p, engine.max_model_len)
                       for p in prompts]
         kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
         try:
-            submitted = await loop.submit(prompts, per_prompt, kind)
+            submitted = await loop.submit(prompts, per_prompt, kind, body.submit_options())
         except QueueFullError as error:
             metrics.rejected.inc()
             raise ApiError(503, str(error), code="overloaded", headers={"Retry-After": "1"}) from None
@@ -119,9 +141,10 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
             raise bad_request(error, rename) from None
         ids = [request_id for request_id, _ in submitted]
         queues = [outputs for _, outputs in submitted]
-        builder = ResponseBuilder(model_name, chat, params.n, decode, logprobs)
+        builder = ResponseBuilder(model_name, chat, params.n, decode, logprobs, body.request_id, token_bytes, echo,
+                                  params.skip_special_tokens)
         if body.stream:
-            return StreamingResponse(events(loop, ids, queues, builder, body.include_usage),
+            return StreamingResponse(events(loop, ids, queues, builder, body.include_usage, body.continuous_usage),
                                      media_type="text/event-stream")
         finals = await collect(raw, loop, ids, queues)
         if finals is None:
@@ -131,9 +154,14 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
     return app
 
 
-def sampling_params(body, logprobs: int | None, rename: dict[str, str]) -> SamplingParams:
+def _truncation(body) -> int | None:
+    return None if body.truncate_prompt_tokens in (None, -1) else body.truncate_prompt_tokens
+
+
+def sampling_params(body, logprobs: int | None, rename: dict[str, str], prompt_logprobs: int | None = None
+                    ) -> SamplingParams:
     try:
-        return body.sampling_params(DEFAULT_MAX_TOKENS, logprobs)
+        return body.sampling_params(DEFAULT_MAX_TOKENS, logprobs, prompt_logprobs)
     except ValueError as error:
         raise bad_request(error, rename) from None
 

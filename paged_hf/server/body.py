@@ -8,6 +8,7 @@ validation run in a worker thread: a large body does not hold the event loop.
 from __future__ import annotations
 
 import json
+import logging
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -18,7 +19,11 @@ from .errors import ApiError
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 
+logger = logging.getLogger("paged_hf")
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+CLIENT_GONE = 499  # nginx's status for a client that closed the connection (nobody reads it)
 
 
 class ClientGone(Exception):
@@ -46,11 +51,11 @@ def _too_large(size: int, limit: int, at_least: bool = False) -> ApiError:
                          f"{limit} (--max-request-bytes)", code="request_too_large")
 
 
-async def parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
-    return await run_in_threadpool(_parse, body, model)
+async def parse_body(body: bytes, model: type[BaseModel], allow_unknown_fields: bool = False) -> BaseModel:
+    return await run_in_threadpool(_parse, body, model, allow_unknown_fields)
 
 
-def _parse(body: bytes, model: type[BaseModel]) -> BaseModel:
+def _parse(body: bytes, model: type[BaseModel], allow_unknown_fields: bool = False) -> BaseModel:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -63,10 +68,28 @@ def _parse(body: bytes, model: type[BaseModel]) -> BaseModel:
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got a JSON {type(data).__name__}")
     _check_surrogates(data, "")
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        raise validation_error(error) from None
+    while True:
+        try:
+            return model.model_validate(data)
+        except ValidationError as error:
+            unknown = [e["loc"] for e in error.errors() if e["type"] == "extra_forbidden"]
+            if not allow_unknown_fields or not unknown:
+                raise validation_error(error) from None
+            try:
+                for loc in unknown:
+                    _drop(data, loc)
+            except (KeyError, IndexError, TypeError):
+                raise validation_error(error) from None
+
+
+def _drop(data: dict, loc: tuple) -> None:
+    """Removes the unknown field at ``loc`` (``--allow-unknown-fields``), with a warning naming it."""
+    path = [p for p in loc if not _is_type_tag(p)]
+    parent = data
+    for part in path[:-1]:
+        parent = parent[part]
+    logger.warning("ignoring the unknown request field %s (--allow-unknown-fields)", ".".join(map(str, path)))
+    del parent[path[-1]]
 
 
 def _no_constants(name: str):

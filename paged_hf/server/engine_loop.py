@@ -63,9 +63,10 @@ class EngineLoop:
         return self.error is None and self._thread.is_alive()
 
     # --------------------------------------------------------------------- called by handlers
-    async def submit(self, prompts: list, params: list[SamplingParams], output_kind: RequestOutputKind
-                     ) -> list[tuple[str, asyncio.Queue]]:
+    async def submit(self, prompts: list, params: list[SamplingParams], output_kind: RequestOutputKind,
+                     options: dict | None = None) -> list[tuple[str, asyncio.Queue]]:
         """Queues the prompts of one HTTP request, all or none; returns each one's id and output queue.
+        ``options``: ``PagedEngine.add_request`` keywords for each of them (``priority``, ``cache_salt``, ...).
 
         Raises ``ParameterError`` for more prompts than the queue can ever hold, ``QueueFullError`` when the queue
         is full now, ``EngineDeadError`` when the loop died, and the engine's ``ValueError`` for a prompt it refuses.
@@ -82,7 +83,7 @@ class EngineLoop:
             if self._pending + self._added + self.stats.num_waiting + len(prompts) > self.max_queue_len:
                 raise QueueFullError(f"{self.max_queue_len} requests are already waiting")
             self._pending += len(prompts)
-            self._commands.put(("add", (prompts, params, output_kind, loop, outputs, future)))
+            self._commands.put(("add", (prompts, params, output_kind, options or {}, loop, outputs, future)))
         self._wake.set()
         ids = await asyncio.wrap_future(future)
         return list(zip(ids, outputs))
@@ -93,11 +94,11 @@ class EngineLoop:
 
     # ----------------------------------------------------------------------------- the thread
     def _add(self, payload) -> None:
-        prompts, params, output_kind, loop, outputs, future = payload
+        prompts, params, output_kind, options, loop, outputs, future = payload
         ids = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p, output_kind=output_kind))
+                ids.append(self.engine.add_request(prompt, p, output_kind=output_kind, **options))
         except Exception as error:  # noqa: BLE001 - handed to the handler (400 for a ValueError, else 500)
             for request_id in ids:
                 self.engine.abort(request_id)

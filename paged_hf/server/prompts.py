@@ -21,37 +21,55 @@ class PromptTokenizer:
         self.max_model_len = max_model_len
         self.max_chars = max_model_len * longest_token_chars(tokenizer) * LENGTH_SLACK
 
-    async def completions(self, prompts: list) -> list:
-        """Each string prompt as ``{"prompt": text, "prompt_token_ids": ids}``; token-id prompts as they are."""
+    async def completions(self, prompts: list, add_special_tokens: bool = True, truncate: int | None = None) -> list:
+        """Each string prompt as ``{"prompt": text, "prompt_token_ids": ids}``; token-id prompts as they are.
+        ``truncate``: keep each prompt's last ``truncate`` tokens (vLLM's ``truncate_prompt_tokens``)."""
         for prompt in prompts:
-            if isinstance(prompt, str):
+            if isinstance(prompt, str) and truncate is None:
                 self._check_length(len(prompt), "prompt")
-        if not any(isinstance(p, str) for p in prompts):
+        if not any(isinstance(p, str) for p in prompts) and truncate is None:
             return prompts
-        return await run_in_threadpool(self._completions, prompts)
+        return await run_in_threadpool(self._completions, prompts, add_special_tokens, truncate)
 
-    def _completions(self, prompts: list) -> list:
+    def _completions(self, prompts: list, add_special_tokens: bool, truncate: int | None) -> list:
         texts = [p for p in prompts if isinstance(p, str)]
-        encoded = iter(self.tokenizer(texts)["input_ids"])
-        out = [{"prompt": p, "prompt_token_ids": next(encoded)} if isinstance(p, str) else p for p in prompts]
+        encoded = iter(self.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"] if texts else [])
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids = _last(next(encoded), truncate)
+                out.append({"prompt": p if truncate is None else None, "prompt_token_ids": ids})
+            else:
+                out.append(_last(p, truncate))
         for prompt in out:
             if isinstance(prompt, dict):
                 self._check_tokens(prompt["prompt_token_ids"], "prompt")
         return out
 
-    async def chat(self, messages: list[dict]) -> dict:
+    async def chat(self, messages: list[dict], template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+                   add_special_tokens: bool = False, truncate: int | None = None) -> dict:
         self._check_length(sum(len(m["content"]) for m in messages), "messages")
-        text = await run_in_threadpool(self._template, messages)
-        self._check_length(len(text), "messages")
-        ids = await run_in_threadpool(lambda: self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        text = await run_in_threadpool(self._template, messages, template_kwargs or {}, add_generation_prompt)
+        if truncate is None:
+            self._check_length(len(text), "messages")
+        ids = await run_in_threadpool(lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        ids = _last(ids, truncate)
         self._check_tokens(ids, "messages")
-        return {"prompt": text, "prompt_token_ids": ids}
+        return {"prompt": text if truncate is None else None, "prompt_token_ids": ids}
 
-    def _template(self, messages: list[dict]) -> str:
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        self._check_length(len(text), "prompt")
+        return await run_in_threadpool(lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def _template(self, messages: list[dict], template_kwargs: dict, add_generation_prompt: bool = True) -> str:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
+        reserved = {"messages", "add_generation_prompt", "tokenize", "conversation"} & set(template_kwargs)
+        if reserved:
+            raise ApiError(400, f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **template_kwargs)
         except Exception as error:  # noqa: BLE001 - a template refuses messages by raising (jinja2 raise_exception)
             if type(error).__module__.startswith("jinja2"):
                 raise ApiError(400, f"the chat template refused these messages: {error}", "messages") from None
@@ -69,6 +87,11 @@ class PromptTokenizer:
         if num_chars > self.max_chars:
             raise ApiError(400, f"{field} is {num_chars} characters long: that is more than this model's maximum "
                                 f"context length of {self.max_model_len} tokens (max_model_len)", field)
+
+
+def _last(ids: list[int], truncate: int | None) -> list[int]:
+    """The last ``truncate`` of ``ids`` (all of them for None or -1)."""
+    return list(ids) if truncate is None or truncate == -1 else list(ids)[-truncate:]
 
 
 def longest_token_chars(tokenizer) -> int:

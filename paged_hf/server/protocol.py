@@ -1,15 +1,19 @@
 """OpenAI API request bodies (pydantic) and their translation to ``SamplingParams``.
 
-Every field of a body is honoured or refused, naming it: an unknown field gets OpenAI's "Unrecognized request
-argument supplied" (400), and the OpenAI fields paged_hf does not implement (``tools``, ``functions``, a
-``response_format`` other than text, ``suffix``, ``echo``, ``best_of`` other than ``n``) get a 400 saying so.
-``null`` means the default, as in OpenAI's API. Values are range-checked by ``SamplingParams`` (``ParameterError``
-naming the field) and by the engine's limits when the request is added.
+Every field of OpenAI's Chat Completions and Completions references is here, and vLLM's extensions that clients
+written for vLLM send. Each is honoured, accepted as changing nothing here (``NO_EFFECT``: logged at debug), or
+refused with a 400 naming it (``tools``, ``audio``, ``prediction``, ``web_search_options``, ``suffix``,
+``best_of`` other than ``n``, a ``response_format`` other than text, ``use_beam_search: true``, vLLM's ``guided_*``
+structured output). ``null`` means the default for every field, as in OpenAI's API. An unknown field gets OpenAI's
+"Unrecognized request argument supplied" (400), unless the server runs with ``--allow-unknown-fields``. Values
+are range-checked by ``SamplingParams`` (``ParameterError`` naming the field) and by the engine's limits when the
+request is added.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,17 +22,28 @@ from .errors import ApiError
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions "logprobs"
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for /v1/chat/completions "top_logprobs"
+logger = logging.getLogger("paged_hf")
+
+# Fields that change nothing here: the caller's records (store, metadata, user, safety_identifier), routing and
+# caching hints of OpenAI's own service (service_tier, prompt_cache_key, prompt_cache_retention), tool-call
+# parallelism without tools, and stream obfuscation (no padding field is ever added here).
+NO_EFFECT = ("store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+             "user", "parallel_tool_calls")
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+          "guided_whitespace_pattern", "structured_outputs", "structural_tag")
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictBody):
     include_usage: bool | None = False  # a last chunk, before [DONE], with empty choices and the request's usage
+    continuous_usage_stats: bool | None = False  # vLLM's: the usage so far in every chunk too
+    include_obfuscation: bool | None = None  # OpenAI's padding against side channels: none is added here
 
 
-class _Sampling(_Strict):
+class _Sampling(StrictBody):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -41,37 +56,95 @@ class _Sampling(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # an end-user id for the caller's own records: nothing to do with generation
+    response_format: dict | None = None  # OpenAI's on chat, vLLM's on completions: only {"type": "text"}
+    # OpenAI's fields that change nothing here (NO_EFFECT)
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     # vLLM's extensions
-    top_k: int | None = None
+    top_k: int | None = None  # 0 or -1: off
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: no truncation
+    prompt_logprobs: int | None = None
+    priority: int | None = None  # under --scheduling-policy priority: lower runs first
+    request_id: str | None = None  # the response's id is "cmpl-<request_id>" / "chatcmpl-<request_id>"
+    enable_prefix_caching: bool | None = None  # false: this request reuses no cached prefix
+    cache_salt: str | None = None  # requests share cached prefixes only with the same salt
+    add_special_tokens: bool | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None  # beam search only: 1.0 (its default) alone is accepted
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    structural_tag: Any = None
 
     @property
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk (``stream_options.include_usage``)."""
         return bool(self.stream_options is not None and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far (``stream_options.continuous_usage_stats``)."""
+        return bool(self.stream_options is not None and self.stream_options.continuous_usage_stats)
+
     def check_supported(self) -> None:
-        """Refuses (400, naming the field) what paged_hf does not implement."""
+        """Refuses (400, naming the field) what paged_hf does not implement; logs the fields that change nothing."""
+        given = [name for name in NO_EFFECT if getattr(self, name, None) is not None]
+        if given:
+            logger.debug("accepted, changing nothing here: %s", ", ".join(given))
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            raise ApiError(400, f"response_format {self.response_format!r:.100} is not supported: only "
+                                f"{{\"type\": \"text\"}} (no JSON mode or schema)", "response_format")
+        if self.use_beam_search:
+            raise ApiError(400, "use_beam_search is not supported: the engine samples (greedy at temperature 0); "
+                                "beam search runs through transformers' generate(num_beams=...)", "use_beam_search")
+        if self.length_penalty is not None and self.length_penalty != 1.0:
+            raise ApiError(400, f"length_penalty applies to beam search, which is not supported; got "
+                                f"{self.length_penalty}", "length_penalty")
+        for name in GUIDED:
+            if getattr(self, name) is not None:
+                raise ApiError(400, f"{name} is not supported: paged_hf has no structured output (guided decoding)",
+                               name)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1 and \
+                self.truncate_prompt_tokens < 1:
+            raise ApiError(400, f"truncate_prompt_tokens must be -1 (no truncation) or an int >= 1, got "
+                                f"{self.truncate_prompt_tokens}", "truncate_prompt_tokens")
 
     def _requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's ``SamplingParams``; ``max_tokens`` is ``default_max_tokens`` when the body has none (the
         handler sets it per prompt: see ``max_tokens_given``)."""
         defaults = SamplingParams()
         given = {
-            "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "n": self.n, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": -1 if self.top_k == 0 else self.top_k,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
         }
         values = {k: v for k, v in given.items() if v is not None}
         max_tokens = self._requested_max_tokens()
@@ -79,12 +152,17 @@ class _Sampling(_Strict):
             **{**{k: getattr(defaults, k) for k in given}, **values},
             max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, logprobs=logprobs,
-            logit_bias=_logit_bias(self.logit_bias),
+            prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(self.logit_bias),
         )
 
     @property
     def max_tokens_given(self) -> bool:
         return self._requested_max_tokens() is not None
+
+    def submit_options(self) -> dict:
+        """The engine's per-request options (``PagedEngine.add_request`` keywords) this body sets."""
+        return {"priority": self.priority or 0, "cache_salt": self.cache_salt,
+                "enable_prefix_caching": self.enable_prefix_caching is not False}
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -118,10 +196,25 @@ class CompletionRequest(_Sampling):
             return [list(self.prompt)]
         return list(self.prompt)
 
+    @property
+    def scores_only(self) -> bool:
+        """``max_tokens: 0`` with ``echo``: the prompt and its logprobs, nothing generated."""
+        return self.max_tokens == 0 and bool(self.echo)
+
+    def _requested_max_tokens(self) -> int | None:
+        return 1 if self.scores_only else self.max_tokens  # the engine's one token is dropped from the answer
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The engine's ``prompt_logprobs``: what ``echo`` with ``logprobs`` and vLLM's ``prompt_logprobs`` need."""
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(wanted) if wanted else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise ApiError(400, "echo is not supported", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens must be an int >= 1, got 0 (0 is allowed only with echo: true, to score "
+                                "the prompt)", "max_tokens")
         if self.suffix:
             raise ApiError(400, "suffix is not supported (no insertion / fill-in-the-middle)", "suffix")
         n = self.n if self.n is not None else 1
@@ -133,20 +226,32 @@ class CompletionRequest(_Sampling):
                            "logprobs")
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictBody):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[ContentPart] | None = ""
     name: str | None = None
+    refusal: str | None = None  # an assistant turn that refused: its text when it has no content
+    tool_calls: list | None = None  # OpenAI's assistant-message fields for what is not built here: null or empty
+    function_call: dict | None = None
+    audio: dict | None = None
+
+    def check_supported(self, index: int) -> None:
+        for name in ("tool_calls", "function_call", "audio"):
+            if getattr(self, name):
+                raise ApiError(400, f"messages.{index}.{name} is not supported: paged_hf has no tool calls or audio",
+                               "messages")
 
     def as_dict(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
+        if not content and self.refusal:
+            content = self.refusal
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name  # for chat templates that read it
@@ -160,12 +265,28 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     functions: list | None = None
     function_call: str | dict | None = None
-    response_format: dict | None = None
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    prediction: dict | None = None
+    web_search_options: dict | None = None
+    reasoning_effort: str | None = None  # handed to the chat template (gpt-oss's reads it); others ignore it
+    verbosity: str | None = None
+    # vLLM's
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
 
     def chat(self) -> list[dict]:
         return [m.as_dict() for m in self.messages]
+
+    def template_kwargs(self) -> dict:
+        """Extra variables for the chat template: ``chat_template_kwargs``, and ``reasoning_effort`` when given."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
 
     def _requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -177,14 +298,22 @@ class ChatCompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
+        for index, message in enumerate(self.messages):
+            message.check_supported(index)
         for name in ("tools", "functions", "function_call"):
             if getattr(self, name):
                 raise ApiError(400, f"{name} is not supported: paged_hf does not call tools", name)
         if self.tool_choice not in (None, "none"):
             raise ApiError(400, "tool_choice is not supported: paged_hf does not call tools", "tool_choice")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise ApiError(400, f"response_format {self.response_format!r:.100} is not supported: only "
-                                f"{{\"type\": \"text\"}} (no JSON mode or schema)", "response_format")
+        for name, what in (("audio", "audio output"), ("prediction", "predicted outputs"),
+                           ("web_search_options", "web search")):
+            if getattr(self, name) is not None:
+                raise ApiError(400, f"{name} is not supported: paged_hf has no {what}", name)
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            raise ApiError(400, f"modalities {self.modalities!r:.100} is not supported: only [\"text\"]", "modalities")
+        if self.verbosity not in (None, "medium"):
+            raise ApiError(400, f"verbosity {self.verbosity!r:.30} is not supported: the model's answer length is "
+                                f"its own (only \"medium\", the default, is accepted)", "verbosity")
         if self.max_tokens is not None and self.max_completion_tokens is not None and \
                 self.max_tokens != self.max_completion_tokens:
             raise ApiError(400, "max_tokens and max_completion_tokens differ: give one", "max_tokens")
@@ -194,3 +323,4 @@ class ChatCompletionRequest(_Sampling):
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise ApiError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
                                "top_logprobs")
+
