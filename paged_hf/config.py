@@ -279,10 +279,15 @@ class SamplingParams:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with nothing that reads or changes the logits first (the sampler's argmax-only fast path)."""
-        return (self.greedy and self.repetition_penalty == 1.0 and not self.presence_penalty
-                and not self.frequency_penalty and not self.logits_processors and self.logprobs is None
-                and not self.logit_bias)
+        """Greedy with nothing that reads or changes the logits first (the sampler's argmax-only fast path; asked
+        of every row at every step, so computed once)."""
+        plain = self.__dict__.get("_plain_greedy")
+        if plain is None:
+            plain = (self.greedy and self.repetition_penalty == 1.0 and not self.presence_penalty
+                     and not self.frequency_penalty and not self.logits_processors and self.logprobs is None
+                     and not self.logit_bias)
+            object.__setattr__(self, "_plain_greedy", plain)
+        return plain
 
 
 def _stop_strings(stop) -> tuple[str, ...]:
