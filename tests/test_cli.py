@@ -119,7 +119,11 @@ def test_drop_in_example_matches_the_default_cache(attention):
 
 def test_demo_on_a_model_folder_prints_answers_and_the_memory_table(capsys):
     assert cli.main(["demo", "--model-dir", str(require_stories()), "--max-new-tokens", "4"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # progress of both batches on stderr (tokens per second), none of it among the answers and the table
+    for label in ("paged cache", "DynamicCache"):
+        assert f"generating ({label})" in err and "tok/s" in err, err
+    assert "generating" not in out and "tok/s" not in out
     assert out.count("Q: ") == len(demo.QUESTIONS) and out.count("A: ") == len(demo.QUESTIONS)
     table = {line.split("  ")[1].strip(): line for line in out.splitlines() if "MiB" in line}
     assert len(table) == 3
