@@ -177,7 +177,8 @@ def test_help_imports_neither_torch_nor_transformers():
     """`paged-hf --help` and each subcommand's --help print at once: torch and transformers stay unimported."""
     check = (
         "import sys, paged_hf_cli\n"
-        "for argv in (['--help'], ['demo', '--help'], ['serve', '--help'], ['generate', '--help'], ['bench', '--help']):\n"
+        "for argv in (['--help'], ['demo', '--help'], ['serve', '--help'], ['generate', '--help'],\n"
+        "             ['bench', '--help']):\n"
         "    try:\n"
         "        paged_hf_cli.main(argv)\n"
         "    except SystemExit as done:\n"
