@@ -19,7 +19,7 @@ import torch
 
 import paged_hf  # noqa: F401 - registers "paged"
 
-from _common import load_model, machine, markdown_table
+from _common import MODEL_NAMES, load_model, machine, markdown_table
 
 
 @torch.no_grad()
@@ -40,12 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", choices=MODEL_NAMES, default="smollm2",
+                        help="stories260K: a quick run of the same code (default: %(default)s)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     formats = args.formats.split(",")
-    model, _ = load_model("smollm2", attn_implementation="paged")
+    model, _ = load_model(args.model, attn_implementation="paged")
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, 40000, (args.batch, args.prompt_len), generator=gen)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    ids = torch.randint(min(100, vocab // 2), min(40000, vocab), (args.batch, args.prompt_len), generator=gen)
     mask = torch.ones_like(ids)
     print(f"machine: {machine()}")
     print(f"command: PYTHONPATH=. python benchmarks/kv_decode.py {' '.join(argv if argv is not None else sys.argv[1:])}")

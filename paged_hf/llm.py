@@ -17,8 +17,10 @@ naming it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields, replace
 
@@ -240,10 +242,21 @@ def _device(device) -> torch.device | None:
     return torch.device(text)
 
 
+_HUB_NAME = re.compile(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?")  # "name" or "org/name", as the hub allows
+
+
+def _looks_like_hub_name(path: str) -> bool:
+    return bool(_HUB_NAME.fullmatch(path)) and ".." not in path and "--" not in path and not path.endswith(".gguf")
+
+
 def _model_source(model, gguf_file: str | None) -> tuple[str, dict]:
     """The ``from_pretrained`` name and its ``gguf_file`` keyword: a .gguf file path splits into its folder and
-    name; a folder holding no config.json but exactly one .gguf file loads that file."""
+    name; a folder holding no config.json but exactly one .gguf file loads that file. A path that does not exist
+    and cannot be a hub name raises ``ValueError`` saying so (transformers would call it a malformed repo id)."""
     path = os.fspath(model)
+    if not os.path.exists(path) and not _looks_like_hub_name(path):
+        raise ValueError(f"model {path!r} does not exist: give a model folder, a .gguf file, or a Hugging Face hub "
+                         f"name ('org/name')")
     if gguf_file is None and path.endswith(".gguf") and os.path.isfile(path):
         return os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
     if gguf_file is None and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
@@ -268,8 +281,10 @@ def _load_model(model, dtype, device, trust_remote_code, revision, gguf_file):
         extra["revision"] = revision
     if device.type != "cpu":
         extra["device_map"] = str(device)
-    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="paged",
-                                                trust_remote_code=trust_remote_code, **extra).eval()
+    with _explained_hub_miss(name):
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="paged",
+                                                     trust_remote_code=trust_remote_code, **extra)
+    return model.eval()
 
 
 def _tensor_parallel_engine(model, tokenizer, size, backend, device, dtype, trust_remote_code, revision, gguf_file,
@@ -304,7 +319,20 @@ def _load_tokenizer(tokenizer, model, trust_remote_code, revision, gguf_file):
     name, extra = _model_source(source, gguf_file if tokenizer is None else None)
     if revision is not None:
         extra["revision"] = revision
-    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **extra)
+    with _explained_hub_miss(name):
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **extra)
+
+
+@contextlib.contextmanager
+def _explained_hub_miss(name: str):
+    """A name that is no local path went to the hub: when that fails, say so before transformers' own words."""
+    try:
+        yield
+    except OSError as error:
+        if os.path.exists(name):
+            raise
+        raise OSError(f"model {name!r} is not a local folder or file, and the Hugging Face hub could not provide it "
+                      f"(unreachable, offline, or no such repository): {error}") from error
 
 
 def _default_sampling_params(model, generation_config) -> SamplingParams:

@@ -119,7 +119,11 @@ def test_drop_in_example_matches_the_default_cache(attention):
 
 def test_demo_on_a_model_folder_prints_answers_and_the_memory_table(capsys):
     assert cli.main(["demo", "--model-dir", str(require_stories()), "--max-new-tokens", "4"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # progress of both batches on stderr (tokens per second), none of it among the answers and the table
+    for label in ("paged cache", "DynamicCache"):
+        assert f"generating ({label})" in err and "tok/s" in err, err
+    assert "generating" not in out and "tok/s" not in out
     assert out.count("Q: ") == len(demo.QUESTIONS) and out.count("A: ") == len(demo.QUESTIONS)
     table = {line.split("  ")[1].strip(): line for line in out.splitlines() if "MiB" in line}
     assert len(table) == 3
@@ -150,7 +154,7 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
     from paged_hf.server import app as app_module
 
     seen = {}
-    monkeypatch.setattr(cli, "_load_engine", lambda args: (seen.setdefault("engine", cli._engine_options(args)),
+    monkeypatch.setattr(cli, "_load_engine", lambda args, source: (seen.setdefault("engine", cli._engine_options(args)),
                                                            "model"))
     monkeypatch.setattr(app_module, "build_app", lambda engine, name, *limits, **options: seen.update(
         app=(name, *limits), options=options))
@@ -172,3 +176,86 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
         {"max_n": 3, "max_logprobs": 4, "max_stop_strings": 2}
     assert seen["app"] == ("model", 9, 1000) and seen["uvicorn"]["log_level"] == "debug"
     assert seen["options"] == {"allow_unknown_fields": False}
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`paged-hf --help` and each subcommand's --help print at once: torch and transformers stay unimported."""
+    check = (
+        "import sys, paged_hf_cli\n"
+        "for argv in (['--help'], ['demo', '--help'], ['serve', '--help'], ['generate', '--help'],\n"
+        "             ['bench', '--help']):\n"
+        "    try:\n"
+        "        paged_hf_cli.main(argv)\n"
+        "    except SystemExit as done:\n"
+        "        assert done.code == 0, (argv, done.code)\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'paged_hf') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_parsers_kv_cache_dtypes_are_the_packages():
+    import paged_hf_cli
+
+    assert paged_hf_cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES
+
+
+def test_version_reads_the_package(capsys):
+    import paged_hf
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"paged-hf {paged_hf.__version__}"
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--max-token", "4", "--prompt", "hi"],
+    ["generate", "--prompt", "hi", "--max-tok", "4"],
+    ["serve", "--max-num-seq", "4"],
+    ["demo", "--max-new", "4"],
+], ids=["generate-max-token", "generate-max-tok", "serve-max-num-seq", "demo-max-new"])
+def test_abbreviated_options_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "demo"])
+@pytest.mark.parametrize("form", ["positional", "option"])
+def test_a_missing_model_is_one_line_naming_the_flag_and_exit_2(command, form):
+    flag = {"demo": "--model-dir", "generate": "--model", "serve": "--model"}[command]
+    if form == "positional":
+        if command == "demo":
+            pytest.skip("demo takes only --model-dir")
+        flag = "MODEL"
+        argv = [command, "/nope/absent-model"]
+    else:
+        argv = [command, flag, "/nope/absent-model"]
+    if command == "generate":
+        argv += ["--prompt", "hi"]
+    result = subprocess.run([sys.executable, "-m", "paged_hf.cli", *argv], capture_output=True, text=True,
+                            env=_env(), cwd=ROOT, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip() == f"paged-hf {command}: {flag} '/nope/absent-model' does not exist"
+    assert result.stdout == ""
+
+
+def test_model_positional_and_option_must_agree(capsys):
+    assert cli.main(["generate", "/one", "--model", "/two", "--prompt", "hi"]) == 2
+    assert "differ" in capsys.readouterr().err
+
+
+def test_bench_help_lists_every_benchmark(capsys):
+    import paged_hf_cli
+
+    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+    assert paged_hf_cli.benchmark_names() == scripts
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for name in scripts:
+        assert f"  {name}: " in out, name

@@ -1,0 +1,93 @@
+"""Every ``paged-hf bench NAME`` runs, at its smallest size, through the command users type.
+
+The list of benchmarks is ``paged_hf_cli.benchmark_names()`` (the scripts of ``benchmarks/``): a new script without
+an entry in ``SMOKE`` fails here until it gets one. These runs check that each script still works against today's
+code (it imports, reads the cache and engine it measures, prints its table), not its figures: a few tokens on
+stories260K, a few seconds each after the imports. Benchmarks that need a CUDA device skip without one, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import paged_hf_cli
+from models import require_stories
+
+# name -> the smallest arguments, and what its output must show
+SMOKE = {
+    "compile_report": (["--dtypes", "bfloat16", "--head-dims", "64", "--formats", "auto", "--kernels", "store"],
+                       "store"),
+    "decode": (["--models", "stories260K", "--batches", "1", "--new-tokens", "3", "--repeats", "1", "--min-len", "4",
+                "--max-len", "8", "--threads", "1"], "DynamicCache"),
+    "fault_load": (["--clients", "8"], "idle"),
+    "kernels": (["--quick"], "Paged attention kernels"),
+    "kv_decode": (["--model", "stories260K", "--formats", "int8,auto", "--batch", "1", "--prompt-len", "8",
+                   "--new-tokens", "3", "--repeats", "1"], "decode ms/step"),
+    "kv_quality": (["--models", "stories", "--rows", "dynamic,int8", "--tokens", "32", "--prompts", "2", "--batch", "2",
+                    "--new-tokens", "3"], "int8"),
+    "memory": (["--batch", "2", "--min-len", "4", "--max-len", "8", "--new-tokens", "3"], "live / peak allocated"),
+    "overhead": (["--num-seqs", "1", "--steps", "2", "--warmup", "1"], "scheduler"),
+    "prefix": (["--model", "stories", "--requests", "2", "--system-tokens", "32", "--question-tokens", "8",
+                "--max-tokens", "2", "--repeats", "1", "--admission", "chunked", "--bursts", "off"], "prefix"),
+    "serve": (["--model", "stories", "--requests", "2", "--rates", "inf", "--prompt-len", "8-16",
+               "--output-len", "2-4"], "TTFT"),
+    "throughput": (["--model", "stories", "--requests", "4", "--max-prompt", "32", "--max-out", "8",
+                    "--min-out", "2"], "PagedEngine"),
+    "tp": (["--tensor-parallel-size", "1", "--requests", "2", "--prompt-len", "8", "16", "--output-len", "2", "4"],
+           "TP"),
+}
+NEEDS_CUDA = {"kernels"}
+# Run in a child process: compiling for another target leaves triton's driver state changed for later tests.
+ISOLATED = {"compile_report", "kernels"}
+
+
+def _run(name: str, args: list[str], capsys) -> tuple[int, str, str]:
+    """Runs ``paged-hf bench NAME ARGS`` in this process (the imports are paid once for all the benchmarks), or in a
+    child process for the ``ISOLATED`` ones."""
+    import torch
+
+    if name in ISOLATED:
+        root = Path(__file__).resolve().parents[1]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+        done = subprocess.run([sys.executable, "-m", "paged_hf_cli", "bench", name, *args], capture_output=True,
+                              text=True, env=env, cwd=root, timeout=600)
+        return done.returncode, done.stdout, done.stderr
+
+    threads, argv, path = torch.get_num_threads(), list(sys.argv), list(sys.path)
+    try:
+        status = paged_hf_cli.main(["bench", name, *args])
+    except SystemExit as done:  # the scripts end with sys.exit(main())
+        status = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    finally:
+        torch.set_num_threads(threads)
+        sys.argv[:], sys.path[:] = argv, path
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_every_benchmark_has_a_smoke_run():
+    assert sorted(SMOKE) == paged_hf_cli.benchmark_names()
+
+
+@pytest.mark.parametrize("name", paged_hf_cli.benchmark_names())
+def test_benchmark_runs_at_its_smallest_size(name, capsys):
+    import torch
+
+    require_stories()
+    args, expected = SMOKE[name]
+    status, out, err = _run(name, args, capsys)
+    output = out + err
+    if name in NEEDS_CUDA and not torch.cuda.is_available():
+        assert status == 2 and "no CUDA device" in err, output
+        pytest.skip(f"benchmarks/{name}.py measures on a CUDA GPU; none here (it said so and exited 2)")
+    if name == "compile_report" and "Nothing compiled" in err:
+        pytest.skip(f"compile_report needs triton's NVIDIA backend and ptxas: {err.strip()}")
+    assert status == 0, output
+    assert "skipped" not in out, output
+    assert expected in out, output
