@@ -44,11 +44,6 @@ class BlockTable:
         """Leading entries freed by ``free_blocks_before`` (``None`` in ``blocks``)."""
         return self._num_freed
 
-    @property
-    def block_ids(self) -> list[int]:
-        """Physical block ids, ``-1`` for blocks freed by ``free_blocks_before``."""
-        return [-1 if b is None else b.block_id for b in self.blocks]
-
     def _tail_needs_copy(self) -> bool:
         """True if the tail block is partially filled and must not be written in place
         (shared with another table, or registered in the prefix cache)."""

@@ -36,7 +36,7 @@ from .block_table_rows import BlockTableRows
 from .hashing import extend_block_hashes
 from .kv_stats import KVCacheStats
 from .kernels.kv_format import KV_FORMATS
-from .quant import bytes_per_block, check_kv_format, make_storage, tail_bytes_per_row
+from .quant import check_kv_format, layer_block_bytes, make_storage, tail_bytes_per_row
 from .storage import KVStorage, copy_blocks_between
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -155,7 +155,7 @@ class KVManager:
     # ------------------------------------------------------------------------------------------ sizing
     def layer_block_bytes(self, dtype: torch.dtype | None = None, num_kv_heads: int | None = None) -> int:
         """Bytes of one block of one layer (K and V, scales and zeros included)."""
-        return bytes_per_block(self.kv_format, self.block_size, num_kv_heads or self.num_kv_heads, self.head_dim,
+        return layer_block_bytes(self.kv_format, self.block_size, num_kv_heads or self.num_kv_heads, self.head_dim,
                                dtype or config_dtype(self.text_config))
 
     def bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
@@ -645,7 +645,7 @@ def block_id_bytes(text_config, block_size: int, kv_cache_dtype: str, num_kv_hea
     config's) with ``num_kv_heads`` heads (default: the config's)."""
     head_dim = head_dim_of(text_config)
     heads = num_kv_heads or getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-    layer = bytes_per_block(check_kv_format(kv_cache_dtype, head_dim), block_size, heads, head_dim,
+    layer = layer_block_bytes(check_kv_format(kv_cache_dtype, head_dim), block_size, heads, head_dim,
                             dtype or config_dtype(text_config))
     return layer * text_config.num_hidden_layers
 
