@@ -25,9 +25,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from .config import CacheConfig
 from .kernels import dispatch
-from .kv_manager import (
-    KVManager, LayerGroup, PagedCacheFullError, SequenceKV, block_id_bytes, check_supported, local_kv_heads,
-)
+from .kv.growth import PagedCacheFullError
+from .kv.layer_groups import LayerGroup
+from .kv.manager import KVManager
+from .kv.model_config import block_id_bytes, check_supported, local_kv_heads
+from .kv.sequence import SequenceKV
 from .kv_stats import PagedCacheStats
 from .metadata import METADATA_KEY, AttentionMetadata, PadQueries, build_metadata, table_width, write_layer_kv
 
@@ -431,7 +433,7 @@ class PagedCache(DynamicCache):
                         filled[block.block_id] = max(filled.get(block.block_id, 0), count)
             live += sum(filled.values()) * token_bytes
         if not per_token:  # no forward yet: the config's dtype
-            per_token = self.kv.bytes_per_block() // self.kv.block_size
+            per_token = self.kv.block_id_bytes() // self.kv.block_size
         tails = sum(1 for seq in self.rows if seq.num_tokens % self.kv.block_size)
         if tails and self.kv.has_tail:  # rows whose newest tokens sit in their tail rows
             dtype = next((s.dtype for g in self.kv.groups for s in g.storages.values()), None)

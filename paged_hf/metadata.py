@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from .kernels.fill_blocks import StorePlan
-from .kv_manager import KVManager, SequenceKV
+from .kv.manager import KVManager
+from .kv.sequence import SequenceKV
 
 # The layer kwargs entry the "paged" attention reads: (AttentionMetadata, GroupMetadata, KVStorage, FreshKV | None).
 METADATA_KEY = "paged_hf_metadata"

@@ -14,7 +14,7 @@ import torch
 
 from kv_probe import block_ids
 from models import tiny_model
-from paged_hf.kv_manager import KVManager
+from paged_hf.kv.manager import KVManager
 from paged_hf.metadata import build_metadata
 
 
@@ -138,8 +138,7 @@ def test_rows_after_many_appends_and_frees_equal_a_rebuild(config):
                 live.append(seq)
             kv.slide_windows(seq)
             count = int(torch.randint(1, 5, (1,), generator=generator))
-            if kv.can_append(seq, count):
-                kv.append(seq, count)
+            kv.try_append(seq, count)
         elif action == 3:
             live.append(kv.fork(live[int(torch.randint(0, len(live), (1,), generator=generator))]))
         elif action == 4:

@@ -21,7 +21,8 @@ from ..config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig, SamplingParams
 from ..distributed import tensor_parallel_group
 from ..distributed.group import DEFAULT_TIMEOUT_S, TensorParallelError
 from ..distributed.launch import check_launch_options
-from ..kv_manager import KVManager, available_memory, block_id_bytes, local_kv_heads
+from ..kv.manager import KVManager
+from ..kv.model_config import available_memory, block_id_bytes, local_kv_heads
 from ..kv_stats import EngineStats
 from .detokenizer import IncrementalDetokenizer, decoder_for, find_stop
 from . import parallel

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..kv_manager import KVManager, LayerGroup
+from ..kv.layer_groups import LayerGroup
+from ..kv.manager import KVManager
 from ..metadata import METADATA_KEY, AttentionMetadata, write_layer_kv
 
 

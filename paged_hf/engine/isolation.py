@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..distributed.group import TensorParallelError
-from ..kv_manager import KVManager
+from ..kv.manager import KVManager
 from .runner import ModelOutput, ModelRunner
 from .scheduler import ScheduledSequence, SchedulerOutput
 

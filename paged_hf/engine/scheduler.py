@@ -15,7 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import EngineConfig
-from ..kv_manager import BlockCopy, KVManager
+from ..kv.copies import BlockCopy
+from ..kv.manager import KVManager
 from .request import Sequence, SequenceStatus
 
 logger = logging.getLogger("paged_hf")
