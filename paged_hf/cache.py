@@ -19,14 +19,15 @@ default cache (``isinstance(cache, DynamicCache)``) takes it as such.
 from __future__ import annotations
 
 from dataclasses import asdict
+from enum import Enum
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache
 
+from .cache_layer import PagedLayer
 from .config import CacheConfig
 from .kernels import dispatch
 from .kv.growth import PagedCacheFullError
-from .kv.layer_groups import LayerGroup
 from .kv.manager import KVManager
 from .kv.model_config import block_id_bytes, check_supported, local_kv_heads
 from .kv.sequence import SequenceKV
@@ -42,65 +43,13 @@ def _devices() -> list[torch.device]:
     return [torch.device("cpu"), *cuda]
 
 
-class PagedLayer(CacheLayerMixin):
-    """One layer's view of a ``PagedCache``; the cache owns the pools and tables.
+class _Forward(Enum):
+    """Where the cache is in a forward: no plan (IDLE), the next forward's plan ready (PLANNED), layers writing it
+    (RUNNING)."""
 
-    ``keys`` / ``values`` are *copies*: the layer's K/V gathered into the ``[batch, kv_heads, seq, head_dim]`` layout
-    a ``DynamicCache`` layer holds (every column of the padded timeline, zeros for pads; a sliding layer its last
-    ``window - 1`` columns).
-    """
-
-    is_croppable = True
-
-    def __init__(self, cache: "PagedCache", layer_idx: int, group: LayerGroup) -> None:
-        self.cache = cache
-        self.layer_idx = layer_idx
-        self.group = group
-        self.is_sliding = group.window is not None
-        self.is_initialized = False
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self.cache._dense_view(self, 0)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self.cache._dense_view(self, 1)
-
-    @property
-    def device(self):
-        storage = self.group.storages.get(self.layer_idx)
-        return None if storage is None else storage.device
-
-    @property
-    def dtype(self):
-        storage = self.group.storages.get(self.layer_idx)
-        return None if storage is None else storage.dtype
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.cache.kv.allocate_layer(self.layer_idx, key_states.shape[1], key_states.dtype, key_states.device)
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, kwargs: dict | None = None, **unused):
-        return self.cache._update_layer(self, key_states, value_states, kwargs)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        seen = self.cache.get_seq_length()
-        if self.group.window is None:
-            return seen + query_length, 0
-        window = self.group.window
-        kv_offset = max(seen - window + 1, 0)
-        kv_length = (window - 1 + query_length) if seen >= window else seen + query_length
-        return kv_length, kv_offset
-
-    def get_seq_length(self) -> int:
-        return self.cache.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return -1 if self.group.window is None else self.group.window
-
-    def reset(self) -> None:  # the cache resets its sequences as a whole
-        pass
+    IDLE = "idle"
+    PLANNED = "planned"
+    RUNNING = "running"
 
 
 class PagedCache(DynamicCache):
@@ -155,7 +104,7 @@ class PagedCache(DynamicCache):
         self.columns = torch.zeros((0, 0), dtype=torch.long)  # [B, seq_length]: real position per column, -1: pad
         self._metadata: AttentionMetadata | None = None
         self._dense_slots: list[tuple] = []  # per group, for a dense attention: [B, kv_length] slots, tail slots
-        self._state = "idle"  # "planned": the next forward's plan is ready; "running": layers are writing it
+        self._state = _Forward.IDLE
         self._written: set[int] = set()  # layers that wrote the running plan (finds a forward that was cut short)
         # The attention the model actually calls, from the config its mask builders get (observe_forward); until a
         # forward has been observed, the config this cache was built from. A config is only data: a cache built
@@ -175,12 +124,12 @@ class PagedCache(DynamicCache):
         ``_attn_implementation`` of the model running the forward (its mask builders' config), which decides
         whether layers hand the paged attention its metadata or return dense K/V. Planning twice for one forward
         (a full and a sliding mask) is a no-op."""
-        if self._state == "planned":
+        if self._state is _Forward.PLANNED:
             return
         if attention is not None:
             self._attention = attention
         self._plan(batch, query_len, self._new_columns(batch, query_len, attention_mask, position_ids), device)
-        self._state = "planned"
+        self._state = _Forward.PLANNED
 
     def _new_columns(self, batch: int, query_len: int, attention_mask, position_ids) -> torch.Tensor:
         """``[B, q]`` bool: which of the forward's columns are real tokens."""
@@ -302,13 +251,13 @@ class PagedCache(DynamicCache):
         return slots.to(device), tail_slots
 
     def _update_layer(self, layer: PagedLayer, key_states, value_states, kwargs: dict | None):
-        if self._state == "planned":
-            self._state = "running"
-        elif self._state == "idle" or layer.layer_idx in self._written:  # no plan, or a new forward
+        if self._state is _Forward.PLANNED:
+            self._state = _Forward.RUNNING
+        elif self._state is _Forward.IDLE or layer.layer_idx in self._written:  # no plan, or a new forward
             batch, _, query_len, _ = key_states.shape
             position_ids = kwargs.get("position_ids") if kwargs else None
             self._plan(batch, query_len, self._new_columns(batch, query_len, None, position_ids), key_states.device)
-            self._state = "running"
+            self._state = _Forward.RUNNING
         if not torch.compiler.is_compiling():
             self._written.add(layer.layer_idx)
         if not layer.is_initialized:  # after planning: a pool too small fails before any tensor is allocated
@@ -318,7 +267,7 @@ class PagedCache(DynamicCache):
         storage = layer.group.storages[layer.layer_idx]
         fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
         if layer.layer_idx == self._last_layer:
-            self._state = "idle"
+            self._state = _Forward.IDLE
         if kwargs is not None and self._reads_blocks:
             kwargs[METADATA_KEY] = (metadata, group, storage, fresh)  # the attention writes the tails after it reads
             return key_states, value_states
@@ -348,7 +297,7 @@ class PagedCache(DynamicCache):
             self.kv.discard(seq)
         self.rows = forks
         self.columns = self.columns[torch.tensor(rows, dtype=torch.long)]
-        self._metadata, self._state = None, "idle"
+        self._metadata, self._state = None, _Forward.IDLE
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` continues beam ``beam_idx[i]``; blocks are shared, never copied."""
@@ -385,7 +334,7 @@ class PagedCache(DynamicCache):
             self.kv.truncate(seq, seq.num_tokens - count)
         self.columns = self.columns[:, :-remove]
         self.seq_length -= remove
-        self._metadata, self._state = None, "idle"
+        self._metadata, self._state = None, _Forward.IDLE
 
     def reset(self) -> None:
         """Frees every sequence's blocks; the pool tensors stay allocated for reuse."""
@@ -394,12 +343,12 @@ class PagedCache(DynamicCache):
         self.rows = []
         self.columns = torch.zeros((0, 0), dtype=torch.long)
         self.seq_length = 0
-        self._metadata, self._state = None, "idle"
+        self._metadata, self._state = None, _Forward.IDLE
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns of HF's padded timeline; while a forward is planned but not run, the columns before it (what
         the model and its mask builders expect to see as the past)."""
-        return self.seq_length - self._metadata.query_len if self._state == "planned" else self.seq_length
+        return self.seq_length - self._metadata.query_len if self._state is _Forward.PLANNED else self.seq_length
 
     @property
     def is_compileable(self) -> bool:
