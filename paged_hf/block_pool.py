@@ -134,11 +134,6 @@ class BlockPool:
         return _BlockList(self)
 
     @property
-    def free_queue(self) -> "_FreeQueueView":
-        """The free blocks in allocation order: fresh ids, then the recycled queue (read-only)."""
-        return _FreeQueueView(self)
-
-    @property
     def num_blocks(self) -> int:
         return self._num_blocks
 
@@ -246,14 +241,6 @@ class BlockPool:
         if block.ref_cnt == 0:
             self._num_cached -= 1
 
-    def evict_cached_blocks(self) -> int:
-        """Drops the hash of every ref-0 block (they become plain free blocks); returns how many."""
-        evicted = [b for b in self._cached.values() if b.ref_cnt == 0]
-        for block in evicted:
-            self._drop_hash(block)
-        self._num_cached -= len(evicted)
-        return len(evicted)
-
     def grow(self, num_new_blocks: int) -> None:
         """Adds ``num_new_blocks`` fresh blocks with the next ids (handed out before any recycled block)."""
         if num_new_blocks < 0:
@@ -321,25 +308,6 @@ class _BlockList(Sequence):
         if index < 0:
             index += len(self)
         return self._pool.block(index)
-
-
-class _FreeQueueView:
-    """``pool.free_queue``: the free blocks in the order ``get_new_blocks`` hands them out."""
-
-    def __init__(self, pool: BlockPool) -> None:
-        self._pool = pool
-
-    def __len__(self) -> int:
-        return self._pool.num_free_blocks
-
-    def __contains__(self, block: KVBlock) -> bool:
-        return block.block_id >= self._pool._next_fresh or block in self._pool._recycled
-
-    def blocks(self) -> list[KVBlock]:
-        """The free blocks, first handed out first (O(n); for tests and audits)."""
-        pool = self._pool
-        fresh = [pool.block(i) for i in range(pool._next_fresh, pool.num_blocks)]
-        return fresh + pool._recycled.blocks()
 
 
 def _check(cond: bool, msg: str) -> None:

@@ -36,18 +36,18 @@ class BlockTable:
         self.pool = pool
         self.block_size = block_size
         self.blocks: list[KVBlock | None] = []
-        self.num_tokens = 0
+        self._num_tokens = 0
         self._num_freed = 0  # length of the None prefix of blocks
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions this table holds slots for (only the table's own methods change it)."""
+        return self._num_tokens
 
     @property
     def num_freed(self) -> int:
         """Leading entries freed by ``free_blocks_before`` (``None`` in ``blocks``)."""
         return self._num_freed
-
-    @property
-    def block_ids(self) -> list[int]:
-        """Physical block ids, ``-1`` for blocks freed by ``free_blocks_before``."""
-        return [-1 if b is None else b.block_id for b in self.blocks]
 
     def _tail_needs_copy(self) -> bool:
         """True if the tail block is partially filled and must not be written in place
@@ -85,7 +85,7 @@ class BlockTable:
         nothing changed.
         """
         if num_new_tokens == 1 and self.tail_has_room():
-            self.num_tokens += 1
+            self._num_tokens += 1
             return []
         num_needed = self.num_new_blocks_needed(num_new_tokens)
         if num_new_tokens == 0:
@@ -99,7 +99,7 @@ class BlockTable:
             self.pool.free_blocks([src])
             copies.append((src.block_id, dst.block_id))
         self.blocks.extend(new_blocks)
-        self.num_tokens += num_new_tokens
+        self._num_tokens += num_new_tokens
         assert len(self.blocks) == num_blocks_for(self.num_tokens, self.block_size)
         return copies
 
@@ -108,7 +108,7 @@ class BlockTable:
         assert self.num_tokens % self.block_size == 0, "cached blocks extend a block-aligned table only"
         self.pool.touch(blocks)
         self.blocks.extend(blocks)
-        self.num_tokens += len(blocks) * self.block_size
+        self._num_tokens += len(blocks) * self.block_size
 
     def restore(self, num_tokens: int, num_freed: int, blocks: list[KVBlock]) -> None:
         """Refills an empty table with freshly allocated ``blocks`` (swap-in): ``num_freed`` ``None`` entries
@@ -116,14 +116,14 @@ class BlockTable:
         assert not self.blocks and num_freed + len(blocks) == num_blocks_for(num_tokens, self.block_size)
         self.blocks = [None] * num_freed + list(blocks)
         self._num_freed = num_freed
-        self.num_tokens = num_tokens
+        self._num_tokens = num_tokens
 
     def fork(self) -> BlockTable:
         """A new table sharing every held block (one more reference each) and the same length."""
         child = BlockTable(self.pool, self.block_size)
         self.pool.touch(b for b in self.blocks if b is not None)
         child.blocks = list(self.blocks)
-        child.num_tokens = self.num_tokens
+        child._num_tokens = self._num_tokens
         child._num_freed = self._num_freed
         return child
 
@@ -144,7 +144,7 @@ class BlockTable:
         dropped = [b for b in self.blocks[keep:] if b is not None]
         del self.blocks[keep:]
         self._num_freed = min(self._num_freed, keep)
-        self.num_tokens = num_tokens
+        self._num_tokens = num_tokens
         self.pool.free_blocks(reversed(dropped))
 
     def free_blocks_before(self, position: int) -> None:
@@ -166,6 +166,6 @@ class BlockTable:
         """Releases every held block (tail first) and empties the table."""
         held = [b for b in self.blocks if b is not None]
         self.blocks = []
-        self.num_tokens = 0
+        self._num_tokens = 0
         self._num_freed = 0
         self.pool.free_blocks(reversed(held))

@@ -19,20 +19,23 @@ default cache (``isinstance(cache, DynamicCache)``) takes it as such.
 from __future__ import annotations
 
 from dataclasses import asdict
+from enum import Enum
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache
 
+from .cache_layer import PagedLayer
 from .config import CacheConfig
 from .kernels import dispatch
-from .kv_manager import (
-    KVManager, LayerGroup, PagedCacheFullError, SequenceKV, block_id_bytes, check_supported, local_kv_heads,
-)
+from .kv.growth import PagedCacheFullError
+from .kv.manager import KVManager
+from .kv.model_config import block_id_bytes, check_supported, local_kv_heads
+from .kv.sequence import SequenceKV
 from .kv_stats import PagedCacheStats
-from .timeline import PaddedTimeline
 from .metadata import (
     METADATA_KEY, AttentionMetadata, LayerStep, PadQueries, build_metadata, table_width, write_layer_kv,
 )
+from .timeline import PaddedTimeline
 
 __all__ = ["PagedCache", "PagedCacheFullError", "PagedLayer", "METADATA_KEY"]
 
@@ -43,65 +46,13 @@ def _devices() -> list[torch.device]:
     return [torch.device("cpu"), *cuda]
 
 
-class PagedLayer(CacheLayerMixin):
-    """One layer's view of a ``PagedCache``; the cache owns the pools and tables.
+class _Forward(Enum):
+    """Where the cache is in a forward: no plan (IDLE), the next forward's plan ready (PLANNED), layers writing it
+    (RUNNING)."""
 
-    ``keys`` / ``values`` are *copies*: the layer's K/V gathered into the ``[batch, kv_heads, seq, head_dim]`` layout
-    a ``DynamicCache`` layer holds (every column of the padded timeline, zeros for pads; a sliding layer its last
-    ``window - 1`` columns).
-    """
-
-    is_croppable = True
-
-    def __init__(self, cache: "PagedCache", layer_idx: int, group: LayerGroup) -> None:
-        self.cache = cache
-        self.layer_idx = layer_idx
-        self.group = group
-        self.is_sliding = group.window is not None
-        self.is_initialized = False
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self.cache._dense_view(self, 0)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self.cache._dense_view(self, 1)
-
-    @property
-    def device(self):
-        storage = self.group.storages.get(self.layer_idx)
-        return None if storage is None else storage.device
-
-    @property
-    def dtype(self):
-        storage = self.group.storages.get(self.layer_idx)
-        return None if storage is None else storage.dtype
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.cache.kv.allocate_layer(self.layer_idx, key_states.shape[1], key_states.dtype, key_states.device)
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, kwargs: dict | None = None, **unused):
-        return self.cache._update_layer(self, key_states, value_states, kwargs)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        seen = self.cache.get_seq_length()
-        if self.group.window is None:
-            return seen + query_length, 0
-        window = self.group.window
-        kv_offset = max(seen - window + 1, 0)
-        kv_length = (window - 1 + query_length) if seen >= window else seen + query_length
-        return kv_length, kv_offset
-
-    def get_seq_length(self) -> int:
-        return self.cache.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return -1 if self.group.window is None else self.group.window
-
-    def reset(self) -> None:  # the cache resets its sequences as a whole
-        pass
+    IDLE = "idle"
+    PLANNED = "planned"
+    RUNNING = "running"
 
 
 class PagedCache(DynamicCache):
@@ -155,7 +106,7 @@ class PagedCache(DynamicCache):
         self.timeline = PaddedTimeline()  # HF's padded [B, seq_length] columns over the rows
         self._metadata: AttentionMetadata | None = None
         self._dense_slots: list[tuple] = []  # per group, for a dense attention: [B, kv_length] slots, tail slots
-        self._state = "idle"  # "planned": the next forward's plan is ready; "running": layers are writing it
+        self._state = _Forward.IDLE
         self._written: set[int] = set()  # layers that wrote the running plan (finds a forward that was cut short)
         # The attention the model actually calls, from the config its mask builders get (observe_forward); until a
         # forward has been observed, the config this cache was built from. A config is only data: a cache built
@@ -185,13 +136,13 @@ class PagedCache(DynamicCache):
         ``_attn_implementation`` of the model running the forward (its mask builders' config), which decides
         whether layers hand the paged attention its metadata or return dense K/V. Planning twice for one forward
         (a full and a sliding mask) is a no-op."""
-        if self._state == "planned":
+        if self._state is _Forward.PLANNED:
             return
         if attention is not None:
             self._attention = attention
         self._plan(batch, query_len,
                    self.timeline.new_columns(batch, query_len, attention_mask, position_ids, self.num_tokens), device)
-        self._state = "planned"
+        self._state = _Forward.PLANNED
 
     def _plan(self, batch: int, query_len: int, new: torch.Tensor, device) -> None:
         if not self.rows:
@@ -248,14 +199,14 @@ class PagedCache(DynamicCache):
         return self.timeline.slots(group, self.rows, first, count, self.kv.has_tail, device)
 
     def _update_layer(self, layer: PagedLayer, key_states, value_states, kwargs: dict | None):
-        if self._state == "planned":
-            self._state = "running"
-        elif self._state == "idle" or layer.layer_idx in self._written:  # no plan, or a new forward
+        if self._state is _Forward.PLANNED:
+            self._state = _Forward.RUNNING
+        elif self._state is _Forward.IDLE or layer.layer_idx in self._written:  # no plan, or a new forward
             batch, _, query_len, _ = key_states.shape
             position_ids = kwargs.get("position_ids") if kwargs else None
             new = self.timeline.new_columns(batch, query_len, None, position_ids, self.num_tokens)
             self._plan(batch, query_len, new, key_states.device)
-            self._state = "running"
+            self._state = _Forward.RUNNING
         if not torch.compiler.is_compiling():
             self._written.add(layer.layer_idx)
         if not layer.is_initialized:  # after planning: a pool too small fails before any tensor is allocated
@@ -265,7 +216,7 @@ class PagedCache(DynamicCache):
         storage = layer.group.storages[layer.layer_idx]
         fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
         if layer.layer_idx == self._last_layer:
-            self._state = "idle"
+            self._state = _Forward.IDLE
         if kwargs is not None and self._reads_blocks:
             kwargs[METADATA_KEY] = LayerStep(metadata, group, layer.group.index, storage, fresh)
             return key_states, value_states
@@ -295,7 +246,7 @@ class PagedCache(DynamicCache):
             self.kv.discard(seq)
         self.rows = forks
         self.timeline.select(rows)
-        self._metadata, self._state = None, "idle"
+        self._metadata, self._state = None, _Forward.IDLE
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` continues beam ``beam_idx[i]``; blocks are shared, never copied."""
@@ -328,7 +279,7 @@ class PagedCache(DynamicCache):
         dropped = self.timeline.crop(remove)
         for seq, count in zip(self.rows, dropped):
             self.kv.truncate(seq, seq.num_tokens - count)
-        self._metadata, self._state = None, "idle"
+        self._metadata, self._state = None, _Forward.IDLE
 
     def reset(self) -> None:
         """Frees every sequence's blocks; the pool tensors stay allocated for reuse."""
@@ -336,12 +287,12 @@ class PagedCache(DynamicCache):
             self.kv.discard(seq)
         self.rows = []
         self.timeline.reset()
-        self._metadata, self._state = None, "idle"
+        self._metadata, self._state = None, _Forward.IDLE
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns of HF's padded timeline; while a forward is planned but not run, the columns before it (what
         the model and its mask builders expect to see as the past)."""
-        return self.seq_length - self._metadata.query_len if self._state == "planned" else self.seq_length
+        return self.seq_length - self._metadata.query_len if self._state is _Forward.PLANNED else self.seq_length
 
     @property
     def is_compileable(self) -> bool:
@@ -375,7 +326,7 @@ class PagedCache(DynamicCache):
                         filled[block.block_id] = max(filled.get(block.block_id, 0), count)
             live += sum(filled.values()) * token_bytes
         if not per_token:  # no forward yet: the config's dtype
-            per_token = self.kv.bytes_per_block() // self.kv.block_size
+            per_token = self.kv.block_id_bytes() // self.kv.block_size
         tails = sum(1 for seq in self.rows if seq.num_tokens % self.kv.block_size)
         if tails and self.kv.has_tail:  # rows whose newest tokens sit in their tail rows
             dtype = next((s.dtype for g in self.kv.groups for s in g.storages.values()), None)

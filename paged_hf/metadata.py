@@ -24,7 +24,8 @@ from typing import NamedTuple
 import torch
 
 from .kernels.fill_blocks import StorePlan
-from .kv_manager import KVManager, SequenceKV
+from .kv.manager import KVManager
+from .kv.sequence import SequenceKV
 
 # The layer kwargs entry the "paged" attention reads: a ``LayerStep``.
 METADATA_KEY = "paged_hf_metadata"
@@ -146,12 +147,7 @@ def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], cou
     for group in kv.groups:
         tables = group.rows.gather(rows, width)
         slots = tables[token_seq, positions // kv.block_size].long() * kv.block_size + positions % kv.block_size
-        plan = None
-        if tails is not None:
-            fill_blocks = tables[tails["fill_seq"], tails["fill_index"]].long()
-            plan = StorePlan(tails["tail_slots"].to(device, non_blocking=True), fill_blocks.to(device, non_blocking=True),
-                             *(tails[name].to(device, non_blocking=True) for name in ("fill_rows", "fill_first",
-                                                                                      "fill_tail")))
+        plan = None if tails is None else tails.store_plan(tables, device)
         groups.append(GroupMetadata(tables.to(device, non_blocking=True), slots.to(device, non_blocking=True),
                                     kv.block_size, group.window, store_plan=plan))
     prefill_loc = None
@@ -167,9 +163,27 @@ def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], cou
     )
 
 
-def _tail_plan(block_size: int, rows, starts, counts, query_start_loc, token_seq, positions) -> dict:
-    """Host tensors of a tail format's ``StorePlan`` (see ``kernels.fill_blocks.StorePlan``), plus each fill's
-    sequence (``fill_seq``) and block index in it (``fill_index``), to look its block up per group."""
+@dataclass(frozen=True)
+class TailPlan:
+    """The host side of a tail format's ``StorePlan``s, the same for every group but the fill blocks: each fill's
+    sequence (``fill_seq``) and block index in it (``fill_index``) look its block up in a group's tables."""
+
+    tail_slots: torch.Tensor  # [n]: ``row * block_size + offset`` for a token left in its tail row, else -1
+    fill_seq: torch.Tensor  # [F]: the sequence of each block that fills
+    fill_index: torch.Tensor  # [F]: its block index in that sequence
+    fill_rows: torch.Tensor  # [F]: its sequence's tail row
+    fill_first: torch.Tensor  # [F]: the new-token index offset 0 of the block would have
+    fill_tail: torch.Tensor  # [F]: how many of its first tokens come from the tail row
+
+    def store_plan(self, tables: torch.Tensor, device) -> StorePlan:
+        """The ``StorePlan`` of the group whose block tables are ``tables`` (``[S, width]``), on ``device``."""
+        fill_blocks = tables[self.fill_seq, self.fill_index].long()
+        return StorePlan(*(t.to(device, non_blocking=True) for t in (self.tail_slots, fill_blocks, self.fill_rows,
+                                                                     self.fill_first, self.fill_tail)))
+
+
+def _tail_plan(block_size: int, rows, starts, counts, query_start_loc, token_seq, positions) -> TailPlan:
+    """The ``TailPlan`` of a forward (see ``kernels.fill_blocks.StorePlan``)."""
     ends = starts + counts
     full_ends = ends // block_size * block_size  # positions below: in full blocks after this forward
     tail_slots = torch.where(positions >= full_ends[token_seq],
@@ -181,7 +195,7 @@ def _tail_plan(block_size: int, rows, starts, counts, query_start_loc, token_seq
     torch.cumsum(num_fills, 0, out=offsets[1:])
     fill_index = first[fill_seq] + torch.arange(fill_seq.shape[0]) - offsets[fill_seq]
     block_start = fill_index * block_size
-    return dict(
+    return TailPlan(
         tail_slots=tail_slots, fill_seq=fill_seq, fill_index=fill_index, fill_rows=rows[fill_seq],
         fill_first=query_start_loc[fill_seq] + block_start - starts[fill_seq],
         fill_tail=(starts[fill_seq] - block_start).clamp_min(0),

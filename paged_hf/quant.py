@@ -117,14 +117,6 @@ class QuantizedKVStorage(KVStorage):
         """Bytes of the block pools (codes, scales, zeros); the tail pools are ``tail_nbytes``."""
         return sum(getattr(self, name).nbytes for name in self._pools())
 
-    @staticmethod
-    def bytes_per_block(  # type: ignore[override]
-        block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_format: str
-    ) -> int:
-        """Bytes of one block, K and V with every scale and zero; independent of the compute ``dtype``."""
-        fmt = KV_FORMATS[check_kv_format(kv_format, head_dim)]
-        return fmt.bytes_per_block(block_size, num_kv_heads, head_dim, dtype)
-
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self._pools()}
 
@@ -201,12 +193,6 @@ class QuantizedKVStorage(KVStorage):
             values = dequantize_kv_ref(codes, scale[index], None if zero is None else zero[index], self.kv_format)
         return unrotate(values, getattr(self, f"{which}_rotation")) if unrotated else values
 
-    def read_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K and V of ``block_ids`` (any shape ``S``): ``[*S, block_size, num_kv_heads, head_dim]`` (the
-        codes: a partial tail block of an int4 sequence reads as whatever its codes hold)."""
-        return (self._dequantize("key", block_ids).to(self._dtype),
-                self._dequantize("value", block_ids).to(self._dtype))
-
     def read_slots(self, slots: torch.Tensor, tail_slots: torch.Tensor | None = None) -> tuple[torch.Tensor,
                                                                                                    torch.Tensor]:
         """Dequantized K and V of ``slots`` (any shape ``S``): ``[*S, num_kv_heads, head_dim]``; where
@@ -249,8 +235,9 @@ def make_storage(
     return QuantizedKVStorage(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, fmt)
 
 
-def bytes_per_block(kv_format: str, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of one layer (K and V, scales and zeros included) in ``kv_format``."""
+def layer_block_bytes(kv_format: str, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of one layer (K and V, scales and zeros included) in ``kv_format``; every layer's is
+    ``kv.model_config.block_id_bytes``."""
     return KV_FORMATS[check_kv_format(kv_format, head_dim)].bytes_per_block(block_size, num_kv_heads, head_dim, dtype)
 
 

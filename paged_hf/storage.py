@@ -37,11 +37,6 @@ class KVStorage:
     # Whether the newest, partial block of each sequence lives in a tail row (``QuantizedKVStorage``, int4).
     has_tail = False
 
-    @property
-    def rotation(self) -> torch.Tensor | None:
-        """The rotation of the stored values (None: none); ``write`` takes float32 K/V when it is set."""
-        return self.value_rotation
-
     def __init__(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
     ) -> None:
@@ -75,10 +70,6 @@ class KVStorage:
         """Bytes one token takes in this layer, K and V together."""
         return self.nbytes // (self.num_blocks * self.block_size)
 
-    @staticmethod
-    def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every pool tensor, indexed by block along dim 0 (what a block copy must move)."""
         return {"key_cache": self.key_cache, "value_cache": self.value_cache}
@@ -99,10 +90,6 @@ class KVStorage:
         ``write_tails`` need; None here."""
         self.kernels.store(key, value, slots, **self.attention_operands())
         return None
-
-    def read_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``block_ids`` (any shape ``S``) as ``[*S, block_size, num_kv_heads, head_dim]``."""
-        return self.key_cache[block_ids], self.value_cache[block_ids]
 
     def read_slots(self, slots: torch.Tensor, tail_slots: torch.Tensor | None = None) -> tuple[torch.Tensor,
                                                                                                    torch.Tensor]:

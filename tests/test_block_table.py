@@ -2,6 +2,7 @@
 
 import pytest
 
+from kv_probe import block_ids, free_order
 from paged_hf.block_pool import BlockPool, NoFreeBlocksError
 from paged_hf.block_table import BlockTable, num_blocks_for
 
@@ -26,9 +27,9 @@ def append_slots(table, num_new_tokens):
 
 def snapshot(pool, *tables):
     return (
-        [b.block_id for b in pool.free_queue.blocks()],
+        free_order(pool),
         [b.ref_cnt for b in pool.blocks],
-        [(t.block_ids, t.num_tokens) for t in tables],
+        [(block_ids(t), t.num_tokens) for t in tables],
     )
 
 
@@ -57,8 +58,8 @@ def test_append_slots_in_one_call(block_size, length):
     assert copies == []
     assert table.num_tokens == length
     assert len(table.blocks) == num_blocks_for(length, block_size)
-    assert table.block_ids == list(range(1, 1 + len(table.blocks)))
-    assert slots == expected_slots(table.block_ids, block_size, 0, length)
+    assert block_ids(table) == list(range(1, 1 + len(table.blocks)))
+    assert slots == expected_slots(block_ids(table), block_size, 0, length)
     assert slots[0] == block_size  # block 1, offset 0
     assert [slot_of(table, p) for p in range(length)] == slots
     pool.check_invariants()
@@ -74,7 +75,7 @@ def test_append_slots_token_by_token_matches_bulk(block_size, length):
         new, copies = append_slots(table, 1)
         assert copies == [] and len(new) == 1
         slots += new
-    assert slots == expected_slots(table.block_ids, block_size, 0, length)
+    assert slots == expected_slots(block_ids(table), block_size, 0, length)
     assert len(set(slots)) == length
 
 
@@ -84,7 +85,7 @@ def test_append_across_boundary_after_prefill():
     assert append_slots(table, 3) == ([0, 1, 2], [])
     assert table.num_new_blocks_needed(2) == 1
     assert append_slots(table, 2) == ([3, 4], [])  # fills block 0, opens block 1
-    assert table.block_ids == [0, 1]
+    assert block_ids(table) == [0, 1]
     assert append_slots(table, 0) == ([], [])
     with pytest.raises(ValueError, match="num_new_tokens"):
         append_slots(table, -1)
@@ -95,13 +96,13 @@ def test_fork_of_partial_tail_copies_on_write():
     parent = BlockTable(pool, 4)
     append_slots(parent, 6)  # blocks 0 (full), 1 (2 of 4)
     child = parent.fork()
-    assert child.block_ids == [0, 1] and child.num_tokens == 6
+    assert block_ids(child) == [0, 1] and child.num_tokens == 6
     assert [b.ref_cnt for b in pool.blocks[:2]] == [2, 2]
     assert child.num_new_blocks_needed(1) == 1  # the copy
     slots, copies = append_slots(child, 1)
     assert copies == [(1, 2)]
     assert slots == [2 * 4 + 2]
-    assert child.block_ids == [0, 2] and parent.block_ids == [0, 1]
+    assert block_ids(child) == [0, 2] and block_ids(parent) == [0, 1]
     assert [b.ref_cnt for b in pool.blocks[:3]] == [2, 1, 1]
     # The parent now owns block 1 alone: it writes in place.
     assert parent.num_new_blocks_needed(1) == 0
@@ -117,7 +118,7 @@ def test_cow_and_new_block_in_one_append():
     assert child.num_new_blocks_needed(3) == 2
     slots, copies = append_slots(child, 3)  # 1 into the copied tail, 2 into a new block
     assert copies == [(0, 1)]
-    assert child.block_ids == [1, 2]
+    assert block_ids(child) == [1, 2]
     assert slots == [1 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
 
 
@@ -129,7 +130,7 @@ def test_fork_of_full_blocks_shares_without_copies():
     assert child.num_new_blocks_needed(1) == 1
     slots, copies = append_slots(child, 1)
     assert copies == []
-    assert child.block_ids == [0, 1, 2] and slots == [8]
+    assert block_ids(child) == [0, 1, 2] and slots == [8]
     assert [b.ref_cnt for b in pool.blocks[:3]] == [2, 2, 1]
     child.free()
     assert [b.ref_cnt for b in pool.blocks[:3]] == [1, 1, 0]
@@ -156,10 +157,10 @@ def test_truncate_frees_trailing_blocks_in_reverse():
     table = BlockTable(pool, 4)
     append_slots(table, 13)  # blocks 0..3
     table.truncate(5)
-    assert table.num_tokens == 5 and table.block_ids == [0, 1]
-    assert [b.block_id for b in pool.free_queue.blocks()] == [4, 5, 3, 2]
+    assert table.num_tokens == 5 and block_ids(table) == [0, 1]
+    assert free_order(pool) == [4, 5, 3, 2]
     table.truncate(5)  # no-op
-    assert table.block_ids == [0, 1]
+    assert block_ids(table) == [0, 1]
     assert append_slots(table, 1) == ([1 * 4 + 1], [])
     table.truncate(0)
     assert table.blocks == [] and pool.num_used_blocks == 0
@@ -176,7 +177,7 @@ def test_free_releases_tail_first():
     append_slots(table, 5)  # blocks 0, 1, 2
     table.free()
     assert table.blocks == [] and table.num_tokens == 0
-    assert [b.block_id for b in pool.free_queue.blocks()] == [3, 4, 2, 1, 0]
+    assert free_order(pool) == [3, 4, 2, 1, 0]
     table.free()  # freeing an empty table is a no-op
     assert pool.num_used_blocks == 0
     pool.check_invariants()
@@ -187,24 +188,24 @@ def test_free_blocks_before_sliding_window():
     table = BlockTable(pool, 4)
     append_slots(table, 10)  # blocks 0, 1, 2 (2 of 4)
     table.free_blocks_before(3)  # block 0 still holds position 3
-    assert table.block_ids == [0, 1, 2]
+    assert block_ids(table) == [0, 1, 2]
     table.free_blocks_before(8)
-    assert table.block_ids == [-1, -1, 2]
-    assert [b.block_id for b in pool.free_queue.blocks()][-2:] == [1, 0]  # freed tail first
+    assert block_ids(table) == [-1, -1, 2]
+    assert free_order(pool)[-2:] == [1, 0]  # freed tail first
     table.free_blocks_before(8)  # idempotent
-    assert table.block_ids == [-1, -1, 2] and pool.num_used_blocks == 1
+    assert block_ids(table) == [-1, -1, 2] and pool.num_used_blocks == 1
     assert slot_of(table, 9) == 2 * 4 + 1
     assert table.blocks[5 // 4] is None and table.num_freed == 2
     with pytest.raises(ValueError, match="position"):
         table.free_blocks_before(11)
     # Appending continues after the freed prefix; the freed entries stay None.
     append_slots(table, 3)
-    assert table.block_ids[:2] == [-1, -1] and table.num_tokens == 13
+    assert block_ids(table)[:2] == [-1, -1] and table.num_tokens == 13
     # Rolling back into freed blocks is refused; rolling back to held ones works.
     with pytest.raises(ValueError, match="num_tokens"):
         table.truncate(7)
     table.truncate(9)
-    assert table.block_ids == [-1, -1, 2]
+    assert block_ids(table) == [-1, -1, 2]
     table.free()
     assert pool.num_used_blocks == 0 and table.num_tokens == 0 and table.blocks == []
     pool.check_invariants()
@@ -215,10 +216,10 @@ def test_free_blocks_before_whole_table_then_append():
     table = BlockTable(pool, 2)
     append_slots(table, 4)
     table.free_blocks_before(4)
-    assert table.block_ids == [-1, -1] and pool.num_used_blocks == 0
-    assert [b.block_id for b in pool.free_queue.blocks()] == [2, 3, 1, 0]
+    assert block_ids(table) == [-1, -1] and pool.num_used_blocks == 0
+    assert free_order(pool) == [2, 3, 1, 0]
     assert append_slots(table, 1) == ([2 * 2 + 0], [])  # the queue head: never-used block 2
-    assert table.block_ids == [-1, -1, 2]
+    assert block_ids(table) == [-1, -1, 2]
 
 
 def test_fork_keeps_freed_prefix():
@@ -227,7 +228,7 @@ def test_fork_keeps_freed_prefix():
     append_slots(table, 5)
     table.free_blocks_before(4)
     child = table.fork()
-    assert child.block_ids == [-1, -1, 2]
+    assert block_ids(child) == [-1, -1, 2]
     assert pool.blocks[2].ref_cnt == 2
     child.free()
     table.free()

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kv_probe import block_ids
 from models import tiny_model
-from paged_hf.kv_manager import KVManager
+from paged_hf.kv.manager import KVManager
 from paged_hf.metadata import build_metadata
 
 
@@ -23,7 +24,7 @@ def config():
 
 
 def definition(seq, block_size: int, start: int, stop: int) -> list[int]:
-    ids = seq.tables[0].block_ids
+    ids = block_ids(seq.tables[0])
     return [ids[p // block_size] * block_size + p % block_size for p in range(start, stop)]
 
 
@@ -61,7 +62,7 @@ def scattered(config, block_size=4):
             kv.append(seq, block_size)
     kv.discard(seqs[0])
     kv.discard(seqs[2])
-    assert seqs[1].tables[0].block_ids == [1, 4, 7] and kv.num_free_blocks == 6
+    assert block_ids(seqs[1].tables[0]) == [1, 4, 7] and kv.num_free_blocks == 6
     return kv, seqs[1]
 
 
@@ -74,7 +75,7 @@ def test_interleaved_growth_gives_each_sequence_scattered_blocks(config, block_s
             start = seq.num_tokens
             new = append(kv, seq, length + step % 2)
             assert new == definition(seq, block_size, start, seq.num_tokens)
-    assert not consecutive(a.tables[0].block_ids) and not consecutive(b.tables[0].block_ids)
+    assert not consecutive(block_ids(a.tables[0])) and not consecutive(block_ids(b.tables[0]))
     assert_slots_are_a_bijection(kv, a, b)
 
 
@@ -86,7 +87,7 @@ def test_one_append_across_reused_blocks(config, start):
     if start:
         append(kv, seq, start)
     new = append(kv, seq, 13)
-    assert not consecutive(seq.tables[0].block_ids), seq.tables[0].block_ids
+    assert not consecutive(block_ids(seq.tables[0])), block_ids(seq.tables[0])
     assert new == definition(seq, 4, start, start + 13)
     assert_slots_are_a_bijection(kv, seq, held)
 
@@ -98,8 +99,8 @@ def test_copy_on_write_into_a_reused_block(config):
     child = kv.fork(parent)
     kv.append(child, 5)  # the copied tail, then a new block
     (copy,) = kv.take_copies()
-    assert copy.src == (parent.tables[0].block_ids[1],) and copy.dst == (child.tables[0].block_ids[1],)
-    assert copy.dst != copy.src and not consecutive(child.tables[0].block_ids)
+    assert copy.src == (block_ids(parent.tables[0])[1],) and copy.dst == (block_ids(child.tables[0])[1],)
+    assert copy.dst != copy.src and not consecutive(block_ids(child.tables[0]))
     metadata = build_metadata(kv, [child], [6], [5], 0, "cpu")
     assert metadata.groups[0].slot_mapping.tolist() == definition(child, 4, 6, 11)
     assert append(kv, parent, 3) == definition(parent, 4, 6, 9)  # the parent owns its tail alone again
@@ -118,7 +119,7 @@ def test_truncate_then_regrow_on_reused_blocks(config):
     other = kv.new_sequence()
     append(kv, other, 7)  # takes the blocks the truncate freed, among others
     assert append(kv, seq, 10) == definition(seq, 4, 5, 15)
-    assert not consecutive(seq.tables[0].block_ids), seq.tables[0].block_ids
+    assert not consecutive(block_ids(seq.tables[0])), block_ids(seq.tables[0])
     assert_slots_are_a_bijection(kv, seq, other, held)
 
 
@@ -137,8 +138,7 @@ def test_rows_after_many_appends_and_frees_equal_a_rebuild(config):
                 live.append(seq)
             kv.slide_windows(seq)
             count = int(torch.randint(1, 5, (1,), generator=generator))
-            if kv.can_append(seq, count):
-                kv.append(seq, count)
+            kv.try_append(seq, count)
         elif action == 3:
             live.append(kv.fork(live[int(torch.randint(0, len(live), (1,), generator=generator))]))
         elif action == 4:
@@ -152,7 +152,7 @@ def test_rows_after_many_appends_and_frees_equal_a_rebuild(config):
     width = max(len(s.tables[0].blocks) for s in live)
     rows = torch.tensor([s.row for s in live])
     gathered = kv.groups[0].rows.gather(rows, width)
-    rebuilt = torch.tensor([[max(b, 0) for b in s.tables[0].block_ids] + [0] * (width - len(s.tables[0].blocks))
+    rebuilt = torch.tensor([[max(b, 0) for b in block_ids(s.tables[0])] + [0] * (width - len(s.tables[0].blocks))
                             for s in live], dtype=gathered.dtype)
     assert torch.equal(gathered, rebuilt)
     kv.check_invariants()

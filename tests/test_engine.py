@@ -11,7 +11,7 @@ from transformers import DynamicCache
 import paged_hf
 from paged_hf import PagedEngine, SamplingParams
 from paged_hf.engine import worker as worker_module
-from paged_hf.kv_manager import block_id_bytes
+from paged_hf.kv.model_config import block_id_bytes
 from models import output_text, stories_model, stories_tokenizer, story_openings, tiny_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -14,7 +14,7 @@ from paged_hf import PagedEngine, SamplingParams
 from paged_hf.engine import RequestOutputKind
 from paged_hf.engine.detokenizer import Decoder, IncrementalDetokenizer, find_stop
 from paged_hf.engine.sampler import _filter
-from paged_hf.kv_manager import KVManager
+from paged_hf.kv.manager import KVManager
 from paged_hf.kv_stats import EngineStats, KVCacheStats, PagedCacheStats
 from paged_hf.metadata import build_metadata
 from models import output_text, stories_model, stories_tokenizer, story_openings, tiny_model

@@ -20,6 +20,7 @@ import torch
 import transformers
 
 import paged_hf
+from kv_probe import read_blocks
 from int4_reference import Int4ReferenceCache, fake_quantize_blocks, own_block_attention
 from models import require_stories, story_text_ids, stories_tokenizer, tiny_model
 from test_generate_exact import left_padded_batch
@@ -213,7 +214,7 @@ def test_crop_back_into_a_quantized_block(one_layer, text_ids):
     chunks = [1, 3, 1, 1, 1, 1, 1]
     got += stepwise_logits(one_layer, rest, chunks[:1], cache, "paged")  # applies the rollback, block 2 not full yet
     storage = cache.kv.groups[0].storages[0]
-    k_full, _ = storage.read_blocks(torch.tensor([seq.tables[0].blocks[2].block_id]))
+    k_full, _ = read_blocks(storage, torch.tensor([seq.tables[0].blocks[2].block_id]))
     assert torch.equal(storage.key_tail[seq.row, :2], k_full[0, :2]), "kept tokens: the block's dequantized keys"
     got += stepwise_logits(one_layer, rest[1:], chunks[1:], cache, "paged")
     want += stepwise_logits(one_layer, rest, chunks, reference, reference_attention)

@@ -13,6 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kv_probe import block_ids, free_order
 from paged_hf.block_pool import BlockPool, NoFreeBlocksError
 from paged_hf.block_table import BlockTable, num_blocks_for
 from paged_hf.hashing import extend_block_hashes
@@ -42,9 +43,9 @@ class PoolMachine(RuleBasedStateMachine):
     def snapshot(self):
         pool = self.pool
         return (
-            [b.block_id for b in pool.free_queue.blocks()],
+            free_order(pool),
             [(b.ref_cnt, b.block_hash, b.token_ids) for b in pool.blocks],
-            [(t.block_ids, t.num_tokens) for t in self.tables],
+            [(block_ids(t), t.num_tokens) for t in self.tables],
         )
 
     def append(self, table: BlockTable, content: list[int], n: int, values: list[int] | None = None) -> bool:
@@ -54,7 +55,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.next_token += n
         assert len(values) == n
         before = self.snapshot()
-        old_ids, old_len = table.block_ids, table.num_tokens
+        old_ids, old_len = block_ids(table), table.num_tokens
         expected_needed = table.num_new_blocks_needed(n)
         try:
             copies = table.append(n)
@@ -67,7 +68,7 @@ class PoolMachine(RuleBasedStateMachine):
         slots = [table.blocks[p // self.bs].block_id * self.bs + p % self.bs for p in range(old_len, old_len + n)]
         assert len(copies) <= 1
         for src, dst in copies:
-            assert old_len % self.bs != 0 and old_ids[-1] == src and table.block_ids[len(old_ids) - 1] == dst
+            assert old_len % self.bs != 0 and old_ids[-1] == src and block_ids(table)[len(old_ids) - 1] == dst
             self.storage[dst] = list(self.storage[src])
         for slot, value in zip(slots, values):
             self.storage.setdefault(slot // self.bs, [None] * self.bs)[slot % self.bs] = value
@@ -121,7 +122,7 @@ class PoolMachine(RuleBasedStateMachine):
         """Forks a table, then maybe appends to one side (a partial shared tail must be copied)."""
         table, content, _ = self.pick(i)
         child = table.fork()
-        assert child.block_ids == table.block_ids and child.num_tokens == table.num_tokens
+        assert block_ids(child) == block_ids(table) and child.num_tokens == table.num_tokens
         self.tables.append(child)
         self.contents.append(list(content))
         if then == "parent":
@@ -153,10 +154,10 @@ class PoolMachine(RuleBasedStateMachine):
     def free_blocks_before(self, i, x):
         table, _, _ = self.pick(i)
         position = x % (table.num_tokens + 1)
-        old_ids = table.block_ids
+        old_ids = block_ids(table)
         table.free_blocks_before(position)
         expected = [-1 if (k + 1) * self.bs <= position else b for k, b in enumerate(old_ids)]
-        assert table.block_ids == expected
+        assert block_ids(table) == expected
 
     @precondition(lambda self: self.tables)
     @rule(i=index, j=index, in_order=st.booleans())
@@ -181,7 +182,7 @@ class PoolMachine(RuleBasedStateMachine):
             hits.append(block)
         table = BlockTable(self.pool, self.bs)
         table.append_cached_blocks(hits)
-        assert table.block_ids == [b.block_id for b in hits] and table.num_tokens == len(hits) * self.bs
+        assert block_ids(table) == [b.block_id for b in hits] and table.num_tokens == len(hits) * self.bs
         content = list(prefix[: table.num_tokens])
         self.tables.append(table)
         self.contents.append(content)
@@ -215,12 +216,6 @@ class PoolMachine(RuleBasedStateMachine):
         assert table.blocks == [] and table.num_tokens == 0
         del self.tables[k], self.contents[k]
 
-    @rule()
-    def evict_cached(self):
-        num_cached = self.pool.num_cached_blocks
-        assert self.pool.evict_cached_blocks() == num_cached
-        assert self.pool.num_cached_blocks == 0
-
     @precondition(lambda self: self.pool is not None and self.pool.num_blocks < MAX_BLOCKS)
     @rule(n=st.integers(0, 4))
     def grow(self, n):
@@ -247,7 +242,7 @@ class PoolMachine(RuleBasedStateMachine):
         for table, content in zip(self.tables, self.contents):
             assert len(content) == table.num_tokens
             assert len(table.blocks) == num_blocks_for(table.num_tokens, self.bs)
-            ids = table.block_ids
+            ids = block_ids(table)
             num_none = ids.count(-1)
             assert ids[:num_none] == [-1] * num_none, "freed blocks must form a prefix"
             for p in range(num_none * self.bs, table.num_tokens):

@@ -23,12 +23,13 @@ from paged_hf.kernels.kv_quant import (
     quantize_kv_ref,
     unpack_int4,
 )
+from kv_probe import read_blocks
 from paged_hf.quant import (
     KV_CACHE_DTYPES,
     QuantizedKVStorage,
-    bytes_per_block,
     canonical_kv_format,
     check_kv_format,
+    layer_block_bytes,
     make_storage,
 )
 from paged_hf.rotation import kv_rotation, rotate, unrotate
@@ -349,7 +350,7 @@ def test_storage_reads_equal_reference_round_trip(kv_format, dtype):
     assert k.dtype == dtype and k.shape == (6, HEADS, HEAD_DIM)
     assert torch.equal(k, stored_round_trip(key, kv_format).to(dtype))
     assert torch.equal(v, stored_round_trip(value, kv_format).to(dtype))
-    kb, vb = s.read_blocks(torch.tensor([[1, 2], [5, 0]]))
+    kb, vb = read_blocks(s, torch.tensor([[1, 2], [5, 0]]))
     assert kb.shape == (2, 2, BLOCK_SIZE, HEADS, HEAD_DIM) and kb.dtype == dtype
     assert torch.equal(kb[0, 0, 1], k[0]) and torch.equal(vb[1, 0, 2], v[2]) and torch.equal(kb[1, 1, 0], k[1])
     assert torch.equal(kb[0, 1, 1:], k[3:]) and torch.equal(vb[0, 1, 1:], v[3:])
@@ -379,9 +380,9 @@ def test_storage_bytes_do_not_depend_on_batch_or_slot(kv_format):
 def test_copy_blocks_copies_codes_and_scales(kv_format):
     s = storage(kv_format)
     s.write(torch.arange(8), random_kv(8, HEADS, HEAD_DIM, seed=5), random_kv(8, HEADS, HEAD_DIM, seed=6))
-    before = s.read_blocks(torch.tensor([0, 1]))
+    before = read_blocks(s, torch.tensor([0, 1]))
     s.copy_blocks(torch.tensor([0, 1]), torch.tensor([3, 5]))
-    after = s.read_blocks(torch.tensor([3, 5]))
+    after = read_blocks(s, torch.tensor([3, 5]))
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
     for pool in pools(s):
         if pool is not None:
@@ -395,13 +396,13 @@ def test_grow_keeps_content_and_adds_zeroed_blocks(kv_format):
     s.write(torch.arange(24), random_kv(24, HEADS, HEAD_DIM, seed=7), random_kv(24, HEADS, HEAD_DIM, seed=8))
     before = [None if p is None else p.clone() for p in pools(s)]
     all_blocks = torch.arange(NUM_BLOCKS)
-    old_k, old_v = s.read_blocks(all_blocks)
+    old_k, old_v = read_blocks(s, all_blocks)
     s.grow(3)
     assert s.num_blocks == NUM_BLOCKS + 3 and all(p is None or p.shape[0] == NUM_BLOCKS + 3 for p in pools(s))
     assert same_bytes(before, [None if p is None else p[:NUM_BLOCKS] for p in pools(s)])
-    k, v = s.read_blocks(all_blocks)
+    k, v = read_blocks(s, all_blocks)
     assert torch.equal(k, old_k) and torch.equal(v, old_v)
-    new_k, _ = s.read_blocks(torch.arange(NUM_BLOCKS, NUM_BLOCKS + 3))
+    new_k, _ = read_blocks(s, torch.arange(NUM_BLOCKS, NUM_BLOCKS + 3))
     assert torch.equal(new_k, torch.zeros_like(new_k))
     key = random_kv(1, HEADS, HEAD_DIM, seed=9)
     s.write(torch.tensor([(NUM_BLOCKS + 2) * BLOCK_SIZE + 1]), key, key)
@@ -415,8 +416,8 @@ def test_nbytes_and_bytes_per_token_count_scales(kv_format):
     assert s.bytes_per_token == 2 * 4 * (64 + 2)
     bs = s.block_size
     assert s.nbytes == 10 * bs * s.bytes_per_token == sum(p.nbytes for p in pools(s) if p is not None)
-    assert s.nbytes == 10 * QuantizedKVStorage.bytes_per_block(bs, 4, 64, torch.float16, kv_format)
-    assert bytes_per_block(kv_format, bs, 4, 64, torch.bfloat16) == s.nbytes // 10
+    assert s.nbytes == 10 * layer_block_bytes(kv_format, bs, 4, 64, torch.float16)
+    assert layer_block_bytes(kv_format, bs, 4, 64, torch.bfloat16) == s.nbytes // 10
     fp16 = KVStorage(10, bs, 4, 64, torch.float16, "cpu")
     assert fp16.bytes_per_token / s.bytes_per_token >= 1.9
 
@@ -427,11 +428,11 @@ def test_int4_bytes_per_block_count_every_tensor(block_size, head_dim, ratio):
     """Per block and KV head: B D bytes of codes, 2 D + 4 of key ranges and grid, B / 2 + 2 of value scale codes and
     maximum; >= 3.5x fewer than float16 at the default block size 16."""
     s = QuantizedKVStorage(10, block_size, 3, head_dim, torch.float16, "cpu", "int4")
-    per_block = QuantizedKVStorage.bytes_per_block(block_size, 3, head_dim, torch.float16, "int4")
+    per_block = layer_block_bytes("int4", block_size, 3, head_dim, torch.float16)
     assert per_block == 3 * (block_size * head_dim + 2 * head_dim + 4 + block_size // 2 + 2)
     assert s.nbytes == 10 * per_block == sum(p.nbytes for p in pools(s))
-    assert bytes_per_block("int4", block_size, 3, head_dim, torch.bfloat16) == per_block
-    fp16 = KVStorage.bytes_per_block(block_size, 3, head_dim, torch.float16)
+    assert layer_block_bytes("int4", block_size, 3, head_dim, torch.bfloat16) == per_block
+    fp16 = KVStorage(1, block_size, 3, head_dim, torch.float16, "cpu").nbytes
     assert fp16 / per_block >= ratio
     if block_size == 16:
         assert fp16 / per_block >= 3.5
@@ -441,7 +442,7 @@ def test_int4_odd_block_size_is_rejected():
     for call in (
         lambda: QuantizedKVStorage(2, 1, 1, 8, torch.float32, "cpu", "int4"),
         lambda: make_storage("int4", 2, 3, 1, 8, torch.float32, "cpu"),
-        lambda: bytes_per_block("int4", 1, 1, 8, torch.float32),
+        lambda: layer_block_bytes("int4", 1, 1, 8, torch.float32),
     ):
         with pytest.raises(ValueError, match=r"block_size must be even for kv_cache_dtype='int4'.*block_size=[13]"):
             call()
@@ -451,7 +452,7 @@ def test_int4_odd_block_size_is_rejected():
 def test_make_storage_and_bytes_per_block_for_auto_and_alias():
     plain = make_storage("auto", 3, 4, 2, 8, torch.bfloat16, "cpu")
     assert type(plain) is KVStorage and plain.dtype == torch.bfloat16
-    assert bytes_per_block("auto", 4, 2, 8, torch.bfloat16) == KVStorage.bytes_per_block(4, 2, 8, torch.bfloat16)
+    assert layer_block_bytes("auto", 4, 2, 8, torch.bfloat16) == plain.nbytes // 3 == 2 * 4 * 2 * 8 * 2
     fp8 = make_storage("fp8", 3, 4, 2, 8, torch.bfloat16, "cpu")
     assert isinstance(fp8, QuantizedKVStorage) and fp8.kv_format == "fp8_e4m3"
     assert fp8.key_cache.dtype == torch.float8_e4m3fn and fp8.dtype == torch.bfloat16
@@ -464,7 +465,7 @@ def test_make_storage_and_bytes_per_block_for_auto_and_alias():
     assert int4.value_zero.shape == (3, 2) and int4.value_zero.dtype == torch.float16  # vmax of each block, head
     assert int4.key_tail.shape == (0, 4, 2, 8) and int4.key_tail.dtype == torch.float32
     assert all(torch.equal(raw_bytes(p), torch.zeros_like(raw_bytes(p))) for p in pools(int4))
-    k, v = int4.read_blocks(torch.arange(3))  # a fresh pool reads exact zeros
+    k, v = read_blocks(int4, torch.arange(3))  # a fresh pool reads exact zeros
     assert torch.equal(k, torch.zeros(3, 4, 2, 8)) and torch.equal(v, torch.zeros(3, 4, 2, 8))
     k, v = int4.read_slots(torch.arange(12))
     assert torch.equal(k, torch.zeros(12, 2, 8)) and torch.equal(v, torch.zeros(12, 2, 8))
@@ -492,7 +493,7 @@ def test_int4_odd_head_dim_is_rejected():
         lambda: check_kv_format("int4", 7),
         lambda: QuantizedKVStorage(2, 4, 1, 7, torch.float32, "cpu", "int4"),
         lambda: make_storage("int4", 2, 4, 1, 7, torch.float32, "cpu"),
-        lambda: bytes_per_block("int4", 4, 1, 7, torch.float32),
+        lambda: layer_block_bytes("int4", 4, 1, 7, torch.float32),
     ):
         with pytest.raises(ValueError, match="head_dim"):
             call()
@@ -542,7 +543,8 @@ def test_storage_holds_codes_of_the_rotated_vectors(kv_format):
     data, scale, zero = quantize_kv_ref(rotate(key, kv_rotation(HEAD_DIM)), kv_format)
     assert torch.equal(raw_bytes(s.key_cache[0]), raw_bytes(data)) and torch.equal(s.key_scale[0], scale)
     assert zero is None or torch.equal(s.key_zero[0], zero)
-    assert make_storage("auto", 2, 4, HEADS, HEAD_DIM, torch.float32, "cpu").rotation is None
+    plain = make_storage("auto", 2, 4, HEADS, HEAD_DIM, torch.float32, "cpu")
+    assert plain.key_rotation is None and plain.value_rotation is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

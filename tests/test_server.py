@@ -203,6 +203,7 @@ def test_load_32_streaming_clients_then_no_blocks_in_use(stories, server):
 
 def test_flood_past_queue_limit_gets_503_and_admitted_requests_finish(stories):
     model, tok = stories
+    attn = model.config._attn_implementation  # the module's server (if running) needs it back
     engine = PagedEngine(model, tok, block_size=8, max_num_seqs=2, max_num_batched_tokens=64)
     running = Server(build_app(engine, "stories260K", max_queue_len=4))
     try:
@@ -224,7 +225,7 @@ def test_flood_past_queue_limit_gets_503_and_admitted_requests_finish(stories):
         assert engine.get_stats()["kv_cache_used"] == 0
     finally:
         running.stop()
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(attn)
 
 
 def test_first_token_keeps_its_space_in_text_stream_and_logprobs(stories, client):

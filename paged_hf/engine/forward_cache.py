@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..kv_manager import KVManager, LayerGroup
+from ..kv.layer_groups import LayerGroup
+from ..kv.manager import KVManager
 from ..metadata import METADATA_KEY, AttentionMetadata, LayerStep, write_layer_kv
 
 

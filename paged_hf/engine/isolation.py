@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..distributed.group import TensorParallelError
-from ..kv_manager import KVManager
+from ..kv.manager import KVManager
 from .model_output import ModelOutput
 from .scheduler import ScheduledSequence, SchedulerOutput
 

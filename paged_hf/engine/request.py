@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SamplingParams
-from ..kv_manager import SequenceKV
+from ..kv.sequence import SequenceKV
 from .detokenizer import IncrementalDetokenizer
 
 

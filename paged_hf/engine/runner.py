@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..distributed.group import TensorParallelError
-from ..kv_manager import KVManager
+from ..kv.manager import KVManager
 from ..metadata import AttentionMetadata, build_metadata
 from .forward_cache import EngineCache
 from .isolation import isolate

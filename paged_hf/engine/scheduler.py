@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
-from ..kv_manager import BlockCopy, KVManager
+from ..kv.copies import BlockCopy
+from ..kv.manager import KVManager
 from .request import Request, Sequence, SequenceStatus
 
 if TYPE_CHECKING:  # the runner imports this module
@@ -196,7 +197,7 @@ class Scheduler:
         # 2. swapped sequences come back first, unless this step had to preempt
         while self.swapped and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            if kv.swap_in_blocks(seq.kv) + 1 > kv.num_free_blocks:
+            if kv.num_swap_in_blocks(seq.kv) + 1 > kv.num_free_blocks:
                 break
             self.swapped.popleft()
             kv.swap_in(seq.kv)

@@ -17,7 +17,8 @@ import torch
 from ..config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
 from ..distributed import tensor_parallel_group
 from ..distributed.group import init_group
-from ..kv_manager import KVManager, available_memory, block_id_bytes, local_kv_heads
+from ..kv.manager import KVManager
+from ..kv.model_config import available_memory, block_id_bytes, local_kv_heads
 from .runner import ModelRunner
 
 GIB = 1 << 30

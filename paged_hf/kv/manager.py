@@ -1,0 +1,354 @@
+"""``KVManager``: the one KV allocator of ``generate`` (``PagedCache``) and of the engine. It owns the sequences
+(their tables and block-table rows), their growth, the audit and the statistics, and holds the pieces with a job of
+their own: the layer groups (``layer_groups``), the copy log (``copies``), the prefix cache (``prefix_cache``) and
+the swap space (``swap``).
+
+Is there room? Each client asks one question:
+
+* ``PagedCache`` asks ``reserve(seqs, counts)`` before a forward: it grows a growable pool, or raises
+  ``PagedCacheFullError`` with nothing allocated.
+* The engine asks ``has_room(blocks_per_group)``: ``try_append`` asks it for the running sequences; the scheduler
+  asks it for admissions and swap-ins as ``cost <= num_free_blocks`` (the same question with one count for every
+  group), the cost from ``PrefixCache.admission_blocks`` or ``num_swap_in_blocks``.
+
+Formats with a full-precision tail (int4): each sequence's newest, partial block lives in the tail row of its
+block-table row (``SequenceKV.row``) in every layer, and the pool block holds codes only once it is full. The tail
+row follows the sequence: a fork copies it to the child's row, swap moves it to a CPU tail slot and back, and a
+rollback (``truncate``) into a block that was full dequantizes that block into the row (policy: the kept tokens
+keep the values the attention already read; the block is quantized again when it refills). Only full blocks are
+shared (forks share the partial block too, but copy it on write) or cached, so prefix hits stay exact.
+
+Policy: blocks are freed tail first, so a finished sequence's tail is evicted before its shared prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..block_pool import BlockPool, KVBlock
+from ..block_table import BlockTable
+from ..kernels.kv_format import KV_FORMATS
+from ..kv_stats import KVCacheStats
+from ..quant import check_kv_format, layer_block_bytes, make_storage, tail_bytes_per_row
+from ..storage import KVStorage
+from .audit import check_manager
+from .copies import BlockCopy, CopyKind, CopyLog, apply_copy
+from .growth import PagedCacheFullError, grow_group, room_error
+from .layer_groups import LayerGroup, layer_groups
+from .model_config import available_memory, block_id_bytes, check_supported, config_dtype, head_dim_of, kv_heads_of
+from .prefix_cache import PrefixCache
+from .rows import RowAllocator
+from .sequence import SequenceKV
+from .swap import SwapSpace
+
+__all__ = ["KVManager", "PagedCacheFullError", "SequenceKV"]
+
+
+class KVManager:
+    """The pools, storages and block tables of one model's KV cache.
+
+    Args:
+        text_config: the decoder config (layer types, sliding windows, heads).
+        block_size, kv_cache_dtype: as ``CacheConfig``.
+        num_blocks: blocks per group; None makes a growable pool (``reserve`` grows it, like ``DynamicCache``).
+        enable_prefix_caching: hash full blocks and reuse them (full-attention models only; else it stays off).
+        swap_space_bytes: CPU memory for swapped-out blocks (0: no swap).
+        num_kv_heads: KV heads this process stores (tensor parallelism: its share); None takes the config's.
+    """
+
+    def __init__(self, text_config, block_size: int = 16, kv_cache_dtype: str = "auto", num_blocks: int | None = None,
+                 enable_prefix_caching: bool = False, swap_space_bytes: int = 0,
+                 num_kv_heads: int | None = None) -> None:
+        check_supported(text_config)
+        self.text_config = text_config
+        self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype
+        self.head_dim = head_dim_of(text_config)
+        self.kv_format = check_kv_format(kv_cache_dtype, self.head_dim)
+        self.num_kv_heads = num_kv_heads or kv_heads_of(text_config)
+        self.has_tail = KV_FORMATS[self.kv_format].tail
+        self.groups = layer_groups(text_config, block_size)
+        self.group_of = {idx: group for group in self.groups for idx in group.layer_indices}
+        self.growable = num_blocks is None
+        for group in self.groups:  # a growable pool starts empty: ``reserve`` sizes it for the first forward
+            group.pool = BlockPool(num_blocks or 0, enable_caching=enable_prefix_caching and num_blocks is not None)
+        self.prefix_cache = PrefixCache(self.groups[0].pool, block_size, self.kv_format,
+                                        enabled=enable_prefix_caching and all(g.window is None for g in self.groups))
+        self.copies = CopyLog()
+        num_cpu_blocks = int(swap_space_bytes // self.block_id_bytes()) if swap_space_bytes else 0
+        self.swap = SwapSpace(num_cpu_blocks, len(self.groups), self.kv_format, self.head_dim)
+        self.rows = RowAllocator(self.groups, self.has_tail)
+        self._live: dict[int, SequenceKV] = {}  # id -> every sequence made and not freed
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether full blocks are hashed and reused (asked, not just enabled: off for sliding-window models)."""
+        return self.prefix_cache.enabled
+
+    # ------------------------------------------------------------------------------------------ sizing
+    def layer_block_bytes(self, dtype: torch.dtype | None = None, num_kv_heads: int | None = None) -> int:
+        """Bytes of one block of one layer (K and V, scales and zeros included)."""
+        return layer_block_bytes(self.kv_format, self.block_size, num_kv_heads or self.num_kv_heads, self.head_dim,
+                                 dtype or config_dtype(self.text_config))
+
+    def block_id_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one block id in every layer (what one more block per group costs)."""
+        return block_id_bytes(self.text_config, self.block_size, self.kv_cache_dtype, self.num_kv_heads, dtype)
+
+    def tail_bytes_per_row(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one sequence row of the tail pools in every layer (0 for formats without a tail)."""
+        return tail_bytes_per_row(self.kv_format, self.block_size, self.num_kv_heads, self.head_dim,
+                                  dtype or config_dtype(self.text_config)) * len(self.group_of)
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Blocks every group has (the smallest pool; the engine's pools are all the same size)."""
+        return min(g.pool.num_blocks for g in self.groups)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks every group can still allocate (the smallest pool's free and cached blocks)."""
+        return min(g.pool.num_free_blocks for g in self.groups)
+
+    def has_room(self, blocks_per_group: list[int]) -> bool:
+        """The engine's question: whether group ``g`` can allocate ``blocks_per_group[g]`` blocks, for every ``g``."""
+        return all(n <= g.pool.num_free_blocks for n, g in zip(blocks_per_group, self.groups))
+
+    def blocks_to_hold(self, num_tokens: int) -> int:
+        """Blocks the worst group holds at once for one sequence of ``num_tokens`` tokens (a window group: its
+        window's)."""
+        return max(g.policy.blocks_to_hold(num_tokens, self.block_size) for g in self.groups)
+
+    # ----------------------------------------------------------------------------------------- storage
+    def allocate_layer(self, layer_idx: int, num_kv_heads: int, dtype: torch.dtype, device) -> KVStorage:
+        """Makes layer ``layer_idx``'s pool tensors (sized like its group's pool). The first layer checks that the
+        whole pool fits the device, before anything is allocated."""
+        group = self.group_of[layer_idx]
+        if not any(g.storages for g in self.groups):
+            self.check_fits_on([torch.device(device)], dtype, num_kv_heads)
+        storage = make_storage(self.kv_format, group.pool.num_blocks, self.block_size, num_kv_heads, self.head_dim,
+                               dtype, device)
+        if self.has_tail:
+            storage.ensure_tail_rows(self.rows.num_rows)
+        group.storages[layer_idx] = storage
+        return storage
+
+    def allocate_all(self, dtype: torch.dtype, device) -> None:
+        """Makes every layer's pool tensors now (the engine's pool is sized once)."""
+        for idx in sorted(self.group_of):
+            self.allocate_layer(idx, self.num_kv_heads, dtype, device)
+
+    def check_fits_on(self, devices: list[torch.device], dtype=None, num_kv_heads: int | None = None) -> None:
+        """ValueError unless the fixed pool fits the device among ``devices`` with the most memory available.
+        ``PagedCache`` asks this at construction over every device of the machine (the model's is not known yet),
+        so a pool no device can hold fails there; the first layer asks again for the device it lands on."""
+        if self.growable:
+            return
+        total = self.layer_block_bytes(dtype, num_kv_heads) * len(self.group_of) * self.groups[0].pool.num_blocks
+        available, device = max((available_memory(d), str(d)) for d in devices)
+        if total > available:
+            raise ValueError(
+                f"the KV pool needs {total / 2**30:.2f} GiB ({self.groups[0].pool.num_blocks} blocks x "
+                f"{len(self.group_of)} layers) but {device} has {available / 2**30:.2f} GiB available: "
+                f"lower num_blocks / memory_budget"
+            )
+
+    # --------------------------------------------------------------------------------------- sequences
+    def new_sequence(self) -> SequenceKV:
+        """An empty sequence with a table per group and a row of the block-table rows."""
+        seq = SequenceKV([BlockTable(g.pool, self.block_size) for g in self.groups], self.rows.take())
+        self._live[id(seq)] = seq
+        return seq
+
+    def live_sequences(self) -> list[SequenceKV]:
+        """Every sequence made and not discarded (what the audit counts)."""
+        return list(self._live.values())
+
+    @property
+    def num_rows(self) -> int:
+        """Rows handed out so far (each live sequence holds one; tail formats keep a tail row per row)."""
+        return self.rows.num_rows
+
+    def cover_rows(self, num_rows: int) -> None:
+        """Tail rows for ``num_rows`` rows in every layer: a tensor-parallel follower takes no rows itself, so the
+        leader's count comes with each step."""
+        self.rows.cover(num_rows)
+
+    def free(self, seq: SequenceKV) -> None:
+        """Releases every block the sequence holds (device, and CPU while swapped); it may be admitted again."""
+        self.rows.release(seq)
+        for table in seq.tables:
+            table.free()
+        if seq.swapped is not None:
+            self.swap.release(seq.swapped)
+            seq.swapped = None
+        seq.num_cached_blocks = 0
+
+    def discard(self, seq: SequenceKV) -> None:
+        """Frees the sequence for good: the audit stops counting it."""
+        self.free(seq)
+        self._live.pop(id(seq), None)
+
+    def fork(self, seq: SequenceKV) -> SequenceKV:
+        """A new sequence sharing every block of ``seq`` (copy-on-write of a partial tail on the next append)."""
+        child = SequenceKV([table.fork() for table in seq.tables], self.rows.take())
+        child.block_hashes = list(seq.block_hashes)
+        child.num_cached_blocks = seq.num_cached_blocks
+        self._live[id(child)] = child
+        self.rows.write(child)
+        if self._has_partial_tail(seq):  # the child's tail row starts as a copy of the parent's
+            for g in range(len(self.groups)):
+                self.copies.record(g, [(seq.row, child.row)], CopyKind.FORK_TAIL)
+        return child
+
+    def _has_partial_tail(self, seq: SequenceKV) -> bool:
+        return self.has_tail and seq.row >= 0 and seq.num_tokens % self.block_size != 0
+
+    # ------------------------------------------------------------------------------------------ growth
+    def slide_windows(self, seq: SequenceKV) -> None:
+        """Frees the blocks no future query can see (``policy.first_needed``: a sliding window's); they stay
+        readable (row entries 0) for the attention of the forward that just used them."""
+        for group, table in zip(self.groups, seq.tables):
+            before = table.num_freed
+            table.free_blocks_before(group.policy.first_needed(table.num_tokens))
+            if table.num_freed > before:
+                group.rows.clear(seq.row, before, table.num_freed)
+
+    def try_append(self, seq: SequenceKV, num_new_tokens: int) -> bool:
+        """``append`` if every group has room (True), else nothing changes (False)."""
+        if num_new_tokens == 1 and all(table.tail_has_room() for table in seq.tables):  # most decode steps
+            for table in seq.tables:
+                table.append(1)
+            return True
+        if not self.has_room([table.num_new_blocks_needed(num_new_tokens) for table in seq.tables]):
+            return False
+        self.append(seq, num_new_tokens)
+        return True
+
+    def reserve(self, seqs: list[SequenceKV], counts: list[int]) -> None:
+        """``PagedCache``'s question: makes room for ``counts[i]`` more tokens of each of ``seqs``. Grows a growable
+        pool, else raises ``PagedCacheFullError`` (``ValueError`` when the pool cannot even hold the prompts)
+        before allocating."""
+        for g, group in enumerate(self.groups):
+            needed = sum(seq.tables[g].num_new_blocks_needed(n) for seq, n in zip(seqs, counts))
+            free = group.pool.num_free_blocks
+            if needed <= free:
+                continue
+            if not self.growable:
+                raise room_error(group, needed, prompts=not any(seq.num_tokens for seq in seqs))
+            grow_group(group, needed - free)
+
+    def append(self, seq: SequenceKV, num_new_tokens: int) -> None:
+        """Gives ``seq`` slots for ``num_new_tokens`` more tokens in every group (capacity was checked); records the
+        copy-on-write copies and updates the sequence's rows."""
+        if num_new_tokens <= 0:
+            return
+        for g, (group, table) in enumerate(zip(self.groups, seq.tables)):
+            start = len(table.blocks)
+            copies = table.append(num_new_tokens)
+            if copies:
+                start -= 1
+                self.copies.record(g, copies, CopyKind.COPY_ON_WRITE)
+            if len(table.blocks) > start:
+                group.rows.write(seq.row, start, [b.block_id for b in table.blocks[start:]])
+
+    def truncate(self, seq: SequenceKV, num_tokens: int) -> None:
+        """Rolls ``seq`` back to ``num_tokens`` tokens (assisted decoding). RuntimeError if a sliding-window group
+        already freed tokens the next forward would need."""
+        for group, table in zip(self.groups, seq.tables):
+            if not group.policy.can_roll_back(table.num_freed, group.block_size, num_tokens):
+                raise RuntimeError(
+                    f"cannot roll back to {num_tokens} tokens: the sliding-window layers already freed tokens the next "
+                    f"forward would need (window {group.window})"
+                )
+        bs = self.block_size
+        refill = self.has_tail and num_tokens % bs != 0 and seq.num_tokens >= (num_tokens // bs + 1) * bs
+        for g, (group, table) in enumerate(zip(self.groups, seq.tables)):
+            held = len(table.blocks)
+            table.truncate(num_tokens)
+            group.rows.clear(seq.row, len(table.blocks), held)
+            if refill:  # the new last block was full: its kept tokens go back to the tail row, dequantized
+                self.copies.record(g, [(table.blocks[-1].block_id, seq.row)], CopyKind.ROLLBACK_TO_TAIL)
+
+    # ------------------------------------------------------------------------------------ block copies
+    def take_copies(self) -> list[BlockCopy]:
+        """The copies recorded since the last call, in order (they must run before the next forward)."""
+        return self.copies.take()
+
+    def apply_copies(self, copies: list[BlockCopy]) -> None:
+        """Runs ``copies`` in order, in every layer of their group."""
+        for copy in copies:
+            apply_copy(copy, self.groups[copy.group].storages, self.swap)
+
+    # ------------------------------------------------------------------------------------ prefix cache
+    def find_prefix_hits(self, seq: SequenceKV, token_ids: list[int], salt=None) -> list[KVBlock]:
+        """Cached blocks covering the longest computed prefix of ``token_ids`` (never its last token)."""
+        return self.prefix_cache.find_hits(seq, token_ids, salt)
+
+    def admission_blocks(self, hits: list[KVBlock], num_new_tokens: int) -> int:
+        """Free blocks admitting a sequence on ``hits`` takes (see ``PrefixCache.admission_blocks``)."""
+        return self.prefix_cache.admission_blocks(hits, num_new_tokens)
+
+    def admit(self, seq: SequenceKV, hits: list[KVBlock], num_prompt_tokens: int, count_query: bool) -> None:
+        """Starts ``seq`` (empty) on its prefix hits; ``count_query``: count it in the hit-rate statistics."""
+        if seq.row < 0:
+            seq.row = self.rows.take()
+        if hits:
+            seq.tables[0].append_cached_blocks(hits)
+            self.rows.write(seq)
+        seq.num_cached_blocks = len(hits)
+        if count_query:
+            self.prefix_cache.count_query(num_prompt_tokens, len(hits))
+
+    def cache_full_blocks(self, seq: SequenceKV, token_ids: list[int], num_tokens: int, salt=None) -> None:
+        """Registers ``seq``'s full blocks among its first ``num_tokens`` (see ``PrefixCache.cache_full_blocks``)."""
+        self.prefix_cache.cache_full_blocks(seq, token_ids, num_tokens, salt)
+
+    def end_step(self, failed: bool) -> None:
+        """Closes a step (a failed one unregisters the blocks registered for it)."""
+        self.prefix_cache.end_step(failed)
+
+    # -------------------------------------------------------------------------------------------- swap
+    def can_swap_out(self, seq: SequenceKV) -> bool:
+        """Whether the swap space has room for every block ``seq`` holds."""
+        return self.swap.can_hold(seq)
+
+    def swap_out(self, seq: SequenceKV) -> None:
+        """Moves ``seq``'s blocks to CPU blocks (the copies are recorded) and frees them on the device."""
+        swapped = self.swap.move_out(seq, seq.row if self._has_partial_tail(seq) else None, self.copies)
+        self.rows.release(seq)
+        for table in seq.tables:
+            table.free()
+        seq.swapped = swapped
+        seq.num_cached_blocks = 0  # swapped-in blocks are new copies: registered again when full
+
+    def num_swap_in_blocks(self, seq: SequenceKV) -> int:
+        """Device blocks the worst group needs to swap ``seq`` back in."""
+        return self.swap.num_blocks_to_move_in(seq)
+
+
+    def swap_in(self, seq: SequenceKV) -> None:
+        """Brings a swapped-out sequence back into new device blocks (the copies are recorded)."""
+        seq.row = self.rows.take()
+        self.swap.move_in(seq, self.groups, self.copies)
+        seq.swapped = None
+        self.rows.write(seq)
+
+    # ------------------------------------------------------------------------------------ audit, stats
+    def check_invariants(self) -> None:
+        """Raises ``KVInvariantError`` (an AssertionError, even under ``python -O``) if the bookkeeping is wrong:
+        pool invariants; each block's ref count equals the tables holding it; every held row mirrors its tables."""
+        check_manager(self.groups, self.live_sequences())
+        self.swap.check_invariants()
+
+    def stats(self) -> KVCacheStats:
+        pools = [g.pool for g in self.groups]
+        return KVCacheStats(
+            kv_cache_used=sum(p.num_used_blocks for p in pools),
+            kv_cache_total=sum(p.num_blocks for p in pools),
+            kv_cache_cached_blocks=sum(p.num_cached_blocks for p in pools),
+            block_size=self.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_bytes=sum(s.nbytes + s.tail_nbytes for g in self.groups for s in g.storages.values()),
+            prefix_cache_hit_rate=self.prefix_cache.hit_rate,
+        )
