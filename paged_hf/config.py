@@ -119,6 +119,7 @@ def _check_bool(name: str, value) -> None:
         raise ParameterError(name, f"{name} must be a bool, got {value!r}")
 
 
+GIB = 1 << 30  # bytes
 DEFAULT_CPU_KV_CACHE_GIB = 4.0  # the KV pool of an auto-sized engine on CPU (vLLM's CPU default too)
 
 

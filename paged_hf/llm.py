@@ -26,10 +26,9 @@ from dataclasses import fields, replace
 
 import torch
 
-from .config import EngineConfig, SamplingParams, check_known
+from .config import GIB, EngineConfig, SamplingParams, check_known
 from .engine import PagedEngine, RequestOutput
 
-GIB = 1 << 30
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ..config import EngineConfig, SamplingParams
+from ..config import GIB, EngineConfig, SamplingParams
 from ..distributed import tensor_parallel_group
 from ..distributed.group import DEFAULT_TIMEOUT_S, TensorParallelError
 from ..distributed.launch import check_launch_options
@@ -28,7 +28,7 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 from .threads import bind_cpu_threads
 from .validation import check_params, check_prompt_ids, prompt_ids, vocab_size
-from .worker import GIB, build_kv, follow, max_model_len_of, prepare_model
+from .worker import build_kv, follow, max_model_len_of, prepare_model
 
 logger = logging.getLogger("paged_hf")
 

@@ -14,14 +14,13 @@ import time
 
 import torch
 
-from ..config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
+from ..config import DEFAULT_CPU_KV_CACHE_GIB, GIB, EngineConfig
 from ..distributed import tensor_parallel_group
 from ..distributed.group import init_group
 from ..kv.manager import KVManager
 from ..kv.model_config import available_memory, block_id_bytes, local_kv_heads
 from .runner import ModelRunner
 
-GIB = 1 << 30
 logger = logging.getLogger("paged_hf")
 
 
