@@ -452,7 +452,10 @@ def agreement(records: list[dict], args) -> list[str]:
     """Greedy tokens of the first ``--check`` prompts, paged_hf and HF against vLLM (against HF static where vLLM did
     not run), per workload and dtype, in the first round of each."""
     lines = []
-    first = {(r["engine"], r["dtype"]): r for r in sorted(records, key=lambda r: r["round"]) if "runs" in r}
+    first: dict = {}
+    for r in sorted(records, key=lambda r: r["round"]):
+        if "runs" in r:
+            first.setdefault((r["engine"], r["dtype"]), r)  # the earliest round that ran
     for dtype in args.dtypes:
         reference = "vllm" if ("vllm", dtype) in first else "hf_static"
         if (reference, dtype) not in first:
