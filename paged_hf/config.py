@@ -139,6 +139,8 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV of full blocks whose token prefix was already computed.
         swap_space: GiB of CPU memory for swapped-out blocks. preemption_mode: "recompute", "swap" or "auto".
         scheduling_policy: "fcfs" or "priority" (lower ``priority`` value runs first).
+        enforce_eager: run the model's forward eagerly (vLLM's switch); False (the default) compiles it with
+            torch.compile at engine start (``engine/compile.py``; a model that does not compile runs eagerly).
 
     Limits on one request, checked by ``PagedEngine.add_request`` (a request past one gets a ``ValueError`` naming
     the parameter, before it is queued):
@@ -162,6 +164,7 @@ class EngineConfig:
     max_logprobs: int = 20
     max_n: int = 128
     max_stop_strings: int = 32
+    enforce_eager: bool = False
 
     @classmethod
     def from_options(cls, what: str, options: Mapping[str, Any]) -> "EngineConfig":
@@ -187,6 +190,8 @@ class EngineConfig:
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         _check_int("max_logprobs", self.max_logprobs, 0)
         _check_int("max_n", self.max_n, 1)
         _check_int("max_stop_strings", self.max_stop_strings, 0)
