@@ -35,6 +35,13 @@ logger = logging.getLogger("paged_hf")
 WARMUP_STEPS = (((5,), (1,), 1), ((3, 9, 0), (1, 1, 6), 2), ((0,), (7,), 0))
 
 
+# Hooks a user adds to the model after the warm-up must run (dynamo's default skips guarding on them): a new hook
+# fails the guards and the forward compiles again (or, a hook dynamo cannot trace, runs eagerly).
+_COMPILE_CONFIG = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
+# Sizes 0 and 1 are no special case, and equal sizes get no shared symbol (T == S in a decode-only step is chance).
+_SHAPE_CONFIG = fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
+
+
 class CompileFailed(RuntimeError):
     """torch.compile could not compile the forward (the runner then runs it eagerly)."""
 
@@ -53,7 +60,7 @@ class CompiledForward:
         _mark_dynamic(metadata, inputs)
         engine_cache.num_decodes = torch.tensor([metadata.num_decodes], dtype=torch.long)
         try:
-            with ops.bind(engine_cache.storages()), fx_config.patch(backed_size_oblivious=True, use_duck_shape=False):
+            with ops.bind(engine_cache.storages()), _COMPILE_CONFIG, _SHAPE_CONFIG:
                 return self.compiled(**inputs)
         except TorchDynamoException as error:
             raise CompileFailed(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") \
