@@ -154,3 +154,18 @@ def test_llm_honours_enforce_eager():
     model = tiny_model("llama")
     assert LLM(model, skip_tokenizer_init=True, enforce_eager=True, num_blocks=16).llm_engine.runner.compiled is None
     assert LLM(model, skip_tokenizer_init=True, num_blocks=16).llm_engine.runner.compiled is not None
+
+
+def test_tensor_parallel_runs_eagerly_on_every_rank():
+    """A follower builds its runner eagerly, and so does the leader under tensor parallelism (a warm-up forward
+    runs collectives; a compile failing on one rank only would split the ranks' forwards)."""
+    from paged_hf.engine.worker import follower_runner
+
+    class OneRankGroup:
+        size = 1
+
+        def min(self, value):
+            return value
+
+    runner = follower_runner(tiny_model("llama"), {"num_blocks": 16}, OneRankGroup())
+    assert runner.compiled is None
