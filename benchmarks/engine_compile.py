@@ -69,7 +69,7 @@ def profile_decode_step(engine: PagedEngine, prompts, rows: int) -> str:
 
 def bench(name: str, dtype_name: str, args) -> list[list]:
     model, tokenizer = load_model(name)
-    model = model.to(DTYPES[dtype_name])
+    model = model.to(args.device, DTYPES[dtype_name])
     prompts, params = workload(tokenizer, args.requests, args.max_out)
     options = dict(block_size=16, num_blocks=args.num_blocks, max_num_seqs=args.requests,
                    max_num_batched_tokens=512)
@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-blocks", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the model and the KV pool go there)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-rows", type=int, default=14)
     args = parser.parse_args()

@@ -36,8 +36,10 @@ WARMUP_STEPS = (((5,), (1,), 1), ((3, 9, 0), (1, 1, 6), 2), ((0,), (7,), 0))
 
 
 # Hooks a user adds to the model after the warm-up must run (dynamo's default skips guarding on them): a new hook
-# fails the guards and the forward compiles again (or, a hook dynamo cannot trace, runs eagerly).
-_COMPILE_CONFIG = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
+# fails the guards and the forward compiles again (or, a hook dynamo cannot trace, runs eagerly). The recompile
+# limit counts per code object, and every HF model's forward is transformers' one decorator wrapper: engines over
+# many configs in one process (a test run) would exhaust the default 8.
+_COMPILE_CONFIG = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False, recompile_limit=64)
 # Sizes 0 and 1 are no special case, and equal sizes get no shared symbol (T == S in a decode-only step is chance).
 _SHAPE_CONFIG = fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
 
