@@ -131,7 +131,8 @@ def main() -> None:
     print()
     print(markdown_table(["model", "dtype", "eager tok/s", "compiled tok/s", "ratio", "eager tok/CPU-s",
                           "compiled tok/CPU-s", "ratio", "warm-up s", "same tokens"], rows))
-    print(f"\n(medians of {args.rounds} alternating rounds; {args.requests} requests; threads {args.threads}; {load()})")
+    print(f"\n(medians of {args.rounds} alternating rounds; {args.requests} requests; threads {args.threads}; "
+          f"{load()})")
 
 
 if __name__ == "__main__":

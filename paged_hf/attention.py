@@ -17,8 +17,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from .kernels.attention_ref import paged_attention_core
 from . import ops
+from .kernels.attention_ref import paged_attention_core
 from .metadata import METADATA_KEY
 from .ops import OpStep
 from .rotation import rotate, unrotate

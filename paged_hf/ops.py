@@ -20,8 +20,9 @@ scale: float, window: int?, softcap: float?) -> out [n, heads, head_dim]``
 The pools are the ops' state, not graph values: ``layer`` is the layer index, and the ``KVStorage`` is the one
 ``bind`` set for the forward running (as vLLM's layer names and forward context), so a pool that grows never changes
 the graph, the same graph serves a warm-up's scratch pools and the engine's, and functionalization never copies a
-pool. Nothing in the graph reads the pools but these ops, and every op consumes
-an output of the previous one, so declaring no mutation cannot reorder a read before its write.
+pool. Nothing in the graph reads the pools but these ops, and each depends on the one before it through its
+inputs (a layer's attention takes its store's outputs; the next layer's K/V come from that attention), so declaring
+no mutation cannot reorder a read before its write, and no op is dead code.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def _paged_attention_fake(query, *args, **kwargs):
 
 class OpStep(NamedTuple):
     """What a layer's cache update hands the ``"paged"`` attention in the compiled forward (``METADATA_KEY``):
-    the step's tensors and the layer's storage id; no per-step Python value."""
+    the step's tensors and the layer's index; no per-step Python value."""
 
     fresh_key: torch.Tensor
     fresh_value: torch.Tensor
