@@ -17,8 +17,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from . import ops
 from .kernels.attention_ref import paged_attention_core
 from .metadata import METADATA_KEY
+from .ops import OpStep
 from .rotation import rotate, unrotate
 
 ATTENTION_NAME = "paged"
@@ -40,6 +42,8 @@ def paged_attention_forward(
     """HF attention signature. ``query`` is ``[B, heads, q, head_dim]``; returns ``[B, q, heads, head_dim]``."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     step = kwargs.get(METADATA_KEY)
+    if isinstance(step, OpStep):  # the engine's compiled forward: the attention is one custom op
+        return ops.attend(step, query, scale, softcap, s_aux), None
     if step is None:
         if softcap is None and s_aux is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale)
@@ -77,22 +81,31 @@ def paged_attention(flat_query, metadata, group, storage, scale, softcap, sinks,
     full precision in the same kernel call: its older tokens from the sequence's tail row (``metadata.tail_rows``),
     the forward's own from ``fresh`` (``storage.FreshKV``).
     """
+    return attend_packed(flat_query, storage, group.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                         metadata.num_decodes, metadata.prefill_query_start_loc, _tail_rows(metadata, storage), fresh,
+                         group.window, scale, softcap, sinks)
+
+
+def attend_packed(flat_query, storage, tables, seq_lens, query_start_loc, num_decodes: int, prefill_query_start_loc,
+                  tail_rows, fresh, window, scale, softcap, sinks) -> torch.Tensor:
+    """``paged_attention`` on plain tensors and ints (what the ``paged_hf::paged_attention`` op runs too): the first
+    ``num_decodes`` of the ``seq_lens.shape[0]`` sequences decode, the rest prefill (``prefill_query_start_loc``:
+    their ``query_start_loc``, from 0); ``tail_rows``: a tail format's rows, else None."""
     query = flat_query
     if storage.key_rotation is not None:
         query = rotate(flat_query, storage.key_rotation).to(flat_query.dtype)
     kernels = storage.kernels
-    options = dict(scale=scale, sliding_window=group.window, softcap=softcap, sinks=sinks,
+    options = dict(scale=scale, sliding_window=window, softcap=softcap, sinks=sinks,
                    **storage.attention_operands())
-    tables, seq_lens, tail_rows = group.block_tables, metadata.seq_lens, _tail_rows(metadata, storage)
     if tail_rows is not None:
         options.update(fresh_key=fresh.key, fresh_value=fresh.value)
-    if metadata.decode_only:
+    if num_decodes == seq_lens.shape[0]:
         out = kernels.decode_attention(query, block_tables=tables, seq_lens=seq_lens, tail_rows=tail_rows, **options)
-    elif metadata.num_decodes == 0:
+    elif num_decodes == 0:
         out = kernels.prefill_attention(query, block_tables=tables, seq_lens=seq_lens, tail_rows=tail_rows,
-                                        cu_query_lens=metadata.query_start_loc, **options)
+                                        cu_query_lens=query_start_loc, **options)
     else:  # mixed engine step: decodes first, then prefill chunks
-        d = metadata.num_decodes
+        d = num_decodes
         out = torch.empty_like(query)
         rows = (None, None) if tail_rows is None else (tail_rows[:d], tail_rows[d:])
         parts = ({}, {}) if tail_rows is None else ({name: options[name][:d] for name in _FRESH},
@@ -100,7 +113,7 @@ def paged_attention(flat_query, metadata, group, storage, scale, softcap, sinks,
         out[:d] = kernels.decode_attention(query[:d], block_tables=tables[:d], seq_lens=seq_lens[:d],
                                            tail_rows=rows[0], **{**options, **parts[0]})
         out[d:] = kernels.prefill_attention(query[d:], block_tables=tables[d:], seq_lens=seq_lens[d:],
-                                            tail_rows=rows[1], cu_query_lens=metadata.prefill_query_start_loc,
+                                            tail_rows=rows[1], cu_query_lens=prefill_query_start_loc,
                                             **{**options, **parts[1]})
     return out if storage.value_rotation is None else unrotate(out, storage.value_rotation).to(flat_query.dtype)
 

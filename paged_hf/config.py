@@ -143,6 +143,8 @@ class EngineConfig:
         cpu_threads_bind: the CPUs a CPU engine's forward runs on, one intra-op thread each: "auto" (the CPUs this
             process may use), "nobind" (leave torch's threads as they are) or a list such as "0-3" (vLLM's
             ``VLLM_CPU_OMP_THREADS_BIND``); see ``paged_hf.engine.threads``.
+        enforce_eager: run the model's forward eagerly (vLLM's switch); False (the default) compiles it with
+            torch.compile at engine start (``engine/compile.py``; a model that does not compile runs eagerly).
 
     Limits on one request, checked by ``PagedEngine.add_request`` (a request past one gets a ``ValueError`` naming
     the parameter, before it is queued):
@@ -167,6 +169,7 @@ class EngineConfig:
     max_n: int = 128
     max_stop_strings: int = 32
     cpu_threads_bind: str = "auto"
+    enforce_eager: bool = False
 
     @classmethod
     def from_options(cls, what: str, options: Mapping[str, Any]) -> "EngineConfig":
@@ -195,6 +198,8 @@ class EngineConfig:
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         _check_int("max_logprobs", self.max_logprobs, 0)
         _check_int("max_n", self.max_n, 1)
         _check_int("max_stop_strings", self.max_stop_strings, 0)

@@ -37,7 +37,7 @@ ENGINE_OPTIONS = tuple(f.name for f in fields(EngineConfig))
 VLLM_KEYWORDS: dict[str, tuple | None] = {
     "pipeline_parallel_size": (1,), "quantization": (None,), "cpu_offload_gb": (0,),
     "enable_chunked_prefill": (True, None), "compilation_config": (None,),
-    "enforce_eager": None, "max_seq_len_to_capture": None, "disable_custom_all_reduce": None,
+    "max_seq_len_to_capture": None, "disable_custom_all_reduce": None,
     "disable_log_stats": None,
 }
 WHY_NOT = {
@@ -46,7 +46,7 @@ WHY_NOT = {
                     "or quantize the KV blocks with kv_cache_dtype",
     "cpu_offload_gb": "weight offloading is not supported",
     "enable_chunked_prefill": "the engine always chunks prefills within max_num_batched_tokens",
-    "compilation_config": "the model runs eagerly",
+    "compilation_config": "the engine compiles its forward its own way (enforce_eager=True runs it eagerly)",
 }
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 # generation_config.json field -> SamplingParams field, as vLLM reads a model's defaults.

@@ -60,8 +60,11 @@ class PagedEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.output = OutputStage(tokenizer)
         self.scheduler = Scheduler(self.config, self.kv, self.eos_token_ids, self.max_model_len)
+        if self.group is not None and not self.config.enforce_eager:
+            logger.info("PagedEngine: tensor parallelism runs the forward eagerly on every rank (enforce_eager)")
         self.runner = ModelRunner(model, self.kv, self.group, _executor, self.eos_token_ids,
-                                  self.output.token_text if tokenizer is not None else None)
+                                  self.output.token_text if tokenizer is not None else None,
+                                  compile=not self.config.enforce_eager and self.group is None)
         self._ids = itertools.count()
         self._busy_seconds = 0.0
         logger.info("PagedEngine: %d KV blocks of %d tokens (%s, %.2f GiB) on %s, max_model_len %d",

@@ -17,10 +17,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch._dynamo.utils import counters
 
 from ..distributed.group import TensorParallelError
 from ..kv.manager import KVManager
 from ..metadata import AttentionMetadata, build_metadata
+from .compile import CompiledForward, CompileFailed
 from .forward_cache import EngineCache
 from .isolation import isolate
 from .model_output import ModelOutput
@@ -74,10 +76,11 @@ class ModelRunner:
     leader plans (the runner broadcasts each ``StepInput`` before running it); None on one process."""
 
     def __init__(self, model, kv: KVManager, group=None, executor=None, eos_token_ids=frozenset(),
-                 token_text=None) -> None:
+                 token_text=None, compile: bool = False) -> None:
         """``executor``: the follower processes this process started (``PagedEngine.from_pretrained``), checked
         before each broadcast; ``eos_token_ids``: what ``min_tokens`` holds back; ``token_text(id) -> str``: names
-        logprob entries (None: no names)."""
+        logprob entries (None: no names); ``compile``: run the forward compiled (``engine.compile``), warmed up
+        here; a model that does not compile runs eagerly, with a warning."""
         self.model = model
         self.kv = kv
         self.cache = EngineCache(kv)
@@ -89,6 +92,22 @@ class ModelRunner:
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self.last_broadcast = time.monotonic()
+        self.compiled: CompiledForward | None = self._compile() if compile else None
+
+    def _compile(self) -> CompiledForward | None:
+        compiled = CompiledForward(self.model)
+        graphs = counters["stats"]["unique_graphs"]
+        logger.info("PagedEngine: compiling the forward of %s (torch.compile, %s; enforce_eager=True skips it)",
+                    type(self.model).__name__, compiled.backend)
+        try:
+            seconds = compiled.warm_up(self.kv, self.keeps_logits, self.no_mask, self.device)
+        except CompileFailed as error:
+            logger.warning("PagedEngine: torch.compile cannot compile %s (%s); the engine runs it eagerly",
+                           type(self.model).__name__, error)
+            return None
+        logger.info("PagedEngine: compiled the forward in %.1f s (%d new graph(s))", seconds,
+                    counters["stats"]["unique_graphs"] - graphs)
+        return compiled
 
     def plan(self, output: SchedulerOutput, copies: list) -> tuple[StepInput, list[int], dict[int, tuple[int, int]]]:
         """The ``StepInput`` of ``output``'s forward (host work only), and where its logits go: the rows of the
@@ -232,16 +251,27 @@ class ModelRunner:
             self.model.set_attn_implementation("paged")
         self.cache.metadata = metadata
         kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
+        inputs = dict(input_ids=step.input_ids.to(self.device, non_blocking=True).unsqueeze(0),
+                      position_ids=metadata.positions.unsqueeze(0), cache=self.cache, attention_mask=self.no_mask,
+                      use_cache=True, **kwargs)
         try:
-            out = self.model(input_ids=step.input_ids.to(self.device, non_blocking=True).unsqueeze(0),
-                             position_ids=metadata.positions.unsqueeze(0), cache=self.cache,
-                             attention_mask=self.no_mask, use_cache=True, **kwargs)
+            out = self._forward(metadata, inputs)
         except Exception as error:
             self._check_group(error)
             raise
         finally:
             self.cache.metadata = None
         return out.logits[0] if self.keeps_logits else out.logits[0, keep]
+
+    def _forward(self, metadata: AttentionMetadata, inputs: dict):
+        if self.compiled is not None:
+            try:
+                return self.compiled(self.cache, metadata, **inputs)
+            except CompileFailed as error:  # before anything of the forward ran: run it eagerly, from now on
+                logger.warning("PagedEngine: torch.compile failed on a forward of %d tokens (%s); the engine runs "
+                               "eagerly from now on", metadata.num_tokens, error)
+                self.compiled = None
+        return self.model(**inputs)
 
 
 def _prompt_positions(item) -> int:

@@ -113,10 +113,12 @@ def follow(runner: ModelRunner, until_done: bool = False):
 
 
 def follower_runner(model, engine_options: dict, group) -> ModelRunner:
-    """A follower's runner over its shard ``model``: the pool the leader's engine builds, and nothing else."""
+    """A follower's runner over its shard ``model``: the pool the leader's engine builds, and nothing else. It runs
+    eagerly, as the leader does under tensor parallelism (a warm-up forward runs collectives, and a compile that
+    failed on one rank only would leave the ranks with different forwards)."""
     config = EngineConfig.from_options("PagedEngine", engine_options)
     model = prepare_model(model)
-    return ModelRunner(model, build_kv(model, config, group), group)
+    return ModelRunner(model, build_kv(model, config, group), group, compile=False)
 
 
 def run_follower(rank: int, group, spec, engine_options: dict) -> None:

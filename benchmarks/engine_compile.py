@@ -1,0 +1,139 @@
+"""Engine throughput, compiled forward (the default) vs ``enforce_eager=True``, side by side in one process.
+
+A seeded mixed workload (``--requests`` prompts of real text, 16-128 tokens, outputs of 8-``--max-out`` tokens, EOS
+ignored) runs through two engines over the same model, alternating eager / compiled for ``--rounds`` rounds; each
+run reports generated tokens per wall-clock second and per CPU-second of this process. The compiled engine's
+construction time is its warm-up (torch.compile of the forward). Greedy tokens of the two are compared per request
+(float32: they must be equal). The load average is printed before every run: the machine is shared.
+
+``--profile`` adds a torch.profiler table of one decode-only step (``--requests`` sequences) per mode: where the time
+goes when the compiled forward is not faster.
+
+    PYTHONPATH=. python benchmarks/engine_compile.py --models stories260K smollm2 --dtypes float32 bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+import torch
+
+import paged_hf  # noqa: F401 - registers the "paged" attention
+from paged_hf import PagedEngine, SamplingParams
+
+from _common import ModelUnavailable, load_model, machine, markdown_table, text_prompts
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load() -> str:
+    return "load %.2f %.2f %.2f" % os.getloadavg()
+
+
+def workload(tokenizer, count: int, max_out: int, seed: int = 0):
+    rng = random.Random(seed)
+    lengths = [rng.randint(16, 128) for _ in range(count)]
+    prompts = [{"prompt_token_ids": ids} for ids in text_prompts(tokenizer, lengths, seed)]
+    params = [SamplingParams(max_tokens=rng.randint(8, max_out), temperature=0, ignore_eos=True) for _ in prompts]
+    return prompts, params
+
+
+def run(engine: PagedEngine, prompts, params) -> tuple[float, float, list[list[int]]]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    tokens = [o.outputs[0].token_ids for o in outs]
+    n = sum(len(t) for t in tokens)
+    return n / wall, n / cpu, tokens
+
+
+def profile_decode_step(engine: PagedEngine, prompts, rows: int) -> str:
+    """The profiler table of one step in which every running sequence decodes."""
+    long = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(prompt, long)
+    while engine.get_stats()["num_waiting"]:
+        engine.step()
+    for _ in range(6):  # past every prompt chunk: decode-only steps
+        engine.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.step()
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def bench(name: str, dtype_name: str, args) -> list[list]:
+    model, tokenizer = load_model(name)
+    model = model.to(args.device, DTYPES[dtype_name])
+    prompts, params = workload(tokenizer, args.requests, args.max_out)
+    options = dict(block_size=16, num_blocks=args.num_blocks, max_num_seqs=args.requests,
+                   max_num_batched_tokens=512)
+    eager = PagedEngine(model, tokenizer, enforce_eager=True, **options)
+    print(f"{name} {dtype_name}: compiling ({load()})", flush=True)
+    begin = time.perf_counter()
+    compiled = PagedEngine(model, tokenizer, **options)
+    warm_up = time.perf_counter() - begin
+    if compiled.runner.compiled is None:
+        print(f"{name} {dtype_name}: the forward did not compile; the 'compiled' engine runs eagerly")
+    run(eager, prompts[:2], params[:2])  # first-call costs (allocator, lazy imports) out of the timed rounds
+    run(compiled, prompts[:2], params[:2])
+    results = {"eager": [], "compiled": []}
+    tokens = {}
+    for round_index in range(args.rounds):
+        for mode, engine in (("eager", eager), ("compiled", compiled)):
+            before = load()
+            wall, cpu, tokens[mode] = run(engine, prompts, params)
+            results[mode].append((wall, cpu))
+            print(f"  round {round_index} {mode:8s} {wall:8.1f} tok/s  {cpu:8.1f} tok/CPU-s  ({before})", flush=True)
+    same = sum(a == b for a, b in zip(tokens["eager"], tokens["compiled"]))
+    rows = []
+    medians = {mode: (statistics.median(w for w, _ in r), statistics.median(c for _, c in r))
+               for mode, r in results.items()}
+    rows.append([name, dtype_name, f"{medians['eager'][0]:.1f}", f"{medians['compiled'][0]:.1f}",
+                 f"{medians['compiled'][0] / medians['eager'][0]:.2f}x", f"{medians['eager'][1]:.1f}",
+                 f"{medians['compiled'][1]:.1f}", f"{medians['compiled'][1] / medians['eager'][1]:.2f}x",
+                 f"{warm_up:.1f}", f"{same}/{len(prompts)}"])
+    if args.profile:
+        for mode, engine in (("eager", eager), ("compiled", compiled)):
+            print(f"\n### {name} {dtype_name}: one decode step of {args.requests} sequences, {mode} ({load()})\n")
+            print(profile_decode_step(engine, prompts, args.profile_rows))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["stories260K"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--max-out", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--num-blocks", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the model and the KV pool go there)")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-rows", type=int, default=14)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(machine())
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {load()}")
+    rows = []
+    for name in args.models:
+        for dtype_name in args.dtypes:
+            try:
+                rows += bench(name, dtype_name, args)
+            except ModelUnavailable as why:
+                print(f"{name}: skipped ({why})")
+    print()
+    print(markdown_table(["model", "dtype", "eager tok/s", "compiled tok/s", "ratio", "eager tok/CPU-s",
+                          "compiled tok/CPU-s", "ratio", "warm-up s", "same tokens"], rows))
+    print(f"\n(medians of {args.rounds} alternating rounds; {args.requests} requests; threads {args.threads}; "
+          f"{load()})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The engine's compiled forward: ``torch.compile`` of the stock model, the KV store and the paged attention as the
+custom ops of ``paged_hf.ops`` (dynamo traces everything else into one graph), on unless ``enforce_eager=True``.
+
+What is dynamic: the step's token count ``T`` (``input_ids``/``position_ids`` ``[1, T]``, the K/V slots), its
+sequence count ``S`` (``seq_lens``, ``query_start_loc``, block-table rows), the block-table width, the rows of logits
+kept and a tail format's store plan. They are marked dynamic before every call, and compiled size-oblivious (a size
+of 0 or 1 is not a case of its own), so a warm-up of one shape gives the graph every later step reuses: steady
+serving never recompiles. The step's decode count is a ``[1]`` CPU tensor read inside the attention op, never a
+graph constant. The pools are not graph inputs (``ops.bind``), so their size is free too, and one graph serves
+every engine over models of one architecture and config.
+
+A model dynamo cannot trace (a graph break: ``fullgraph=True``) or a backend that fails falls back to the eager
+forward with a warning, at warm-up or at any later step: never a crash, never a failed request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch._dynamo.exc import TorchDynamoException
+from torch.fx.experimental import _config as fx_config
+from tqdm.auto import tqdm
+
+from .. import ops
+from ..kv.manager import KVManager
+from ..metadata import AttentionMetadata, build_metadata
+from .forward_cache import EngineCache
+
+logger = logging.getLogger("paged_hf")
+
+# (starts, counts, num_decodes) of the warm-up forwards: a decode, a mixed step (two decodes, a chunk starting
+# inside a block), a prompt. One graph should serve them all; running several checks it, and warms the kernels.
+WARMUP_STEPS = (((5,), (1,), 1), ((3, 9, 0), (1, 1, 6), 2), ((0,), (7,), 0))
+
+
+# Hooks a user adds to the model after the warm-up must run (dynamo's default skips guarding on them): a new hook
+# fails the guards and the forward compiles again (or, a hook dynamo cannot trace, runs eagerly). The recompile
+# limit counts per code object, and every HF model's forward is transformers' one decorator wrapper: engines over
+# many configs in one process (a test run) would exhaust the default 8.
+_COMPILE_CONFIG = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False, recompile_limit=64)
+# Sizes 0 and 1 are no special case, and equal sizes get no shared symbol (T == S in a decode-only step is chance).
+_SHAPE_CONFIG = fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
+
+
+class CompileFailed(RuntimeError):
+    """torch.compile could not compile the forward (the runner then runs it eagerly)."""
+
+
+class CompiledForward:
+    """``torch.compile(model, fullgraph=True)`` called the engine's way: ``forward(engine_cache, metadata, **inputs)``
+    (``inputs``: the model's keyword arguments, ``cache=engine_cache`` among them)."""
+
+    def __init__(self, model, backend: str = "inductor") -> None:
+        self.model = model
+        self.backend = backend
+        self.compiled = torch.compile(model, fullgraph=True, dynamic=None, backend=backend)
+
+    def __call__(self, engine_cache: EngineCache, metadata: AttentionMetadata, **inputs):
+        """One forward; ``CompileFailed`` when dynamo or the backend fails (before anything ran)."""
+        _mark_dynamic(metadata, inputs)
+        engine_cache.num_decodes = torch.tensor([metadata.num_decodes], dtype=torch.long)
+        try:
+            with ops.bind(engine_cache.storages()), _COMPILE_CONFIG, _SHAPE_CONFIG:
+                return self.compiled(**inputs)
+        except TorchDynamoException as error:
+            raise CompileFailed(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") \
+                from error
+        finally:
+            engine_cache.num_decodes = None
+
+    @torch.inference_mode()  # the engine's steps run in it: tensors made outside would not match the guards
+    def warm_up(self, kv: KVManager, keeps_logits: bool, attention_mask: torch.Tensor, device) -> float:
+        """Compiles the forward on scratch pools shaped as ``kv``'s (a few blocks: the engine's pools and prefix
+        cache stay untouched), one forward per ``WARMUP_STEPS`` entry, with the runner's ``attention_mask`` (the
+        same tensor kind as every step's); returns the seconds it took.
+        ``CompileFailed`` as ``__call__``."""
+        begin = time.perf_counter()
+        scratch = KVManager(kv.text_config, kv.block_size, kv.kv_cache_dtype, num_blocks=16,
+                            num_kv_heads=kv.num_kv_heads)
+        scratch.allocate_all(self.model.dtype, device)
+        cache = EngineCache(scratch)
+        bar = tqdm(WARMUP_STEPS, desc="Compiling the engine's forward", unit="shape", leave=False)
+        for starts, counts, num_decodes in bar:
+            seqs = [scratch.new_sequence() for _ in starts]
+            for seq, start, count in zip(seqs, starts, counts):
+                scratch.append(seq, start + count)
+            metadata = build_metadata(scratch, seqs, list(starts), list(counts), num_decodes, device)
+            inputs = dict(input_ids=torch.ones((1, metadata.num_tokens), dtype=torch.long, device=device),
+                          position_ids=metadata.positions.unsqueeze(0), cache=cache,
+                          attention_mask=attention_mask, use_cache=True)
+            if keeps_logits:
+                inputs["logits_to_keep"] = metadata.query_start_loc[1:] - 1
+            cache.metadata = metadata
+            try:
+                self(cache, metadata, **inputs)
+            finally:
+                cache.metadata = None
+                for seq in seqs:
+                    scratch.free(seq)
+        bar.close()
+        return time.perf_counter() - begin
+
+
+def _mark_dynamic(metadata: AttentionMetadata, inputs: dict) -> None:
+    """Marks every size that changes from step to step dynamic (see the module docstring)."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    mark(inputs["input_ids"], 1)
+    mark(inputs["position_ids"], 1)
+    if isinstance(inputs.get("logits_to_keep"), torch.Tensor):
+        mark(inputs["logits_to_keep"], 0)
+    for tensor in (metadata.seq_lens, metadata.query_start_loc, metadata.tail_rows):
+        if tensor is not None:
+            mark(tensor, 0)
+    for group in metadata.groups:
+        mark(group.block_tables, 0)
+        mark(group.block_tables, 1)
+        mark(group.slot_mapping, 0)
+        if group.store_plan is not None:
+            for tensor in (group.store_plan.tail_slots, group.store_plan.fill_blocks, group.store_plan.fill_rows,
+                           group.store_plan.fill_first, group.store_plan.fill_tail):
+                mark(tensor, 0)

@@ -1,0 +1,160 @@
+"""The KV store and the paged attention as ``torch.library`` custom ops, for the engine's compiled forward.
+
+``torch.compile`` traces the stock model into one graph; these two ops are where it stops tracing (as vLLM keeps
+its attention out of the graph). Their arguments are tensors and simple scalars, so dynamo neither guards on a
+step's Python values nor specializes on them:
+
+``paged_hf::store_kv(key [n, kv_heads, head_dim], value, slots [n], tail_slots?, fill_blocks?, fill_rows?,
+fill_first?, fill_tail?, layer: int) -> (fresh_key, fresh_value)``
+    writes one layer's new K/V into its pools (``KVStorage.write``; the five optional tensors are a tail format's
+    ``StorePlan``). Returns the forward's ``FreshKV`` for a tail format, else two empty ``[0, kv_heads, head_dim]``
+    tensors: either way the attention takes them as inputs, so the graph orders the store before the attention.
+
+``paged_hf::paged_attention(query [n, heads, head_dim], fresh_key, fresh_value, block_tables [S, W], seq_lens [S],
+query_start_loc [S + 1], num_decodes [1] (CPU), tail_rows?, <the StorePlan's five>?, sinks?, layer: int,
+scale: float, window: int?, softcap: float?) -> out [n, heads, head_dim]``
+    the decode and prefill kernels of ``attention.attend_packed`` (the eager path's own function), then, for a tail
+    format, the tail writes (after the reads, as eager). ``num_decodes`` is a CPU tensor read by the real
+    implementation: it changes every step, so it must not be a graph constant.
+
+The pools are the ops' state, not graph values: ``layer`` is the layer index, and the ``KVStorage`` is the one
+``bind`` set for the forward running (as vLLM's layer names and forward context), so a pool that grows never changes
+the graph, the same graph serves a warm-up's scratch pools and the engine's, and functionalization never copies a
+pool. Nothing in the graph reads the pools but these ops, and each depends on the one before it through its
+inputs (a layer's attention takes its store's outputs; the next layer's K/V come from that attention), so declaring
+no mutation cannot reorder a read before its write, and no op is dead code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import NamedTuple
+
+import torch
+
+from .kernels.fill_blocks import StorePlan
+from .storage import FreshKV
+
+_bound = threading.local()  # .storages: {layer index: KVStorage} of the forward running on this thread
+
+
+@contextlib.contextmanager
+def bind(storages: dict):
+    """Runs the block inside it with ``storages`` (``{layer index: KVStorage}``) as the ops' pools: the runner binds
+    its own around each forward (and a warm-up its scratch pools), so one compiled graph serves every pool of the
+    same model, whatever its size, and a pool that grows changes nothing in the graph."""
+    previous = getattr(_bound, "storages", None)
+    _bound.storages = storages
+    try:
+        yield
+    finally:
+        _bound.storages = previous
+
+
+def _storage(layer: int):
+    storages = getattr(_bound, "storages", None)
+    if storages is None or layer not in storages:
+        raise RuntimeError(f"paged_hf ops: no KV storage bound for layer {layer} (run the forward inside ops.bind)")
+    return storages[layer]
+
+
+def _plan(tail_slots, fill_blocks, fill_rows, fill_first, fill_tail) -> StorePlan | None:
+    return None if tail_slots is None else StorePlan(tail_slots, fill_blocks, fill_rows, fill_first, fill_tail)
+
+
+def _unaliased(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """A custom op may not return its input (``FreshKV`` is the input itself when no rotation or cast applies)."""
+    return out.clone() if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                              for t in inputs) else out
+
+
+@torch.library.custom_op("paged_hf::store_kv", mutates_args=())
+def store_kv(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, tail_slots: torch.Tensor | None,
+             fill_blocks: torch.Tensor | None, fill_rows: torch.Tensor | None, fill_first: torch.Tensor | None,
+             fill_tail: torch.Tensor | None, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    kv = _storage(layer)
+    fresh = kv.write(slots, key, value, _plan(tail_slots, fill_blocks, fill_rows, fill_first, fill_tail))
+    if fresh is None:
+        return key.new_empty((0, *key.shape[1:])), value.new_empty((0, *value.shape[1:]))
+    return _unaliased(fresh.key, key, value), _unaliased(fresh.value, key, value)
+
+
+@store_kv.register_fake
+def _store_kv_fake(key, value, slots, tail_slots, fill_blocks, fill_rows, fill_first, fill_tail, layer):
+    kv = _storage(layer)
+    if not kv.has_tail:
+        return key.new_empty((0, *key.shape[1:])), value.new_empty((0, *value.shape[1:]))
+    return key.new_empty(key.shape, dtype=kv.key_tail.dtype), value.new_empty(value.shape, dtype=kv.value_tail.dtype)
+
+
+@torch.library.custom_op("paged_hf::paged_attention", mutates_args=())
+def paged_attention(query: torch.Tensor, fresh_key: torch.Tensor, fresh_value: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    num_decodes: torch.Tensor, tail_rows: torch.Tensor | None, tail_slots: torch.Tensor | None,
+                    fill_blocks: torch.Tensor | None, fill_rows: torch.Tensor | None,
+                    fill_first: torch.Tensor | None, fill_tail: torch.Tensor | None, sinks: torch.Tensor | None,
+                    layer: int, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    from .attention import attend_packed  # noqa: PLC0415 - attention imports this module
+
+    kv = _storage(layer)
+    fresh = FreshKV(fresh_key, fresh_value) if kv.has_tail else None
+    d = int(num_decodes[0])
+    out = attend_packed(query, kv, block_tables, seq_lens, query_start_loc, d, query_start_loc[d:] - d,
+                        tail_rows if kv.has_tail else None, fresh, window, scale, softcap, sinks)
+    if fresh is not None:  # the tail rows were read as they were before this forward
+        kv.write_tails(fresh, _plan(tail_slots, fill_blocks, fill_rows, fill_first, fill_tail))
+    return _unaliased(out, query)
+
+
+@paged_attention.register_fake
+def _paged_attention_fake(query, *args, **kwargs):
+    return torch.empty_like(query)
+
+
+class OpStep(NamedTuple):
+    """What a layer's cache update hands the ``"paged"`` attention in the compiled forward (``METADATA_KEY``):
+    the step's tensors and the layer's index; no per-step Python value."""
+
+    fresh_key: torch.Tensor
+    fresh_value: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    num_decodes: torch.Tensor  # [1] int64, on the CPU
+    tail_rows: torch.Tensor | None
+    plan: tuple  # the StorePlan's five tensors, or five Nones
+    layer: int
+    window: int | None
+
+
+_NO_PLAN = (None,) * 5
+
+
+def _packed(states: torch.Tensor) -> torch.Tensor:
+    """``[1, heads, n, head_dim]`` -> ``[n, heads, head_dim]``, as ``AttentionMetadata.select_new_tokens``."""
+    return states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[3])
+
+
+def store_layer(metadata, group, layer: int, key_states: torch.Tensor, value_states: torch.Tensor,
+                num_decodes: torch.Tensor) -> OpStep:
+    """One layer's store through ``store_kv`` (``key_states``: ``[1, kv_heads, n, head_dim]``, the engine's one
+    row) and the ``OpStep`` its attention reads."""
+    plan = _NO_PLAN if group.store_plan is None else (
+        group.store_plan.tail_slots, group.store_plan.fill_blocks, group.store_plan.fill_rows,
+        group.store_plan.fill_first, group.store_plan.fill_tail)
+    key, value = _packed(key_states), _packed(value_states)
+    fresh_key, fresh_value = torch.ops.paged_hf.store_kv(key, value, group.slot_mapping, *plan, layer)
+    return OpStep(fresh_key, fresh_value, group.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                  num_decodes, metadata.tail_rows, plan, layer, group.window)
+
+
+def attend(step: OpStep, query: torch.Tensor, scale: float, softcap: float | None,
+           sinks: torch.Tensor | None) -> torch.Tensor:
+    """The layer's attention through ``paged_attention``: ``query`` ``[1, heads, n, head_dim]`` -> ``[1, n, heads,
+    head_dim]``."""
+    packed = torch.ops.paged_hf.paged_attention(
+        _packed(query), step.fresh_key, step.fresh_value, step.block_tables, step.seq_lens,
+        step.query_start_loc, step.num_decodes, step.tail_rows, *step.plan, sinks, step.layer, scale,
+        step.window, softcap)
+    return packed.unsqueeze(0)

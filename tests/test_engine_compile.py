@@ -1,0 +1,171 @@
+"""The engine's compiled forward (``engine/compile.py``, ``paged_hf.ops``): on by default, used at every step, no
+recompile in steady serving, the same greedy tokens as the eager engine and as generate + DynamicCache, in every KV
+format; a model that does not compile runs eagerly with a warning; ``enforce_eager=True`` (engine and ``LLM``) turns
+it off."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch._dynamo.exc import Unsupported
+from torch._dynamo.utils import counters
+
+from paged_hf import LLM, PagedEngine, SamplingParams, ops
+from paged_hf.config import EngineConfig
+from paged_hf.engine.compile import CompiledForward
+from models import tiny_model
+from test_engine_families import prompts, references
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+# Chunks, block boundaries, table widths 1..8, decode-only and mixed steps, one and many sequences.
+STEADY = dict(block_size=4, num_blocks=128, max_num_batched_tokens=9)
+
+
+def tokens(engine: PagedEngine, params=GREEDY) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in engine.generate(prompts(), params, use_tqdm=False)]
+
+
+class CountingCompiled:
+    """Wraps a ``CompiledForward``'s compiled callable: counts the forwards that ran through it."""
+
+    def __init__(self, compiled: CompiledForward) -> None:
+        self.inner, self.calls = compiled.compiled, 0
+        compiled.compiled = self
+
+    def __call__(self, **inputs):
+        self.calls += 1
+        return self.inner(**inputs)
+
+
+def graphs_during(engine: PagedEngine, params=GREEDY, **kwargs) -> tuple[int, int, list[list[int]]]:
+    """(graphs compiled, forwards run compiled, tokens) of one ``generate`` on ``engine``, with recompiles made
+    errors (so a recompile cannot hide behind the eager fallback)."""
+    assert engine.runner.compiled is not None, "the engine must have compiled its forward"
+    counting = CountingCompiled(engine.runner.compiled)
+    before = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = tokens(engine, params)
+    assert engine.runner.compiled is not None, "the compiled forward fell back to eager during steady serving"
+    return counters["stats"]["unique_graphs"] - before, counting.calls, out
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "qwen3_moe"])
+def test_compiled_engine_equals_eager_and_generate(family):
+    """kv_cache_dtype="auto": greedy tokens compiled == eager == generate + DynamicCache (dense attention)."""
+    model = tiny_model(family)
+    expected = [t for t, _ in references(family)]
+    compiled = PagedEngine(model, None, **STEADY)
+    new_graphs, calls, got = graphs_during(compiled)
+    assert got == expected
+    assert tokens(PagedEngine(model, None, enforce_eager=True, **STEADY)) == expected
+    assert calls > 5 and new_graphs == 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "fp8"])
+def test_compiled_quantized_formats_equal_eager(kv_cache_dtype):
+    """A quantized pool (int4: the tail rows written after the attention reads them) gives the eager tokens."""
+    model = tiny_model("llama")
+    options = dict(STEADY, kv_cache_dtype=kv_cache_dtype)
+    eager = tokens(PagedEngine(model, None, enforce_eager=True, **options))
+    new_graphs, calls, got = graphs_during(PagedEngine(model, None, **options))
+    assert got == eager and calls > 5 and new_graphs == 0
+
+
+def test_steady_serving_uses_the_warm_up_graph_and_never_recompiles(caplog):
+    """The warm-up compiles one graph (log line) and every later step, whatever its token, sequence, decode and
+    block-table counts, runs it: no new graph, no recompile, every forward compiled."""
+    torch.compiler.reset()
+    before = counters["stats"]["unique_graphs"]
+    with caplog.at_level(logging.INFO, logger="paged_hf"):
+        engine = PagedEngine(tiny_model("llama", seed=3), None, **STEADY)
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert any("compiled the forward in" in r.message for r in caplog.records)
+    mixed = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (1, 5, 17, 3, 30, 9)]
+    new_graphs, calls, _ = graphs_during(engine, mixed)
+    assert new_graphs == 0
+    assert calls >= 30
+
+
+def test_the_recompile_check_catches_a_baked_step_count(monkeypatch):
+    """The check above fails when a per-step Python value reaches the graph: here the store reads ``num_decodes``
+    as an int (dynamo guards on it), so the next step with another count recompiles."""
+    engine = PagedEngine(tiny_model("llama"), None, **STEADY)
+    store_layer = ops.store_layer
+
+    def baking_store(metadata, group, layer, key_states, value_states, num_decodes):
+        return store_layer(metadata, group, layer, key_states + metadata.num_decodes * 0.0, value_states,
+                           num_decodes)
+
+    monkeypatch.setattr(ops, "store_layer", baking_store)
+    with pytest.raises(AssertionError, match="fell back to eager"):
+        graphs_during(engine)
+
+
+class _Unsupported(torch.nn.Module):
+    """A block that dynamo cannot put in one graph (an explicit graph break) in front of the model's forward."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.inner = model
+
+    def forward(self, hidden):
+        torch._dynamo.graph_break()
+        return self.inner(hidden)
+
+
+def test_a_model_that_does_not_compile_runs_eagerly_with_a_warning(caplog):
+    model = tiny_model("llama")
+    eager = tokens(PagedEngine(model, None, enforce_eager=True, **STEADY))
+    model.model.norm = _Unsupported(model.model.norm)
+    with caplog.at_level(logging.WARNING, logger="paged_hf"):
+        engine = PagedEngine(model, None, **STEADY)
+    assert engine.runner.compiled is None
+    assert any("cannot compile" in r.message for r in caplog.records)
+    assert tokens(engine) == eager
+
+
+def test_a_compile_failure_after_warm_up_falls_back_to_eager(caplog):
+    model = tiny_model("llama")
+    engine = PagedEngine(model, None, **STEADY)
+    eager = tokens(PagedEngine(model, None, enforce_eager=True, **STEADY))
+
+    def failing(**inputs):
+        raise Unsupported("a shape the warm-up did not see fails to compile")
+
+    engine.runner.compiled.compiled = failing
+    with caplog.at_level(logging.WARNING, logger="paged_hf"):
+        got = tokens(engine)
+    assert got == eager, "no request may fail for a compile error"
+    assert engine.runner.compiled is None
+    assert any("runs eagerly from now on" in r.message for r in caplog.records)
+
+
+def test_enforce_eager_turns_compile_off():
+    model = tiny_model("llama")
+    assert PagedEngine(model, None, enforce_eager=True, num_blocks=16).runner.compiled is None
+    assert PagedEngine(model, None, num_blocks=16).runner.compiled is not None
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig(enforce_eager="yes")
+
+
+def test_llm_honours_enforce_eager():
+    model = tiny_model("llama")
+    assert LLM(model, skip_tokenizer_init=True, enforce_eager=True, num_blocks=16).llm_engine.runner.compiled is None
+    assert LLM(model, skip_tokenizer_init=True, num_blocks=16).llm_engine.runner.compiled is not None
+
+
+def test_tensor_parallel_runs_eagerly_on_every_rank():
+    """A follower builds its runner eagerly, and so does the leader under tensor parallelism (a warm-up forward
+    runs collectives; a compile failing on one rank only would split the ranks' forwards)."""
+    from paged_hf.engine.worker import follower_runner
+
+    class OneRankGroup:
+        size = 1
+
+        def min(self, value):
+            return value
+
+    runner = follower_runner(tiny_model("llama"), {"num_blocks": 16}, OneRankGroup())
+    assert runner.compiled is None
