@@ -124,6 +124,11 @@ def _add_model_and_engine_options(parser) -> None:
     engine.add_argument("--max-logprobs", type=int, help="the most logprobs / prompt_logprobs one request may ask for")
     engine.add_argument("--max-n", type=_positive_int, help="the most parallel samples (n) of one request")
     engine.add_argument("--max-stop-strings", type=int, help="the most stop strings of one request")
+    engine.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="run the model's forward eagerly (default: compiled with torch.compile at start)")
+    engine.add_argument("--cpu-threads-bind", metavar="CPUS",
+                        help="the CPUs the forward runs on, one pinned thread each: 'auto' (the CPUs this process may "
+                             "use), 'nobind', or a list such as '0-3' (vLLM's VLLM_CPU_OMP_THREADS_BIND)")
     engine.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1, metavar="N",
                         help="shard the model over N ranks (transformers' tensor-parallel plan); this process leads "
                              "and starts the others (default: %(default)s)")
@@ -219,6 +224,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _pin_openmp(spec: str) -> None:
+    """Before torch starts its OpenMP runtime: one thread per CPU of ``spec``, each pinned to its CPU, idle threads
+    asleep rather than spinning (a spinning thread takes the core another process's work needs). Variables the
+    environment already sets are kept; a spec that is no CPU list is left to the engine's own check."""
+    if spec == "auto":
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+    else:
+        try:
+            cpus = sorted({c for part in spec.split(",") for c in range(int(part.split("-")[0]),
+                                                                        int(part.split("-")[-1]) + 1)})
+        except ValueError:
+            return
+    if not cpus:
+        return
+    for name, value in (("OMP_NUM_THREADS", str(len(cpus))), ("OMP_PROC_BIND", "close"),
+                        ("OMP_WAIT_POLICY", "PASSIVE"), ("OMP_PLACES", ",".join(f"{{{c}}}" for c in cpus))):
+        os.environ.setdefault(name, value)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``paged-hf`` console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -228,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_main(argv[1:])
     args = build_parser().parse_args(argv)
     handler = args.handler
+    if getattr(args, "cpu_threads_bind", None) not in (None, "nobind"):
+        _pin_openmp(args.cpu_threads_bind)
     if isinstance(handler, str):  # the work lives in paged_hf.cli, which imports the package (and torch)
         handler = getattr(importlib.import_module("paged_hf.cli"), handler)
     return handler(args)

@@ -259,3 +259,17 @@ def test_bench_help_lists_every_benchmark(capsys):
     out = capsys.readouterr().out
     for name in scripts:
         assert f"  {name}: " in out, name
+
+
+def test_serve_pins_openmp_before_torch_starts_and_passes_the_engine_options(monkeypatch):
+    import paged_hf_cli
+
+    for name in ("OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_WAIT_POLICY", "OMP_PLACES"):
+        monkeypatch.delenv(name, raising=False)
+    paged_hf_cli._pin_openmp("0")
+    assert (os.environ["OMP_NUM_THREADS"], os.environ["OMP_PLACES"], os.environ["OMP_WAIT_POLICY"]) == \
+        ("1", "{0}", "PASSIVE")
+    args = paged_hf_cli.build_parser().parse_args(["serve", "--enforce-eager", "--cpu-threads-bind", "0"])
+    assert {k: v for k, v in cli._engine_options(args).items() if k in ("enforce_eager", "cpu_threads_bind")} == \
+        {"enforce_eager": True, "cpu_threads_bind": "0"}
+    assert "enforce_eager" not in cli._engine_options(paged_hf_cli.build_parser().parse_args(["serve"]))

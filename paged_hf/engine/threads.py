@@ -7,9 +7,9 @@
 - a CPU list, ``"0-3"`` or ``"0,2,4-5"``: those CPUs only, one intra-op thread each, the process bound to them;
 - ``"nobind"``: torch's threads and the process's affinity are left as they are, everywhere.
 
-In a process that has not started torch's OpenMP runtime yet (``paged-hf serve`` before it imports torch),
-``omp_environment`` also pins each OpenMP thread to its own CPU (``OMP_PROC_BIND`` / ``OMP_PLACES``) and makes idle
-threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``): on a machine that other processes share, a spinning
+In a process that has not started torch's OpenMP runtime yet (``paged-hf serve --cpu-threads-bind``, before it
+imports torch), ``paged_hf_cli`` also pins each OpenMP thread to its own CPU (``OMP_PROC_BIND`` / ``OMP_PLACES``) and
+makes idle threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``): on a machine that other processes share, a spinning
 thread takes the core another process's work needs, and every parallel region then waits for its slowest thread.
 """
 
@@ -78,14 +78,3 @@ def bind_cpu_threads(spec: str, device) -> list[int] | None:
         torch.set_num_threads(len(cpus))
     logger.info("PagedEngine: %d intra-op threads bound to CPUs %s (cpu_threads_bind=%r)", len(cpus), cpus, spec)
     return cpus
-
-
-def omp_environment(spec: str) -> dict[str, str]:
-    """Environment that pins each OpenMP thread of a process not yet running torch to its own CPU of ``spec``
-    (empty for ``"nobind"``); variables already set are kept."""
-    cpus = chosen_cpus(spec)
-    if cpus is None:
-        return {}
-    wanted = {"OMP_NUM_THREADS": str(len(cpus)), "OMP_PROC_BIND": "close", "OMP_WAIT_POLICY": "PASSIVE",
-              "OMP_PLACES": ",".join(f"{{{c}}}" for c in cpus)}
-    return {name: value for name, value in wanted.items() if name not in os.environ}
