@@ -23,7 +23,8 @@ BLOCK_SIZE, NUM_KV_HEADS, GROUP, HEAD_DIM = 8, 2, 3, 16
 # context lengths: one token, a full block, a block and one, several blocks; prefill chunk lengths per mode
 DECODE_LENGTHS = (1, 8, 9, 30, 47)
 PREFILL_CHUNKS = {"prefill": ((13, 13), (40, 17), (9, 8), (64, 24)),  # (seq_len, chunk): first chunks and later ones
-                  "mixed": ((30, 1), (5, 0), (47, 12), (16, 1), (23, 8), (8, 8))}  # decode-like rows, an empty one
+                  "mixed": ((30, 1), (5, 0), (47, 12), (16, 1), (23, 8), (8, 8)),  # decode-like rows, an empty one
+                  "equal": ((20, 8), (33, 8), (8, 8))}  # chunks of one length: the packed rows are the padded ones
 
 
 def assert_matches_oracle(got, want, dtype):

@@ -178,8 +178,12 @@ def _prefill(query, pools, block_tables, seq_lens, cu_query_lens, scale, window,
     width = int(query_lens.max())
     seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens, output_size=query.shape[0])
     offset = torch.arange(query.shape[0], device=device) - cu_query_lens.long().to(device)[seq_of]
-    padded = query.new_zeros(num_seqs, width, *query.shape[1:])
-    padded[seq_of, offset] = query
+    same_lengths = query.shape[0] == num_seqs * width  # every chunk as long: the packed rows are the padded ones
+    if same_lengths:
+        padded = query.view(num_seqs, width, *query.shape[1:])
+    else:
+        padded = query.new_zeros(num_seqs, width, *query.shape[1:])
+        padded[seq_of, offset] = query
     ctx = seq_lens - query_lens  # the first new position of each sequence
     columns = torch.arange(width, device=device)
     positions = ctx[:, None] + columns[None, :]  # [S, W]; columns >= query_lens are padding rows
@@ -197,8 +201,11 @@ def _prefill(query, pools, block_tables, seq_lens, cu_query_lens, scale, window,
                                columns[None, :] < query_lens[:, None]], dim=1)
         own_visible = own_valid[:, None, :] & (own_positions[:, None, :] <= rows)
         own_visible &= own_positions[:, None, :] // bs == rows // bs
-        new_k, new_v = (x.new_zeros(num_seqs, width, *x.shape[1:]) for x in fresh)
-        new_k[seq_of, offset], new_v[seq_of, offset] = fresh
+        if same_lengths:
+            new_k, new_v = (x.view(num_seqs, width, *x.shape[1:]) for x in fresh)
+        else:
+            new_k, new_v = (x.new_zeros(num_seqs, width, *x.shape[1:]) for x in fresh)
+            new_k[seq_of, offset], new_v[seq_of, offset] = fresh
         tail_index = tail_rows.long()
         k = torch.cat([k, pools.tails[0].index_select(0, tail_index).to(dtype), new_k.to(dtype)], dim=1)
         v = torch.cat([v, pools.tails[1].index_select(0, tail_index).to(dtype), new_v.to(dtype)], dim=1)
@@ -207,7 +214,8 @@ def _prefill(query, pools, block_tables, seq_lens, cu_query_lens, scale, window,
     if window is not None:
         visible &= key_positions[:, None, :] > rows - window
     out = _attend(padded.transpose(1, 2), k, v, visible[:, None], scale, softcap, sinks)  # [S, heads, W, D]
-    return out.transpose(1, 2)[seq_of, offset]
+    out = out.transpose(1, 2)
+    return out.reshape(query.shape) if same_lengths else out[seq_of, offset]
 
 
 def _attend(query, k, v, visible, scale, softcap, sinks) -> torch.Tensor:
@@ -216,7 +224,7 @@ def _attend(query, k, v, visible, scale, softcap, sinks) -> torch.Tensor:
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     if softcap is not None:
         return _explicit_attention(query, k, v, visible, scale, softcap, sinks)
-    mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(~visible, float("-inf"))
+    mask = torch.where(visible, 0.0, float("-inf")).to(query.dtype)  # additive: the kernel's mask is the query's dtype
     out, lse = _flash(query, k, v, attn_mask=mask, scale=scale)
     if sinks is not None:  # the sink joins the denominator: exp(lse) / (exp(lse) + exp(sink))
         weight = torch.sigmoid(lse - sinks.float().view(1, -1, 1))
