@@ -21,7 +21,8 @@ tolerance) by another road, in the compute dtype (the query's: a bfloat16 model 
   of its own block up to it).
 
 A batch whose gathered K/V would pass ``GATHER_ELEMENTS_PER_CHUNK`` goes in consecutive groups of sequences (each
-group one vectorized call), so a batch of long contexts never holds a dense copy of all its K/V. The masks are
+group one vectorized call, a loop over groups, not sequences), so a batch of long contexts never holds a dense copy
+of all its K/V, and each group's copy is read back from cache. The masks are
 rebuilt per layer (an ``[S, n, L]`` comparison, small beside the attention); building them once per step would need
 a per-step cache in the step metadata.
 """
@@ -34,7 +35,10 @@ from .kv_format import kv_format as _kv_format
 from .kv_quant import dequantize_block_values_ref, dequantize_channels_ref, dequantize_kv_ref
 
 # Upper bound on the gathered K (or V) elements of one vectorized call; a larger batch goes in groups of sequences.
-GATHER_ELEMENTS_PER_CHUNK = 1 << 23
+# 2^20 (4 MiB of float32 per K): a group's gathered (and dequantized) K/V is still in cache when the attention reads
+# it. Measured at 1 thread, decode of 128 sequences x 1024 tokens, SmolLM2's heads, against 2^23: float32 2.1x,
+# bfloat16 1.3x, int8 2.6x, int4 2.7x faster; 2^18 and 2^16 were between the two.
+GATHER_ELEMENTS_PER_CHUNK = 1 << 20
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
