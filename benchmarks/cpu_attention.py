@@ -69,7 +69,8 @@ def alternate(calls: dict, repeats: int) -> dict:
 
 def timing_row(t: dict) -> list[str]:
     (ref_wall, ref_cpu), (cpu_wall, cpu_cpu) = t["ref"], t["cpu"]
-    return [f"{ref_cpu * 1e3:.2f}", f"{cpu_cpu * 1e3:.2f}", f"**{ref_cpu / cpu_cpu:.2f}x**", f"{ref_wall / cpu_wall:.2f}x"]
+    return [f"{ref_cpu * 1e3:.2f}", f"{cpu_cpu * 1e3:.2f}", f"**{ref_cpu / cpu_cpu:.2f}x**",
+            f"{ref_wall / cpu_wall:.2f}x"]
 
 
 def operands(kv_format, dtype, seq_lens, seed=0) -> dict:

@@ -100,7 +100,8 @@ def test_groups_of_sequences_equal_one_call(kv_format, monkeypatch):
     real = cpu_attention._decode
     monkeypatch.setattr(cpu_attention, "_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     monkeypatch.setattr(cpu_attention, "GATHER_ELEMENTS_PER_CHUNK", 1)  # one sequence per group
-    grouped = (paged_decode_attention_cpu(query, **decode_ops), paged_prefill_attention_cpu(prefill_query, **prefill_ops))
+    grouped = (paged_decode_attention_cpu(query, **decode_ops),
+               paged_prefill_attention_cpu(prefill_query, **prefill_ops))
     assert calls == [1] * len(lengths)
     for got, want in zip(grouped, whole):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
