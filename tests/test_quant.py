@@ -574,6 +574,10 @@ def test_rotated_query_reaches_the_kernels_in_the_model_dtype(monkeypatch, dtype
         spy(decode_module, name)
     for name in ("paged_prefill_attention", "paged_prefill_attention_ref"):
         spy(prefill_module, name)
+    from paged_hf.kernels import cpu_attention  # the CPU's production path
+
+    for name in ("paged_decode_attention_cpu", "paged_prefill_attention_cpu"):
+        spy(cpu_attention, name)
     spy(paged_hf.attention, "paged_attention")  # the un-rotated output, as the model receives it
     model = tiny_model("llama", "paged").to(dtype)
     ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])

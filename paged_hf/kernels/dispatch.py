@@ -1,9 +1,12 @@
-"""Picks the Triton kernels or their torch references for the paged path.
+"""Picks the Triton kernels, the production CPU attention or the torch references for the paged path.
 
 ``use_triton(device)``: True on CUDA when triton imports; the environment variable ``PAGED_HF_KERNELS`` forces
-either side: ``torch`` (always the references) or ``triton`` (always the kernels: on CPU only under
-``TRITON_INTERPRET=1``, triton's interpreter, else a ValueError says why). ``select(device)`` makes that choice
-once and returns the ``KernelSet`` a pool's storage keeps: the hot path never reads the environment.
+a side: ``torch`` (the torch side: on CPU the production attention ``cpu_attention``, elsewhere the references),
+``reference`` (the torch references everywhere, attention included: the float32 test oracle ``attention_ref``, for
+checking or timing against it) or ``triton`` (always the kernels: on CPU only under ``TRITON_INTERPRET=1``,
+triton's interpreter, else a ValueError says why). Unset: Triton on CUDA, else the torch side. ``select(device)``
+makes that choice once and returns the ``KernelSet`` a pool's storage keeps: the hot path never reads the
+environment.
 
 triton is imported only when a kernel is chosen (and once to see whether it imports), so ``import paged_hf``
 works without it. The interpreter is fixed by ``TRITON_INTERPRET`` when the kernels are first launched.
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 ENV_VAR = "PAGED_HF_KERNELS"
-_CHOICES = ("torch", "triton")
+_CHOICES = ("torch", "reference", "triton")
 
 
 @functools.cache
@@ -45,7 +48,7 @@ def use_triton(device) -> bool:
     forced = os.environ.get(ENV_VAR, "").strip().lower()
     if forced and forced not in _CHOICES:
         raise ValueError(f"{ENV_VAR}={forced!r}: expected one of {_CHOICES} (or unset)")
-    if forced == "torch":
+    if forced in ("torch", "reference"):
         return False
     device = torch.device(device)
     if forced == "triton":
@@ -76,12 +79,18 @@ class KernelSet:
 
 
 def select(device) -> KernelSet:
-    """The kernels for ``device`` as ``use_triton`` decides (reads ``PAGED_HF_KERNELS`` now, once)."""
+    """The kernels for ``device`` as ``use_triton`` decides (reads ``PAGED_HF_KERNELS`` now, once); the torch side
+    attends with ``cpu_attention`` on CPU unless ``reference`` is forced."""
     from . import copy_blocks, paged_decode_attention, paged_prefill_attention, store_kv  # noqa: PLC0415
 
     if use_triton(device):
         return KernelSet(paged_decode_attention.paged_decode_attention, paged_prefill_attention.paged_prefill_attention,
                          store_kv.store_kv, store_kv.store_tails, copy_blocks.copy_blocks, triton=True)
-    return KernelSet(paged_decode_attention.paged_decode_attention_ref,
-                     paged_prefill_attention.paged_prefill_attention_ref, store_kv.store_kv_ref,
-                     store_kv.store_tails_ref, copy_blocks.copy_blocks_ref, triton=False)
+    decode = paged_decode_attention.paged_decode_attention_ref
+    prefill = paged_prefill_attention.paged_prefill_attention_ref
+    if torch.device(device).type == "cpu" and os.environ.get(ENV_VAR, "").strip().lower() != "reference":
+        from . import cpu_attention  # noqa: PLC0415
+
+        decode, prefill = cpu_attention.paged_decode_attention_cpu, cpu_attention.paged_prefill_attention_cpu
+    return KernelSet(decode, prefill, store_kv.store_kv_ref, store_kv.store_tails_ref, copy_blocks.copy_blocks_ref,
+                     triton=False)
