@@ -22,8 +22,11 @@ from models import require_stories
 SMOKE = {
     "compile_report": (["--dtypes", "bfloat16", "--head-dims", "64", "--formats", "auto", "--kernels", "store"],
                        "store"),
+    "cpu_attention": (["--threads", "1", "--repeats", "1", "--formats", "auto"], "prefill"),
     "decode": (["--models", "stories260K", "--batches", "1", "--new-tokens", "3", "--repeats", "1", "--min-len", "4",
                 "--max-len", "8", "--threads", "1"], "DynamicCache"),
+    "engine_compile": (["--models", "stories260K", "--dtypes", "float32", "--requests", "2", "--max-out", "8",
+                        "--rounds", "1", "--threads", "1"], "same tokens"),
     "fault_load": (["--clients", "8"], "idle"),
     "kernels": (["--quick"], "Paged attention kernels"),
     "kv_decode": (["--model", "stories260K", "--formats", "int8,auto", "--batch", "1", "--prompt-len", "8",
@@ -46,7 +49,7 @@ SMOKE = {
 }
 NEEDS_CUDA = {"kernels"}
 # Run in a child process: compiling for another target leaves triton's driver state changed for later tests.
-ISOLATED = {"compile_report", "kernels", "vs_vllm"}
+ISOLATED = {"compile_report", "kernels", "vs_vllm", "engine_compile"}
 
 
 def _run(name: str, args: list[str], capsys) -> tuple[int, str, str]:
