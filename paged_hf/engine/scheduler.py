@@ -44,7 +44,7 @@ class ScheduledSequence:
     start: int
     num_tokens: int
     samples: bool
-    forks: list[Sequence] = field(default_factory=list)
+    forks: tuple[Sequence, ...] = ()
 
 
 @dataclass
@@ -249,7 +249,7 @@ class Scheduler:
             self.kv.cache_full_blocks(seq.kv, seq.token_ids, start + count, seq.request.cache_salt)
         samples = start + count == len(seq.token_ids)
         if samples and seq.request.params.n > 1 and seq.index == 0:
-            forks = [s for s in seq.request.sequences[1:] if s.status is SequenceStatus.FORK_PENDING]
+            forks = tuple(s for s in seq.request.sequences[1:] if s.status is SequenceStatus.FORK_PENDING)
             out.append(ScheduledSequence(seq, start, count, samples, forks))
         else:
             out.append(ScheduledSequence(seq, start, count, samples))
