@@ -62,6 +62,11 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
     app = FastAPI(title="paged_hf", version="0.1.0", lifespan=lifespan)
     app.state.engine_loop = loop
     install_handlers(app)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_raw: Request, _error: ClientGone):  # the client left while its body was read
+        return Response(status_code=CLIENT_GONE)
+
     model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "paged_hf",
                   "max_model_len": engine.max_model_len}
 
@@ -95,10 +100,7 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        try:
-            body = await parse(raw, CompletionRequest)
-        except ClientGone:
-            return Response(status_code=CLIENT_GONE)
+        body = await parse(raw, CompletionRequest)
         params = sampling_params(body, body.logprobs, {}, body.engine_prompt_logprobs)
         prompts = await tokenize.completions(body.prompts(), body.add_special_tokens is not False,
                                              _truncation(body))
@@ -109,10 +111,7 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        try:
-            body = await parse(raw, ChatCompletionRequest)
-        except ClientGone:
-            return Response(status_code=CLIENT_GONE)
+        body = await parse(raw, ChatCompletionRequest)
         if body.stream and body.prompt_logprobs is not None:
             raise ApiError(400, "prompt_logprobs is not available with stream: true on chat completions (use "
                                 "/v1/completions, which streams them)", "prompt_logprobs")

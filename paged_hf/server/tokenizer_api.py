@@ -7,10 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from .body import CLIENT_GONE, ClientGone
 from .errors import ApiError
 from .protocol import ChatCompletionRequest, ChatMessage, StrictBody
 
@@ -46,10 +44,7 @@ def add_tokenizer_routes(app: FastAPI, engine, tokenize, decode, parse) -> None:
 
     @app.post("/tokenize")
     async def tokenize_route(raw: Request):
-        try:
-            body = await parse(raw, TokenizeRequest)
-        except ClientGone:
-            return Response(status_code=CLIENT_GONE)
+        body = await parse(raw, TokenizeRequest)
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages, chat_template_kwargs=body.chat_template_kwargs)
             prompt = await tokenize.chat(chat.chat(), chat.template_kwargs(), body.add_generation_prompt is not False,
@@ -62,10 +57,7 @@ def add_tokenizer_routes(app: FastAPI, engine, tokenize, decode, parse) -> None:
 
     @app.post("/detokenize")
     async def detokenize_route(raw: Request):
-        try:
-            body = await parse(raw, DetokenizeRequest)
-        except ClientGone:
-            return Response(status_code=CLIENT_GONE)
+        body = await parse(raw, DetokenizeRequest)
         vocab = engine.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
