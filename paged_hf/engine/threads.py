@@ -48,13 +48,9 @@ def check_cpu_threads_bind(spec) -> None:
         parse_cpu_list(spec)
 
 
-def chosen_cpus(spec: str) -> list[int] | None:
-    """The CPUs ``spec`` names (None for ``"nobind"``); ValueError for CPUs this process may not run on."""
-    if spec == "nobind":
-        return None
+def _listed_cpus(spec: str) -> list[int]:
+    """The CPUs a CPU-list ``spec`` names; ValueError for CPUs this process may not run on."""
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
-    if spec == "auto":
-        return allowed
     cpus = parse_cpu_list(spec)
     outside = [c for c in cpus if c not in allowed]
     if outside:
@@ -71,7 +67,7 @@ def bind_cpu_threads(spec: str, device) -> list[int] | None:
         logger.info("PagedEngine: %d intra-op threads, as this process set them (cpu_threads_bind=%r)",
                     torch.get_num_threads(), spec)
         return None
-    cpus = chosen_cpus(spec)
+    cpus = _listed_cpus(spec)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cpus)
     if torch.get_num_threads() != len(cpus):
