@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from ..config import EngineConfig
 from ..kv.copies import BlockCopy
 from ..kv.manager import KVManager
+from ..kv.prefix_hit import MISS
 from .request import Request, Sequence, SequenceStatus
 
 if TYPE_CHECKING:  # the runner imports this module
@@ -217,15 +218,15 @@ class Scheduler:
                 seq.kv = kv.new_sequence()
             # prompt logprobs need the logits of every prompt position: such a request computes its whole prompt,
             # as does one that asked for no prefix reuse
-            hits = [] if seq.request.params.prompt_logprobs is not None or not seq.request.reuse_prefix else \
-                kv.find_prefix_hits(seq.kv, seq.token_ids, seq.request.cache_salt)
-            count = min(len(seq.token_ids) - len(hits) * kv.block_size, budget)
-            if kv.admission_blocks(hits, count) > kv.num_free_blocks:
+            hit = MISS if seq.request.params.prompt_logprobs is not None or not seq.request.reuse_prefix else \
+                kv.find_prefix_hit(seq.kv, seq.token_ids, seq.request.cache_salt)
+            count = min(len(seq.token_ids) - hit.num_tokens, budget)
+            if not kv.has_room(kv.admission_blocks(hit, count)):
                 break
             self.waiting.popleft()
             first_admission = seq.request.metrics.first_scheduled_time is None
-            kv.admit(seq.kv, hits, len(seq.token_ids), count_query=seq.index == 0 or seq.request.params.n == 1)
-            seq.num_computed_tokens = len(hits) * kv.block_size
+            kv.admit(seq.kv, hit, seq.token_ids, count_query=seq.index == 0 or seq.request.params.n == 1)
+            seq.num_computed_tokens = hit.num_tokens
             if first_admission:
                 seq.request.metrics.first_scheduled_time = time.monotonic()
                 seq.request.metrics.num_prefix_cached_tokens = seq.num_computed_tokens
