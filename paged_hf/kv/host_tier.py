@@ -35,6 +35,13 @@ class HostTier:
         self.num_offloaded = 0  # blocks copied out of a device pool
         self.num_loaded = 0  # blocks copied back in (host-tier hits)
 
+    @classmethod
+    def sized(cls, num_bytes: float, block_id_bytes: int, groups, kv_format: str, head_dim: int,
+              log: CopyLog) -> HostTier | None:
+        """A host tier of ``num_bytes`` (blocks of ``block_id_bytes``, every layer), or None when none fits."""
+        num_blocks = int(num_bytes // block_id_bytes)
+        return cls(num_blocks, len(groups), kv_format, head_dim, log) if num_blocks > 0 else None
+
     @property
     def num_used_blocks(self) -> int:
         return sum(len(entries) for entries in self._entries)

@@ -77,9 +77,8 @@ class KVManager:
             group.pool = BlockPool(num_blocks or 0, enable_caching=enable_prefix_caching and num_blocks is not None)
         self.copies = CopyLog()
         caching = enable_prefix_caching and num_blocks is not None
-        num_host_blocks = int(kv_offloading_bytes // self.block_id_bytes()) if kv_offloading_bytes and caching else 0
-        host = HostTier(num_host_blocks, len(self.groups), self.kv_format, self.head_dim, self.copies) \
-            if num_host_blocks else None
+        host = HostTier.sized(kv_offloading_bytes if caching else 0, self.block_id_bytes(), self.groups,
+                              self.kv_format, self.head_dim, self.copies)
         self.prefix_cache = PrefixCache(self.groups, block_size, self.kv_format, caching, host)
         num_cpu_blocks = int(swap_space_bytes // self.block_id_bytes()) if swap_space_bytes else 0
         self.swap = SwapSpace(num_cpu_blocks, len(self.groups), self.kv_format, self.head_dim)
@@ -299,12 +298,8 @@ class KVManager:
         """Starts ``seq`` (empty) on its prefix hit; ``count_query``: count it in the hit-rate statistics."""
         if seq.row < 0:
             seq.row = self.rows.take()
-        if hit.num_tokens:
-            self.prefix_cache.take_hit(seq, hit, token_ids)
-            self.rows.write(seq)
-        seq.num_cached_blocks = hit.num_tokens // self.block_size
-        if count_query:
-            self.prefix_cache.count_query(len(token_ids), hit)
+        self.prefix_cache.admit(seq, hit, token_ids, count_query)
+        self.rows.write(seq)
 
     def cache_full_blocks(self, seq: SequenceKV, token_ids: list[int], num_tokens: int, salt=None) -> None:
         """Registers ``seq``'s full blocks among its first ``num_tokens`` (see ``PrefixCache.cache_full_blocks``)."""
@@ -346,8 +341,7 @@ class KVManager:
         pool invariants; each block's ref count equals the tables holding it; every held row mirrors its tables."""
         check_manager(self.groups, self.live_sequences())
         self.swap.check_invariants()
-        if self.prefix_cache.host is not None:
-            self.prefix_cache.host.check_invariants()
+        self.prefix_cache.check_invariants()
 
     def stats(self) -> KVCacheStats:
         pools = [g.pool for g in self.groups]

@@ -80,12 +80,16 @@ class PrefixCache:
             out.append(new + sum(1 for b in blocks if b is None or b.ref_cnt == 0))
         return out
 
-    def take_hit(self, seq: SequenceKV, hit: PrefixHit, token_ids: list[int]) -> None:
+    def admit(self, seq: SequenceKV, hit: PrefixHit, token_ids: list[int], count_query: bool) -> None:
         """Starts ``seq``'s empty tables on ``hit`` (its room was checked): a reference to each device block, a new
         block for each host-tier one (the copies recorded, the blocks registered again). Device hits are referenced
-        before any block is allocated, so the allocation cannot evict them."""
-        if not hit.groups:
-            return
+        before any block is allocated, so the allocation cannot evict them. ``count_query``: count the lookup in
+        the hit-rate statistics."""
+        seq.num_cached_blocks = hit.num_tokens // self.block_size
+        if count_query:
+            self.queried_tokens += len(token_ids)
+            self.hit_tokens += hit.num_tokens
+            self.host_hit_tokens += hit.num_host_blocks * self.block_size
         bs, hashes = self.block_size, seq.block_hashes
         for g, (group, table, part) in enumerate(zip(self.groups, seq.tables, hit.groups)):
             held = [b for b in part.blocks if b is not None]
@@ -105,12 +109,6 @@ class PrefixCache:
         pool.cache_full_block(block, block_hash, token_ids)
         if block.block_hash is not None:
             self._step_registered.append((pool, block))
-
-    def count_query(self, num_prompt_tokens: int, hit: PrefixHit) -> None:
-        """Counts one lookup of ``num_prompt_tokens`` that found ``hit`` in the hit-rate statistics."""
-        self.queried_tokens += num_prompt_tokens
-        self.hit_tokens += hit.num_tokens
-        self.host_hit_tokens += hit.num_host_blocks * self.block_size
 
     def counters(self) -> dict[str, int]:
         """The ``KVCacheStats`` fields of the prefix cache and its host tier (tokens, blocks)."""
@@ -141,6 +139,10 @@ class PrefixCache:
                 if block is not None and block.block_hash is None:
                     self._register(group.pool, block, seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
         seq.num_cached_blocks = full
+
+    def check_invariants(self) -> None:
+        if self.host is not None:
+            self.host.check_invariants()
 
     def end_step(self, failed: bool) -> None:
         """Closes a step: after a failed forward, the blocks registered for it hold no K/V: unregister them."""
