@@ -11,6 +11,9 @@
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -162,3 +165,18 @@ def test_lpm_admits_the_longest_cached_prefix_first(monkeypatch):
     assert admission_order("lpm", priorities=(0, 1, 0, 1)) == ["c", "a", "b", "d"]  # within a priority level
     monkeypatch.setattr(lpm, "LPM_MAX_WAITING", 1)
     assert admission_order("lpm") == ["a", "b", "c", "d"]  # a long queue keeps arrival order
+
+
+def test_prefix_benchmark_suite_runs_at_its_smallest_size(monkeypatch, capsys):
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    prefix = importlib.import_module("prefix")
+    threads = torch.get_num_threads()
+    try:
+        assert prefix.main(["--suite", "--requests", "3", "--system-tokens", "32", "--question-tokens", "8",
+                            "--max-tokens", "2", "--hidden", "64", "--window", "8", "--tenants", "4",
+                            "--tenant-tokens", "32", "--rounds", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "quarter pool + host tier" in out and "3/3" in out and "8/8" in out, out
