@@ -180,3 +180,19 @@ def test_prefix_benchmark_suite_runs_at_its_smallest_size(monkeypatch, capsys):
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "quarter pool + host tier" in out and "3/3" in out and "8/8" in out, out
+
+
+def test_metrics_count_hits_per_tier():
+    from paged_hf.server.metrics import ServerMetrics  # noqa: PLC0415 - the server extra
+
+    engine = PagedEngine(tiny_model("llama"), None, block_size=BLOCK, num_blocks=16, swap_space=0,
+                         kv_offloading_size=0.001)
+    for prompt in [FIRST] + FILLERS + [SECOND]:
+        engine.generate([prompt], GREEDY, use_tqdm=False)
+    stats = engine.get_stats()
+    text = ServerMetrics().render(stats).decode()
+    assert f'paged_hf_prefix_cache_hits{{tier="host"}} {float(stats["prefix_cache_host_hits"])}' in text
+    assert stats["prefix_cache_host_hits"] == len(SHARED)
+    device = stats["prefix_cache_hits"] - stats["prefix_cache_host_hits"]
+    assert f'paged_hf_prefix_cache_hits{{tier="device"}} {float(device)}' in text
+    assert f"paged_hf_host_cache_blocks_used {float(stats['host_cache_blocks_used'])}" in text
