@@ -5,6 +5,7 @@
   the host tier stays within its size.
 - ``find_longest_hit`` equals a brute-force search over random cached patterns and windows.
 - A burst of requests sharing a prefix computes the prefix once (prompt tokens counted), chunked or not.
+- Under tensor parallelism the follower replays the host-tier copies into its own host storages.
 - ``scheduling_policy="lpm"`` admits the longest cached prefix first within a priority level, and falls back to
   arrival order past ``LPM_MAX_WAITING``.
 """
@@ -196,3 +197,28 @@ def test_metrics_count_hits_per_tier():
     device = stats["prefix_cache_hits"] - stats["prefix_cache_host_hits"]
     assert f'paged_hf_prefix_cache_hits{{tier="device"}} {float(device)}' in text
     assert f"paged_hf_host_cache_blocks_used {float(stats['host_cache_blocks_used'])}" in text
+
+
+def test_host_tier_under_tensor_parallelism_equals_one_process(tmp_path):
+    """The follower rank replays the leader's OFFLOAD / LOAD copies into host storages of its own."""
+    import multiprocessing  # noqa: PLC0415
+
+    from paged_hf import LLM  # noqa: PLC0415
+
+    folder = tmp_path / "gemma2"
+    tiny_model("gemma2", num_key_value_heads=4, num_attention_heads=4, num_hidden_layers=2).save_pretrained(folder)
+    options = dict(skip_tokenizer_init=True, block_size=BLOCK, num_blocks=16, swap_space=0, kv_offloading_size=0.001)
+
+    def run(llm):
+        outs = [llm.generate([prompt], GREEDY, use_tqdm=False)[0] for prompt in [FIRST] + FILLERS + [SECOND]]
+        return [o.outputs[0].token_ids for o in outs], outs[-1].num_cached_tokens, llm.get_stats()
+
+    one_tokens, one_cached, _ = run(LLM(str(folder), **options))
+    two = LLM(str(folder), tensor_parallel_size=2, **options)
+    try:
+        tokens, cached, stats = run(two)
+    finally:
+        two.shutdown()
+    assert not multiprocessing.active_children()
+    assert one_cached == cached == len(SHARED) and stats["prefix_cache_host_hits"] == len(SHARED)
+    assert tokens == one_tokens
