@@ -2,8 +2,9 @@
 
 A copy is recorded when the blocks it fills are allocated (copy-on-write of a shared tail, swap out, swap in, a
 fork's or a rollback's tail row, a cached block evicted to the host tier or loaded back from it) and runs before
-the forward that needs it, in recorded order: every tensor-parallel rank runs the same list. Each ``CopyKind`` names where its sources and its destinations live, so
-``src`` and ``dst`` always mean the same: ``dst[i] <- src[i]``, in every layer of the copy's group.
+the forward that needs it, in recorded order: every tensor-parallel rank runs the same list. Each ``CopyKind``
+names where its sources and its destinations live, so ``src`` and ``dst`` always mean the same: ``dst[i] <- src[i]``,
+in every layer of the copy's group.
 """
 
 from __future__ import annotations
