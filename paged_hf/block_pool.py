@@ -159,8 +159,8 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
         """Hands out ``num_blocks`` blocks, each with ref_cnt 1 and no hash: fresh ids first, then the free queue's
-        head (a popped cached block is evicted: ``on_evict`` sees it, then its hash leaves the map). Raises NoFreeBlocksError, changing
-        nothing, if fewer than ``num_blocks`` are free."""
+        head (a popped cached block is evicted: ``on_evict`` sees it, then its hash leaves the map). Raises
+        NoFreeBlocksError, changing nothing, if fewer than ``num_blocks`` are free."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > self.num_free_blocks:

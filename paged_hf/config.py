@@ -143,7 +143,7 @@ class EngineConfig:
             later prompt with their prefix copies them back instead of computing them (``kv/host_tier.py``).
         scheduling_policy: "fcfs", "priority" (lower ``priority`` value runs first) or "lpm" (SGLang's longest
             prefix match: within a priority level, the waiting request with the longest cached prefix first; in
-            arrival order past ``LPM_MAX_WAITING`` waiting requests).
+            arrival order past ``LPM_MAX_WAITING`` waiting requests; without prefix caching it is "priority").
         cpu_threads_bind: the CPUs a CPU engine's forward runs on, one intra-op thread each: "auto" (the CPUs this
             process may use), "nobind" (leave torch's threads as they are) or a list such as "0-3" (vLLM's
             ``VLLM_CPU_OMP_THREADS_BIND``); see ``paged_hf.engine.threads``.
