@@ -60,6 +60,8 @@ OPTIONS = {
     "chunked": {"max_num_batched_tokens": 5},
     "recompute": {"num_blocks": 12, "preemption_mode": "recompute", "max_num_batched_tokens": 11},
     "swap": {"num_blocks": 12, "preemption_mode": "swap", "swap_space": 0.001, "max_num_batched_tokens": 11},
+    "int8": {"kv_cache_dtype": "int8", "max_num_batched_tokens": 7},  # a hit reads the bytes the miss stored
+    "int4": {"kv_cache_dtype": "int4", "max_num_batched_tokens": 7},  # and the full-precision tail rows
 }
 SMALL_POOL = {"mistral": 9}  # a window group holds few blocks per sequence: a smaller pool makes the hits preempt
 
