@@ -1,7 +1,7 @@
 """Prefix caching on sliding-window and hybrid models: tokens (and their logprobs) with a hit equal those of the miss.
 
 Tiny random Mistral (every layer a window of 6), Gemma2 (sliding and full alternate), Gemma3-shaped (two sliding
-layers, one full), Llama as the full-attention baseline, and stories260K. Block size 4, windows of 6: prompts share
+layers, one full), Qwen2 with windows past its first layer, Llama as the full-attention baseline, and stories260K. Block size 4, windows of 6: prompts share
 a 24-token prefix, so a hit spans several windows, and the sliding groups have freed (and may have evicted) the
 blocks before their window. Chunked prefill and preemption (recompute, swap) change when blocks are freed and hit.
 """
@@ -34,8 +34,12 @@ _models: dict = {}
 
 def model_of(name: str):
     if name not in _models:
-        _models[name] = gemma3_model() if name == "gemma3" else stories_model() if name == "stories" \
-            else tiny_model(name)
+        if name == "gemma3":
+            _models[name] = gemma3_model()
+        elif name == "qwen2-window":  # the first layer full, the others windows of 6 (a full group first)
+            _models[name] = tiny_model("qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1)
+        else:
+            _models[name] = stories_model() if name == "stories" else tiny_model(name)
     return _models[name]
 
 
@@ -67,7 +71,7 @@ SMALL_POOL = {"mistral": 9}  # a window group holds few blocks per sequence: a s
 
 
 @pytest.mark.parametrize("options", list(OPTIONS), ids=list(OPTIONS))
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gemma3", "stories"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gemma3", "qwen2-window", "stories"])
 def test_hit_equals_miss(family, options):
     model, batch, config = model_of(family), prompts(), dict(OPTIONS[options])
     if "num_blocks" in config:
