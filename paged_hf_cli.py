@@ -120,7 +120,9 @@ def _add_model_and_engine_options(parser) -> None:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     engine.add_argument("--swap-space", type=float, metavar="GIB", help="GiB of CPU swap for KV blocks")
     engine.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"])
-    engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
+    engine.add_argument("--kv-offloading-size", type=float, metavar="GIB",
+                        help="GiB of host memory for cached KV blocks evicted from the pool (default: 0, none)")
+    engine.add_argument("--scheduling-policy", choices=["fcfs", "priority", "lpm"])
     engine.add_argument("--max-logprobs", type=int, help="the most logprobs / prompt_logprobs one request may ask for")
     engine.add_argument("--max-n", type=_positive_int, help="the most parallel samples (n) of one request")
     engine.add_argument("--max-stop-strings", type=int, help="the most stop strings of one request")

@@ -22,6 +22,7 @@ so nothing can be shared) and after one earlier request with the same system pro
 
     PYTHONPATH=. python benchmarks/prefix.py                              # stories260K: 400-token system prompt
     PYTHONPATH=. python benchmarks/prefix.py --model smollm2 --requests 16   # 1,024-token system prompt
+    PYTHONPATH=. python benchmarks/prefix.py --suite   # random models: the burst (full, sliding), the host tier
 
 stories260K has 512 positions, so its default system prompt is 400 tokens (400 + 64 + 8 = 472 fit);
 SmolLM2's default is 1,024 tokens (it has 2,048 positions).
@@ -165,9 +166,22 @@ def main(argv=None) -> int:
                              "prefix caching (a full prefill per request), cold = caching on, nothing cached yet "
                              "(the burst shares what its first request computes), warm = the prefix cached by one "
                              "earlier request. Default: all three")
+    suite = parser.add_argument_group("--suite", "the burst and the host tier on random models (_prefix_suite.py)")
+    suite.add_argument("--suite", action="store_true", help="run _prefix_suite.py's workloads instead")
+    suite.add_argument("--hidden", type=int, default=384, help="hidden size of the random models")
+    suite.add_argument("--window", type=int, default=256, help="the sliding model's window")
+    suite.add_argument("--tenants", type=int, default=16)
+    suite.add_argument("--tenant-tokens", type=int, default=256)
+    suite.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if args.suite:
+        from _prefix_suite import run_suite  # noqa: PLC0415 - only this mode needs it
+
+        args.system_tokens = args.system_tokens or 1024
+        print(machine())
+        return run_suite(args)
     import transformers  # noqa: PLC0415
 
     transformers.logging.set_verbosity_error()

@@ -12,7 +12,7 @@ The pool knows nothing about requests or tensors: a block is just an id into the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 class KVBlock:
@@ -118,6 +118,7 @@ class BlockPool:
         self._recycled = FreeBlockQueue([])  # blocks freed since they were handed out, eviction order
         self._cached: dict[int, KVBlock] = {}
         self._num_cached = 0  # hashed blocks with ref_cnt 0
+        self.on_evict: Callable[[KVBlock], None] | None = None  # called with each cached block before it is evicted
 
     def block(self, block_id: int) -> KVBlock:
         """The object of ``block_id`` (made on first access)."""
@@ -158,8 +159,8 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
         """Hands out ``num_blocks`` blocks, each with ref_cnt 1 and no hash: fresh ids first, then the free queue's
-        head (a popped cached block is evicted: its hash leaves the map). Raises NoFreeBlocksError, changing
-        nothing, if fewer than ``num_blocks`` are free."""
+        head (a popped cached block is evicted: ``on_evict`` sees it, then its hash leaves the map). Raises
+        NoFreeBlocksError, changing nothing, if fewer than ``num_blocks`` are free."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > self.num_free_blocks:
@@ -177,6 +178,8 @@ class BlockPool:
             block = self._recycled.popleft()
             assert block.ref_cnt == 0, f"{block} was queued with ref_cnt != 0"
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 self._drop_hash(block)
                 self._num_cached -= 1
             block.ref_cnt = 1

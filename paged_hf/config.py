@@ -90,7 +90,7 @@ def check_known(what: str, kind: str, options: Mapping[str, Any], allowed: list[
 
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 
 
 def _check_int(name: str, value, minimum: int, allow_none: bool = False, maximum: int | None = None) -> None:
@@ -139,7 +139,11 @@ class EngineConfig:
         max_model_len: longest prompt + output; None takes the model's ``max_position_embeddings``.
         enable_prefix_caching: reuse the KV of full blocks whose token prefix was already computed.
         swap_space: GiB of CPU memory for swapped-out blocks. preemption_mode: "recompute", "swap" or "auto".
-        scheduling_policy: "fcfs" or "priority" (lower ``priority`` value runs first).
+        kv_offloading_size: GiB of host memory for cached blocks evicted from the pool (vLLM's name; 0: none): a
+            later prompt with their prefix copies them back instead of computing them (``kv/host_tier.py``).
+        scheduling_policy: "fcfs", "priority" (lower ``priority`` value runs first) or "lpm" (SGLang's longest
+            prefix match: within a priority level, the waiting request with the longest cached prefix first; in
+            arrival order past ``LPM_MAX_WAITING`` waiting requests; without prefix caching it is "priority").
         cpu_threads_bind: the CPUs a CPU engine's forward runs on, one intra-op thread each: "auto" (the CPUs this
             process may use), "nobind" (leave torch's threads as they are) or a list such as "0-3" (vLLM's
             ``VLLM_CPU_OMP_THREADS_BIND``); see ``paged_hf.engine.threads``.
@@ -163,6 +167,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     swap_space: float = 4.0
+    kv_offloading_size: float = 0.0
     preemption_mode: str = "auto"
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
@@ -190,6 +195,7 @@ class EngineConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_model_len", self.max_model_len, 1, allow_none=True)
         _check_number("swap_space", self.swap_space, 0.0, float("inf"))
+        _check_number("kv_offloading_size", self.kv_offloading_size, 0.0, float("inf"))
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

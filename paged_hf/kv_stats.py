@@ -35,7 +35,11 @@ class KVCacheStats(_StatsMapping):
 
     kv_cache_used / kv_cache_total: blocks in use / in the pools; kv_cache_utilization: their ratio;
     kv_cache_cached_blocks: unused blocks kept for prefix hits; kv_cache_bytes: bytes of the pool tensors;
-    prefix_cache_hit_rate: prompt tokens found cached / prompt tokens looked up (0 without prefix caching).
+    prefix_cache_hit_rate: prompt tokens found cached / prompt tokens looked up (0 without prefix caching);
+    prefix_cache_queries / prefix_cache_hits: those two token counts (vLLM's counters), prefix_cache_host_hits: the
+    hit tokens whose blocks came from the host tier (the device tier's are the rest);
+    host_cache_blocks_used / host_cache_blocks_total / host_cache_bytes: the host tier (``kv_offloading_size``; 0
+    without one; blocks summed over groups, bytes of the host storages made so far).
     """
 
     kv_cache_used: int
@@ -45,6 +49,12 @@ class KVCacheStats(_StatsMapping):
     kv_cache_dtype: str
     kv_cache_bytes: int
     prefix_cache_hit_rate: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_host_hits: int
+    host_cache_blocks_used: int
+    host_cache_blocks_total: int
+    host_cache_bytes: int
 
     @property
     def kv_cache_utilization(self) -> float:

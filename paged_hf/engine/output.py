@@ -123,6 +123,7 @@ class OutputStage:
             request.request_id, request.prompt, request.prompt_token_ids, outputs, request.finished,
             request.metrics, None if request.error is None else f"{type(request.error).__name__}: {request.error}",
             None if prompt_logprobs is None else list(prompt_logprobs),
+            None if request.metrics.first_scheduled_time is None else request.metrics.num_prefix_cached_tokens,
         )
 
     def forget(self, request_id: str) -> None:

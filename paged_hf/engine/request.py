@@ -163,6 +163,8 @@ class RequestOutput:
     """A request's progress (vLLM's shape); ``error`` names what failed when ``finish_reason == "error"``.
 
     ``prompt_logprobs``: one entry per prompt token (None for the first) when asked (``prompt_logprobs=k``).
+    ``num_cached_tokens``: prompt tokens served from the prefix cache when the request was first scheduled (vLLM's
+    field; None before that).
     """
 
     request_id: str
@@ -173,3 +175,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int | None = None

@@ -6,8 +6,14 @@ failures, and the prefix cache's step.
 
 Each step: running sequences first (oldest / most important first), then swapped-out sequences come back, then
 waiting ones are admitted, all within ``max_num_batched_tokens`` and ``max_num_seqs``. When blocks run out a victim
-is preempted: the newest sequence under "fcfs", the lowest priority (largest value) under "priority"; by swap to
-CPU or by recompute (drop its KV, prefill it again later). The output lists one-token sequences (decodes) first.
+is preempted: the newest sequence under "fcfs", the lowest priority (largest value) under "priority" and "lpm"; by
+swap to CPU or by recompute (drop its KV, prefill it again later). The output lists one-token sequences (decodes)
+first. Under "lpm" the waiting queue is ordered each step by the longest cached prefix within a priority level
+(``lpm.py``).
+
+A prompt in flight never makes a later admission compute its prefix again: running sequences are scheduled first,
+the blocks a chunk fills are registered when it is scheduled (so admissions of the same step hit them), and a chunk
+shorter than the rest of its prompt used up the step's token budget, so nothing is admitted after it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from typing import TYPE_CHECKING
 from ..config import EngineConfig
 from ..kv.copies import BlockCopy
 from ..kv.manager import KVManager
+from ..kv.prefix_hit import MISS, PrefixHit
+from .lpm import lpm_order
 from .request import Request, Sequence, SequenceStatus
 
 if TYPE_CHECKING:  # the runner imports this module
@@ -74,7 +82,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_out = 0
         self.num_swapped_in = 0
-        self._priority = config.scheduling_policy == "priority"
+        self._priority = config.scheduling_policy in ("priority", "lpm")
+        self._lpm = config.scheduling_policy == "lpm" and kv.prefix_caching
         self._running_sorted = True  # ``running`` is in ``_order``; appending may break that
         self._has_windows = any(g.window is not None for g in kv.groups)
 
@@ -211,21 +220,20 @@ class Scheduler:
             budget -= count
 
         # 3. waiting sequences (new, or preempted by recompute), in order: no overtaking
+        if self._lpm and self.waiting and not self.swapped:
+            self.waiting = lpm_order(self.waiting, self._cached_tokens, self._order)
         while self.waiting and not self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.kv is None:
                 seq.kv = kv.new_sequence()
-            # prompt logprobs need the logits of every prompt position: such a request computes its whole prompt,
-            # as does one that asked for no prefix reuse
-            hits = [] if seq.request.params.prompt_logprobs is not None or not seq.request.reuse_prefix else \
-                kv.find_prefix_hits(seq.kv, seq.token_ids, seq.request.cache_salt)
-            count = min(len(seq.token_ids) - len(hits) * kv.block_size, budget)
-            if kv.admission_blocks(hits, count) > kv.num_free_blocks:
+            hit = self._prefix_hit(seq)
+            count = min(len(seq.token_ids) - hit.num_tokens, budget)
+            if not kv.has_room(kv.admission_blocks(hit, count)):
                 break
             self.waiting.popleft()
             first_admission = seq.request.metrics.first_scheduled_time is None
-            kv.admit(seq.kv, hits, len(seq.token_ids), count_query=seq.index == 0 or seq.request.params.n == 1)
-            seq.num_computed_tokens = len(hits) * kv.block_size
+            kv.admit(seq.kv, hit, seq.token_ids, count_query=seq.index == 0 or seq.request.params.n == 1)
+            seq.num_computed_tokens = hit.num_tokens
             if first_admission:
                 seq.request.metrics.first_scheduled_time = time.monotonic()
                 seq.request.metrics.num_prefix_cached_tokens = seq.num_computed_tokens
@@ -235,6 +243,19 @@ class Scheduler:
             self._schedule(seq, count, decodes if count == 1 else prefills)
             budget -= count
         return SchedulerOutput(decodes + prefills, len(decodes), kv.take_copies())
+
+    def _prefix_hit(self, seq: Sequence) -> PrefixHit:
+        """The prefix hit of waiting ``seq`` (which has its ``kv``). Prompt logprobs need the logits of every prompt
+        position: such a request computes its whole prompt, as does one that asked for no prefix reuse."""
+        if seq.request.params.prompt_logprobs is not None or not seq.request.reuse_prefix:
+            return MISS
+        return self.kv.find_prefix_hit(seq.kv, seq.token_ids, seq.request.cache_salt)
+
+    def _cached_tokens(self, seq: Sequence) -> int:
+        """LPM's key: the prompt tokens waiting ``seq`` would find cached now."""
+        if seq.kv is None:
+            seq.kv = self.kv.new_sequence()
+        return self._prefix_hit(seq).num_tokens
 
     def _join_running(self, seq: Sequence) -> None:
         if self.running and self._order(seq) < self._order(self.running[-1]):

@@ -49,7 +49,8 @@ def build_kv(model, config: EngineConfig, group=None) -> KVManager:
         num_blocks = group.min(num_blocks)
     kv = KVManager(text_config, config.block_size, config.kv_cache_dtype, num_blocks,
                    enable_prefix_caching=config.enable_prefix_caching, swap_space_bytes=int(config.swap_space * GIB),
-                   num_kv_heads=local_kv_heads(text_config, tp_size))
+                   num_kv_heads=local_kv_heads(text_config, tp_size),
+                   kv_offloading_bytes=int(config.kv_offloading_size * GIB))
     kv.allocate_all(model.dtype, model.device)
     _warm_up_kernels(kv, text_config, model.dtype)
     return kv

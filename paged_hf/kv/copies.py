@@ -1,9 +1,10 @@
 """Block copies: what kinds there are, the log that records them, and how one runs.
 
 A copy is recorded when the blocks it fills are allocated (copy-on-write of a shared tail, swap out, swap in, a
-fork's or a rollback's tail row) and runs before the forward that needs it, in recorded order: every
-tensor-parallel rank runs the same list. Each ``CopyKind`` names where its sources and its destinations live, so
-``src`` and ``dst`` always mean the same: ``dst[i] <- src[i]``, in every layer of the copy's group.
+fork's or a rollback's tail row, a cached block evicted to the host tier or loaded back from it) and runs before
+the forward that needs it, in recorded order: every tensor-parallel rank runs the same list. Each ``CopyKind``
+names where its sources and its destinations live, so ``src`` and ``dst`` always mean the same: ``dst[i] <- src[i]``,
+in every layer of the copy's group.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class Place(Enum):
     CPU_BLOCKS = ("block", True)
     DEVICE_TAILS = ("tail", False)
     CPU_TAILS = ("tail", True)
+    HOST_BLOCKS = ("host", True)  # the prefix cache's host tier (``kv.host_tier``)
 
     def __init__(self, what: str, on_cpu: bool) -> None:
         self.tails = what == "tail"
@@ -40,6 +42,8 @@ class CopyKind(Enum):
     SWAP_OUT_TAIL = (Place.DEVICE_TAILS, Place.CPU_TAILS)  # a swapped sequence's tail row to a CPU tail slot
     SWAP_IN_TAIL = (Place.CPU_TAILS, Place.DEVICE_TAILS)  # and back into its new row
     ROLLBACK_TO_TAIL = (Place.DEVICE_BLOCKS, Place.DEVICE_TAILS)  # a refilled block, dequantized into the row
+    OFFLOAD = (Place.DEVICE_BLOCKS, Place.HOST_BLOCKS)  # an evicted cached block to the host tier
+    LOAD = (Place.HOST_BLOCKS, Place.DEVICE_BLOCKS)  # a host-tier hit back into a new device block
 
     def __init__(self, src: Place, dst: Place) -> None:
         self.src = src
@@ -90,11 +94,15 @@ class SwapStorages(Protocol):
     def storage(self, group: int, layer_idx: int) -> KVStorage: ...
 
 
-def apply_copy(copy: BlockCopy, storages: dict[int, KVStorage], swap: SwapStorages) -> None:
-    """Runs ``copy`` in every layer of ``storages`` (its group's; the id tensors are made once)."""
+def apply_copy(copy: BlockCopy, storages: dict[int, KVStorage], swap: SwapStorages,
+               host: SwapStorages | None = None) -> None:
+    """Runs ``copy`` in every layer of ``storages`` (its group's; the id tensors are made once); the CPU side is
+    ``host`` (the host tier) for ``OFFLOAD`` / ``LOAD``, else ``swap``."""
     if not storages:
         return
     kind, device = copy.kind, next(iter(storages.values())).device
+    if Place.HOST_BLOCKS in (kind.src, kind.dst):
+        swap = host
     src = torch.tensor(copy.src, dtype=torch.long, device="cpu" if kind.src.on_cpu else device)
     dst = torch.tensor(copy.dst, dtype=torch.long, device="cpu" if kind.dst.on_cpu else device)
     for idx, storage in storages.items():

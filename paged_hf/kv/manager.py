@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..block_pool import BlockPool, KVBlock
+from ..block_pool import BlockPool
 from ..block_table import BlockTable
 from ..kernels.kv_format import KV_FORMATS
 from ..kv_stats import KVCacheStats
@@ -36,7 +36,9 @@ from .copies import BlockCopy, CopyKind, CopyLog, apply_copy
 from .growth import PagedCacheFullError, grow_group, room_error
 from .layer_groups import LayerGroup, layer_groups
 from .model_config import available_memory, block_id_bytes, check_supported, config_dtype, head_dim_of, kv_heads_of
+from .host_tier import HostTier
 from .prefix_cache import PrefixCache
+from .prefix_hit import PrefixHit
 from .rows import RowAllocator
 from .sequence import SequenceKV
 from .swap import SwapSpace
@@ -51,14 +53,15 @@ class KVManager:
         text_config: the decoder config (layer types, sliding windows, heads).
         block_size, kv_cache_dtype: as ``CacheConfig``.
         num_blocks: blocks per group; None makes a growable pool (``reserve`` grows it, like ``DynamicCache``).
-        enable_prefix_caching: hash full blocks and reuse them (full-attention models only; else it stays off).
+        enable_prefix_caching: hash full blocks and reuse them (every layer-group mix; a fixed pool only).
         swap_space_bytes: CPU memory for swapped-out blocks (0: no swap).
+        kv_offloading_bytes: host memory for cached blocks evicted from the pool (0: none; ``kv.host_tier``).
         num_kv_heads: KV heads this process stores (tensor parallelism: its share); None takes the config's.
     """
 
     def __init__(self, text_config, block_size: int = 16, kv_cache_dtype: str = "auto", num_blocks: int | None = None,
                  enable_prefix_caching: bool = False, swap_space_bytes: int = 0,
-                 num_kv_heads: int | None = None) -> None:
+                 num_kv_heads: int | None = None, kv_offloading_bytes: int = 0) -> None:
         check_supported(text_config)
         self.text_config = text_config
         self.block_size = block_size
@@ -72,9 +75,11 @@ class KVManager:
         self.growable = num_blocks is None
         for group in self.groups:  # a growable pool starts empty: ``reserve`` sizes it for the first forward
             group.pool = BlockPool(num_blocks or 0, enable_caching=enable_prefix_caching and num_blocks is not None)
-        self.prefix_cache = PrefixCache(self.groups[0].pool, block_size, self.kv_format,
-                                        enabled=enable_prefix_caching and all(g.window is None for g in self.groups))
         self.copies = CopyLog()
+        caching = enable_prefix_caching and num_blocks is not None
+        host = HostTier.sized(kv_offloading_bytes if caching else 0, self.block_id_bytes(), self.groups,
+                              self.kv_format, self.head_dim, self.copies)
+        self.prefix_cache = PrefixCache(self.groups, block_size, self.kv_format, caching, host)
         num_cpu_blocks = int(swap_space_bytes // self.block_id_bytes()) if swap_space_bytes else 0
         self.swap = SwapSpace(num_cpu_blocks, len(self.groups), self.kv_format, self.head_dim)
         self.rows = RowAllocator(self.groups, self.has_tail)
@@ -82,7 +87,7 @@ class KVManager:
 
     @property
     def prefix_caching(self) -> bool:
-        """Whether full blocks are hashed and reused (asked, not just enabled: off for sliding-window models)."""
+        """Whether full blocks are hashed and reused (asked, not just enabled: off for a growable pool)."""
         return self.prefix_cache.enabled
 
     # ------------------------------------------------------------------------------------------ sizing
@@ -278,27 +283,23 @@ class KVManager:
     def apply_copies(self, copies: list[BlockCopy]) -> None:
         """Runs ``copies`` in order, in every layer of their group."""
         for copy in copies:
-            apply_copy(copy, self.groups[copy.group].storages, self.swap)
+            apply_copy(copy, self.groups[copy.group].storages, self.swap, self.prefix_cache.host)
 
     # ------------------------------------------------------------------------------------ prefix cache
-    def find_prefix_hits(self, seq: SequenceKV, token_ids: list[int], salt=None) -> list[KVBlock]:
-        """Cached blocks covering the longest computed prefix of ``token_ids`` (never its last token)."""
-        return self.prefix_cache.find_hits(seq, token_ids, salt)
+    def find_prefix_hit(self, seq: SequenceKV, token_ids: list[int], salt=None) -> PrefixHit:
+        """The longest cached prefix of ``token_ids`` every group can serve (never its last token)."""
+        return self.prefix_cache.find_hit(seq, token_ids, salt)
 
-    def admission_blocks(self, hits: list[KVBlock], num_new_tokens: int) -> int:
-        """Free blocks admitting a sequence on ``hits`` takes (see ``PrefixCache.admission_blocks``)."""
-        return self.prefix_cache.admission_blocks(hits, num_new_tokens)
+    def admission_blocks(self, hit: PrefixHit, num_new_tokens: int) -> list[int]:
+        """Free blocks admitting a sequence on ``hit`` takes in each group (``PrefixCache.admission_blocks``)."""
+        return self.prefix_cache.admission_blocks(hit, num_new_tokens)
 
-    def admit(self, seq: SequenceKV, hits: list[KVBlock], num_prompt_tokens: int, count_query: bool) -> None:
-        """Starts ``seq`` (empty) on its prefix hits; ``count_query``: count it in the hit-rate statistics."""
+    def admit(self, seq: SequenceKV, hit: PrefixHit, token_ids: list[int], count_query: bool) -> None:
+        """Starts ``seq`` (empty) on its prefix hit; ``count_query``: count it in the hit-rate statistics."""
         if seq.row < 0:
             seq.row = self.rows.take()
-        if hits:
-            seq.tables[0].append_cached_blocks(hits)
-            self.rows.write(seq)
-        seq.num_cached_blocks = len(hits)
-        if count_query:
-            self.prefix_cache.count_query(num_prompt_tokens, len(hits))
+        self.prefix_cache.admit(seq, hit, token_ids, count_query)
+        self.rows.write(seq)
 
     def cache_full_blocks(self, seq: SequenceKV, token_ids: list[int], num_tokens: int, salt=None) -> None:
         """Registers ``seq``'s full blocks among its first ``num_tokens`` (see ``PrefixCache.cache_full_blocks``)."""
@@ -340,6 +341,7 @@ class KVManager:
         pool invariants; each block's ref count equals the tables holding it; every held row mirrors its tables."""
         check_manager(self.groups, self.live_sequences())
         self.swap.check_invariants()
+        self.prefix_cache.check_invariants()
 
     def stats(self) -> KVCacheStats:
         pools = [g.pool for g in self.groups]
@@ -351,4 +353,5 @@ class KVManager:
             kv_cache_dtype=self.kv_cache_dtype,
             kv_cache_bytes=sum(s.nbytes + s.tail_nbytes for g in self.groups for s in g.storages.values()),
             prefix_cache_hit_rate=self.prefix_cache.hit_rate,
+            **self.prefix_cache.counters(),
         )

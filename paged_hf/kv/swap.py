@@ -110,6 +110,11 @@ class SwapSpace:
         """Layer ``layer_idx``'s CPU storage of ``group`` (a swap-in reads what a swap-out wrote)."""
         return self._storages[group][layer_idx]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the CPU storages made so far (pool tensors and tail rows)."""
+        return sum(s.nbytes + s.tail_nbytes for group in self._storages or [] for s in group.values())
+
     def check_invariants(self) -> None:
         for pool in self._pools or []:
             pool.check_invariants()

@@ -1,5 +1,5 @@
-"""Prometheus series of the server: KV blocks, prefix hit rate, preemptions, queue, rejections, TTFT and
-inter-token latency."""
+"""Prometheus series of the server: KV blocks, prefix hit rate and hits per tier (device pool, host tier), the host
+tier's blocks, preemptions, queue, rejections, TTFT and inter-token latency."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ class ServerMetrics:
         self.blocks_used = Gauge("paged_hf_kv_cache_blocks_used", "KV blocks in use", registry=r)
         self.blocks_total = Gauge("paged_hf_kv_cache_blocks_total", "KV blocks in the pool", registry=r)
         self.prefix_hit_rate = Gauge("paged_hf_prefix_cache_hit_rate", "prefix-cache hits / queries (tokens)", registry=r)
+        self.prefix_queries = Gauge("paged_hf_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                    registry=r)
+        self.prefix_hits = Gauge("paged_hf_prefix_cache_hits", "prompt tokens found cached, by tier", ["tier"],
+                                 registry=r)
+        self.host_blocks = Gauge("paged_hf_host_cache_blocks_used", "KV blocks held by the host tier", registry=r)
         self.preemptions = Gauge("paged_hf_preemptions", "sequences preempted since start", registry=r)
         self.running = Gauge("paged_hf_requests_running", "sequences running", registry=r)
         self.waiting = Gauge("paged_hf_requests_waiting", "sequences waiting", registry=r)
@@ -46,6 +51,10 @@ class ServerMetrics:
         self.blocks_used.set(stats.kv_cache_used)
         self.blocks_total.set(stats.kv_cache_total)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        self.prefix_queries.set(stats.prefix_cache_queries)
+        self.prefix_hits.labels(tier="device").set(stats.prefix_cache_hits - stats.prefix_cache_host_hits)
+        self.prefix_hits.labels(tier="host").set(stats.prefix_cache_host_hits)
+        self.host_blocks.set(stats.host_cache_blocks_used)
         self.preemptions.set(stats.preemption_count)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
