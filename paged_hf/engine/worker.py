@@ -86,9 +86,9 @@ def _warm_up_kernels(kv: KVManager, text_config, dtype: torch.dtype) -> None:
     started = time.perf_counter()
     softcap = getattr(text_config, "attn_logit_softcapping", None)
     for (window, _), storage in kinds.items():
-        warmup_kernels(storage.attention_operands(), num_heads=text_config.num_attention_heads, dtype=dtype,
+        warmup_kernels(storage.pool_tensors(), num_heads=text_config.num_attention_heads, dtype=dtype,
                        sliding_window=window, softcap=softcap, store_dtype=storage.store_dtype,
-                       pool_tensors=list(storage.tensors().values()))
+                       copy_tensors=list(storage.tensors().values()))
     logger.info("compiled the kernels of %d layer kinds in %.1f s", len(kinds), time.perf_counter() - started)
 
 
