@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from .cache_layer import PagedLayer
 from .config import CacheConfig
 from .kernels import dispatch
+from .kv import sizing
 from .kv.growth import PagedCacheFullError
 from .kv.manager import KVManager
 from .kv.model_config import block_id_bytes, check_supported, local_kv_heads
@@ -98,7 +99,7 @@ class PagedCache(DynamicCache):
                                        or max_length < 1):
             raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
         self.kv = KVManager(self.text_config, block_size, kv_cache_dtype, num_blocks, num_kv_heads=num_kv_heads)
-        self.kv.check_fits_on(_devices())  # a pool no device here can hold fails now, not at the first forward
+        sizing.check_fits_on(self.kv, _devices())  # a pool no device here can hold fails now, not at the first forward
         Cache.__init__(self, layers=[PagedLayer(self, idx, self.kv.group_of[idx]) for idx in sorted(self.kv.group_of)])
         self._min_table_width = table_width(-(-max_length // block_size)) if max_length else 1
         self._last_layer = max(self.kv.group_of)
@@ -326,9 +327,9 @@ class PagedCache(DynamicCache):
                         filled[block.block_id] = max(filled.get(block.block_id, 0), count)
             live += sum(filled.values()) * token_bytes
         if not per_token:  # no forward yet: the config's dtype
-            per_token = self.kv.block_id_bytes() // self.kv.block_size
+            per_token = sizing.block_id_bytes(self.kv) // self.kv.block_size
         tails = sum(1 for seq in self.rows if seq.num_tokens % self.kv.block_size)
         if tails and self.kv.has_tail:  # rows whose newest tokens sit in their tail rows
             dtype = next((s.dtype for g in self.kv.groups for s in g.storages.values()), None)
-            live += tails * self.kv.tail_bytes_per_row(dtype)
+            live += tails * sizing.tail_bytes_per_row(self.kv, dtype)
         return PagedCacheStats(**asdict(pool), kv_cache_bytes_live=live, bytes_per_token=per_token)

@@ -9,6 +9,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .kv.layer_groups import LayerGroup
+from .kv.sizing import allocate_layer
 
 
 class PagedLayer(CacheLayerMixin):
@@ -47,7 +48,7 @@ class PagedLayer(CacheLayerMixin):
         return None if storage is None else storage.dtype
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.cache.kv.allocate_layer(self.layer_idx, key_states.shape[1], key_states.dtype, key_states.device)
+        allocate_layer(self.cache.kv, self.layer_idx, key_states.shape[1], key_states.dtype, key_states.device)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, kwargs: dict | None = None, **unused):

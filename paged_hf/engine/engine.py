@@ -22,6 +22,7 @@ from ..config import GIB, EngineConfig, SamplingParams
 from ..distributed import tensor_parallel_group
 from ..distributed.group import DEFAULT_TIMEOUT_S, TensorParallelError
 from ..distributed.launch import check_launch_options
+from ..kv.sizing import blocks_to_hold
 from ..kv_stats import EngineStats
 from ..model_source import load_tokenizer
 from . import parallel
@@ -112,7 +113,7 @@ class PagedEngine:
         check_params(params, len(ids), self.vocab_size, self.max_model_len, self.config)
         # the longest the sequence can get; its last token is sampled, never stored
         stored = len(ids) + params.max_tokens - 1
-        need = self.kv.blocks_to_hold(stored)
+        need = blocks_to_hold(self.kv, stored)
         if need > self.kv.num_total_blocks:
             raise ValueError(
                 f"the request needs up to {need} blocks ({len(ids)} prompt tokens + max_tokens={params.max_tokens}) "

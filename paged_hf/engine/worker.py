@@ -19,6 +19,7 @@ from ..distributed import tensor_parallel_group
 from ..distributed.group import init_group
 from ..kv.manager import KVManager
 from ..kv.model_config import available_memory, block_id_bytes, local_kv_heads
+from ..kv.sizing import allocate_all
 from .runner import ModelRunner
 
 logger = logging.getLogger("paged_hf")
@@ -50,7 +51,7 @@ def build_kv(model, config: EngineConfig, group=None) -> KVManager:
     kv = KVManager(text_config, config.block_size, config.kv_cache_dtype, num_blocks,
                    enable_prefix_caching=config.enable_prefix_caching, swap_space_bytes=int(config.swap_space * GIB),
                    num_kv_heads=local_kv_heads(text_config, tp_size))
-    kv.allocate_all(model.dtype, model.device)
+    allocate_all(kv, model.dtype, model.device)
     _warm_up_kernels(kv, text_config, model.dtype)
     return kv
 
