@@ -33,9 +33,7 @@ from .kv.manager import KVManager
 from .kv.model_config import block_id_bytes, check_supported, local_kv_heads
 from .kv.sequence import SequenceKV
 from .kv_stats import PagedCacheStats
-from .metadata import (
-    METADATA_KEY, AttentionMetadata, LayerStep, PadQueries, build_metadata, table_width, write_layer_kv,
-)
+from .metadata import METADATA_KEY, AttentionMetadata, PadQueries, build_metadata, table_width
 from .timeline import PaddedTimeline
 
 __all__ = ["PagedCache", "PagedCacheFullError", "PagedLayer", "METADATA_KEY"]
@@ -185,12 +183,15 @@ class PagedCache(DynamicCache):
             )
         self._written = set()
         self._dense_slots = []
-        if not self._reads_blocks:  # every group's dense layout, once per forward
+        if not self.reads_blocks:  # every group's dense layout, once per forward
             self._dense_slots = [self._slots(group, *self.timeline.mask_window(group.window, seen, query_len))
                                  for group in self.kv.groups]
 
+    # ------------------------------------------------------------------ the layers' source (LayerSource)
+    num_decodes = None  # no custom-op forward: that is the engine's
+
     @property
-    def _reads_blocks(self) -> bool:
+    def reads_blocks(self) -> bool:
         """Whether this forward's attention is the paged one (reads the blocks) rather than a dense one."""
         attention = self._attention if self._attention is not None else self.text_config._attn_implementation
         return attention == "paged"
@@ -199,7 +200,11 @@ class PagedCache(DynamicCache):
         device = self._metadata.device if self._metadata is not None else "cpu"
         return self.timeline.slots(group, self.rows, first, count, self.kv.has_tail, device)
 
-    def _update_layer(self, layer: PagedLayer, key_states, value_states, kwargs: dict | None):
+    def initialize_layer(self, layer: PagedLayer, key_states: torch.Tensor) -> None:
+        sizing.allocate_layer(self.kv, layer.layer_idx, key_states.shape[1], key_states.dtype, key_states.device)
+
+    def layer_metadata(self, layer: PagedLayer, key_states: torch.Tensor, kwargs: dict | None) -> AttentionMetadata:
+        """The planned forward's metadata; a layer that finds no plan (or a new forward) plans it first."""
         if self._state is _Forward.PLANNED:
             self._state = _Forward.RUNNING
         elif self._state is _Forward.IDLE or layer.layer_idx in self._written:  # no plan, or a new forward
@@ -211,22 +216,19 @@ class PagedCache(DynamicCache):
         if not torch.compiler.is_compiling():
             self._written.add(layer.layer_idx)
         if not layer.is_initialized:  # after planning: a pool too small fails before any tensor is allocated
-            layer.lazy_initialization(key_states, value_states)
-        metadata = self._metadata
-        group = metadata.groups[layer.group.index]
-        storage = layer.group.storages[layer.layer_idx]
-        fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
+            self.initialize_layer(layer, key_states)
         if layer.layer_idx == self._last_layer:
             self._state = _Forward.IDLE
-        if kwargs is not None and self._reads_blocks:
-            kwargs[METADATA_KEY] = LayerStep(metadata, group, layer.group.index, storage, fresh)
-            return key_states, value_states
+        return self._metadata
+
+    def dense_kv(self, layer: PagedLayer, storage, group, fresh) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dense attention's K/V ``[B, kv_heads, L, head_dim]`` in the padded layout its mask expects."""
         if fresh is not None:  # a dense read sees what is stored: full blocks quantized, the rest from the tails
             storage.write_tails(fresh, group.store_plan)
         keys, values = storage.read_slots(*self._dense_slots[layer.group.index])  # [B, L, H, D]
         return keys.transpose(1, 2), values.transpose(1, 2)
 
-    def _dense_view(self, layer: PagedLayer, which: int) -> torch.Tensor | None:
+    def dense_view(self, layer: PagedLayer, which: int) -> torch.Tensor | None:
         """``layer``'s keys (``which=0``) or values as ``DynamicCache`` holds them (see ``PagedLayer``)."""
         storage = layer.group.storages.get(layer.layer_idx)
         if storage is None or not self.rows:
