@@ -1,8 +1,8 @@
 """``PagedCache``: the transformers ``Cache`` over a ``KVManager`` that ``generate`` and any attention drive.
 
 Each batch row is one sequence (a ``SequenceKV``) holding only its real tokens: pads take no slot, whatever the
-padding side. A forward is planned once, for every layer: which of its ``[B, q]`` columns are real tokens, their
-blocks (allocated, copy-on-write), and the ``AttentionMetadata``. Real tokens come from the 2D attention mask,
+padding side. A forward is planned once, for every layer (``timeline_plan``): which of its ``[B, q]`` columns are
+real tokens, their blocks (allocated, copy-on-write), and the ``AttentionMetadata``. Real tokens come from the 2D attention mask,
 which the cache receives when transformers builds the forward's masks (``observe_forward``, called by the
 ``patches`` hook before any layer runs: in ``generate`` that happens before the forward, outside a compiled
 region); without a mask, the last position of each row says how many of its columns are real (left padding), and
@@ -33,8 +33,9 @@ from .kv.manager import KVManager
 from .kv.model_config import block_id_bytes, check_supported, local_kv_heads
 from .kv.sequence import SequenceKV
 from .kv_stats import PagedCacheStats
-from .metadata import METADATA_KEY, AttentionMetadata, PadQueries, build_metadata, table_width
+from .metadata import METADATA_KEY, AttentionMetadata, table_width
 from .timeline import PaddedTimeline
+from .timeline_plan import plan_forward
 
 __all__ = ["PagedCache", "PagedCacheFullError", "PagedLayer", "METADATA_KEY"]
 
@@ -139,11 +140,12 @@ class PagedCache(DynamicCache):
             return
         if attention is not None:
             self._attention = attention
-        self._plan(batch, query_len,
-                   self.timeline.new_columns(batch, query_len, attention_mask, position_ids, self.num_tokens), device)
+        self._plan(batch, self.timeline.new_columns(batch, query_len, attention_mask, position_ids, self.num_tokens),
+                   device)
         self._state = _Forward.PLANNED
 
-    def _plan(self, batch: int, query_len: int, new: torch.Tensor, device) -> None:
+    def _plan(self, batch: int, new: torch.Tensor, device) -> None:
+        """Plans a forward of ``batch`` rows whose real columns are ``new`` ``[B, q]`` (``timeline_plan``)."""
         if not self.rows:
             self.rows = [self.kv.new_sequence() for _ in range(batch)]
             self.timeline.reset(batch)
@@ -152,40 +154,9 @@ class PagedCache(DynamicCache):
                 f"PagedCache holds {len(self.rows)} sequences but the forward has batch size {batch}; "
                 f"call cache.reset() to start a new batch"
             )
-        counts = new.sum(1).tolist()
-        starts = self.num_tokens
-        for seq in self.rows:
-            self.kv.slide_windows(seq)
-        self.kv.reserve(self.rows, counts)  # grows or raises before anything is allocated
-        for seq, count in zip(self.rows, counts):
-            self.kv.append(seq, count)
-        self.kv.apply_copies(self.kv.take_copies())
-        token_index = None if bool(new.all()) else new.flatten().nonzero().squeeze(1).to(device)
-        self._metadata = build_metadata(
-            self.kv, self.rows, starts, counts, num_decodes=batch if all(c == 1 for c in counts) else 0,
-            device=device, token_index=token_index, batch_size=batch, query_len=query_len,
-            min_width=self._min_table_width,
-        )
-        seen = self.seq_length
-        positions = self.timeline.append(new, starts)  # a pad: its row's last real one
-        pads = ~new & (positions >= 0)
-        index = pads.flatten().nonzero().squeeze(1) if bool(pads.any()) else None
-        windows = [g.window for g in self.kv.groups]
-        starts_of = self.timeline.window_starts(windows, seen, query_len)  # per group: [B, q] first seen, or None
-        for g, group in enumerate(self._metadata.groups):
-            if starts_of[g] is not None:
-                flat = starts_of[g].flatten()
-                group.window_starts = (flat if token_index is None else flat[token_index.cpu()]).to(device)
-        if index is not None:
-            self._metadata.pad_queries = PadQueries(
-                index.to(device), (index // query_len).to(device), positions.flatten()[index].to(device),
-                [None if s is None else s.flatten()[index].to(device) for s in starts_of],
-            )
+        self._metadata, self._dense_slots = plan_forward(self.kv, self.rows, self.timeline, new, device,
+                                                         self._min_table_width, dense=not self.reads_blocks)
         self._written = set()
-        self._dense_slots = []
-        if not self.reads_blocks:  # every group's dense layout, once per forward
-            self._dense_slots = [self._slots(group, *self.timeline.mask_window(group.window, seen, query_len))
-                                 for group in self.kv.groups]
 
     # ------------------------------------------------------------------ the layers' source (LayerSource)
     num_decodes = None  # no custom-op forward: that is the engine's
@@ -211,7 +182,7 @@ class PagedCache(DynamicCache):
             batch, _, query_len, _ = key_states.shape
             position_ids = kwargs.get("position_ids") if kwargs else None
             new = self.timeline.new_columns(batch, query_len, None, position_ids, self.num_tokens)
-            self._plan(batch, query_len, new, key_states.device)
+            self._plan(batch, new, key_states.device)
             self._state = _Forward.RUNNING
         if not torch.compiler.is_compiling():
             self._written.add(layer.layer_idx)
