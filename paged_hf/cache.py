@@ -2,12 +2,13 @@
 
 Each batch row is one sequence (a ``SequenceKV``) holding only its real tokens: pads take no slot, whatever the
 padding side. A forward is planned once, for every layer (``timeline_plan``): which of its ``[B, q]`` columns are
-real tokens, their blocks (allocated, copy-on-write), and the ``AttentionMetadata``. Real tokens come from the 2D attention mask,
-which the cache receives when transformers builds the forward's masks (``observe_forward``, called by the
-``patches`` hook before any layer runs: in ``generate`` that happens before the forward, outside a compiled
+real tokens, their blocks (allocated, copy-on-write), and the ``AttentionMetadata``. Real tokens come from the 2D
+attention mask, which the cache receives when transformers builds the forward's masks (``observe_forward``, called
+by the ``patches`` hook before any layer runs: in ``generate`` that happens before the forward, outside a compiled
 region); without a mask, the last position of each row says how many of its columns are real (left padding), and
-without positions every column is real. Each layer's ``update`` then only writes its K/V and hands the metadata to
-the attention through its ``kwargs`` (or, for a dense attention, gathers the K/V into HF's padded layout).
+without positions every column is real. Each layer's ``update`` (``PagedLayer``, whose ``LayerSource`` this cache
+is) then only writes its K/V and hands the metadata to the attention through its ``kwargs`` (or, for a dense
+attention, gathers the K/V into HF's padded layout).
 
 ``columns`` (``[B, seq_length]``) maps HF's padded timeline to real positions (-1 for a pad), so the dense views
 (``layers[i].keys``), the dense attention path and ``crop`` all see the layout ``DynamicCache`` would hold.
