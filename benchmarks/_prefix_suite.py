@@ -24,6 +24,7 @@ import torch
 import transformers
 
 from paged_hf import PagedEngine, SamplingParams
+from paged_hf.kv.sizing import block_id_bytes
 
 from _common import markdown_table
 
@@ -111,7 +112,7 @@ def run_suite(args) -> int:
     model = suite_model("full (Llama shape)", args)
     blocks = args.tenants * -(-(args.tenant_tokens + 40) // 16)  # every tenant's request, cached
     probe = PagedEngine(model, None, num_blocks=16, swap_space=0, enforce_eager=True)
-    host_gib = 2 * blocks * probe.kv.block_id_bytes() / 2**30
+    host_gib = 2 * blocks * block_id_bytes(probe.kv) / 2**30
     print(f"\n## tiers: {args.tenants} tenants x {args.tenant_tokens}-token system prompts, {args.rounds} rounds "
           f"round robin, one request at a time; working set {blocks} blocks; quarter pool {blocks // 4} blocks\n")
     runs = {"unbounded pool": tiers(model, args, None, 0.0),

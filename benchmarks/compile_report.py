@@ -150,7 +150,7 @@ def summary(rows: list[dict]) -> list[str]:
 def collect(args) -> dict:
     """Distinct variants of the grid: triton cache key -> (launch, label, query dtype)."""
     from paged_hf.kernels import aot  # noqa: PLC0415
-    from paged_hf.kernels.warmup import example_operands, layer_launches  # noqa: PLC0415
+    from paged_hf.kernels.warmup import example_pools, layer_launches  # noqa: PLC0415
 
     layers = [(None, None, False)]
     if args.features:
@@ -164,7 +164,7 @@ def collect(args) -> dict:
                 # what the storage hands its store: the compute dtype ("auto"; int4's tails), else rotated float32
                 store_dtype = dtype if kv_format in ("auto", "int4") else torch.float32
                 for window, softcap, sinks in layers:
-                    operands = example_operands(kv_format, 40, BLOCK_SIZE, NUM_KV_HEADS, head_dim, dtype)
+                    operands = example_pools(kv_format, 40, BLOCK_SIZE, NUM_KV_HEADS, head_dim, dtype)
                     heads = NUM_KV_HEADS * GROUP
                     launches = layer_launches(
                         operands, heads, query_dtype, sliding_window=window, softcap=softcap,

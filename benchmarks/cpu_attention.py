@@ -39,7 +39,7 @@ from paged_hf.kernels.cpu_attention import paged_decode_attention_cpu, paged_pre
 from paged_hf.kernels.kv_format import kv_format as get_format  # noqa: E402
 from paged_hf.kernels.paged_decode_attention import paged_decode_attention_ref  # noqa: E402
 from paged_hf.kernels.paged_prefill_attention import paged_prefill_attention_ref  # noqa: E402
-from pools import random_pools  # noqa: E402
+from pools import kernel_args, random_pools  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 DECODE = [(1, 1024), (8, 128), (8, 1024), (32, 128), (32, 512), (32, 1024), (128, 256), (128, 1024)]
@@ -88,7 +88,7 @@ def operands(kv_format, dtype, seq_lens, seed=0) -> dict:
         used += n
     if get_format(kv_format).tail:
         ops["tail_rows"] = torch.arange(len(seq_lens))
-    return dict(ops, block_tables=tables, seq_lens=torch.tensor(seq_lens), scale=HEAD_DIM ** -0.5)
+    return dict(kernel_args(ops), block_tables=tables, seq_lens=torch.tensor(seq_lens), scale=HEAD_DIM ** -0.5)
 
 
 def decode_case(kv_format, dtype, batch, context):

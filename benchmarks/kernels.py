@@ -151,12 +151,12 @@ def main() -> int:
         value = torch.randn_like(key)
         slots = torch.randperm(tokens + 8 * BLOCK_SIZE, device=device)[:tokens]
         sec = bench.time(lambda: store_whole(key, value, slots, pools))  # int4: whole blocks fill
-        written = sum(t.nbytes for t in pool_tensors(pools)) * tokens / (tokens + 8 * BLOCK_SIZE)
+        written = sum(t.nbytes for t in pools.block_tensors()) * tokens / (tokens + 8 * BLOCK_SIZE)
         moved = key.nbytes * 2 + written
         ids = torch.randperm(tokens // BLOCK_SIZE, device=device)
         pairs = min(64, ids.numel() // 2)
         src, dst = ids[:pairs], ids[pairs : 2 * pairs]
-        tensors = pool_tensors(pools)
+        tensors = pools.block_tensors()
         copy_sec = bench.time(lambda: copy_blocks(src, dst, tensors))
         copied = 2 * sum(t[0].nbytes for t in tensors) * pairs
         rows.append([kv_format, tokens, f"{sec * 1e6:.1f}", f"{moved / sec / 1e9:.0f}", f"{copy_sec * 1e6:.1f}",
@@ -236,35 +236,35 @@ def block_fill_plan(first_block: int, num_blocks: int, device):
                      torch.zeros_like(fills), fills * BLOCK_SIZE, torch.zeros_like(fills))
 
 
-def store_whole(key, value, slots, pools: dict, first_block: int = 0) -> None:
+def store_whole(key, value, slots, pools, first_block: int = 0) -> None:
     """Stores ``key``/``value`` at ``slots``; a tail format (int4) quantizes whole blocks instead: the tokens fill
     blocks ``first_block ..`` in order (``slots`` unused)."""
     from paged_hf.kernels.store_kv import store_kv  # noqa: PLC0415
 
     plan = {}
-    if pools.get("key_tail") is not None:
+    if pools.key_tail is not None:
         plan = {"plan": block_fill_plan(first_block, key.shape[0] // BLOCK_SIZE, key.device)}
-    store_kv(key, value, slots, **pools, **plan)
+    store_kv(key, value, slots, pools, **plan)
 
 
-def tail_operands(pools: dict, num_seqs: int, num_tokens: int, device) -> dict:
+def tail_operands(pools, num_seqs: int, num_tokens: int, device) -> dict:
     """A tail format's attention operands beside the pools: every sequence on tail row 0, and random new K/V of the
     forward's ``num_tokens`` queries (what the store hands the attention); nothing for other formats."""
-    if pools.get("key_tail") is None:
+    if pools.key_tail is None:
         return {}
-    fresh = torch.randn(2, num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=pools["key_tail"].dtype, device=device)
+    fresh = torch.randn(2, num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=pools.key_tail.dtype, device=device)
     return dict(tail_rows=torch.zeros(num_seqs, dtype=torch.long, device=device), fresh_key=fresh[0],
                 fresh_value=fresh[1])
 
 
-def make_pools(kv_format: str, num_blocks: int, device) -> dict:
+def make_pools(kv_format: str, num_blocks: int, device):
     """Pools of random K/V in ``kv_format`` (quantized on the GPU by the store kernel; int4: whole blocks, one tail
     row)."""
     from paged_hf.quant import make_storage  # noqa: PLC0415
 
     storage = make_storage(kv_format, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DTYPE, device)
     storage.ensure_tail_rows(1)
-    operands = storage.attention_operands()
+    operands = storage.pool_tensors()
     tokens = num_blocks * BLOCK_SIZE
     step = 1 << 16
     for first in range(0, tokens, step):
@@ -275,15 +275,10 @@ def make_pools(kv_format: str, num_blocks: int, device) -> dict:
     return operands
 
 
-def pool_tensors(pools: dict) -> list[torch.Tensor]:
-    return [pools[name] for name in ("key_cache", "value_cache", "key_scale", "value_scale", "key_zero",
-                                     "value_zero") if pools.get(name) is not None]
-
-
-def bytes_per_token(pools: dict) -> float:
+def bytes_per_token(pools) -> float:
     """Pool bytes of one token (K and V, codes and side data, a block's shared side data spread over its tokens)."""
-    cache = pools["key_cache"]
-    return sum(t.nbytes for t in pool_tensors(pools)) / (cache.shape[0] * cache.shape[1])
+    cache = pools.key_cache
+    return sum(t.nbytes for t in pools.block_tensors()) / (cache.shape[0] * cache.shape[1])
 
 
 class DecodeCase:
@@ -297,7 +292,7 @@ class DecodeCase:
         self.batch, self.context, self.device = batch, context, device
         self.query = torch.randn(batch, NUM_KV_HEADS * GROUP, HEAD_DIM, dtype=DTYPE, device=device)
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-        self.kwargs = dict(block_tables=tables, seq_lens=seq_lens, scale=HEAD_DIM ** -0.5, **self.pools,
+        self.kwargs = dict(block_tables=tables, seq_lens=seq_lens, scale=HEAD_DIM ** -0.5, pools=self.pools,
                            **tail_operands(self.pools, batch, batch, device))
         self.kv_bytes = batch * context * bytes_per_token(self.pools)
 
@@ -325,7 +320,7 @@ class PrefillCase:
         self.query = torch.randn(chunk, NUM_KV_HEADS * GROUP, HEAD_DIM, dtype=DTYPE, device=device)
         self.kwargs = dict(block_tables=tables, seq_lens=torch.tensor([total], device=device),
                            cu_query_lens=torch.tensor([0, chunk], device=device), scale=HEAD_DIM ** -0.5,
-                           **self.pools, **tail_operands(self.pools, 1, chunk, device))
+                           pools=self.pools, **tail_operands(self.pools, 1, chunk, device))
         visible = chunk * past + chunk * (chunk + 1) / 2
         self.flops = 4 * visible * NUM_KV_HEADS * GROUP * HEAD_DIM
         self.past, self.chunk, self.device = past, chunk, device
@@ -408,11 +403,11 @@ def spot_check(device, quick: bool = False) -> list[str]:
                 one.ensure_tail_rows(4)
             storage.key_tail.normal_(generator=gen)  # the rows the attention reads (both sides read these pools)
             storage.value_tail.normal_(generator=gen)
-        store_kv(key.to(dtype), value.to(dtype), slots, **storage.attention_operands(), **plan)
-        store_kv_ref(key.to(dtype), value.to(dtype), slots, **ref_storage.attention_operands(), **plan)
+        store_kv(key.to(dtype), value.to(dtype), slots, storage.pool_tensors(), **plan)
+        store_kv_ref(key.to(dtype), value.to(dtype), slots, ref_storage.pool_tensors(), **plan)
         same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                    for a, b in zip(storage.tensors().values(), ref_storage.tensors().values()))
-        pools = storage.attention_operands()
+        pools = dict(pools=storage.pool_tensors())
         if storage.has_tail:
             pools["tail_rows"] = torch.arange(4, device=device)
         lengths = torch.tensor([1, 17, 700, 1500], device=device)

@@ -94,31 +94,26 @@ def attend_packed(flat_query, storage, tables, seq_lens, query_start_loc, num_de
     query = flat_query
     if storage.key_rotation is not None:
         query = rotate(flat_query, storage.key_rotation).to(flat_query.dtype)
-    kernels = storage.kernels
-    options = dict(scale=scale, sliding_window=window, softcap=softcap, sinks=sinks,
-                   **storage.attention_operands())
-    if tail_rows is not None:
-        options.update(fresh_key=fresh.key, fresh_value=fresh.value)
+    kernels, pools = storage.kernels, storage.pool_tensors()
+    options = dict(scale=scale, sliding_window=window, softcap=softcap, sinks=sinks)
+    fresh_kv = (None, None) if tail_rows is None else (fresh.key, fresh.value)
     if num_decodes == seq_lens.shape[0]:
-        out = kernels.decode_attention(query, block_tables=tables, seq_lens=seq_lens, tail_rows=tail_rows, **options)
+        out = kernels.decode_attention(query, pools, tables, seq_lens, tail_rows=tail_rows, fresh_key=fresh_kv[0],
+                                       fresh_value=fresh_kv[1], **options)
     elif num_decodes == 0:
-        out = kernels.prefill_attention(query, block_tables=tables, seq_lens=seq_lens, tail_rows=tail_rows,
-                                        cu_query_lens=query_start_loc, **options)
+        out = kernels.prefill_attention(query, pools, tables, seq_lens, query_start_loc, tail_rows=tail_rows,
+                                        fresh_key=fresh_kv[0], fresh_value=fresh_kv[1], **options)
     else:  # mixed engine step: decodes first, then prefill chunks
         d = num_decodes
         out = torch.empty_like(query)
         rows = (None, None) if tail_rows is None else (tail_rows[:d], tail_rows[d:])
-        parts = ({}, {}) if tail_rows is None else ({name: options[name][:d] for name in _FRESH},
-                                                     {name: options[name][d:] for name in _FRESH})
-        out[:d] = kernels.decode_attention(query[:d], block_tables=tables[:d], seq_lens=seq_lens[:d],
-                                           tail_rows=rows[0], **{**options, **parts[0]})
-        out[d:] = kernels.prefill_attention(query[d:], block_tables=tables[d:], seq_lens=seq_lens[d:],
-                                            tail_rows=rows[1], cu_query_lens=prefill_query_start_loc,
-                                            **{**options, **parts[1]})
+        head = [None if t is None else t[:d] for t in fresh_kv]
+        rest = [None if t is None else t[d:] for t in fresh_kv]
+        out[:d] = kernels.decode_attention(query[:d], pools, tables[:d], seq_lens[:d], tail_rows=rows[0],
+                                           fresh_key=head[0], fresh_value=head[1], **options)
+        out[d:] = kernels.prefill_attention(query[d:], pools, tables[d:], seq_lens[d:], prefill_query_start_loc,
+                                            tail_rows=rows[1], fresh_key=rest[0], fresh_value=rest[1], **options)
     return out if storage.value_rotation is None else unrotate(out, storage.value_rotation).to(flat_query.dtype)
-
-
-_FRESH = ("fresh_key", "fresh_value")
 
 
 def _tail_rows(metadata, storage) -> torch.Tensor | None:
@@ -132,20 +127,19 @@ def attend_at_positions(queries, rows, positions, window_starts, metadata, group
     (pad columns after real tokens, windows over a padded timeline), which the kernels' contiguous-query layout
     does not express. Rare, and small: one query per row."""
     queries = rotate(queries, storage.key_rotation)
-    operands = storage.attention_operands()
     tail_rows = _tail_rows(metadata, storage)
+    fresh_kv = {}
     if tail_rows is not None:  # each query's sequence's new tokens, [E, max new, heads, head_dim]
         starts = metadata.query_start_loc.index_select(0, rows)
         num_fresh = metadata.query_start_loc.index_select(0, rows + 1) - starts
         index = (starts[:, None] + torch.arange(metadata.max_query_len, device=starts.device)[None, :])
         index = index.clamp_max(fresh.key.shape[0] - 1)
-        operands.update(fresh_keys=fresh.key[index], fresh_values=fresh.value[index], num_fresh=num_fresh)
+        fresh_kv = dict(fresh_keys=fresh.key[index], fresh_values=fresh.value[index], num_fresh=num_fresh)
     out = paged_attention_core(
-        queries.unsqueeze(2), positions.unsqueeze(1), operands.pop("key_cache"), operands.pop("value_cache"),
-        group.block_tables.index_select(0, rows), metadata.seq_lens.index_select(0, rows), scale,
-        group.window, softcap, sinks, **operands,
+        queries.unsqueeze(2), positions.unsqueeze(1), storage.pool_tensors(), group.block_tables.index_select(0, rows),
+        metadata.seq_lens.index_select(0, rows), scale, group.window, softcap, sinks,
         window_starts=None if window_starts is None else window_starts.unsqueeze(1),
-        tail_rows=None if tail_rows is None else tail_rows.index_select(0, rows),
+        tail_rows=None if tail_rows is None else tail_rows.index_select(0, rows), **fresh_kv,
     ).squeeze(2)
     return unrotate(out, storage.value_rotation)
 

@@ -1,13 +1,14 @@
 """``PagedCache``: the transformers ``Cache`` over a ``KVManager`` that ``generate`` and any attention drive.
 
 Each batch row is one sequence (a ``SequenceKV``) holding only its real tokens: pads take no slot, whatever the
-padding side. A forward is planned once, for every layer: which of its ``[B, q]`` columns are real tokens, their
-blocks (allocated, copy-on-write), and the ``AttentionMetadata``. Real tokens come from the 2D attention mask,
-which the cache receives when transformers builds the forward's masks (``observe_forward``, called by the
-``patches`` hook before any layer runs: in ``generate`` that happens before the forward, outside a compiled
+padding side. A forward is planned once, for every layer (``timeline_plan``): which of its ``[B, q]`` columns are
+real tokens, their blocks (allocated, copy-on-write), and the ``AttentionMetadata``. Real tokens come from the 2D
+attention mask, which the cache receives when transformers builds the forward's masks (``observe_forward``, called
+by the ``patches`` hook before any layer runs: in ``generate`` that happens before the forward, outside a compiled
 region); without a mask, the last position of each row says how many of its columns are real (left padding), and
-without positions every column is real. Each layer's ``update`` then only writes its K/V and hands the metadata to
-the attention through its ``kwargs`` (or, for a dense attention, gathers the K/V into HF's padded layout).
+without positions every column is real. Each layer's ``update`` (``PagedLayer``, whose ``LayerSource`` this cache
+is) then only writes its K/V and hands the metadata to the attention through its ``kwargs`` (or, for a dense
+attention, gathers the K/V into HF's padded layout).
 
 ``columns`` (``[B, seq_length]``) maps HF's padded timeline to real positions (-1 for a pad), so the dense views
 (``layers[i].keys``), the dense attention path and ``crop`` all see the layout ``DynamicCache`` would hold.
@@ -27,15 +28,15 @@ from transformers.cache_utils import Cache, DynamicCache
 from .cache_layer import PagedLayer
 from .config import CacheConfig
 from .kernels import dispatch
+from .kv import sizing
 from .kv.growth import PagedCacheFullError
 from .kv.manager import KVManager
 from .kv.model_config import block_id_bytes, check_supported, local_kv_heads
 from .kv.sequence import SequenceKV
 from .kv_stats import PagedCacheStats
-from .metadata import (
-    METADATA_KEY, AttentionMetadata, LayerStep, PadQueries, build_metadata, table_width, write_layer_kv,
-)
+from .metadata import METADATA_KEY, AttentionMetadata, table_width
 from .timeline import PaddedTimeline
+from .timeline_plan import plan_forward
 
 __all__ = ["PagedCache", "PagedCacheFullError", "PagedLayer", "METADATA_KEY"]
 
@@ -98,7 +99,7 @@ class PagedCache(DynamicCache):
                                        or max_length < 1):
             raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
         self.kv = KVManager(self.text_config, block_size, kv_cache_dtype, num_blocks, num_kv_heads=num_kv_heads)
-        self.kv.check_fits_on(_devices())  # a pool no device here can hold fails now, not at the first forward
+        sizing.check_fits_on(self.kv, _devices())  # a pool no device here can hold fails now, not at the first forward
         Cache.__init__(self, layers=[PagedLayer(self, idx, self.kv.group_of[idx]) for idx in sorted(self.kv.group_of)])
         self._min_table_width = table_width(-(-max_length // block_size)) if max_length else 1
         self._last_layer = max(self.kv.group_of)
@@ -140,11 +141,12 @@ class PagedCache(DynamicCache):
             return
         if attention is not None:
             self._attention = attention
-        self._plan(batch, query_len,
-                   self.timeline.new_columns(batch, query_len, attention_mask, position_ids, self.num_tokens), device)
+        self._plan(batch, self.timeline.new_columns(batch, query_len, attention_mask, position_ids, self.num_tokens),
+                   device)
         self._state = _Forward.PLANNED
 
-    def _plan(self, batch: int, query_len: int, new: torch.Tensor, device) -> None:
+    def _plan(self, batch: int, new: torch.Tensor, device) -> None:
+        """Plans a forward of ``batch`` rows whose real columns are ``new`` ``[B, q]`` (``timeline_plan``)."""
         if not self.rows:
             self.rows = [self.kv.new_sequence() for _ in range(batch)]
             self.timeline.reset(batch)
@@ -153,43 +155,15 @@ class PagedCache(DynamicCache):
                 f"PagedCache holds {len(self.rows)} sequences but the forward has batch size {batch}; "
                 f"call cache.reset() to start a new batch"
             )
-        counts = new.sum(1).tolist()
-        starts = self.num_tokens
-        for seq in self.rows:
-            self.kv.slide_windows(seq)
-        self.kv.reserve(self.rows, counts)  # grows or raises before anything is allocated
-        for seq, count in zip(self.rows, counts):
-            self.kv.append(seq, count)
-        self.kv.apply_copies(self.kv.take_copies())
-        token_index = None if bool(new.all()) else new.flatten().nonzero().squeeze(1).to(device)
-        self._metadata = build_metadata(
-            self.kv, self.rows, starts, counts, num_decodes=batch if all(c == 1 for c in counts) else 0,
-            device=device, token_index=token_index, batch_size=batch, query_len=query_len,
-            min_width=self._min_table_width,
-        )
-        seen = self.seq_length
-        positions = self.timeline.append(new, starts)  # a pad: its row's last real one
-        pads = ~new & (positions >= 0)
-        index = pads.flatten().nonzero().squeeze(1) if bool(pads.any()) else None
-        windows = [g.window for g in self.kv.groups]
-        starts_of = self.timeline.window_starts(windows, seen, query_len)  # per group: [B, q] first seen, or None
-        for g, group in enumerate(self._metadata.groups):
-            if starts_of[g] is not None:
-                flat = starts_of[g].flatten()
-                group.window_starts = (flat if token_index is None else flat[token_index.cpu()]).to(device)
-        if index is not None:
-            self._metadata.pad_queries = PadQueries(
-                index.to(device), (index // query_len).to(device), positions.flatten()[index].to(device),
-                [None if s is None else s.flatten()[index].to(device) for s in starts_of],
-            )
+        self._metadata, self._dense_slots = plan_forward(self.kv, self.rows, self.timeline, new, device,
+                                                         self._min_table_width, dense=not self.reads_blocks)
         self._written = set()
-        self._dense_slots = []
-        if not self._reads_blocks:  # every group's dense layout, once per forward
-            self._dense_slots = [self._slots(group, *self.timeline.mask_window(group.window, seen, query_len))
-                                 for group in self.kv.groups]
+
+    # ------------------------------------------------------------------ the layers' source (LayerSource)
+    num_decodes = None  # no custom-op forward: that is the engine's
 
     @property
-    def _reads_blocks(self) -> bool:
+    def reads_blocks(self) -> bool:
         """Whether this forward's attention is the paged one (reads the blocks) rather than a dense one."""
         attention = self._attention if self._attention is not None else self.text_config._attn_implementation
         return attention == "paged"
@@ -198,34 +172,35 @@ class PagedCache(DynamicCache):
         device = self._metadata.device if self._metadata is not None else "cpu"
         return self.timeline.slots(group, self.rows, first, count, self.kv.has_tail, device)
 
-    def _update_layer(self, layer: PagedLayer, key_states, value_states, kwargs: dict | None):
+    def initialize_layer(self, layer: PagedLayer, key_states: torch.Tensor) -> None:
+        sizing.allocate_layer(self.kv, layer.layer_idx, key_states.shape[1], key_states.dtype, key_states.device)
+
+    def layer_metadata(self, layer: PagedLayer, key_states: torch.Tensor, kwargs: dict | None) -> AttentionMetadata:
+        """The planned forward's metadata; a layer that finds no plan (or a new forward) plans it first."""
         if self._state is _Forward.PLANNED:
             self._state = _Forward.RUNNING
         elif self._state is _Forward.IDLE or layer.layer_idx in self._written:  # no plan, or a new forward
             batch, _, query_len, _ = key_states.shape
             position_ids = kwargs.get("position_ids") if kwargs else None
             new = self.timeline.new_columns(batch, query_len, None, position_ids, self.num_tokens)
-            self._plan(batch, query_len, new, key_states.device)
+            self._plan(batch, new, key_states.device)
             self._state = _Forward.RUNNING
         if not torch.compiler.is_compiling():
             self._written.add(layer.layer_idx)
         if not layer.is_initialized:  # after planning: a pool too small fails before any tensor is allocated
-            layer.lazy_initialization(key_states, value_states)
-        metadata = self._metadata
-        group = metadata.groups[layer.group.index]
-        storage = layer.group.storages[layer.layer_idx]
-        fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
+            self.initialize_layer(layer, key_states)
         if layer.layer_idx == self._last_layer:
             self._state = _Forward.IDLE
-        if kwargs is not None and self._reads_blocks:
-            kwargs[METADATA_KEY] = LayerStep(metadata, group, layer.group.index, storage, fresh)
-            return key_states, value_states
+        return self._metadata
+
+    def dense_kv(self, layer: PagedLayer, storage, group, fresh) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dense attention's K/V ``[B, kv_heads, L, head_dim]`` in the padded layout its mask expects."""
         if fresh is not None:  # a dense read sees what is stored: full blocks quantized, the rest from the tails
             storage.write_tails(fresh, group.store_plan)
         keys, values = storage.read_slots(*self._dense_slots[layer.group.index])  # [B, L, H, D]
         return keys.transpose(1, 2), values.transpose(1, 2)
 
-    def _dense_view(self, layer: PagedLayer, which: int) -> torch.Tensor | None:
+    def dense_view(self, layer: PagedLayer, which: int) -> torch.Tensor | None:
         """``layer``'s keys (``which=0``) or values as ``DynamicCache`` holds them (see ``PagedLayer``)."""
         storage = layer.group.storages.get(layer.layer_idx)
         if storage is None or not self.rows:
@@ -326,9 +301,9 @@ class PagedCache(DynamicCache):
                         filled[block.block_id] = max(filled.get(block.block_id, 0), count)
             live += sum(filled.values()) * token_bytes
         if not per_token:  # no forward yet: the config's dtype
-            per_token = self.kv.block_id_bytes() // self.kv.block_size
+            per_token = sizing.block_id_bytes(self.kv) // self.kv.block_size
         tails = sum(1 for seq in self.rows if seq.num_tokens % self.kv.block_size)
         if tails and self.kv.has_tail:  # rows whose newest tokens sit in their tail rows
             dtype = next((s.dtype for g in self.kv.groups for s in g.storages.values()), None)
-            live += tails * self.kv.tail_bytes_per_row(dtype)
+            live += tails * sizing.tail_bytes_per_row(self.kv, dtype)
         return PagedCacheStats(**asdict(pool), kv_cache_bytes_live=live, bytes_per_token=per_token)

@@ -1,40 +1,78 @@
-"""``PagedLayer``: one layer's view of a ``PagedCache`` (transformers' ``CacheLayerMixin``): its dense K/V views,
-its device and dtype, its mask sizes (full or sliding), and ``update``, which the cache runs. The cache owns the
-pools and tables.
+"""``PagedLayer``: one layer of a paged ``Cache`` (transformers' ``CacheLayerMixin``), the same for ``generate``'s
+``PagedCache`` and the engine's ``EngineCache``. Its ``update`` stores the layer's new K/V where the forward's
+``AttentionMetadata`` says and hands the ``"paged"`` attention a ``LayerStep`` (the engine's compiled forward: the
+store op and an ``OpStep``). Where the metadata comes from is its ``LayerSource``'s, one per caller:
+
+- ``PagedCache`` plans each forward over HF's padded timeline (the first layer to update plans it when the mask
+  builders did not) and answers an attention that does not read blocks with the K/V gathered into that layout;
+- ``EngineCache`` holds the metadata the engine's runner built for the step and needs the paged attention.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from . import ops
 from .kv.layer_groups import LayerGroup
+from .metadata import METADATA_KEY, AttentionMetadata, GroupMetadata, LayerStep, write_layer_kv
+
+
+class LayerSource(Protocol):
+    """What a ``PagedLayer`` asks the cache it belongs to."""
+
+    num_decodes: torch.Tensor | None  # the engine's compiled forward: the step's decode count ([1], CPU); else None
+
+    def initialize_layer(self, layer: PagedLayer, key_states: torch.Tensor) -> None:
+        """Allocates ``layer``'s pool tensors (the engine's exist from the start)."""
+
+    def layer_metadata(self, layer: PagedLayer, key_states: torch.Tensor, kwargs: dict | None) -> AttentionMetadata:
+        """The running forward's metadata, the layer's pool allocated; ``kwargs``: the layer's attention kwargs."""
+
+    @property
+    def reads_blocks(self) -> bool:
+        """Whether the layers' attention is the paged one (then it gets a ``LayerStep``)."""
+
+    def dense_kv(self, layer: PagedLayer, storage, group: GroupMetadata, fresh) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``update`` returns when the attention does not read blocks, or gets no kwargs (K/V stored)."""
+
+    def dense_view(self, layer: PagedLayer, which: int) -> torch.Tensor | None:
+        """The layer's keys (0) or values (1) as a ``DynamicCache`` layer holds them, or None."""
+
+    def get_seq_length(self) -> int: ...
 
 
 class PagedLayer(CacheLayerMixin):
-    """One layer's view of a ``PagedCache``; the cache owns the pools and tables.
+    """One layer of a paged cache; the ``source`` owns the pools' manager and the forward's metadata.
 
     ``keys`` / ``values`` are *copies*: the layer's K/V gathered into the ``[batch, kv_heads, seq, head_dim]`` layout
-    a ``DynamicCache`` layer holds (every column of the padded timeline, zeros for pads; a sliding layer its last
-    ``window - 1`` columns).
+    a ``DynamicCache`` layer holds (``PagedCache``: every column of the padded timeline, zeros for pads; a sliding
+    layer its last ``window - 1`` columns), or None.
     """
 
     is_croppable = True
 
-    def __init__(self, cache: "PagedCache", layer_idx: int, group: LayerGroup) -> None:
-        self.cache = cache
+    def __init__(self, source: LayerSource, layer_idx: int, group: LayerGroup) -> None:
+        # not CacheLayerMixin.__init__: it would assign ``keys`` / ``values``, which are views here
+        self.source = source
         self.layer_idx = layer_idx
         self.group = group
         self.is_sliding = group.window is not None
-        self.is_initialized = False
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether the layer's pool tensors exist."""
+        return self.layer_idx in self.group.storages
 
     @property
     def keys(self) -> torch.Tensor | None:
-        return self.cache._dense_view(self, 0)
+        return self.source.dense_view(self, 0)
 
     @property
     def values(self) -> torch.Tensor | None:
-        return self.cache._dense_view(self, 1)
+        return self.source.dense_view(self, 1)
 
     @property
     def device(self):
@@ -47,14 +85,27 @@ class PagedLayer(CacheLayerMixin):
         return None if storage is None else storage.dtype
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.cache.kv.allocate_layer(self.layer_idx, key_states.shape[1], key_states.dtype, key_states.device)
-        self.is_initialized = True
+        """Allocates the layer's pool tensors for states like ``key_states`` (heads, dtype, device)."""
+        self.source.initialize_layer(self, key_states)
 
     def update(self, key_states, value_states, *args, kwargs: dict | None = None, **unused):
-        return self.cache._update_layer(self, key_states, value_states, kwargs)
+        """Stores ``key_states`` / ``value_states`` ``[B, kv_heads, q, head_dim]`` and returns what the attention
+        reads: the states themselves beside a ``LayerStep`` in ``kwargs``, or the source's dense K/V."""
+        metadata = self.source.layer_metadata(self, key_states, kwargs)
+        group = metadata.groups[self.group.index]
+        if kwargs is not None and self.source.num_decodes is not None:  # compiled: the store and attention are ops
+            kwargs[METADATA_KEY] = ops.store_layer(metadata, group, self.layer_idx, key_states, value_states,
+                                                   self.source.num_decodes)
+            return key_states, value_states
+        storage = self.group.storages[self.layer_idx]
+        fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
+        if kwargs is not None and self.source.reads_blocks:
+            kwargs[METADATA_KEY] = LayerStep(metadata, group, self.group.index, storage, fresh)
+            return key_states, value_states
+        return self.source.dense_kv(self, storage, group, fresh)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        seen = self.cache.get_seq_length()
+        seen = self.source.get_seq_length()
         if self.group.window is None:
             return seen + query_length, 0
         window = self.group.window
@@ -63,10 +114,10 @@ class PagedLayer(CacheLayerMixin):
         return kv_length, kv_offset
 
     def get_seq_length(self) -> int:
-        return self.cache.get_seq_length()
+        return self.source.get_seq_length()
 
     def get_max_length(self) -> int:
         return -1 if self.group.window is None else self.group.window
 
-    def reset(self) -> None:  # the cache resets its sequences as a whole
+    def reset(self) -> None:  # the source resets its sequences as a whole
         pass

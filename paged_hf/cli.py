@@ -10,7 +10,7 @@ import sys
 
 from paged_hf_cli import LOG_LEVELS, build_parser, main  # noqa: F401 - re-exported
 
-from .demo import DemoSetupError, _model_source
+from .demo import DemoSetupError, demo_model_source
 
 
 def _run_demo(args) -> int:
@@ -39,7 +39,7 @@ def _model_folder(args) -> tuple[str, dict]:
     if args.model is not None and args.model_option is not None and args.model != args.model_option:
         raise DemoSetupError(f"MODEL {args.model!r} and --model {args.model_option!r} differ: give one")
     model, flag = (args.model, "MODEL") if args.model is not None else (args.model_option, "--model")
-    directory, extra = _model_source(model, flag=flag)
+    directory, extra = demo_model_source(model, flag=flag)
     if args.gguf_file:
         extra = {"gguf_file": args.gguf_file}
     return directory, extra

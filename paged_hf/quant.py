@@ -27,6 +27,7 @@ from .kernels.kv_format import KV_FORMATS, KVFormat, kv_format
 from .kernels.kv_quant import (
     dequantize_block_values_ref, dequantize_channels_ref, dequantize_kv_ref, unpack_int4, value_scales_ref,
 )
+from .kernels.pool_tensors import PoolTensors
 from .rotation import kv_rotation, rotate, unrotate
 from .storage import FreshKV, KVStorage
 
@@ -137,12 +138,10 @@ class QuantizedKVStorage(KVStorage):
             grown[: tail.shape[0]] = tail
             setattr(self, name, grown)
 
-    def attention_operands(self) -> dict:
-        """Codes, scales, zeros, tails and format: the kernels dequantize each block as they read it."""
-        operands = {name: getattr(self, name) for name in self._POOL_NAMES}
-        if self.has_tail:
-            operands.update(self.tail_tensors())
-        return {**operands, "kv_format": self.kv_format}
+    def pool_tensors(self) -> PoolTensors:
+        """Codes, scales, zeros, format and tails: the kernels dequantize each block as they read it."""
+        return PoolTensors(*(getattr(self, name) for name in self._POOL_NAMES), self.kv_format, self.key_tail,
+                           self.value_tail)
 
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan=None) -> FreshKV | None:
         """Rotates (as the format says) and quantizes ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into ``slots``
@@ -155,16 +154,16 @@ class QuantizedKVStorage(KVStorage):
         key = rotate(key, self.key_rotation).float()
         value = rotate(value, self.value_rotation).float()
         if not self.has_tail:
-            self.kernels.store(key, value, slots, **self.attention_operands())
+            self.kernels.store(key, value, slots, self.pool_tensors())
             return None
         fresh = FreshKV(key.to(self.key_tail.dtype), value.to(self.value_tail.dtype))
-        self.kernels.store(fresh.key, fresh.value, slots, **self.attention_operands(), plan=plan)
+        self.kernels.store(fresh.key, fresh.value, slots, self.pool_tensors(), plan)
         return fresh
 
     def write_tails(self, fresh: FreshKV, plan) -> None:
         """Writes the forward's new tokens whose block is not full into their tail rows (after the attention,
         which reads the tail rows as they were before the forward). ``fresh``: what ``write`` returned."""
-        self.kernels.store_tails(fresh.key, fresh.value, self.key_tail, self.value_tail, plan)
+        self.kernels.store_tails(fresh.key, fresh.value, self.pool_tensors(), plan)
 
     def _dequantize(self, which: str, index, unrotated: bool = True) -> torch.Tensor:
         """Dequantized K or V (float32; un-rotated unless ``unrotated=False``) of ``index`` (block ids ``[*S]`` or

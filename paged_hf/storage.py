@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from .kernels import dispatch
+from .kernels.pool_tensors import PoolTensors
 
 
 class FreshKV(NamedTuple):
@@ -74,9 +75,9 @@ class KVStorage:
         """Every pool tensor, indexed by block along dim 0 (what a block copy must move)."""
         return {"key_cache": self.key_cache, "value_cache": self.value_cache}
 
-    def attention_operands(self) -> dict:
-        """The raw tensors a paged attention kernel reads (keyword arguments of the kernels' launchers)."""
-        return {"key_cache": self.key_cache, "value_cache": self.value_cache}
+    def pool_tensors(self) -> PoolTensors:
+        """The pools as every kernel launcher, oracle and the CPU attention take them."""
+        return PoolTensors(self.key_cache, self.value_cache)
 
     @property
     def store_dtype(self) -> torch.dtype:
@@ -88,7 +89,7 @@ class KVStorage:
         quantized formats (the ``store_kv`` kernel on CUDA, its torch reference elsewhere). ``plan``: the
         ``StorePlan`` of a format with a tail (ignored here). Returns the ``FreshKV`` a tail format's attention and
         ``write_tails`` need; None here."""
-        self.kernels.store(key, value, slots, **self.attention_operands())
+        self.kernels.store(key, value, slots, self.pool_tensors())
         return None
 
     def read_slots(self, slots: torch.Tensor, tail_slots: torch.Tensor | None = None) -> tuple[torch.Tensor,

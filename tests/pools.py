@@ -19,6 +19,7 @@ from paged_hf.kernels.kv_quant import (
     dequantize_block_values_ref, dequantize_channels_ref, dequantize_kv_ref, quantize_block_values_ref,
     quantize_channels_ref, quantize_kv_ref,
 )
+from paged_hf.kernels.pool_tensors import PoolTensors
 
 QUANTIZERS = {"channel": quantize_channels_ref, "token_code": quantize_block_values_ref}
 BLOCK_DEQUANTIZERS = {"channel": dequantize_channels_ref, "token_code": dequantize_block_values_ref}
@@ -26,8 +27,9 @@ BLOCK_DEQUANTIZERS = {"channel": dequantize_channels_ref, "token_code": dequanti
 
 def random_pools(kv_format: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype=torch.float32, seed: int = 0, num_rows: int = 0, device="cpu", key_offset: float = 0.0) -> dict:
-    """Operands as ``storage.attention_operands()`` gives them, filled with random K/V (keys shifted by
-    ``key_offset``, a channel bias as real keys have); ``num_rows`` tail rows for a tail format."""
+    """The fields of ``storage.pool_tensors()`` as a dict (``kernel_args`` makes them one argument), filled with
+    random K/V (keys shifted by ``key_offset``, a channel bias as real keys have); ``num_rows`` tail rows for a tail
+    format."""
     fmt = get_format(kv_format)
     gen = torch.Generator().manual_seed(seed)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -91,3 +93,10 @@ def random_block_tables(lengths, block_size: int, num_blocks: int, generator: to
         tables[s, :n] = order[used : used + n]
         used += n
     return tables
+
+
+def kernel_args(operands: dict) -> dict:
+    """``operands`` (``random_pools``' dict, perhaps with ``tail_rows`` / ``fresh_*`` added) as keyword arguments of
+    the kernels and oracles: the pool fields as one ``pools=PoolTensors(...)``, the others as they are."""
+    fields = {name: t for name, t in operands.items() if name in PoolTensors._fields}
+    return {"pools": PoolTensors(**fields), **{name: t for name, t in operands.items() if name not in fields}}

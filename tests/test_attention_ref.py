@@ -12,7 +12,7 @@ import torch
 from paged_hf.kernels import attention_ref
 from paged_hf.kernels.attention_ref import paged_attention_core
 from paged_hf.kernels.kv_format import kv_format as get_format
-from pools import dense_kv, random_block_tables, random_pools
+from pools import dense_kv, kernel_args, random_block_tables, random_pools
 
 FORMATS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
 
@@ -79,10 +79,10 @@ def test_both_paths_equal_dense_oracle(kv_format, window, monkeypatch):
     scale = 0.25
     oracle = _dense_oracle(query, positions, pools, tables, seq_lens, scale, window)
     one_call = paged_attention_core(query, positions, block_tables=tables, seq_lens=seq_lens, scale=scale,
-                                    sliding_window=window, **pools)
+                                    sliding_window=window, **kernel_args(pools))
     monkeypatch.setattr(attention_ref, "SCORE_ELEMENTS_PER_CHUNK", 1)  # one block per chunk: the online path
     chunked = paged_attention_core(query, positions, block_tables=tables, seq_lens=seq_lens, scale=scale,
-                                   sliding_window=window, **pools)
+                                   sliding_window=window, **kernel_args(pools))
     torch.testing.assert_close(one_call, oracle, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(chunked, oracle, atol=1e-5, rtol=1e-5)
     assert (one_call[0, :, :2] == 0).all()  # the padding queries (positions < 0) of the 1-token sequence
@@ -93,7 +93,7 @@ def test_one_call_path_is_taken_only_without_softcap_and_sinks(monkeypatch):
     calls = []
     real = attention_ref._single_chunk_attention
     monkeypatch.setattr(attention_ref, "_single_chunk_attention", lambda *a: calls.append(1) or real(*a))
-    common = dict(block_tables=tables, seq_lens=seq_lens, scale=0.25, **pools)
+    common = dict(block_tables=tables, seq_lens=seq_lens, scale=0.25, **kernel_args(pools))
     paged_attention_core(query, positions, **common)
     assert calls == [1]
     paged_attention_core(query, positions, softcap=5.0, **common)
@@ -124,10 +124,10 @@ def test_prefill_ref_batches_rows_like_one_call_per_sequence(kv_format, monkeypa
     if "tail_rows" in pools:
         operands.update(fresh_key=packed["key"], fresh_value=packed["value"])
     batched = paged_prefill_attention_ref(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
-                                          scale=0.3, **operands)
+                                          scale=0.3, **kernel_args(operands))
     monkeypatch.setattr(attention_ref, "SCORE_ELEMENTS_PER_CHUNK", 6 * 12 * 40)
     single = paged_prefill_attention_ref(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
-                                         scale=0.3, **operands)
+                                         scale=0.3, **kernel_args(operands))
     torch.testing.assert_close(batched, single, atol=1e-5, rtol=1e-5)
     for s, n in enumerate(query_lens):
         rows = query[cu[s] : cu[s + 1]].transpose(0, 1).unsqueeze(0)  # [1, heads, n, D]

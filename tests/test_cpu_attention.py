@@ -13,7 +13,7 @@ from paged_hf.kernels.cpu_attention import paged_decode_attention_cpu, paged_pre
 from paged_hf.kernels.kv_format import kv_format as get_format
 from paged_hf.kernels.paged_decode_attention import paged_decode_attention_ref
 from paged_hf.kernels.paged_prefill_attention import paged_prefill_attention_ref
-from pools import random_block_tables, random_pools
+from pools import kernel_args, random_block_tables, random_pools
 
 FORMATS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -63,7 +63,8 @@ def _fresh(pools, rows, dtype, gen):
 def test_decode_matches_oracle(kv_format, dtype, feature):
     pools, tables, gen = _pools(kv_format, dtype, DECODE_LENGTHS, seed=1)
     query = torch.randn(len(DECODE_LENGTHS), NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen).to(dtype)
-    operands = dict(block_tables=tables, seq_lens=torch.tensor(DECODE_LENGTHS), **pools, **_fresh(pools, len(
+    operands = dict(block_tables=tables, seq_lens=torch.tensor(DECODE_LENGTHS), **kernel_args(pools), **_fresh(pools,
+                    len(
         DECODE_LENGTHS), dtype, gen), **_options(feature, dtype, gen))
     assert_matches_oracle(paged_decode_attention_cpu(query, **operands), paged_decode_attention_ref(query, **operands),
                           dtype)
@@ -78,7 +79,7 @@ def test_prefill_matches_oracle(kv_format, dtype, feature, mode):
     pools, tables, gen = _pools(kv_format, dtype, lengths, seed=2)
     cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()])
     query = torch.randn(int(cu[-1]), NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen).to(dtype)
-    operands = dict(block_tables=tables, seq_lens=torch.tensor(lengths), cu_query_lens=cu, **pools,
+    operands = dict(block_tables=tables, seq_lens=torch.tensor(lengths), cu_query_lens=cu, **kernel_args(pools),
                     **_fresh(pools, int(cu[-1]), dtype, gen), **_options(feature, dtype, gen))
     assert_matches_oracle(paged_prefill_attention_cpu(query, **operands),
                           paged_prefill_attention_ref(query, **operands), dtype)
@@ -92,7 +93,8 @@ def test_groups_of_sequences_equal_one_call(kv_format, monkeypatch):
     query = torch.randn(len(lengths), NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen)
     cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()])
     prefill_query = torch.randn(int(cu[-1]), NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen)
-    decode_ops = dict(block_tables=tables, seq_lens=torch.tensor(lengths), scale=0.3, sliding_window=20, **pools,
+    decode_ops = dict(block_tables=tables, seq_lens=torch.tensor(lengths), scale=0.3, sliding_window=20,
+                      **kernel_args(pools),
                       **_fresh(pools, len(lengths), torch.float32, gen))
     prefill_ops = dict(decode_ops, cu_query_lens=cu, **_fresh(pools, int(cu[-1]), torch.float32, gen))
     whole = (paged_decode_attention_cpu(query, **decode_ops), paged_prefill_attention_cpu(prefill_query, **prefill_ops))
@@ -117,7 +119,8 @@ def test_bfloat16_pool_is_never_upcast(monkeypatch):
     real_flash = cpu_attention._flash
     monkeypatch.setattr(cpu_attention, "_flash", lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype))
                         or real_flash(q, k, v, **kw))
-    paged_decode_attention_cpu(query, block_tables=tables, seq_lens=torch.tensor(lengths), scale=0.3, **pools)
+    paged_decode_attention_cpu(query, block_tables=tables, seq_lens=torch.tensor(lengths), scale=0.3,
+                               **kernel_args(pools))
     assert seen == [(torch.bfloat16,) * 3]
 
 

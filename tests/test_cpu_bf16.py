@@ -52,7 +52,7 @@ def test_bfloat16_paged_logits_stay_within_bfloat16_sdpa_distance(name, monkeypa
         real = getattr(cpu_attention, f"paged_{kind}_attention_cpu")
         monkeypatch.setattr(cpu_attention, f"paged_{kind}_attention_cpu",
                             lambda q, *a, _real=real, _kind=kind, **kw: calls.append((_kind, q.dtype, kw.get(
-                                "key_cache", a[0] if a else None).dtype)) or _real(q, *a, **kw))
+                                "pools", a[0] if a else None).key_cache.dtype)) or _real(q, *a, **kw))
     monkeypatch.delenv("PAGED_HF_KERNELS", raising=False)
     bf16.set_attn_implementation("paged")
     paged = chunked_logits(bf16, ids, paged_hf.PagedCache(bf16.config, block_size=16))

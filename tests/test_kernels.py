@@ -31,7 +31,7 @@ CUDA = require_triton_kernels()  # before the kernel imports below
 
 from paged_hf.kernels import dispatch  # noqa: E402
 from paged_hf.kernels.copy_blocks import copy_blocks, copy_blocks_ref  # noqa: E402
-from pools import random_block_tables, random_pools  # noqa: E402
+from pools import kernel_args, random_block_tables, random_pools  # noqa: E402
 from paged_hf.kernels.paged_decode_attention import (  # noqa: E402
     _decode_launches,
     paged_decode_attention,
@@ -56,7 +56,7 @@ slow = pytest.mark.skipif(os.environ.get("PAGED_HF_SLOW") != "1", reason="slow: 
 
 def make_pools(kv_format, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32, seed=0, num_rows=4):
     """Pools filled with random K/V (quantized by the reference for quantized formats; int4 with ``num_rows`` random
-    tail rows): the operands of the attention kernels, as ``storage.attention_operands()`` gives them."""
+    tail rows): the fields of ``storage.pool_tensors()`` as a dict (``kernel_args`` passes them)."""
     return random_pools(kv_format, num_blocks, block_size, num_kv_heads, head_dim, dtype, seed, num_rows, DEVICE,
                         key_offset=1.0)
 
@@ -124,9 +124,10 @@ def _run_decode(case, seed=0):
     bs, d, g, fmt, lengths, hkv, window, cap, use_sinks, part, dtype = case
     pools, tables, query, sinks, seq_lens = attention_case(bs, d, g, fmt, lengths, hkv, dtype, seed)
     options = dict(scale=d ** -0.5, sliding_window=window, softcap=cap, sinks=sinks if use_sinks else None)
-    out = paged_decode_attention(query, block_tables=tables, seq_lens=seq_lens, partition_size=part, **pools,
+    out = paged_decode_attention(query, block_tables=tables, seq_lens=seq_lens, partition_size=part,
+                                 **kernel_args(pools),
                                  **options)
-    ref = paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, **pools, **options)
+    ref = paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, **kernel_args(pools), **options)
     assert out.shape == ref.shape and out.dtype == query.dtype
     assert_close(out, ref, dtype)
 
@@ -141,9 +142,10 @@ def test_decode_default_partitions_and_strided_query():
     pools, tables, query, sinks, seq_lens = attention_case(16, 64, 4, "int8", [1100, 513, 5], 1)
     wide = torch.randn(query.shape[0], query.shape[1], 2 * query.shape[2], device=DEVICE)[..., ::2]
     wide.copy_(query)
-    out = paged_decode_attention(wide, block_tables=tables, seq_lens=seq_lens, scale=0.125, sinks=sinks, **pools)
+    out = paged_decode_attention(wide, block_tables=tables, seq_lens=seq_lens, scale=0.125, sinks=sinks,
+                                 **kernel_args(pools))
     ref = paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, sinks=sinks,
-                                     **pools)
+                                     **kernel_args(pools))
     assert_close(out, ref, torch.float32)
 
 
@@ -154,9 +156,8 @@ def test_decode_empty_partitions_write_no_partials():
     lengths, partition = [5, 300, 64, 65], 64
     pools, tables, query, sinks, seq_lens = attention_case(16, 64, 4, "int8", lengths, 1)
     out = torch.empty_like(query)
-    decode, reduce = _decode_launches(query, pools["key_cache"], pools["value_cache"], tables, seq_lens, 0.125, None,
-                                      None, sinks, pools["key_scale"], pools["value_scale"], None, None, "int8", out,
-                                      partition)
+    decode, reduce = _decode_launches(query, kernel_args(pools)["pools"], tables, seq_lens, 0.125, None, None, sinks,
+                                      out, partition)
     args = dict(zip(decode.kernel.arg_names, decode.args))
     partials = [args["PartM"], args["PartL"], args["PartAcc"]]
     num_parts = partials[0].shape[2]
@@ -172,7 +173,7 @@ def test_decode_empty_partitions_write_no_partials():
                 assert untouched == empty, (s, n, part, t.shape)
     reduce()
     ref = paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, sinks=sinks,
-                                     **pools)
+                                     **kernel_args(pools))
     assert_close(out, ref, torch.float32)
 
 
@@ -196,12 +197,12 @@ def test_tiny_value_scales_keep_float16_precision(kv_format):
     prefill_query = query[:1].expand(40, -1, -1).contiguous()
     for out, ref in (
         (paged_decode_attention(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, partition_size=64,
-                                **pools),
-         paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, **pools)),
+                                **kernel_args(pools)),
+         paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, **kernel_args(pools))),
         (paged_prefill_attention(prefill_query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
-                                 scale=0.125, **prefill_pools),
+                                 scale=0.125, **kernel_args(prefill_pools)),
          paged_prefill_attention_ref(prefill_query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
-                                     scale=0.125, **prefill_pools)),
+                                     scale=0.125, **kernel_args(prefill_pools))),
     ):
         assert_close(out.float() * 1e4, ref.float() * 1e4, torch.float16)
 
@@ -210,15 +211,15 @@ def test_decode_rejects_bad_operands():
     pools, tables, query, _, seq_lens = attention_case(16, 64, 4, "int8", [5, 9], 2)
     common = dict(block_tables=tables, seq_lens=seq_lens, scale=1.0)
     with pytest.raises(ValueError, match="needs value_scale"):
-        paged_decode_attention(query, **common, **{**pools, "value_scale": None})
+        paged_decode_attention(query, **common, **kernel_args({**pools, "value_scale": None}))
     with pytest.raises(ValueError, match="kv_format"):
-        paged_decode_attention(query, **common, **{**pools, "kv_format": "int3"})
+        paged_decode_attention(query, **common, **kernel_args({**pools, "kv_format": "int3"}))
     with pytest.raises(ValueError, match="int8"):
-        paged_decode_attention(query, **common, **{**pools, "kv_format": "fp8_e4m3"})
+        paged_decode_attention(query, **common, **kernel_args({**pools, "kv_format": "fp8_e4m3"}))
     with pytest.raises(ValueError, match="multiple"):
-        paged_decode_attention(query[:, :3], **common, **pools)
+        paged_decode_attention(query[:, :3], **common, **kernel_args(pools))
     with pytest.raises(ValueError, match="block_tables"):
-        paged_decode_attention(query, **{**common, "block_tables": tables.float()}, **pools)
+        paged_decode_attention(query, **{**common, "block_tables": tables.float()}, **kernel_args(pools))
 
 
 @slow
@@ -259,9 +260,10 @@ def _run_prefill(case, seed=0):
     pools, tables, query, sinks, seq_lens = attention_case(bs, d, g, fmt, lengths, hkv, dtype, seed, qlens)
     cu = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int64, device=DEVICE)
     options = dict(scale=d ** -0.5, sliding_window=window, softcap=cap, sinks=sinks if use_sinks else None)
-    out = paged_prefill_attention(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu, **pools,
+    out = paged_prefill_attention(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu, **kernel_args(pools),
                                   **options)
-    ref = paged_prefill_attention_ref(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu, **pools,
+    ref = paged_prefill_attention_ref(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
+                                      **kernel_args(pools),
                                       **options)
     assert out.shape == ref.shape and out.dtype == query.dtype
     assert_close(out, ref, dtype)
@@ -297,8 +299,8 @@ def _store_both(kv_format, key, value, slots, num_blocks, block_size, dtype=torc
     num_kv_heads, head_dim = key.shape[1:]
     kernel = make_storage(kv_format, num_blocks, block_size, num_kv_heads, head_dim, dtype, DEVICE)
     ref = make_storage(kv_format, num_blocks, block_size, num_kv_heads, head_dim, dtype, DEVICE)
-    store_kv(key, value, slots, **kernel.attention_operands())
-    store_kv_ref(key, value, slots, **ref.attention_operands())
+    store_kv(key, value, slots, pools=kernel.pool_tensors())
+    store_kv_ref(key, value, slots, pools=ref.pool_tensors())
     return kernel, ref
 
 
@@ -441,9 +443,10 @@ def test_dispatch_routes_to_both_sides(monkeypatch):
         monkeypatch.setenv("PAGED_HF_KERNELS", side)
         kernels = dispatch.select(DEVICE)
         assert kernels.triton == (side == "triton")
-        decode = kernels.decode_attention(query, block_tables=tables, seq_lens=seq_lens, scale=0.125, **pools)
+        decode = kernels.decode_attention(query, block_tables=tables, seq_lens=seq_lens, scale=0.125,
+                                          **kernel_args(pools))
         prefill = kernels.prefill_attention(prefill_query, block_tables=tables, seq_lens=seq_lens,
-                                            cu_query_lens=cu, scale=0.125, **pools)
+                                            cu_query_lens=cu, scale=0.125, **kernel_args(pools))
         storage = make_storage("int8", 2, 16, 1, 64, torch.float32, DEVICE)  # picks its kernels when made
         assert storage.kernels.triton == (side == "triton")
         storage.write(torch.tensor([3, 17], device=DEVICE), query[:, :1], query[:, 1:2])
@@ -474,7 +477,7 @@ _LOAD_KERNELS_ALONE = (
     "spec.loader.exec_module(package)\n"
 )
 KERNEL_MODULES = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "copy_blocks", "dispatch", "aot",
-                  "warmup")
+                  "warmup", "pool_tensors")
 
 
 def test_kernel_modules_import_no_triton_at_module_level():
@@ -513,12 +516,13 @@ def test_kernel_modules_without_triton_then_interpreter_after_triton_import():
         "from kernels_alone import dispatch, store_kv, copy_blocks, paged_prefill_attention\n"
         "from kernels_alone import paged_decode_attention as decode\n"
         "assert not dispatch.triton_available() and not dispatch.use_triton('cpu')\n"
+        "from kernels_alone.pool_tensors import PoolTensors\n"
         "k, v = torch.zeros(4, 8, 1, 64), torch.zeros(4, 8, 1, 64)\n"
         "kernels = dispatch.select('cpu')\n"
-        "kernels.store(torch.randn(32, 1, 64), torch.randn(32, 1, 64), torch.arange(32), k, v)\n"
+        "kernels.store(torch.randn(32, 1, 64), torch.randn(32, 1, 64), torch.arange(32), PoolTensors(k, v))\n"
         "kernels.copy(torch.tensor([0]), torch.tensor([1]), [k.clone(), v.clone()])\n"
         "q, t, n = torch.randn(2, 2, 64), torch.tensor([[0, 1], [2, 3]]), torch.tensor([9, 16])\n"
-        "ref = kernels.decode_attention(q, k, v, t, n, 0.125)\n"
+        "ref = kernels.decode_attention(q, PoolTensors(k, v), t, n, 0.125)\n"
         "assert 'triton' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n"
         "assert decode._kernels.cache_info().currsize == 0  # nothing decorated\n"
         "del sys.modules['triton']\n"
@@ -526,8 +530,8 @@ def test_kernel_modules_without_triton_then_interpreter_after_triton_import():
         "assert 'TRITON_INTERPRET' not in os.environ\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n"
         "k2, v2 = torch.zeros_like(k), torch.zeros_like(v)\n"
-        "store_kv.store_kv(torch.randn(32, 1, 64), torch.randn(32, 1, 64), torch.arange(32), k2, v2)\n"
-        "out = decode.paged_decode_attention(q, k, v, t, n, 0.125, partition_size=64)\n"
+        "store_kv.store_kv(torch.randn(32, 1, 64), torch.randn(32, 1, 64), torch.arange(32), PoolTensors(k2, v2))\n"
+        "out = decode.paged_decode_attention(q, PoolTensors(k, v), t, n, 0.125, partition_size=64)\n"
         "torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)\n"
         "print('ok')\n"
     )
@@ -562,8 +566,9 @@ def test_interpreter_enabled_after_paged_hf_import():
         "os.environ['TRITON_INTERPRET'] = '1'\n"
         "k, v = torch.randn(4, 8, 1, 64), torch.randn(4, 8, 1, 64)\n"
         "q, t, n = torch.randn(2, 2, 64), torch.tensor([[0, 1], [2, 3]]), torch.tensor([9, 16])\n"
-        "out = decode.paged_decode_attention(q, k, v, t, n, 0.125)\n"
-        "ref = decode.paged_decode_attention_ref(q, k, v, t, n, 0.125)\n"
+        "from paged_hf.kernels.pool_tensors import PoolTensors\n"
+        "out = decode.paged_decode_attention(q, PoolTensors(k, v), t, n, 0.125)\n"
+        "ref = decode.paged_decode_attention_ref(q, PoolTensors(k, v), t, n, 0.125)\n"
         "torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)\n"
         "print('ok')\n"
     )

@@ -30,7 +30,7 @@ from paged_hf.kernels.paged_prefill_attention import (  # noqa: E402
 )
 from paged_hf.kernels.store_kv import store_kv, store_kv_ref, store_tails, store_tails_ref  # noqa: E402
 from paged_hf.quant import make_storage  # noqa: E402
-from pools import random_block_tables, random_pools  # noqa: E402
+from pools import kernel_args, random_block_tables, random_pools  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -94,10 +94,10 @@ def test_fill_and_tail_writes_match_ref_bytes(block_size, head_dim, num_kv_heads
             key[0, 0, 1] = 7.0
             slots, plan = plan_for(start, count, s + 1, blocks, block_size)
             key, value = key.to(dtype).to(DEVICE), value.to(dtype).to(DEVICE)  # as QuantizedKVStorage.write
-            store_kv(key, value, slots, **kernel.attention_operands(), plan=plan)
-            store_kv_ref(key, value, slots, **ref.attention_operands(), plan=plan)
-            store_tails(key, value, kernel.key_tail, kernel.value_tail, plan)
-            store_tails_ref(key, value, ref.key_tail, ref.value_tail, plan)
+            store_kv(key, value, slots, pools=kernel.pool_tensors(), plan=plan)
+            store_kv_ref(key, value, slots, pools=ref.pool_tensors(), plan=plan)
+            store_tails(key, value, kernel.pool_tensors(), plan)
+            store_tails_ref(key, value, ref.pool_tensors(), plan)
             start += count
     assert_same_pools(kernel, ref)
 
@@ -134,8 +134,8 @@ def test_fill_rounding_ties():
     for storage in (kernel, ref):
         storage.ensure_tail_rows(1)
     slots, plan = plan_for(0, block_size, 0, torch.tensor([1, 0]), block_size)
-    store_kv(key.to(DEVICE), value.to(DEVICE), slots, **kernel.attention_operands(), plan=plan)
-    store_kv_ref(key.to(DEVICE), value.to(DEVICE), slots, **ref.attention_operands(), plan=plan)
+    store_kv(key.to(DEVICE), value.to(DEVICE), slots, pools=kernel.pool_tensors(), plan=plan)
+    store_kv_ref(key.to(DEVICE), value.to(DEVICE), slots, pools=ref.pool_tensors(), plan=plan)
     assert_same_pools(kernel, ref)
     assert ref.key_zero[1, 0].tolist() == [0.0, 1.0]  # base, step
     assert ref.key_scale[1, 0, :, 0].tolist() == [0, 15] and ref.key_scale[1, 0, :, -2].tolist() == [3, 200]
@@ -193,9 +193,10 @@ def test_decode_reads_blocks_and_tail_like_ref(case):
     bs, d, g, lengths, hkv, window, cap, use_sinks, part, dtype = case
     pools, tables, query, sinks, seq_lens = attention_case(bs, d, g, lengths, hkv, dtype)
     options = dict(scale=d ** -0.5, sliding_window=window, softcap=cap, sinks=sinks if use_sinks else None)
-    out = paged_decode_attention(query, block_tables=tables, seq_lens=seq_lens, partition_size=part, **pools,
+    out = paged_decode_attention(query, block_tables=tables, seq_lens=seq_lens, partition_size=part,
+                                 **kernel_args(pools),
                                  **options)
-    ref = paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, **pools, **options)
+    ref = paged_decode_attention_ref(query, block_tables=tables, seq_lens=seq_lens, **kernel_args(pools), **options)
     assert_close(out, ref, dtype)
 
 
@@ -205,8 +206,10 @@ def test_prefill_reads_blocks_and_tail_like_ref(case):
     pools, tables, query, sinks, seq_lens = attention_case(bs, d, g, lengths, hkv, dtype, query_lens=qlens)
     cu = torch.tensor([0, *itertools.accumulate(qlens)], device=DEVICE)
     options = dict(scale=d ** -0.5, sliding_window=window, softcap=cap, sinks=sinks if use_sinks else None)
-    out = paged_prefill_attention(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu, **pools, **options)
-    ref = paged_prefill_attention_ref(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu, **pools,
+    out = paged_prefill_attention(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
+                                  **kernel_args(pools), **options)
+    ref = paged_prefill_attention_ref(query, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
+                                      **kernel_args(pools),
                                       **options)
     assert_close(out, ref, dtype)
 
@@ -219,9 +222,9 @@ def write_chunks(storage, chunks, blocks, row, gen, kernels=True):
         key = (torch.randn(count, 2, storage.head_dim, generator=gen) + 1).to(DEVICE)
         value = torch.randn(count, 2, storage.head_dim, generator=gen).to(DEVICE)
         slots, plan = plan_for(start, count, row, blocks, storage.block_size)
-        (store_kv if kernels else store_kv_ref)(key, value, slots, **storage.attention_operands(), plan=plan)
+        (store_kv if kernels else store_kv_ref)(key, value, slots, pools=storage.pool_tensors(), plan=plan)
         if i + 1 < len(chunks):
-            (store_tails if kernels else store_tails_ref)(key, value, storage.key_tail, storage.value_tail, plan)
+            (store_tails if kernels else store_tails_ref)(key, value, storage.pool_tensors(), plan)
         start += count
     return key, value, plan
 
@@ -240,24 +243,25 @@ def test_store_then_attend_roundtrip(last):
                                         kernels)
         pools[kernels] = (storage, key, value, plan)
     storage, key, value, plan = pools[True]
-    ops = {**storage.attention_operands(), "tail_rows": torch.tensor([1], device=DEVICE), "fresh_key": key,
+    ops = {**storage.pool_tensors()._asdict(), "tail_rows": torch.tensor([1], device=DEVICE), "fresh_key": key,
            "fresh_value": value}
     tables = blocks[None].to(torch.int32).to(DEVICE)
     seq_lens = torch.tensor([38 + last], device=DEVICE)
     gen = torch.Generator().manual_seed(6)
     queries = torch.randn(last, 8, head_dim, generator=gen).to(DEVICE)
     if last == 1:
-        out = paged_decode_attention(queries, block_tables=tables, seq_lens=seq_lens, scale=0.125, **ops)
-        ref = paged_decode_attention_ref(queries, block_tables=tables, seq_lens=seq_lens, scale=0.125, **ops)
+        out = paged_decode_attention(queries, block_tables=tables, seq_lens=seq_lens, scale=0.125, **kernel_args(ops))
+        ref = paged_decode_attention_ref(queries, block_tables=tables, seq_lens=seq_lens, scale=0.125,
+                                         **kernel_args(ops))
     else:
         cu = torch.tensor([0, last], device=DEVICE)
         out = paged_prefill_attention(queries, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
-                                      scale=0.125, **ops)
+                                      scale=0.125, **kernel_args(ops))
         ref = paged_prefill_attention_ref(queries, block_tables=tables, seq_lens=seq_lens, cu_query_lens=cu,
-                                          scale=0.125, **ops)
+                                          scale=0.125, **kernel_args(ops))
     assert_close(out, ref, torch.float32)
     for kernels, (storage, key, value, plan) in pools.items():
-        (store_tails if kernels else store_tails_ref)(key, value, storage.key_tail, storage.value_tail, plan)
+        (store_tails if kernels else store_tails_ref)(key, value, storage.pool_tensors(), plan)
     assert_same_pools(pools[True][0], pools[False][0])
 
 
@@ -265,14 +269,13 @@ def test_int4_launches_reject_missing_tail_operands():
     pools, tables, query, _, seq_lens = attention_case(16, 64, 4, [5, 9], 1, torch.float32)
     common = dict(block_tables=tables, seq_lens=seq_lens, scale=1.0)
     with pytest.raises(ValueError, match="tail_rows"):
-        paged_decode_attention(query, **common, **{**pools, "tail_rows": None})
+        paged_decode_attention(query, **common, **kernel_args({**pools, "tail_rows": None}))
     with pytest.raises(ValueError, match="fresh_value"):
-        paged_decode_attention(query, **common, **{**pools, "fresh_value": None})
+        paged_decode_attention(query, **common, **kernel_args({**pools, "fresh_value": None}))
     with pytest.raises(ValueError, match="fresh_key"):
         paged_prefill_attention(query, **common, cu_query_lens=torch.tensor([0, 1, 2], device=DEVICE),
-                                **{**pools, "fresh_key": pools["fresh_key"][:1]})
+                                **kernel_args({**pools, "fresh_key": pools["fresh_key"][:1]}))
     with pytest.raises(ValueError, match="key_tail"):
-        paged_decode_attention(query, **common, **{**pools, "key_tail": None})
+        paged_decode_attention(query, **common, **kernel_args({**pools, "key_tail": None}))
     with pytest.raises(ValueError, match="StorePlan"):
-        store_kv(query[:, :1], query[:, :1], torch.tensor([0, 1], device=DEVICE),
-                 **{k: v for k, v in pools.items() if k not in ("tail_rows", "fresh_key", "fresh_value")})
+        store_kv(query[:, :1], query[:, :1], torch.tensor([0, 1], device=DEVICE), kernel_args(pools)["pools"])

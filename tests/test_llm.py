@@ -172,10 +172,10 @@ def test_gguf_paths(tmp_path):
         (tmp_path / name).write_bytes(b"")
     with pytest.raises(ValueError, match=r"holds several \.gguf files \['a.gguf', 'b.gguf'\]; pass gguf_file="):
         LLM(str(tmp_path))
-    from paged_hf.llm import _model_source  # noqa: PLC0415
+    from paged_hf.model_source import model_source  # noqa: PLC0415
 
-    assert _model_source(str(tmp_path / "a.gguf"), None) == (str(tmp_path), {"gguf_file": "a.gguf"})
-    assert _model_source(str(tmp_path), "b.gguf") == (str(tmp_path), {"gguf_file": "b.gguf"})
+    assert model_source(str(tmp_path / "a.gguf"), None) == (str(tmp_path), {"gguf_file": "a.gguf"})
+    assert model_source(str(tmp_path), "b.gguf") == (str(tmp_path), {"gguf_file": "b.gguf"})
 
 
 def test_a_gguf_file_loads_and_chats():

@@ -24,6 +24,7 @@ from paged_hf import PagedEngine, SamplingParams
 from paged_hf.engine import lpm
 from paged_hf.kv.layer_groups import FullAttention, LayerGroup, SlidingWindow
 from paged_hf.kv.prefix_hit import find_longest_hit
+from paged_hf.kv.sizing import block_id_bytes
 from models import tiny_model, token_logprobs
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
@@ -69,7 +70,7 @@ def test_host_tier_hit_equals_pool_hit(family, kv_cache_dtype):
 def test_host_tier_is_bounded_and_lru():
     model = tiny_model("llama")
     probe = PagedEngine(model, None, block_size=BLOCK, num_blocks=16, swap_space=0)
-    block_bytes = probe.kv.block_id_bytes()
+    block_bytes = block_id_bytes(probe.kv)
     engine = PagedEngine(model, None, block_size=BLOCK, num_blocks=16, swap_space=0,
                          kv_offloading_size=6 * block_bytes / 2**30)
     for prompt in [FIRST] + FILLERS * 2:

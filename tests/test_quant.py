@@ -565,7 +565,8 @@ def test_rotated_query_reaches_the_kernels_in_the_model_dtype(monkeypatch, dtype
 
         def wrapper(query, *args, **kwargs):
             out = original(query, *args, **kwargs)
-            seen.append((name, query.dtype, out.dtype, kwargs.get("kv_format")))
+            pools = args[0] if args else kwargs.get("pools")  # the kernels' PoolTensors
+            seen.append((name, query.dtype, out.dtype, getattr(pools, "kv_format", None)))
             return out
 
         monkeypatch.setattr(module, name, wrapper)

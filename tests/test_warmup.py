@@ -33,7 +33,7 @@ from paged_hf.kernels.copy_blocks import _copy_launches  # noqa: E402
 from paged_hf.kernels.paged_decode_attention import _decode_launches  # noqa: E402
 from paged_hf.kernels.paged_prefill_attention import _prefill_launches  # noqa: E402
 from paged_hf.kernels.store_kv import _store_launches  # noqa: E402
-from paged_hf.kernels.warmup import example_operands, warmup_kernels  # noqa: E402
+from paged_hf.kernels.warmup import example_pools, warmup_kernels  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,19 +44,17 @@ LAYERS = [("int8", torch.bfloat16, None, None, False), ("auto", torch.float16, 1
 
 
 def _layer(kv_format, dtype, window, softcap, use_sinks):
-    operands = example_operands(kv_format, 600, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype, DEVICE)
+    pools = example_pools(kv_format, 600, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype, DEVICE)
     heads = KV_HEADS * GROUP
     options = dict(sliding_window=window, softcap=softcap,
                    sinks=torch.zeros(heads, device=DEVICE) if use_sinks else None,
                    store_dtype=dtype if kv_format == "auto" else torch.float32)
-    return operands, heads, options
+    return pools, heads, options
 
 
-def _serving_launches(operands, heads, dtype, options, rng):
+def _serving_launches(pools, heads, dtype, options, rng):
     """Launches of the steps a server makes, batches of 1..256 sequences (widths, lengths, chunks at random)."""
-    kv_format = operands.get("kv_format", "auto")
-    side = [operands.get(n) for n in ("key_scale", "value_scale", "key_zero", "value_zero")]
-    attention = (options["sliding_window"], options["softcap"], options["sinks"], *side, kv_format)
+    attention = (options["sliding_window"], options["softcap"], options["sinks"])
     launches = []
     # longest sequence of each batch: table widths 1, 2, 16, 32 (one partition), 33, 48, 512, 513 blocks
     # (2, 2, 16, 17 partitions), also one past the longest
@@ -69,29 +67,25 @@ def _serving_launches(operands, heads, dtype, options, rng):
         tables = torch.zeros(batch, width, dtype=torch.int32, device=DEVICE)
         seq_lens = torch.tensor(lengths, device=DEVICE)
         query = torch.zeros(batch, heads, HEAD_DIM, dtype=dtype, device=DEVICE)
-        launches += _decode_launches(query, operands["key_cache"], operands["value_cache"], tables, seq_lens, 0.1,
-                                     *attention, torch.empty_like(query))
+        launches += _decode_launches(query, pools, tables, seq_lens, 0.1, *attention, torch.empty_like(query))
         chunks = [rng.randint(1, min(n, 40)) for n in lengths]  # within a step's token budget
         cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], device=DEVICE)
         prefill_query = torch.empty(sum(chunks), heads, HEAD_DIM, dtype=dtype, device=DEVICE)
-        launches += _prefill_launches(prefill_query, operands["key_cache"], operands["value_cache"], tables,
-                                      seq_lens, cu, 0.1, *attention, torch.empty_like(prefill_query))
+        launches += _prefill_launches(prefill_query, pools, tables, seq_lens, cu, 0.1, *attention,
+                                      torch.empty_like(prefill_query))
         if batch > 1:  # a mixed step: the first d sequences decode, the rest prefill, on slices of the same tensors
             d = rng.randint(1, batch - 1)
             mixed = torch.empty(d + sum(chunks[d:]), heads, HEAD_DIM, dtype=dtype, device=DEVICE)
             out = torch.empty_like(mixed)
-            launches += _decode_launches(mixed[:d], operands["key_cache"], operands["value_cache"], tables[:d],
-                                         seq_lens[:d], 0.1, *attention, out[:d])
-            launches += _prefill_launches(mixed[d:], operands["key_cache"], operands["value_cache"], tables[d:],
-                                          seq_lens[d:], cu[d:] - cu[d], 0.1, *attention, out[d:])
+            launches += _decode_launches(mixed[:d], pools, tables[:d], seq_lens[:d], 0.1, *attention, out[:d])
+            launches += _prefill_launches(mixed[d:], pools, tables[d:], seq_lens[d:], cu[d:] - cu[d], 0.1,
+                                          *attention, out[d:])
         for tokens in (batch, sum(chunks)):
             states = torch.empty(tokens, KV_HEADS, HEAD_DIM, dtype=options["store_dtype"], device=DEVICE)
             slots = torch.arange(tokens, device=DEVICE)
-            launches += _store_launches(states, states, slots, operands["key_cache"], operands["value_cache"], *side,
-                                        kv_format)
+            launches += _store_launches(states, states, slots, pools)
         pairs = torch.arange(rng.randint(1, 8), device=DEVICE)
-        pools = [t for t in (operands["key_cache"], operands["value_cache"], *side) if t is not None]
-        launches += _copy_launches(pairs, pairs + 100, pools)
+        launches += _copy_launches(pairs, pairs + 100, pools.block_tensors())
     return launches
 
 
@@ -101,13 +95,13 @@ def _serving_launches(operands, heads, dtype, options, rng):
 @pytest.mark.parametrize("layer", LAYERS, ids=lambda layer: f"{layer[0]}-{str(layer[1]).split('.')[-1]}")
 def test_warmup_covers_every_batch(layer):
     kv_format, dtype = layer[:2]
-    operands, heads, options = _layer(*layer)
-    warmed = warmup_kernels(operands, heads, dtype, **options)
+    pools, heads, options = _layer(*layer)
+    warmed = warmup_kernels(pools, heads, dtype, **options)
     warm_keys = {aot.variant_key(launch) for launch in warmed}
     kernels = {key[0] for key in warm_keys}
     assert kernels == {"_decode_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_store_kernel", "_copy_kernel"}
     assert len(warm_keys) >= 5
-    serving = _serving_launches(operands, heads, dtype, options, random.Random(0))
+    serving = _serving_launches(pools, heads, dtype, options, random.Random(0))
     new = {aot.variant_key(launch) for launch in serving} - warm_keys
     assert not new, f"{len(new)} variants compile while serving, e.g. {sorted(new)[0]}"
 
@@ -115,14 +109,14 @@ def test_warmup_covers_every_batch(layer):
 @pytest.mark.skipif(not CUDA, reason="checks triton's compiled-kernel cache on a CUDA device")
 def test_warmup_leaves_nothing_to_compile_on_cuda():
     """On the GPU: after the warm-up, serving launches of any batch size compile nothing (triton's cache)."""
-    operands, heads, options = _layer(*LAYERS[0])
+    pools, heads, options = _layer(*LAYERS[0])
     dtype = LAYERS[0][1]
-    launches = warmup_kernels(operands, heads, dtype, **options)
+    launches = warmup_kernels(pools, heads, dtype, **options)
     kernels = {launch.kernel for launch in launches}
     if not all(hasattr(kernel, "device_caches") for kernel in kernels):
         pytest.skip("this triton keeps no JITFunction.device_caches to count compiled variants in")
     compiled = _compiled_count(kernels)
-    for launch in _serving_launches(operands, heads, dtype, options, random.Random(1)):
+    for launch in _serving_launches(pools, heads, dtype, options, random.Random(1)):
         launch()
     torch.cuda.synchronize()
     assert _compiled_count(kernels) == compiled
@@ -153,12 +147,12 @@ spec = importlib.util.spec_from_file_location('kernels_alone', 'paged_hf/kernels
 package = importlib.util.module_from_spec(spec); sys.modules['kernels_alone'] = package
 spec.loader.exec_module(package)
 from kernels_alone import aot
-from kernels_alone.warmup import example_operands, layer_launches
+from kernels_alone.warmup import example_pools, layer_launches
 results = []
 for kernel, kv_format, dtype, head_dim, features in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
     options = dict(sliding_window=4096, softcap=30.0, sinks=torch.zeros(32)) if features else {}
-    launches = layer_launches(example_operands(kv_format, 40, 16, 8, head_dim, dtype), 32, dtype,
+    launches = layer_launches(example_pools(kv_format, 40, 16, 8, head_dim, dtype), 32, dtype,
                               store_dtype=dtype if kv_format == "int4" else torch.float32, **options)
     launch = {"decode": launches[0], "decode-parts": launches[1], "prefill": launches[3], "fill": launches[4]}[kernel]
     assert kernel != "fill" or launch.kernel.fn.__name__ == "_fill_kernel", launch.kernel.fn.__name__

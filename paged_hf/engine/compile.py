@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from .. import ops
 from ..kv.manager import KVManager
+from ..kv.sizing import allocate_all
 from ..metadata import AttentionMetadata, build_metadata
 from .forward_cache import EngineCache
 
@@ -79,7 +80,7 @@ class CompiledForward:
         begin = time.perf_counter()
         scratch = KVManager(kv.text_config, kv.block_size, kv.kv_cache_dtype, num_blocks=16,
                             num_kv_heads=kv.num_kv_heads)
-        scratch.allocate_all(self.model.dtype, device)
+        allocate_all(scratch, self.model.dtype, device)
         cache = EngineCache(scratch)
         bar = tqdm(WARMUP_STEPS, desc="Compiling the engine's forward", unit="shape", leave=False)
         for starts, counts, num_decodes in bar:

@@ -22,7 +22,9 @@ from ..config import GIB, EngineConfig, SamplingParams
 from ..distributed import tensor_parallel_group
 from ..distributed.group import DEFAULT_TIMEOUT_S, TensorParallelError
 from ..distributed.launch import check_launch_options
+from ..kv.sizing import blocks_to_hold
 from ..kv_stats import EngineStats
+from ..model_source import load_tokenizer
 from . import parallel
 from .output import OutputStage
 from .request import Request, RequestOutput, RequestOutputKind
@@ -111,7 +113,7 @@ class PagedEngine:
         check_params(params, len(ids), self.vocab_size, self.max_model_len, self.config)
         # the longest the sequence can get; its last token is sampled, never stored
         stored = len(ids) + params.max_tokens - 1
-        need = self.kv.blocks_to_hold(stored)
+        need = blocks_to_hold(self.kv, stored)
         if need > self.kv.num_total_blocks:
             raise ValueError(
                 f"the request needs up to {need} blocks ({len(ids)} prompt tokens + max_tokens={params.max_tokens}) "
@@ -235,7 +237,7 @@ class PagedEngine:
         """
         check_launch_options(distributed_executor_backend, distributed_timeout)
         model_kwargs = {"attn_implementation": "paged", **(model_kwargs or {})}
-        tokenizer = _load_tokenizer(model, tokenizer)
+        tokenizer = load_tokenizer(tokenizer, model, optional=True)
         if tensor_parallel_size == 1:
             from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
@@ -325,19 +327,3 @@ def _progress(total: int, use_tqdm):
         def update(self, n): pass
         def close(self): pass
     return _Silent()
-
-
-def _load_tokenizer(model: str, tokenizer):
-    """``tokenizer`` as given, loaded from its path if a string, or from the model's folder if None (a model
-    without tokenizer files runs on token ids)."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
-
-    if isinstance(tokenizer, str):
-        return AutoTokenizer.from_pretrained(tokenizer)
-    if tokenizer is not None:
-        return tokenizer
-    try:
-        return AutoTokenizer.from_pretrained(model)
-    except (OSError, ValueError, TypeError) as error:
-        logger.info("no tokenizer found with %s (%s): prompts must be token ids", model, error)
-        return None

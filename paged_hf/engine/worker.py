@@ -19,6 +19,7 @@ from ..distributed import tensor_parallel_group
 from ..distributed.group import init_group
 from ..kv.manager import KVManager
 from ..kv.model_config import available_memory, block_id_bytes, local_kv_heads
+from ..kv.sizing import allocate_all
 from .runner import ModelRunner
 
 logger = logging.getLogger("paged_hf")
@@ -51,7 +52,7 @@ def build_kv(model, config: EngineConfig, group=None) -> KVManager:
                    enable_prefix_caching=config.enable_prefix_caching, swap_space_bytes=int(config.swap_space * GIB),
                    num_kv_heads=local_kv_heads(text_config, tp_size),
                    kv_offloading_bytes=int(config.kv_offloading_size * GIB))
-    kv.allocate_all(model.dtype, model.device)
+    allocate_all(kv, model.dtype, model.device)
     _warm_up_kernels(kv, text_config, model.dtype)
     return kv
 
@@ -87,9 +88,9 @@ def _warm_up_kernels(kv: KVManager, text_config, dtype: torch.dtype) -> None:
     started = time.perf_counter()
     softcap = getattr(text_config, "attn_logit_softcapping", None)
     for (window, _), storage in kinds.items():
-        warmup_kernels(storage.attention_operands(), num_heads=text_config.num_attention_heads, dtype=dtype,
+        warmup_kernels(storage.pool_tensors(), num_heads=text_config.num_attention_heads, dtype=dtype,
                        sliding_window=window, softcap=softcap, store_dtype=storage.store_dtype,
-                       pool_tensors=list(storage.tensors().values()))
+                       copy_tensors=list(storage.tensors().values()))
     logger.info("compiled the kernels of %d layer kinds in %.1f s", len(kinds), time.perf_counter() - started)
 
 

@@ -1,5 +1,5 @@
-"""Kernels of the paged path: each file holds a torch ``*_ref`` (the CPU path and the test oracle) and, where
-written, a Triton kernel with a launcher of the same signature."""
+"""Kernels of the paged path: each file holds a torch ``*_ref`` (the test oracle) and, where written, a Triton kernel
+with a launcher of the same signature; every one takes the layer's pools as one ``pool_tensors.PoolTensors``."""
 
 from .paged_decode_attention import paged_decode_attention_ref
 from .paged_prefill_attention import paged_prefill_attention_ref

@@ -14,6 +14,7 @@ import os
 import torch
 
 from .kv_format import KVFormat, kv_format
+from .pool_tensors import PoolTensors
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -56,10 +57,12 @@ class PoolOperands:
         self.meta = fmt.kernel_meta()
 
 
-def check_pools(query, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format_name: str,
-                head_dim: int, key_tail=None, value_tail=None) -> PoolOperands:
-    """Checks the pools against the ``KVFormat`` named ``kv_format_name`` and ``head_dim`` (shapes, dtypes, strides,
-    device); ValueError naming the first mismatch."""
+def check_pools(query, pools: PoolTensors, head_dim: int) -> PoolOperands:
+    """Checks ``pools`` against their ``KVFormat`` and ``head_dim`` (shapes, dtypes, strides, device) and unpacks them
+    for a launch; ValueError naming the first mismatch."""
+    if not isinstance(pools, PoolTensors):
+        raise ValueError(f"pools must be a PoolTensors (KVStorage.pool_tensors()), got {type(pools).__name__}")
+    key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format_name, key_tail, value_tail = pools
     fmt = kv_format(kv_format_name)
     device = query.device
     for name, pool in (("key_cache", key_cache), ("value_cache", value_cache)):

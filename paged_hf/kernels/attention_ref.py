@@ -22,35 +22,18 @@ import torch.nn.functional as F
 
 from .kv_format import kv_format as _kv_format
 from .kv_quant import dequantize_block_values_ref, dequantize_channels_ref, dequantize_kv_ref
+from .pool_tensors import PoolTensors
 
 # Upper bound on the score elements (batch x query heads x queries x keys) held per chunk.
 SCORE_ELEMENTS_PER_CHUNK = 1 << 22
 
 
 def paged_attention_core(
-    query: torch.Tensor,
-    query_positions: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    key_scale: torch.Tensor | None = None,
-    value_scale: torch.Tensor | None = None,
-    key_zero: torch.Tensor | None = None,
-    value_zero: torch.Tensor | None = None,
-    kv_format: str = "auto",
-    window_starts: torch.Tensor | None = None,
-    key_tail: torch.Tensor | None = None,
-    value_tail: torch.Tensor | None = None,
-    tail_rows: torch.Tensor | None = None,
-    fresh_keys: torch.Tensor | None = None,
-    fresh_values: torch.Tensor | None = None,
-    num_fresh: torch.Tensor | None = None,
-    fresh_is_query: bool = False,
+    query: torch.Tensor, query_positions: torch.Tensor, pools: PoolTensors, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None, window_starts: torch.Tensor | None = None,
+    tail_rows: torch.Tensor | None = None, fresh_keys: torch.Tensor | None = None,
+    fresh_values: torch.Tensor | None = None, num_fresh: torch.Tensor | None = None, fresh_is_query: bool = False,
 ) -> torch.Tensor:
     """Causal attention of queries against the paged K/V of their sequences.
 
@@ -58,19 +41,18 @@ def paged_attention_core(
         query: ``[B, num_heads, n, head_dim]``; query heads ``h`` read KV head ``h // (num_heads // num_kv_heads)``.
         query_positions: ``[B, n]`` int64 position of each query; a query attends keys at positions
             ``<= its own`` (and ``> position - sliding_window``). A negative position marks a padding query (output 0).
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        pools: the layer's ``PoolTensors``: codes in the caches and the side data as its ``kv_format``'s module
+            docstring lays it out (float16 scales per token; int4: key range codes and grid, value scale codes and
+            maximum; each chunk is dequantized as it is read), and a tail format's ``[rows, block_size,
+            num_kv_heads, head_dim]`` tail pools in the compute dtype.
         block_tables: ``[B, max_blocks]`` int block ids; entries past a sequence's length must be valid ids.
         seq_lens: ``[B]`` tokens held by each sequence (positions ``0 .. seq_len - 1``).
         sinks: ``[num_heads]`` attention-sink logits that join each softmax denominator, or None.
-        key_scale, value_scale, key_zero, value_zero, kv_format: for quantized pools: codes in the caches and the
-            side data as ``kv_format``'s module docstring lays it out (float16 scales per token; int4: key range
-            codes and grid, value scale codes and maximum); each chunk is dequantized as it is read.
         window_starts: ``[B, n]`` the first key position each query sees, in place of ``sliding_window`` (a window
             measured over a padded timeline, where pads take window room), or None.
-        key_tail, value_tail, tail_rows: formats with a full-precision tail: ``[rows, block_size, num_kv_heads,
-            head_dim]`` pools in the compute dtype and ``[B]`` each sequence's row, holding the tokens of its last
-            block older than the forward (positions ``ctx // block_size * block_size .. ctx - 1``, ``ctx =
-            seq_lens - num_fresh``).
+        tail_rows: formats with a full-precision tail: ``[B]`` each sequence's row of the tail pools, holding the
+            tokens of its last block older than the forward (positions ``ctx // block_size * block_size .. ctx -
+            1``, ``ctx = seq_lens - num_fresh``).
         fresh_keys, fresh_values, num_fresh: tail formats: the forward's new K/V of each sequence, ``[B, W,
             num_kv_heads, head_dim]`` (rotated as stored), its first ``num_fresh[b]`` entries at positions ``ctx ..
             seq_lens - 1``. A query reads its own block from the tail row and these (module docstring).
@@ -79,11 +61,10 @@ def paged_attention_core(
     Returns ``[B, num_heads, n, head_dim]`` in ``query.dtype``; computed in float32.
     """
     batch, num_heads, num_queries, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    block_size, num_kv_heads = pools.block_size, pools.num_kv_heads
     group = num_heads // num_kv_heads
     assert group * num_kv_heads == num_heads, f"{num_heads=} is not a multiple of {num_kv_heads=}"
-    pools = KVPools(key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, key_tail,
-                    value_tail, tail_rows, fresh_keys, fresh_values, num_fresh, fresh_is_query)
+    pools = KVPools(pools, tail_rows, fresh_keys, fresh_values, num_fresh, fresh_is_query)  # the reader of them
     num_blocks = block_tables.shape[1]
     if not torch.compiler.is_compiling():  # read only the blocks that hold tokens (a host sync: eager only)
         max_len = int(seq_lens.max()) if seq_lens.numel() else 0
@@ -182,9 +163,9 @@ class KVPools:
     """The pool operands of one attention call: ``read`` dequantizes blocks, ``own_blocks`` gives a tail format's
     full-precision window of each sequence's own blocks (tail row + new K/V)."""
 
-    def __init__(self, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, key_tail,
-                 value_tail, tail_rows, fresh_keys=None, fresh_values=None, num_fresh=None,
+    def __init__(self, pools: PoolTensors, tail_rows, fresh_keys=None, fresh_values=None, num_fresh=None,
                  fresh_is_query: bool = False) -> None:
+        key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, key_tail, value_tail = pools
         self.fmt = _kv_format(kv_format)
         self.key = (key_cache, key_scale, key_zero, self.fmt.key_side)
         self.value = (value_cache, value_scale, value_zero, self.fmt.value_side)
@@ -196,8 +177,8 @@ class KVPools:
         self.block_size = key_cache.shape[1]
         if self.fmt.tail and any(t is None for t in (key_tail, value_tail, tail_rows, fresh_keys, fresh_values,
                                                       num_fresh)):
-            raise ValueError(f"kv_format={kv_format!r} keeps a full-precision tail: pass key_tail, value_tail, "
-                             f"tail_rows, fresh_keys, fresh_values and num_fresh")
+            raise ValueError(f"kv_format={kv_format!r} keeps a full-precision tail: pass pools with key_tail and "
+                             f"value_tail, and tail_rows, fresh_keys, fresh_values and num_fresh")
 
     def read(self, ids: torch.Tensor, own_position: torch.Tensor | None = None,
              seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

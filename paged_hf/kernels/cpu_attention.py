@@ -36,6 +36,7 @@ import torch
 
 from .kv_format import kv_format as _kv_format
 from .kv_quant import dequantize_block_values_ref, dequantize_channels_ref, dequantize_kv_ref
+from .pool_tensors import PoolTensors
 
 # Upper bound on the gathered K (or V) elements of one vectorized call; a larger batch goes in groups of sequences.
 # 2^20 (4 MiB of float32 per K): a group's gathered (and dequantized) K/V is still in cache when the attention reads
@@ -46,13 +47,10 @@ GATHER_ELEMENTS_PER_CHUNK = 1 << 20
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def paged_decode_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window=None,
-                               softcap=None, sinks=None, key_scale=None, value_scale=None, key_zero=None,
-                               value_zero=None, kv_format="auto", key_tail=None, value_tail=None, tail_rows=None,
-                               fresh_key=None, fresh_value=None) -> torch.Tensor:
+def paged_decode_attention_cpu(query, pools: PoolTensors, block_tables, seq_lens, scale, sliding_window=None,
+                               softcap=None, sinks=None, tail_rows=None, fresh_key=None, fresh_value=None):
     """``paged_decode_attention_ref``'s contract (``query [S, heads, D]`` at position ``seq_lens - 1``), batched."""
-    pools = _Pools(key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, key_tail,
-                   value_tail)
+    pools = _Pools(*pools)
     out = torch.empty_like(query)
     for a, b in _groups(seq_lens, pools):
         rows = None if tail_rows is None else tail_rows[a:b]
@@ -62,14 +60,12 @@ def paged_decode_attention_cpu(query, key_cache, value_cache, block_tables, seq_
     return out
 
 
-def paged_prefill_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale,
-                                sliding_window=None, softcap=None, sinks=None, key_scale=None, value_scale=None,
-                                key_zero=None, value_zero=None, kv_format="auto", key_tail=None, value_tail=None,
-                                tail_rows=None, fresh_key=None, fresh_value=None) -> torch.Tensor:
+def paged_prefill_attention_cpu(query, pools: PoolTensors, block_tables, seq_lens, cu_query_lens, scale,
+                                sliding_window=None, softcap=None, sinks=None, tail_rows=None, fresh_key=None,
+                                fresh_value=None):
     """``paged_prefill_attention_ref``'s contract (packed queries ``[T, heads, D]``, rows ``cu_query_lens[s] :
     cu_query_lens[s + 1]`` the last positions of sequence ``s``), batched."""
-    pools = _Pools(key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, key_tail,
-                   value_tail)
+    pools = _Pools(*pools)
     out = torch.empty_like(query)
     for a, b in _groups(seq_lens, pools):
         first, last = int(cu_query_lens[a]), int(cu_query_lens[b])
@@ -83,7 +79,8 @@ def paged_prefill_attention_cpu(query, key_cache, value_cache, block_tables, seq
 
 
 class _Pools:
-    """The pool operands of one call and ``gather``: blocks of K and V in the compute dtype."""
+    """The pool operands of one call (a ``PoolTensors``' fields, in order) and ``gather``: blocks of K and V in the
+    compute dtype."""
 
     def __init__(self, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, key_tail,
                  value_tail) -> None:

@@ -29,6 +29,7 @@ from . import _rounding, _tiles
 from ._common import Kernels, Launch, PoolOperands, constexpr_globals, jit_unspecialized, next_pow2
 from .kv_format import SIDE_CHANNEL, SIDE_TOKEN_CODE, kv_format as _kv_format
 from .kv_quant import quantize_block_values_ref, quantize_channels_ref
+from .pool_tensors import PoolTensors
 
 _TILE_ELEMENTS = 2048  # float32 elements per [tokens, channel pairs] tile of a program
 _CONSTANTS = ("SIDE_CHANNEL", "SIDE_TOKEN_CODE")
@@ -58,13 +59,13 @@ class StorePlan:
         return self.fill_blocks.shape[0]
 
 
-def fill_blocks_ref(key, value, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format,
-                    key_tail, value_tail, plan: StorePlan) -> None:
-    """Torch reference: quantizes ``plan.fill_blocks`` from their tail rows and ``key``/``value`` ``[n, H, D]``
-    (``kv_quant.quantize_channels_ref`` for keys, ``quantize_block_values_ref`` for values; the side pools as
-    ``kv_format`` describes them for int4)."""
+def fill_blocks_ref(key, value, pools: PoolTensors, plan: StorePlan) -> None:
+    """Torch reference: quantizes ``plan.fill_blocks`` of ``pools`` from their tail rows and ``key``/``value`` ``[n,
+    H, D]`` (``kv_quant.quantize_channels_ref`` for keys, ``quantize_block_values_ref`` for values; the side pools
+    as the format describes them for int4)."""
     if plan.num_fills == 0:
         return
+    key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, key_tail, value_tail = pools
     fmt = _kv_format(kv_format)
     block_size = key_cache.shape[1]
     offsets = torch.arange(block_size, device=key.device)

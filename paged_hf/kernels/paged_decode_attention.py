@@ -1,6 +1,6 @@
 """Paged decode attention: one query token per sequence against that sequence's blocks.
 
-``paged_decode_attention_ref`` is the torch reference (the CPU path and the test oracle);
+``paged_decode_attention_ref`` is the torch reference (the test oracle);
 ``paged_decode_attention`` is the Triton kernel with the same signature (flash-decoding):
 
 - grid ``(sequences, kv_heads, partitions)``: a program holds the ``group`` query heads that share one KV head
@@ -36,6 +36,7 @@ from ._common import (  # noqa: F401 - dot_mode, triton_interpreting: re-exporte
     feature_meta, jit_unspecialized, next_pow2, triton_interpreting,
 )
 from .attention_ref import paged_attention_core
+from .pool_tensors import PoolTensors
 
 PARTITION_SIZE = 512  # tokens per flash-decoding partition
 BLOCK_N = 64  # tokens per K/V tile inside a program
@@ -52,36 +53,22 @@ DECODE_NO_SPECIALIZE = ("num_parts", "stride_bt")
 
 
 def paged_decode_attention_ref(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    key_scale: torch.Tensor | None = None,
-    value_scale: torch.Tensor | None = None,
-    key_zero: torch.Tensor | None = None,
-    value_zero: torch.Tensor | None = None,
-    kv_format: str = "auto",
-    key_tail: torch.Tensor | None = None,
-    value_tail: torch.Tensor | None = None,
-    tail_rows: torch.Tensor | None = None,
-    fresh_key: torch.Tensor | None = None,
+    query: torch.Tensor, pools: PoolTensors, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    sliding_window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+    tail_rows: torch.Tensor | None = None, fresh_key: torch.Tensor | None = None,
     fresh_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference.
 
     Args:
         query: ``[S, num_heads, head_dim]``, the token at position ``seq_lens[s] - 1`` of each sequence.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; the query's own K/V is
-            already stored. Quantized pools add ``key_scale`` .. ``kv_format``, tail formats ``key_tail``,
-            ``value_tail``, ``tail_rows`` (see ``paged_attention_core``) and ``fresh_key`` / ``fresh_value``
-            ``[S, num_kv_heads, head_dim]``: each query's own K/V as the store got them (``storage.FreshKV``).
+        pools: the layer's ``PoolTensors`` (``[num_blocks, block_size, num_kv_heads, head_dim]`` K/V, a quantized
+            format's side data, a tail format's tail pools); the query's own K/V is already stored.
         block_tables: ``[S, max_blocks]`` int32/int64.
         seq_lens: ``[S]`` tokens held per sequence, the query's own included (>= 1).
+        tail_rows, fresh_key, fresh_value: tail formats: ``[S]`` each sequence's tail row (see
+            ``paged_attention_core``) and ``[S, num_kv_heads, head_dim]`` each query's own K/V as the store got
+            them (``storage.FreshKV``).
 
     Returns ``[S, num_heads, head_dim]``.
     """
@@ -90,11 +77,8 @@ def paged_decode_attention_ref(
     if fresh_key is not None:
         fresh = dict(fresh_keys=fresh_key.unsqueeze(1), fresh_values=fresh_value.unsqueeze(1),
                      num_fresh=torch.ones_like(positions[:, 0]), fresh_is_query=True)
-    out = paged_attention_core(
-        query.unsqueeze(2), positions, key_cache, value_cache, block_tables, seq_lens,
-        scale, sliding_window, softcap, sinks, key_scale, value_scale, key_zero, value_zero, kv_format,
-        key_tail=key_tail, value_tail=value_tail, tail_rows=tail_rows, **fresh,
-    )
+    out = paged_attention_core(query.unsqueeze(2), positions, pools, block_tables, seq_lens, scale, sliding_window,
+                               softcap, sinks, tail_rows=tail_rows, **fresh)
     return out.squeeze(2)
 
 
@@ -102,27 +86,10 @@ def paged_decode_attention_ref(
 
 
 def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    key_scale: torch.Tensor | None = None,
-    value_scale: torch.Tensor | None = None,
-    key_zero: torch.Tensor | None = None,
-    value_zero: torch.Tensor | None = None,
-    kv_format: str = "auto",
-    key_tail: torch.Tensor | None = None,
-    value_tail: torch.Tensor | None = None,
-    tail_rows: torch.Tensor | None = None,
-    fresh_key: torch.Tensor | None = None,
-    fresh_value: torch.Tensor | None = None,
-    *,
-    partition_size: int | None = None,
+    query: torch.Tensor, pools: PoolTensors, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    sliding_window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+    tail_rows: torch.Tensor | None = None, fresh_key: torch.Tensor | None = None,
+    fresh_value: torch.Tensor | None = None, *, partition_size: int | None = None,
 ) -> torch.Tensor:
     """Triton flash-decoding; the arguments and result of ``paged_decode_attention_ref``.
 
@@ -131,24 +98,17 @@ def paged_decode_attention(
     path with short sequences.
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    for launch in _decode_launches(
-        query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, sinks,
-        key_scale, value_scale, key_zero, value_zero, kv_format, out, partition_size, key_tail, value_tail,
-        tail_rows, fresh_key, fresh_value,
-    ):
+    for launch in _decode_launches(query, pools, block_tables, seq_lens, scale, sliding_window, softcap, sinks, out,
+                                   partition_size, tail_rows, fresh_key, fresh_value):
         launch()
     return out
 
 
-def _decode_launches(
-    query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, sinks,
-    key_scale, value_scale, key_zero, value_zero, kv_format, out, partition_size=None, key_tail=None,
-    value_tail=None, tail_rows=None, fresh_key=None, fresh_value=None,
-) -> list[Launch]:
+def _decode_launches(query, pools, block_tables, seq_lens, scale, sliding_window, softcap, sinks, out,
+                     partition_size=None, tail_rows=None, fresh_key=None, fresh_value=None) -> list[Launch]:
     k = _kernels()
     num_seqs, num_heads, head_dim = check_query(query, "query")
-    pools = check_pools(query, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format,
-                        head_dim, key_tail, value_tail)
+    pools = check_pools(query, pools, head_dim)
     group = num_heads // pools.num_kv_heads
     if group * pools.num_kv_heads != num_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={pools.num_kv_heads}")

@@ -32,6 +32,7 @@ from ._common import (
     feature_meta, jit_unspecialized, next_pow2,
 )
 from .attention_ref import paged_attention_core
+from .pool_tensors import PoolTensors
 
 # Rows (queries x group heads) per program, keys per tile and launch options by head_dim and format: the
 # [BLOCK_M, head_dim] float32 accumulator, the query and the K/V tiles (codes unpacked, scales) must fit 255
@@ -56,26 +57,10 @@ PREFILL_NO_SPECIALIZE = ("num_seqs", "stride_bt")
 
 
 def paged_prefill_attention_ref(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_query_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    key_scale: torch.Tensor | None = None,
-    value_scale: torch.Tensor | None = None,
-    key_zero: torch.Tensor | None = None,
-    value_zero: torch.Tensor | None = None,
-    kv_format: str = "auto",
-    key_tail: torch.Tensor | None = None,
-    value_tail: torch.Tensor | None = None,
-    tail_rows: torch.Tensor | None = None,
-    fresh_key: torch.Tensor | None = None,
-    fresh_value: torch.Tensor | None = None,
+    query: torch.Tensor, pools: PoolTensors, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    cu_query_lens: torch.Tensor, scale: float, sliding_window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None, tail_rows: torch.Tensor | None = None,
+    fresh_key: torch.Tensor | None = None, fresh_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference.
 
@@ -84,7 +69,7 @@ def paged_prefill_attention_ref(
             ``cu_query_lens[s] : cu_query_lens[s + 1]``, its last ``q_len`` positions
             ``seq_lens[s] - q_len .. seq_lens[s] - 1`` (their K/V already stored).
         block_tables: ``[S, max_blocks]``; seq_lens: ``[S]``; cu_query_lens: ``[S + 1]`` int, starting at 0.
-        key_scale .. tail_rows: see ``paged_decode_attention_ref``; ``fresh_key`` / ``fresh_value``
+        pools, tail_rows: see ``paged_decode_attention_ref``; ``fresh_key`` / ``fresh_value``
             ``[total_queries, num_kv_heads, head_dim]``: the queries' own K/V (tail formats).
 
     Returns ``[total_queries, num_heads, head_dim]``.
@@ -111,10 +96,8 @@ def paged_prefill_attention_ref(
             num_fresh = torch.tensor([b - a for _, a, b in batch], device=query.device)
             fresh = dict(fresh_keys=fresh_keys, fresh_values=fresh_values, num_fresh=num_fresh)
         chunk = paged_attention_core(
-            padded.transpose(1, 2), positions, key_cache, value_cache, block_tables[index], seq_lens[index],
-            scale, sliding_window, softcap, sinks, key_scale, value_scale, key_zero, value_zero, kv_format,
-            key_tail=key_tail, value_tail=value_tail, tail_rows=None if tail_rows is None else tail_rows[index],
-            **fresh,
+            padded.transpose(1, 2), positions, pools, block_tables[index], seq_lens[index], scale, sliding_window,
+            softcap, sinks, tail_rows=None if tail_rows is None else tail_rows[index], **fresh,
         ).transpose(1, 2)
         for row, (_, a, b) in enumerate(batch):
             out[a:b] = chunk[row, : b - a]
@@ -136,26 +119,10 @@ def _batches(spans: list, lengths: list[int], num_heads: int) -> list[list]:
 
 
 def paged_prefill_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_query_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    key_scale: torch.Tensor | None = None,
-    value_scale: torch.Tensor | None = None,
-    key_zero: torch.Tensor | None = None,
-    value_zero: torch.Tensor | None = None,
-    kv_format: str = "auto",
-    key_tail: torch.Tensor | None = None,
-    value_tail: torch.Tensor | None = None,
-    tail_rows: torch.Tensor | None = None,
-    fresh_key: torch.Tensor | None = None,
-    fresh_value: torch.Tensor | None = None,
+    query: torch.Tensor, pools: PoolTensors, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    cu_query_lens: torch.Tensor, scale: float, sliding_window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None, tail_rows: torch.Tensor | None = None,
+    fresh_key: torch.Tensor | None = None, fresh_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton varlen prefill; the arguments and result of ``paged_prefill_attention_ref``.
 
@@ -163,24 +130,17 @@ def paged_prefill_attention(
     and each ``q_len <= seq_len``; this is not checked on the device.
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    for launch in _prefill_launches(
-        query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sliding_window, softcap,
-        sinks, key_scale, value_scale, key_zero, value_zero, kv_format, out, key_tail, value_tail, tail_rows,
-        fresh_key, fresh_value,
-    ):
+    for launch in _prefill_launches(query, pools, block_tables, seq_lens, cu_query_lens, scale, sliding_window,
+                                    softcap, sinks, out, tail_rows, fresh_key, fresh_value):
         launch()
     return out
 
 
-def _prefill_launches(
-    query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sliding_window, softcap, sinks,
-    key_scale, value_scale, key_zero, value_zero, kv_format, out, key_tail=None, value_tail=None, tail_rows=None,
-    fresh_key=None, fresh_value=None,
-) -> list[Launch]:
+def _prefill_launches(query, pools, block_tables, seq_lens, cu_query_lens, scale, sliding_window, softcap, sinks, out,
+                      tail_rows=None, fresh_key=None, fresh_value=None) -> list[Launch]:
     k = _kernels()
     total, num_heads, head_dim = check_query(query, "query")
-    pools = check_pools(query, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format,
-                        head_dim, key_tail, value_tail)
+    pools = check_pools(query, pools, head_dim)
     group = num_heads // pools.num_kv_heads
     if group * pools.num_kv_heads != num_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={pools.num_kv_heads}")
@@ -199,7 +159,7 @@ def _prefill_launches(
     check_sinks(sinks, num_heads, query.device)
     flags = feature_meta(sliding_window, softcap, sinks)
 
-    block_m, block_n, options = prefill_tiles(head_dim, kv_format)
+    block_m, block_n, options = prefill_tiles(head_dim, pools.fmt.name)
     block_n = _decode.key_tile(block_n, pools)
     g_pad = next_pow2(group)
     block_m = max(block_m, g_pad)

@@ -33,6 +33,7 @@ from ._common import Kernels, Launch, check_pools, constexpr_globals, jit_unspec
 from .fill_blocks import StorePlan, fill_blocks_ref
 from .kv_format import CODES_E4M3, CODES_E5M2, CODES_INT8, CODES_MODEL, kv_format as _kv_format
 from .kv_quant import quantize_kv_ref
+from .pool_tensors import PoolTensors
 
 __all__ = ["StorePlan", "store_kv", "store_kv_ref", "store_tails", "store_tails_ref"]
 
@@ -40,21 +41,8 @@ _STORE_ROWS = 32  # (token, head) vectors per program
 _CONSTANTS = ("CODES_E4M3", "CODES_E5M2", "CODES_INT8", "CODES_MODEL")
 
 
-def store_kv_ref(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    slots: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    key_scale: torch.Tensor | None = None,
-    value_scale: torch.Tensor | None = None,
-    key_zero: torch.Tensor | None = None,
-    value_zero: torch.Tensor | None = None,
-    kv_format: str = "auto",
-    key_tail: torch.Tensor | None = None,
-    value_tail: torch.Tensor | None = None,
-    plan: StorePlan | None = None,
-) -> None:
+def store_kv_ref(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, pools: PoolTensors,
+                 plan: StorePlan | None = None) -> None:
     """Torch reference: writes ``key``/``value`` ``[n, num_kv_heads, head_dim]`` into the pools, in place.
 
     Formats without a tail: at ``slots`` ``[n]`` (int64, ``block_id * block_size + offset``); "auto" casts to the pool
@@ -62,13 +50,13 @@ def store_kv_ref(
     through uint8 views: CPU index ops lack float8). Tail formats: the blocks that fill, as ``plan`` says (``slots``
     unused; the tail writes are ``store_tails_ref``), see the module docstring.
     """
+    key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, key_tail, value_tail = pools
     fmt = _kv_format(kv_format)
     if fmt.tail:
         if plan is None or key_tail is None or value_tail is None:
             raise ValueError(f"kv_format={kv_format!r} keeps a full-precision tail: its store needs key_tail, "
                              f"value_tail and a StorePlan")
-        fill_blocks_ref(key, value, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format,
-                        key_tail, value_tail, plan)
+        fill_blocks_ref(key, value, pools, plan)
         return
     slots = slots.long()
     for states, cache, scale, zero in ((key, key_cache, key_scale, key_zero), (value, value_cache, value_scale,
@@ -82,44 +70,26 @@ def store_kv_ref(
                 _bytes(pool).view(-1, *pool.shape[2:]).index_copy_(0, slots, _bytes(new))
 
 
-def store_tails_ref(key: torch.Tensor, value: torch.Tensor, key_tail: torch.Tensor, value_tail: torch.Tensor,
-                    plan: StorePlan) -> None:
+def store_tails_ref(key: torch.Tensor, value: torch.Tensor, pools: PoolTensors, plan: StorePlan) -> None:
     """Torch reference: writes the new tokens whose block is not full after the forward (``plan.tail_slots >= 0``)
-    into the tail pools ``[rows, block_size, num_kv_heads, head_dim]``, cast to their dtype. ``key``/``value``: the
-    forward's ``[n, num_kv_heads, head_dim]``, as its store got them."""
+    into the tail pools ``[rows, block_size, num_kv_heads, head_dim]`` of ``pools``, cast to their dtype.
+    ``key``/``value``: the forward's ``[n, num_kv_heads, head_dim]``, as its store got them."""
     tail = plan.tail_slots >= 0
-    store_kv_ref(key[tail], value[tail], plan.tail_slots[tail], key_tail, value_tail)
+    store_kv_ref(key[tail], value[tail], plan.tail_slots[tail], PoolTensors(pools.key_tail, pools.value_tail))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    slots: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    key_scale: torch.Tensor | None = None,
-    value_scale: torch.Tensor | None = None,
-    key_zero: torch.Tensor | None = None,
-    value_zero: torch.Tensor | None = None,
-    kv_format: str = "auto",
-    key_tail: torch.Tensor | None = None,
-    value_tail: torch.Tensor | None = None,
-    plan: StorePlan | None = None,
-) -> None:
+def store_kv(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, pools: PoolTensors,
+             plan: StorePlan | None = None) -> None:
     """Triton store; the arguments and effect of ``store_kv_ref``."""
-    for launch in _store_launches(key, value, slots, key_cache, value_cache, key_scale, value_scale, key_zero,
-                                  value_zero, kv_format, key_tail, value_tail, plan):
+    for launch in _store_launches(key, value, slots, pools, plan):
         launch()
 
 
-def _store_launches(
-    key, value, slots, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format,
-    key_tail=None, value_tail=None, plan=None,
-) -> list[Launch]:
+def _store_launches(key, value, slots, pools: PoolTensors, plan=None) -> list[Launch]:
     for name, states in (("key", key), ("value", value)):
         if states.dim() != 3 or not states.dtype.is_floating_point or states.dtype.itemsize == 1:
             raise ValueError(f"{name} must be a float [n, num_kv_heads, head_dim] tensor, got {states.dtype} "
@@ -129,22 +99,20 @@ def _store_launches(
     if value.device != key.device:
         raise ValueError(f"value is on {value.device}, key on {key.device}")
     head_dim = key.shape[2]
-    pools = check_pools(key, key_cache, value_cache, key_scale, value_scale, key_zero, value_zero, kv_format, head_dim,
-                        key_tail, value_tail)
+    pools = check_pools(key, pools, head_dim)
     if pools.num_kv_heads != key.shape[1]:
         raise ValueError(f"pools hold {pools.num_kv_heads} KV heads, key has {key.shape[1]}")
     if not pools.fmt.tail:
         return [_vector_store(key, value, slots, pools.data, pools.side, pools.data_strides, pools.side_strides[:3],
                               pools.block_size, pools.fmt.codes)]
     if not isinstance(plan, StorePlan):
-        raise ValueError(f"kv_format={kv_format!r} keeps a full-precision tail: its store needs a StorePlan")
+        raise ValueError(f"kv_format={pools.fmt.name!r} keeps a full-precision tail: its store needs a StorePlan")
     return [_fill.fill_launch(key, value, pools, plan)]
 
 
-def store_tails(key: torch.Tensor, value: torch.Tensor, key_tail: torch.Tensor, value_tail: torch.Tensor,
-                plan: StorePlan) -> None:
+def store_tails(key: torch.Tensor, value: torch.Tensor, pools: PoolTensors, plan: StorePlan) -> None:
     """Triton tail writes; the arguments and effect of ``store_tails_ref``."""
-    _tail_launch(key, value, key_tail, value_tail, plan)()
+    _tail_launch(key, value, pools.key_tail, pools.value_tail, plan)()
 
 
 def _tail_launch(key, value, key_tail, value_tail, plan: StorePlan) -> Launch:

@@ -1,7 +1,7 @@
 """``KVManager``: the one KV allocator of ``generate`` (``PagedCache``) and of the engine. It owns the sequences
 (their tables and block-table rows), their growth, the audit and the statistics, and holds the pieces with a job of
 their own: the layer groups (``layer_groups``), the copy log (``copies``), the prefix cache (``prefix_cache``) and
-the swap space (``swap``).
+the swap space (``swap``); what its pools cost and their allocation are ``sizing``'s.
 
 Is there room? Each client asks one question:
 
@@ -23,24 +23,22 @@ Policy: blocks are freed tail first, so a finished sequence's tail is evicted be
 
 from __future__ import annotations
 
-import torch
-
 from ..block_pool import BlockPool
 from ..block_table import BlockTable
 from ..kernels.kv_format import KV_FORMATS
 from ..kv_stats import KVCacheStats
-from ..quant import check_kv_format, layer_block_bytes, make_storage, tail_bytes_per_row
-from ..storage import KVStorage
+from ..quant import check_kv_format
 from .audit import check_manager
 from .copies import BlockCopy, CopyKind, CopyLog, apply_copy
 from .growth import PagedCacheFullError, grow_group, room_error
-from .layer_groups import LayerGroup, layer_groups
-from .model_config import available_memory, block_id_bytes, check_supported, config_dtype, head_dim_of, kv_heads_of
+from .layer_groups import layer_groups
 from .host_tier import HostTier
+from .model_config import check_supported, head_dim_of, kv_heads_of
 from .prefix_cache import PrefixCache
 from .prefix_hit import PrefixHit
 from .rows import RowAllocator
 from .sequence import SequenceKV
+from .sizing import block_id_bytes
 from .swap import SwapSpace
 
 __all__ = ["KVManager", "PagedCacheFullError", "SequenceKV"]
@@ -77,10 +75,10 @@ class KVManager:
             group.pool = BlockPool(num_blocks or 0, enable_caching=enable_prefix_caching and num_blocks is not None)
         self.copies = CopyLog()
         caching = enable_prefix_caching and num_blocks is not None
-        host = HostTier.sized(kv_offloading_bytes if caching else 0, self.block_id_bytes(), self.groups,
+        host = HostTier.sized(kv_offloading_bytes if caching else 0, block_id_bytes(self), self.groups,
                               self.kv_format, self.head_dim, self.copies)
         self.prefix_cache = PrefixCache(self.groups, block_size, self.kv_format, caching, host)
-        num_cpu_blocks = int(swap_space_bytes // self.block_id_bytes()) if swap_space_bytes else 0
+        num_cpu_blocks = int(swap_space_bytes // block_id_bytes(self)) if swap_space_bytes else 0
         self.swap = SwapSpace(num_cpu_blocks, len(self.groups), self.kv_format, self.head_dim)
         self.rows = RowAllocator(self.groups, self.has_tail)
         self._live: dict[int, SequenceKV] = {}  # id -> every sequence made and not freed
@@ -90,21 +88,7 @@ class KVManager:
         """Whether full blocks are hashed and reused (asked, not just enabled: off for a growable pool)."""
         return self.prefix_cache.enabled
 
-    # ------------------------------------------------------------------------------------------ sizing
-    def layer_block_bytes(self, dtype: torch.dtype | None = None, num_kv_heads: int | None = None) -> int:
-        """Bytes of one block of one layer (K and V, scales and zeros included)."""
-        return layer_block_bytes(self.kv_format, self.block_size, num_kv_heads or self.num_kv_heads, self.head_dim,
-                                 dtype or config_dtype(self.text_config))
-
-    def block_id_bytes(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes of one block id in every layer (what one more block per group costs)."""
-        return block_id_bytes(self.text_config, self.block_size, self.kv_cache_dtype, self.num_kv_heads, dtype)
-
-    def tail_bytes_per_row(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes of one sequence row of the tail pools in every layer (0 for formats without a tail)."""
-        return tail_bytes_per_row(self.kv_format, self.block_size, self.num_kv_heads, self.head_dim,
-                                  dtype or config_dtype(self.text_config)) * len(self.group_of)
-
+    # ------------------------------------------------------------------------------------------- room
     @property
     def num_total_blocks(self) -> int:
         """Blocks every group has (the smallest pool; the engine's pools are all the same size)."""
@@ -118,45 +102,6 @@ class KVManager:
     def has_room(self, blocks_per_group: list[int]) -> bool:
         """The engine's question: whether group ``g`` can allocate ``blocks_per_group[g]`` blocks, for every ``g``."""
         return all(n <= g.pool.num_free_blocks for n, g in zip(blocks_per_group, self.groups))
-
-    def blocks_to_hold(self, num_tokens: int) -> int:
-        """Blocks the worst group holds at once for one sequence of ``num_tokens`` tokens (a window group: its
-        window's)."""
-        return max(g.policy.blocks_to_hold(num_tokens, self.block_size) for g in self.groups)
-
-    # ----------------------------------------------------------------------------------------- storage
-    def allocate_layer(self, layer_idx: int, num_kv_heads: int, dtype: torch.dtype, device) -> KVStorage:
-        """Makes layer ``layer_idx``'s pool tensors (sized like its group's pool). The first layer checks that the
-        whole pool fits the device, before anything is allocated."""
-        group = self.group_of[layer_idx]
-        if not any(g.storages for g in self.groups):
-            self.check_fits_on([torch.device(device)], dtype, num_kv_heads)
-        storage = make_storage(self.kv_format, group.pool.num_blocks, self.block_size, num_kv_heads, self.head_dim,
-                               dtype, device)
-        if self.has_tail:
-            storage.ensure_tail_rows(self.rows.num_rows)
-        group.storages[layer_idx] = storage
-        return storage
-
-    def allocate_all(self, dtype: torch.dtype, device) -> None:
-        """Makes every layer's pool tensors now (the engine's pool is sized once)."""
-        for idx in sorted(self.group_of):
-            self.allocate_layer(idx, self.num_kv_heads, dtype, device)
-
-    def check_fits_on(self, devices: list[torch.device], dtype=None, num_kv_heads: int | None = None) -> None:
-        """ValueError unless the fixed pool fits the device among ``devices`` with the most memory available.
-        ``PagedCache`` asks this at construction over every device of the machine (the model's is not known yet),
-        so a pool no device can hold fails there; the first layer asks again for the device it lands on."""
-        if self.growable:
-            return
-        total = self.layer_block_bytes(dtype, num_kv_heads) * len(self.group_of) * self.groups[0].pool.num_blocks
-        available, device = max((available_memory(d), str(d)) for d in devices)
-        if total > available:
-            raise ValueError(
-                f"the KV pool needs {total / 2**30:.2f} GiB ({self.groups[0].pool.num_blocks} blocks x "
-                f"{len(self.group_of)} layers) but {device} has {available / 2**30:.2f} GiB available: "
-                f"lower num_blocks / memory_budget"
-            )
 
     # --------------------------------------------------------------------------------------- sequences
     def new_sequence(self) -> SequenceKV:
