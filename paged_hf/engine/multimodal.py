@@ -1,0 +1,223 @@
+"""Images in the engine: a request's images, their placeholder tokens, and the vision tower's embeddings.
+
+A request with images arrives with its placeholders already expanded (the model's processor writes one image token
+per image embedding) and the processor's tensors (``pixel_values``, one row per image). ``RequestImages`` pairs each
+image with its run of placeholder tokens and a digest of its pixels. The runner's ``ImageEncoder`` runs the vision
+tower once per image, in the step that first computes any of its placeholder tokens (every image such a step needs,
+in one call), and keeps the embeddings on the request until all its tokens are computed; a step whose tokens hold
+image rows then runs on ``inputs_embeds`` (the text embeddings with the image rows written in), eagerly. A request
+that computes an image's tokens again (preempted by recompute, or a prefix hit that ends inside the image) encodes
+it again, so a chunk never needs an embedding that is gone.
+
+Prefix caching sees the images through the request's block keys (``hashing.ContentSpans``): each block holding
+placeholder tokens carries the digests of its images, and the chained hash carries them to every later block, so
+the same image hits and another image behind the same placeholders misses.
+
+Families: LLaVA-style models (causal attention over the image tokens, plain RoPE: ``IMAGE_FAMILIES``). Qwen2-VL
+(M-RoPE positions) and Gemma 3 (bidirectional attention inside an image) are refused with a ``NotImplementedError``:
+the paged attention is causal and its positions are one row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ParameterError
+from ..hashing import ContentSpans
+
+logger = logging.getLogger("paged_hf")
+
+IMAGE_FAMILIES = ("llava",)  # config.model_type of the models whose images the engine runs
+REFUSED = {
+    "qwen2_vl": "Qwen2-VL places image tokens with 3-row M-RoPE positions",
+    "qwen2_5_vl": "Qwen2.5-VL places image tokens with 3-row M-RoPE positions",
+    "gemma3": "Gemma 3's image tokens attend to each other bidirectionally, and the paged attention is causal",
+}
+IMAGE_KEYS = ("pixel_values", "image_sizes")  # the processor tensors the encoder takes, one row per image
+
+
+@dataclass
+class ImageSpan:
+    """One image of a request: its placeholder tokens ``offset .. offset + length - 1`` of the prompt, its
+    processor tensors (each with a leading dimension of 1) and the digest of its pixels."""
+
+    offset: int
+    length: int
+    tensors: dict[str, torch.Tensor]
+    digest: str
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass
+class RequestImages:
+    """A request's images in prompt order; ``embeds[i]``: image ``i``'s embeddings ``[length, hidden]`` while some of
+    its tokens remain to be computed (the encoder cache)."""
+
+    spans: list[ImageSpan]
+    embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def block_keys(self, salt) -> ContentSpans:
+        """The request's prefix-cache keys: ``salt`` for every block, plus the digests of the images in it."""
+        return ContentSpans(salt, tuple((s.offset, s.length, s.digest) for s in self.spans))
+
+    def overlapping(self, start: int, stop: int) -> list[int]:
+        """The images with placeholder tokens among positions ``start .. stop - 1``."""
+        return [i for i, s in enumerate(self.spans) if s.offset < stop and s.end > start]
+
+
+def image_token_id(model) -> int | None:
+    """The placeholder token id of ``model``'s images, or None for a model that reads no images."""
+    config = model.config
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def request_images(images, ids: list[int], model, max_images: int | None) -> RequestImages | None:
+    """Checks a request's ``images`` (a mapping of processor tensors: ``pixel_values`` ``[N, ...]``, optionally
+    ``image_sizes`` ``[N, 2]``) against its prompt ``ids`` and pairs each image with its run of placeholder tokens.
+    ``ParameterError`` (field ``images``) when they do not match; ``NotImplementedError`` for a family whose images
+    the engine cannot run. None for a request without images (whose prompt must hold no placeholder)."""
+    token = image_token_id(model)
+    runs = _placeholder_runs(ids, token) if token is not None else []
+    if images is None:
+        if runs:
+            raise ParameterError("images", f"the prompt holds {sum(n for _, n in runs)} image placeholder tokens "
+                                           f"(id {token}) but the request has no images")
+        return None
+    if token is None:
+        raise ParameterError("images", f"{type(model).__name__} reads no images (its config names no image token)")
+    family = model.config.model_type
+    if family in REFUSED:
+        raise NotImplementedError(f"PagedEngine does not run images on {family} yet: {REFUSED[family]}; its "
+                                  f"text-only requests run. Image families: {list(IMAGE_FAMILIES)}")
+    if family not in IMAGE_FAMILIES:
+        raise NotImplementedError(f"PagedEngine runs images on {list(IMAGE_FAMILIES)} models, not {family!r}")
+    if not isinstance(images, Mapping) or not isinstance(images.get("pixel_values"), torch.Tensor):
+        raise ParameterError("images", "images must be the processor's tensors: a mapping with 'pixel_values' "
+                                       f"(a tensor, one row per image), got {type(images).__name__}")
+    unknown = sorted(set(images) - set(IMAGE_KEYS))
+    if unknown:
+        raise ParameterError("images", f"images has unsupported key(s) {unknown}; allowed keys are {list(IMAGE_KEYS)}")
+    pixels = images["pixel_values"]
+    count = pixels.shape[0] if pixels.dim() > 0 else 0
+    if count == 0:
+        raise ParameterError("images", "images['pixel_values'] holds no image")
+    if max_images is not None and count > max_images:
+        raise ParameterError("images", f"the request has {count} images; at most {max_images} are allowed "
+                                       f"(limit_mm_per_prompt)")
+    if not torch.isfinite(pixels).all():
+        raise ParameterError("images", "pixel_values holds NaN or infinite values")
+    if len(runs) != count:
+        raise ParameterError("images", f"the prompt holds {len(runs)} runs of image placeholder tokens (id {token}) "
+                                       f"for {count} images: the processor writes one run per image (a token must "
+                                       f"separate two images)")
+    for name, value in images.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != count:
+            raise ParameterError("images", f"images[{name!r}] must be a tensor with one row per image ({count})")
+    spans = []
+    for i, (offset, length) in enumerate(runs):
+        tensors = {name: value[i : i + 1].detach().cpu() for name, value in images.items()}
+        spans.append(ImageSpan(offset, length, tensors, _digest(tensors)))
+    return RequestImages(spans)
+
+
+def _placeholder_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(offset, length) of each run of consecutive ``token`` in ``ids``."""
+    runs: list[tuple[int, int]] = []
+    for position, value in enumerate(ids):
+        if value != token:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == position:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((position, 1))
+    return runs
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """BLAKE2b of an image's processor tensors (names, dtypes, shapes and bytes): its identity in the prefix cache."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        value = tensors[name].contiguous()
+        digest.update(f"{name}:{value.dtype}:{tuple(value.shape)};".encode())
+        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()
+
+
+class ImageEncoder:
+    """The runner's side: runs the vision tower (``model.get_image_features``) for the images a step needs and
+    builds the step's ``inputs_embeds``. ``num_encoded_images``: vision-tower runs so far, one per image."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.embed_tokens = model.get_input_embeddings()
+        self.num_encoded_images = 0
+
+    def inputs_embeds(self, scheduled, input_ids: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor | None:
+        """``[T, hidden]`` embeddings of the packed step (``input_ids`` ``[T]``, sequence ``i``'s rows from
+        ``query_start_loc[i]``) with the image rows written in; None when no scheduled token is an image's."""
+        needed = []  # (row of the step, images, image index, first token, last token + 1)
+        for i, item in enumerate(scheduled):
+            images = item.seq.request.images
+            if images is None:
+                continue
+            stop = item.start + item.num_tokens
+            for index in images.overlapping(item.start, stop):
+                needed.append((i, images, index, item.start, stop))
+        if not needed:
+            return None
+        self._encode([(images, index) for _, images, index, _, _ in needed if index not in images.embeds])
+        device = self.embed_tokens.weight.device
+        embeds = self.embed_tokens(input_ids.to(device))
+        starts = query_start_loc.tolist()
+        for i, images, index, start, stop in needed:
+            span = images.spans[index]
+            first, last = max(start, span.offset), min(stop, span.end)
+            row = starts[i] + first - start
+            embeds[row : row + last - first] = images.embeds[index][first - span.offset : last - span.offset]
+        return embeds
+
+    def _encode(self, missing: list[tuple[RequestImages, int]]) -> None:
+        """Runs the vision tower once over the ``missing`` images (grouped by shape), caching each one's
+        embeddings on its request; ``ValueError`` when an image's embeddings do not match its placeholders."""
+        groups: dict[tuple, list[tuple[RequestImages, int]]] = {}
+        for images, index in missing:
+            tensors = images.spans[index].tensors
+            groups.setdefault(tuple((n, tuple(t.shape), t.dtype) for n, t in sorted(tensors.items())), []).append(
+                (images, index))
+        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
+        for members in groups.values():
+            batch = {name: torch.cat([images.spans[index].tensors[name] for images, index in members]).to(device)
+                     for name in members[0][0].spans[members[0][1]].tensors}
+            batch["pixel_values"] = batch["pixel_values"].to(dtype)
+            features = self.model.get_image_features(**batch).pooler_output
+            for (images, index), feature in zip(members, features):
+                span = images.spans[index]
+                feature = feature.reshape(-1, feature.shape[-1])
+                if feature.shape[0] != span.length:
+                    raise ValueError(f"image {index} gives {feature.shape[0]} embeddings but the prompt holds "
+                                     f"{span.length} placeholder tokens for it (the processor expands them: use "
+                                     f"the model's processor)")
+                images.embeds[index] = feature.to(dtype)
+            self.num_encoded_images += len(members)
+
+    @staticmethod
+    def release(scheduled) -> None:
+        """After a step's forward: drops the embeddings of the images whose last token it computed."""
+        for item in scheduled:
+            images = item.seq.request.images
+            if images is not None and images.embeds:
+                stop = item.start + item.num_tokens
+                for index in [i for i in images.embeds if images.spans[i].end <= stop]:
+                    del images.embeds[index]
