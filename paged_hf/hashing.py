@@ -22,9 +22,11 @@ class ContentSpans(NamedTuple):
     base: object
     spans: tuple[tuple[int, int, str], ...]
 
-    def for_block(self, start: int, stop: int) -> tuple:
-        """The keys of the block of tokens ``start .. stop - 1``."""
-        return (self.base, tuple(d for offset, length, d in self.spans if offset < stop and offset + length > start))
+    def for_block(self, start: int, stop: int) -> object:
+        """The key of the block of tokens ``start .. stop - 1``: ``base`` alone for a block that overlaps no span (so
+        the text before the first image is keyed as a text-only prompt's), else ``(base, digests)``."""
+        digests = tuple(d for offset, length, d in self.spans if offset < stop and offset + length > start)
+        return (self.base, digests) if digests else self.base
 
 
 def _encode(value: object, out: list[bytes]) -> None:

@@ -1,0 +1,180 @@
+"""Images in the engine (tiny random LLaVA): greedy tokens and logprobs equal ``generate`` on ``DynamicCache`` +
+sdpa, with several images per prompt, text-only and image requests in one step, chunked prefill through image tokens,
+preemption; the vision tower runs once per image; prefix hits keyed by the pixels; hostile inputs fail alone."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from transformers import DynamicCache
+
+from paged_hf import PagedEngine, SamplingParams
+from paged_hf.engine.multimodal import request_images
+from paged_hf.hashing import ContentSpans, extend_block_hashes
+from models import token_logprobs
+from vision_models import IMAGE_TOKEN_ID, IMAGE_TOKENS, prompt_with_images, random_pixels, tiny_llava
+
+MAX_TOKENS = 6
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+# (number of images, seed): a text-only prompt among prompts of one, two and three images
+CASES = ((2, 1), (0, 2), (1, 3), (3, 4), (1, 5))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llava()
+
+
+def case_inputs(num_images: int, seed: int):
+    ids = prompt_with_images(num_images, seed)
+    return ids, ({"pixel_values": random_pixels(num_images, seed)} if num_images else None)
+
+
+_references: dict = {}
+
+
+def reference(model, num_images: int, seed: int):
+    """(greedy tokens, logprobs) of one prompt alone, by generate on DynamicCache with sdpa."""
+    key = (num_images, seed)
+    if key not in _references:
+        ids, images = case_inputs(num_images, seed)
+        model.set_attn_implementation("sdpa")
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 **(images or {}), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0, return_dict_in_generate=True, output_logits=True,
+                                 cache=DynamicCache(config=model.config))
+        tokens = out.sequences[0, len(ids):].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+        _references[key] = (tokens, logprobs)
+    return _references[key]
+
+
+def run_cases(engine, cases):
+    inputs = [case_inputs(*case) for case in cases]
+    return engine.generate([ids for ids, _ in inputs], GREEDY, use_tqdm=False, images=[i for _, i in inputs])
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"max_num_batched_tokens": 5},  # every image's 16 tokens split over chunks
+    {"max_num_batched_tokens": 13, "enable_prefix_caching": False},
+    {"num_blocks": 16, "preemption_mode": "recompute", "max_num_batched_tokens": 24},
+], ids=["one-step", "chunked-5", "chunked-13", "recompute"])
+def test_engine_equals_generate(model, options):
+    engine = PagedEngine(model, None, **{"block_size": 4, "num_blocks": 128, "enforce_eager": True, **options})
+    outs = run_cases(engine, CASES)
+    for out, case in zip(outs, CASES):
+        tokens, logprobs = reference(model, *case)
+        assert out.error is None
+        assert out.outputs[0].token_ids == tokens, case
+        torch.testing.assert_close(token_logprobs(out.outputs[0]), logprobs, atol=2e-5, rtol=0)
+    if options.get("preemption_mode"):
+        assert engine.get_stats()["preemption_count"] > 0, "the pool must force preemption"
+    else:  # the vision tower ran once per image, whatever the chunking
+        assert engine.runner.images.num_encoded_images == sum(n for n, _ in CASES)
+    engine.check_invariants()
+    assert engine.get_stats()["kv_cache_used"] == 0
+
+
+def test_image_and_text_requests_share_a_step(model):
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
+    ids, images = case_inputs(2, 1)
+    text_ids, _ = case_inputs(0, 2)
+    engine.add_request(ids, GREEDY, request_id="image", images=images)
+    engine.add_request(text_ids, GREEDY, request_id="text")
+    first = engine.step()  # both prompts fit one step: both get their first token from it
+    assert sorted((out.request_id, len(out.outputs[0].token_ids)) for out in first) == [("image", 1), ("text", 1)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done == {"image": reference(model, 2, 1)[0], "text": reference(model, 0, 2)[0]}
+    engine.check_invariants()
+
+
+def test_prefix_hits_the_same_image_and_misses_another(model):
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
+    ids, images = case_inputs(1, 3)  # 4 text tokens, then the image's 16 placeholders from position 4
+    first = engine.generate([ids], GREEDY, use_tqdm=False, images=[images])[0]
+    same = engine.generate([ids], GREEDY, use_tqdm=False, images=[images])[0]
+    other_pixels = {"pixel_values": random_pixels(1, 99)}
+    other = engine.generate([ids], GREEDY, use_tqdm=False, images=[other_pixels])[0]
+    assert first.metrics.num_prefix_cached_tokens == 0
+    assert same.metrics.num_prefix_cached_tokens == (len(ids) - 1) // 4 * 4  # every full block but the last token's
+    assert same.outputs[0].token_ids == first.outputs[0].token_ids
+    assert other.metrics.num_prefix_cached_tokens == 4  # the text block before the image, nothing after it
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([ids]), pixel_values=other_pixels["pixel_values"], do_sample=False,
+                                  max_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0,
+                                  cache=DynamicCache(config=model.config))[0, len(ids):].tolist()
+    assert other.outputs[0].token_ids == expected
+    engine.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(offset=st.integers(0, 30), length=st.integers(1, 12), block=st.sampled_from([1, 2, 4, 8]))
+def test_image_digests_key_the_blocks_from_the_image_on(offset, length, block):
+    tokens = list(range(48))
+    hashes = {d: extend_block_hashes([], tokens, block, ("auto", ContentSpans(None, ((offset, length, d),))))
+              for d in ("a", "b")}
+    first_image_block = offset // block
+    assert hashes["a"][:first_image_block] == hashes["b"][:first_image_block]
+    assert all(x != y for x, y in zip(hashes["a"][first_image_block:], hashes["b"][first_image_block:]))
+    plain = extend_block_hashes([], tokens, block, ("auto", None))
+    assert hashes["a"][:first_image_block] == plain[:first_image_block]
+
+
+def test_requests_whose_images_fail_fail_alone(model):
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
+    ids, images = case_inputs(1, 3)
+    small = {"pixel_values": torch.randn(1, 3, 8, 8)}  # the vision tower refuses an 8x8 image
+    short = [1, 7] + [IMAGE_TOKEN_ID] * 10 + [9]  # 10 placeholders for an image of 16 embeddings
+    outs = engine.generate([ids, ids, short, case_inputs(0, 2)[0]], GREEDY, use_tqdm=False,
+                           images=[images, small, images, None])
+    assert outs[1].error is not None and "image size" in outs[1].error
+    assert outs[2].error is not None and "16 embeddings but the prompt holds 10 placeholder" in outs[2].error
+    assert outs[0].outputs[0].token_ids == reference(model, 1, 3)[0]
+    assert outs[3].outputs[0].token_ids == reference(model, 0, 2)[0]
+    engine.check_invariants()
+    assert engine.get_stats()["kv_cache_used"] == 0
+
+
+@pytest.mark.parametrize("ids, images, message", [
+    (prompt_with_images(1, 0), None, "no images"),
+    (prompt_with_images(2, 0), {"pixel_values": random_pixels(1, 0)}, "holds 2 runs .* for 1 images"),
+    (prompt_with_images(1, 0), {"pixel_values": random_pixels(2, 0)}, "holds 1 runs .* for 2 images"),
+    (prompt_with_images(1, 0), {"pixel_values": torch.full((1, 3, 16, 16), float("nan"))}, "NaN"),
+    (prompt_with_images(1, 0), {"pixel_values": random_pixels(1, 0), "mask": torch.ones(1)}, "unsupported key"),
+    (prompt_with_images(1, 0), [random_pixels(1, 0)], "mapping with 'pixel_values'"),
+    (prompt_with_images(3, 0), {"pixel_values": random_pixels(3, 0)}, "at most 2 are allowed"),
+])
+def test_bad_images_are_refused_before_queueing(model, ids, images, message):
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True,
+                         limit_mm_per_prompt={"image": 2})
+    with pytest.raises(ValueError, match=message) as error:
+        engine.add_request(ids, GREEDY, images=images)
+    assert error.value.param == "images"
+    assert not engine.has_unfinished_requests()
+
+
+def test_limit_mm_per_prompt_is_checked():
+    from paged_hf.config import EngineConfig
+
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        EngineConfig(limit_mm_per_prompt={"video": 1})
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        EngineConfig(limit_mm_per_prompt={"image": -1})
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3", "mllama"])
+def test_families_without_engine_images_are_refused_by_name(family):
+    model = types.SimpleNamespace(config=types.SimpleNamespace(model_type=family, image_token_id=IMAGE_TOKEN_ID))
+    ids = [1, 2] + [IMAGE_TOKEN_ID] * IMAGE_TOKENS
+    with pytest.raises(NotImplementedError, match=family):
+        request_images({"pixel_values": random_pixels(1, 0)}, ids, model, None)

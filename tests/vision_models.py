@@ -1,0 +1,73 @@
+"""Tiny random vision-language models and their processors, built from small configs and local pieces (nothing is
+downloaded): a LLaVA (a 2-layer CLIP vision tower on 16x16 images, 4x4 patches, its projector and a 2-layer Llama)
+whose processor is LLaVA's PIL image processor with the stories260K tokenizer plus an ``<image>`` token."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+
+from models import STORIES, require_stories
+
+IMAGE_SIZE = 16
+PATCH = 4
+IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2  # CLIP's CLS token is dropped ("default" strategy)
+IMAGE_TOKEN_ID = 512  # the stories260K vocabulary (512) plus "<image>"
+VOCAB = 520
+
+
+def tiny_llava(attn_implementation: str = "sdpa", seed: int = 0):
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH,
+                                           projection_dim=32)
+    text = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID,
+                                      vision_feature_layer=-2, vision_feature_select_strategy="default")
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def llava_processor():
+    """LLaVA's processor: its PIL image processor (resize to 16, crop 16x16) and the stories260K tokenizer with
+    ``<image>`` added (id 512)."""
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    require_stories()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(STORIES)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    assert tokenizer.convert_tokens_to_ids("<image>") == IMAGE_TOKEN_ID
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+        "{% for part in m['content'] %}{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}"
+        "{% endif %}{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    images = LlavaImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
+                                    crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    return transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH,
+                                       vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                       chat_template=tokenizer.chat_template)
+
+
+def random_pixels(count: int, seed: int) -> torch.Tensor:
+    """``[count, 3, 16, 16]`` processed-looking pixel values."""
+    return torch.randn(count, 3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(seed))
+
+
+def random_image(seed: int, size: tuple[int, int] = (24, 20)) -> Image.Image:
+    """A random RGB PIL image of ``size`` (width, height)."""
+    pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def prompt_with_images(num_images: int, seed: int, text_len: int = 3) -> list[int]:
+    """Token ids: text, then each image's placeholder run followed by a few text tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = [1] + torch.randint(3, 500, (text_len,), generator=generator).tolist()
+    for _ in range(num_images):
+        ids += [IMAGE_TOKEN_ID] * IMAGE_TOKENS + torch.randint(3, 500, (2,), generator=generator).tolist()
+    return ids
