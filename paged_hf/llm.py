@@ -28,6 +28,8 @@ import torch
 
 from .config import GIB, EngineConfig, SamplingParams, check_known
 from .engine import PagedEngine, RequestOutput
+from .media import MediaPolicy
+from .multimodal_prompts import image_prompt, render_chat
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
@@ -48,7 +50,7 @@ WHY_NOT = {
     "enable_chunked_prefill": "the engine always chunks prefills within max_num_batched_tokens",
     "compilation_config": "the engine compiles its forward its own way (enforce_eager=True runs it eagerly)",
 }
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt", "multi_modal_data")
 # generation_config.json field -> SamplingParams field, as vLLM reads a model's defaults.
 GENERATION_DEFAULTS = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
                        ("repetition_penalty", "repetition_penalty"), ("max_new_tokens", "max_tokens"))
@@ -68,6 +70,10 @@ class LLM:
         generation_config: "auto" takes default sampling parameters from the model's generation_config (as vLLM),
             "vllm" ignores them, or a folder holding a generation_config.json.
         skip_tokenizer_init: no tokenizer: prompts must be token ids and outputs carry no text.
+        processor: the model's processor (e.g. ``AutoProcessor.from_pretrained(...)``), which images need: it expands
+            the image placeholders and makes the pixel values (``multi_modal_data``, image content parts).
+        media: a ``paged_hf.media.MediaPolicy``: which image URLs of chat content parts may be read (by default data:
+            URLs only) and the most pixels of one image.
         trust_remote_code, revision, tokenizer_revision, gguf_file: passed to ``from_pretrained``.
         tensor_parallel_size, distributed_executor_backend: as vLLM: N > 1 shards the model (a path: each rank
             loads its shard) over N ranks with transformers' tensor-parallel plan, on CUDA when available (NCCL)
@@ -83,7 +89,7 @@ class LLM:
                  trust_remote_code: bool = False, dtype="auto", device: str = "auto", seed: int | None = 0,
                  revision: str | None = None, tokenizer_revision: str | None = None, gguf_file: str | None = None,
                  generation_config: str = "auto", tensor_parallel_size: int = 1,
-                 distributed_executor_backend: str | None = None, **options) -> None:
+                 distributed_executor_backend: str | None = None, processor=None, media=None, **options) -> None:
         engine_options = _engine_options(options)
         if tokenizer_mode != "auto":
             raise ValueError(f"tokenizer_mode must be 'auto' (transformers' AutoTokenizer), got {tokenizer_mode!r}")
@@ -105,6 +111,8 @@ class LLM:
                                                       trust_remote_code, revision, gguf_file, engine_options)
             self.model = self.llm_engine.runner.model
         self.tokenizer = tokenizer
+        self.processor = processor
+        self.media = media if media is not None else MediaPolicy()
         self._default_params = _default_sampling_params(self.model, generation_config)
         if seed is not None:
             torch.manual_seed(seed)
@@ -115,11 +123,18 @@ class LLM:
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Completes ``prompts``: a string, ``{"prompt": ...}``, ``{"prompt_token_ids": [...]}`` (vLLM's
         TextPrompt / TokensPrompt, optionally with ``cache_salt``), a list of token ids, or a list of any of these.
+        ``{"prompt": text, "multi_modal_data": {"image": a PIL image or a list of them}}``: the text holds the
+        model's image placeholder once per image (the processor expands it).
         Returns one ``RequestOutput`` per prompt, in order. A prompt that cannot run raises ``ValueError`` before
         any work starts; a request that fails while running raises ``RuntimeError`` at the end."""
         if lora_request is not None:
             raise ValueError("lora_request is not supported: LLM serves one set of weights (merge the adapter)")
         prompts = _prompt_list(prompts)
+        images = [None] * len(prompts)
+        for index, (prompt, salt) in enumerate(prompts):
+            if isinstance(prompt, Mapping) and "multi_modal_data" in prompt:
+                engine_prompt, images[index] = image_prompt(prompt, self.processor, self.media)
+                prompts[index] = (engine_prompt, salt)
         params = self._params_list(sampling_params, len(prompts))
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
@@ -127,26 +142,26 @@ class LLM:
         if any(priorities) and self.llm_engine.config.scheduling_policy != "priority":
             raise ValueError("priority needs scheduling_policy='priority' (the LLM was built with "
                              f"{self.llm_engine.config.scheduling_policy!r}, which ignores it)")
-        return self._run(prompts, params, priorities, use_tqdm)
+        return self._run(prompts, params, priorities, use_tqdm, images)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable = True, lora_request=None, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list | None = None,
              chat_template_kwargs: Mapping | None = None) -> list[RequestOutput]:
         """Answers one conversation (a list of ``{"role", "content"}`` messages) or a list of them, rendered with
-        the tokenizer's chat template (or ``chat_template``)."""
+        the tokenizer's chat template (or ``chat_template``). Content may be OpenAI's parts: text, ``image_url``
+        (data: URLs, or what ``media`` allows) and vLLM's ``image_pil``."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init=True")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
-                list(conversation), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools, tokenize=False,
-                **dict(chat_template_kwargs or {}))
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds the specials
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        template = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message, tools=tools, **dict(chat_template_kwargs or {}))
+        rendered = [render_chat(self.tokenizer, self.processor, list(c), self.media, template) for c in conversations]
+        prompts, images = [(prompt, None) for prompt, _ in rendered], [tensors for _, tensors in rendered]
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: LLM serves one set of weights (merge the adapter)")
+        params = self._params_list(sampling_params, len(prompts))
+        return self._run(prompts, params, [0] * len(prompts), use_tqdm, images)
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel ranks this LLM started (a no-op on one process)."""
@@ -191,10 +206,11 @@ class LLM:
                 raise ValueError(f"sampling_params must be paged_hf.SamplingParams (or a list of them), got {p!r}")
         return params
 
-    def _run(self, prompts, params, priorities, use_tqdm) -> list[RequestOutput]:
+    def _run(self, prompts, params, priorities, use_tqdm, images) -> list[RequestOutput]:
         # PagedEngine.generate checks every prompt before any work (a bad one raises, nothing stays queued)
         outputs = self.llm_engine.generate([prompt for prompt, _ in prompts], list(params), use_tqdm,
-                                           priority=list(priorities), cache_salt=[salt for _, salt in prompts])
+                                           priority=list(priorities), cache_salt=[salt for _, salt in prompts],
+                                           images=images if any(i is not None for i in images) else None)
         failed = [o for o in outputs if o.error is not None]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed; request {failed[0].request_id}: "
@@ -368,6 +384,8 @@ def _engine_prompt(prompt) -> tuple[object, str | None]:
         unknown = sorted(set(prompt) - set(PROMPT_KEYS))
         if unknown:
             raise ValueError(f"prompt has unsupported key(s) {unknown}; allowed keys are {list(PROMPT_KEYS)}")
+        if "multi_modal_data" in prompt:  # LLM.generate runs the processor
+            return dict(prompt), prompt.get("cache_salt")
         if "prompt_token_ids" in prompt:
             return {"prompt": prompt.get("prompt"), "prompt_token_ids": list(prompt["prompt_token_ids"])}, \
                 prompt.get("cache_salt")

@@ -178,3 +178,78 @@ def test_families_without_engine_images_are_refused_by_name(family):
     ids = [1, 2] + [IMAGE_TOKEN_ID] * IMAGE_TOKENS
     with pytest.raises(NotImplementedError, match=family):
         request_images({"pixel_values": random_pixels(1, 0)}, ids, model, None)
+
+
+# ------------------------------------------------------------------------------------------------- LLM
+@pytest.fixture(scope="module")
+def llm(model):
+    from paged_hf import LLM
+    from paged_hf.media import MediaPolicy
+    from vision_models import llava_processor
+
+    processor = llava_processor()
+    return LLM(model, processor.tokenizer, processor=processor, media=MediaPolicy(max_image_pixels=64 * 64),
+               enforce_eager=True, block_size=4, num_blocks=128)
+
+
+def processed_reference(model, processor, text: str, images: list, add_special_tokens: bool = True):
+    inputs = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=add_special_tokens)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, cache=DynamicCache(config=model.config))
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def data_url(image, kind: str = "PNG") -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format=kind)
+    return f"data:image/{kind.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_llm_generate_with_multi_modal_data_equals_generate(model, llm):
+    from vision_models import random_image
+
+    prompts = [("Look <image> at it", [random_image(0)]), ("A <image> and <image> too", [random_image(1),
+                                                                                          random_image(2, (30, 18))])]
+    outs = llm.generate([{"prompt": "Once upon a time"}] + [{"prompt": text, "multi_modal_data": {
+        "image": images if len(images) > 1 else images[0]}} for text, images in prompts], GREEDY, use_tqdm=False)
+    for out, (text, images) in zip(outs[1:], prompts):
+        assert out.outputs[0].token_ids == processed_reference(model, llm.processor, text, images)
+    assert len(outs[0].outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_llm_chat_reads_image_content_parts(model, llm):
+    from vision_models import random_image
+
+    image = random_image(3)
+    parts = [{"type": "text", "text": "Look "}, {"type": "image_url", "image_url": {"url": data_url(image)}},
+             {"type": "text", "text": " and "}, {"type": "image_pil", "image_pil": random_image(4)}]
+    out = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)[0]
+    assert out.prompt == "user: Look <image> and <image>assistant:"
+    assert out.outputs[0].token_ids == processed_reference(model, llm.processor, out.prompt,
+                                                           [image, random_image(4)], add_special_tokens=False)
+
+
+@pytest.mark.parametrize("image, message", [
+    ("data:image/png;base64,not*base64", "base64 does not decode"),
+    ("data:image/png;base64," + "aGVsbG8gd29ybGQ=", "could not be decoded"),  # "hello world"
+    ("data:text/plain;base64,aGVsbG8=", "media type must be image"),
+    ("https://example.com/cat.png", "remote image URLs are not allowed"),
+    ("/etc/passwd", "local image files are not allowed"),
+    ("huge", "at most 4096 pixels"),
+])
+def test_llm_refuses_bad_images(llm, image, message):
+    from vision_models import random_image
+
+    if image == "huge":
+        image = data_url(random_image(5, (65, 64)))
+    with pytest.raises(ValueError, match=message):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}], GREEDY,
+                 use_tqdm=False)
+    with pytest.raises(ValueError, match="multi_modal_data must be"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"video": image}}, GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
