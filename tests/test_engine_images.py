@@ -1,6 +1,7 @@
-"""Images in the engine (tiny random LLaVA): greedy tokens and logprobs equal ``generate`` on ``DynamicCache`` +
-sdpa, with several images per prompt, text-only and image requests in one step, chunked prefill through image tokens,
-preemption; the vision tower runs once per image; prefix hits keyed by the pixels; hostile inputs fail alone."""
+"""Images in the engine (tiny random LLaVA and Qwen2-VL, whose M-RoPE positions come from its ``get_rope_index``):
+greedy tokens and logprobs equal ``generate`` on ``DynamicCache`` + sdpa, with several images per prompt, text-only and
+image requests in one step, chunked prefill through image tokens, preemption; the vision tower runs once per image;
+prefix hits keyed by the pixels; hostile inputs fail alone; ``LLM``'s image prompts."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from paged_hf import PagedEngine, SamplingParams
 from paged_hf.engine.multimodal import request_images
 from paged_hf.hashing import ContentSpans, extend_block_hashes
 from models import token_logprobs
-from vision_models import IMAGE_TOKEN_ID, IMAGE_TOKENS, prompt_with_images, random_pixels, tiny_llava
+from vision_models import (IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_FAMILIES, generate_kwargs, prompt_with_images,
+                           random_pixels, tiny_llava, vision_case, vision_model)
 
 MAX_TOKENS = 6
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
@@ -28,23 +30,32 @@ def model():
     return tiny_llava()
 
 
-def case_inputs(num_images: int, seed: int):
-    ids = prompt_with_images(num_images, seed)
-    return ids, ({"pixel_values": random_pixels(num_images, seed)} if num_images else None)
+_models: dict = {}
+
+
+def family_model(family: str):
+    if family not in _models:
+        _models[family] = vision_model(family)
+    return _models[family]
+
+
+def case_inputs(num_images: int, seed: int, family: str = "llava"):
+    return vision_case(family, num_images, seed)
 
 
 _references: dict = {}
 
 
-def reference(model, num_images: int, seed: int):
+def reference(model, num_images: int, seed: int, family: str = "llava"):
     """(greedy tokens, logprobs) of one prompt alone, by generate on DynamicCache with sdpa."""
-    key = (num_images, seed)
+    key = (family, num_images, seed)
     if key not in _references:
-        ids, images = case_inputs(num_images, seed)
+        ids, images = case_inputs(num_images, seed, family)
         model.set_attn_implementation("sdpa")
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 **(images or {}), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                                 **generate_kwargs(family, ids, images), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 eos_token_id=None,
                                  pad_token_id=0, return_dict_in_generate=True, output_logits=True,
                                  cache=DynamicCache(config=model.config))
         tokens = out.sequences[0, len(ids):].tolist()
@@ -53,8 +64,8 @@ def reference(model, num_images: int, seed: int):
     return _references[key]
 
 
-def run_cases(engine, cases):
-    inputs = [case_inputs(*case) for case in cases]
+def run_cases(engine, cases, family: str = "llava"):
+    inputs = [case_inputs(*case, family) for case in cases]
     return engine.generate([ids for ids, _ in inputs], GREEDY, use_tqdm=False, images=[i for _, i in inputs])
 
 
@@ -64,11 +75,13 @@ def run_cases(engine, cases):
     {"max_num_batched_tokens": 13, "enable_prefix_caching": False},
     {"num_blocks": 16, "preemption_mode": "recompute", "max_num_batched_tokens": 24},
 ], ids=["one-step", "chunked-5", "chunked-13", "recompute"])
-def test_engine_equals_generate(model, options):
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_engine_equals_generate(family, options):
+    model = family_model(family)
     engine = PagedEngine(model, None, **{"block_size": 4, "num_blocks": 128, "enforce_eager": True, **options})
-    outs = run_cases(engine, CASES)
+    outs = run_cases(engine, CASES, family)
     for out, case in zip(outs, CASES):
-        tokens, logprobs = reference(model, *case)
+        tokens, logprobs = reference(model, *case, family)
         assert out.error is None
         assert out.outputs[0].token_ids == tokens, case
         torch.testing.assert_close(token_logprobs(out.outputs[0]), logprobs, atol=2e-5, rtol=0)
@@ -80,10 +93,12 @@ def test_engine_equals_generate(model, options):
     assert engine.get_stats()["kv_cache_used"] == 0
 
 
-def test_image_and_text_requests_share_a_step(model):
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_image_and_text_requests_share_a_step(family):
+    model = family_model(family)
     engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
-    ids, images = case_inputs(2, 1)
-    text_ids, _ = case_inputs(0, 2)
+    ids, images = case_inputs(2, 1, family)
+    text_ids, _ = case_inputs(0, 2, family)
     engine.add_request(ids, GREEDY, request_id="image", images=images)
     engine.add_request(text_ids, GREEDY, request_id="text")
     first = engine.step()  # both prompts fit one step: both get their first token from it
@@ -93,16 +108,18 @@ def test_image_and_text_requests_share_a_step(model):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
-    assert done == {"image": reference(model, 2, 1)[0], "text": reference(model, 0, 2)[0]}
+    assert done == {"image": reference(model, 2, 1, family)[0], "text": reference(model, 0, 2, family)[0]}
     engine.check_invariants()
 
 
-def test_prefix_hits_the_same_image_and_misses_another(model):
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_prefix_hits_the_same_image_and_misses_another(family):
+    model = family_model(family)
     engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
-    ids, images = case_inputs(1, 3)  # 4 text tokens, then the image's 16 placeholders from position 4
+    ids, images = case_inputs(1, 3, family)  # 4 text tokens, then the image (and its markers) from position 4
     first = engine.generate([ids], GREEDY, use_tqdm=False, images=[images])[0]
     same = engine.generate([ids], GREEDY, use_tqdm=False, images=[images])[0]
-    other_pixels = {"pixel_values": random_pixels(1, 99)}
+    other_pixels = {**images, "pixel_values": images["pixel_values"] + 0.5}  # the same placeholders
     other = engine.generate([ids], GREEDY, use_tqdm=False, images=[other_pixels])[0]
     assert first.metrics.num_prefix_cached_tokens == 0
     assert same.metrics.num_prefix_cached_tokens == (len(ids) - 1) // 4 * 4  # every full block but the last token's
@@ -110,10 +127,10 @@ def test_prefix_hits_the_same_image_and_misses_another(model):
     assert other.metrics.num_prefix_cached_tokens == 4  # the text block before the image, nothing after it
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
-        expected = model.generate(torch.tensor([ids]), pixel_values=other_pixels["pixel_values"], do_sample=False,
+        expected = model.generate(torch.tensor([ids]), **generate_kwargs(family, ids, other_pixels), do_sample=False,
                                   max_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0,
                                   cache=DynamicCache(config=model.config))[0, len(ids):].tolist()
-    assert other.outputs[0].token_ids == expected
+    assert other.outputs[0].token_ids == expected != first.outputs[0].token_ids
     engine.check_invariants()
 
 
@@ -163,6 +180,19 @@ def test_bad_images_are_refused_before_queueing(model, ids, images, message):
     assert not engine.has_unfinished_requests()
 
 
+def test_bad_qwen2_vl_grids_are_refused_before_queueing():
+    model = family_model("qwen2_vl")
+    engine = PagedEngine(model, None, block_size=4, num_blocks=64, enforce_eager=True)
+    ids, images = case_inputs(2, 1, "qwen2_vl")  # images of 4 and 10 placeholders
+    swapped = {**images, "image_grid_thw": images["image_grid_thw"].flip(0)}
+    for bad, message in ((swapped, "image 0 has 10 merged patches .* holds 4 placeholder"),
+                         ({**images, "image_grid_thw": images["image_grid_thw"][:1]}, "holds 2 runs .* for 1 images"),
+                         ({**images, "pixel_values": images["pixel_values"][:-1]}, "rows but image_grid_thw counts")):
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(ids, GREEDY, images=bad)
+    assert not engine.has_unfinished_requests()
+
+
 def test_limit_mm_per_prompt_is_checked():
     from paged_hf.config import EngineConfig
 
@@ -172,7 +202,7 @@ def test_limit_mm_per_prompt_is_checked():
         EngineConfig(limit_mm_per_prompt={"image": -1})
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3", "mllama"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "mllama"])
 def test_families_without_engine_images_are_refused_by_name(family):
     model = types.SimpleNamespace(config=types.SimpleNamespace(model_type=family, image_token_id=IMAGE_TOKEN_ID))
     ids = [1, 2] + [IMAGE_TOKEN_ID] * IMAGE_TOKENS

@@ -71,3 +71,72 @@ def prompt_with_images(num_images: int, seed: int, text_len: int = 3) -> list[in
     for _ in range(num_images):
         ids += [IMAGE_TOKEN_ID] * IMAGE_TOKENS + torch.randint(3, 500, (2,), generator=generator).tolist()
     return ids
+
+
+# ------------------------------------------------------------------------------------------------ Qwen2-VL
+VISION_START, VISION_END, QWEN_IMAGE_TOKEN_ID = 513, 514, 515
+
+
+def tiny_qwen2_vl(attn_implementation: str = "sdpa", seed: int = 0):
+    """A 2-layer Qwen2-VL (M-RoPE sections 2/3/3 of head_dim 16) with a 2-block vision tower on 4x4 patches, merged
+    2x2; ids 513-516 are its vision start / end, image and video tokens."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3)
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE_TOKEN_ID,
+                                        video_token_id=516, vision_start_token_id=VISION_START,
+                                        vision_end_token_id=VISION_END)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def qwen2_vl_images(images: list) -> dict:
+    """Qwen2-VL's PIL image processor on ``images`` (resized to 64..1024 pixels, 4x4 patches, 2x2 merge)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil(min_pixels=8 * 8, max_pixels=32 * 32, patch_size=4, merge_size=2,
+                                         temporal_patch_size=2)
+    return dict(processor(images, return_tensors="pt"))
+
+
+def qwen2_vl_prompt(image_inputs: dict, seed: int, text_len: int = 3) -> list[int]:
+    """Token ids: text, then per image <vision_start>, its merged patches' placeholders, <vision_end>, text."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = [1] + torch.randint(3, 500, (text_len,), generator=generator).tolist()
+    grid = image_inputs["image_grid_thw"] if image_inputs else torch.zeros(0, 3, dtype=torch.long)
+    for count in (grid.prod(-1) // 4).tolist():
+        ids += [VISION_START] + [QWEN_IMAGE_TOKEN_ID] * count + [VISION_END]
+        ids += torch.randint(3, 500, (2,), generator=generator).tolist()
+    return ids
+
+
+# ------------------------------------------------------------------------------------------------ both families
+VISION_FAMILIES = ("llava", "qwen2_vl")
+QWEN_SIZES = ((28, 20), (16, 16), (40, 12), (20, 20))  # images of 8, 4, 6 and 4 placeholders
+
+
+def vision_model(family: str):
+    return tiny_llava() if family == "llava" else tiny_qwen2_vl()
+
+
+def vision_case(family: str, num_images: int, seed: int) -> tuple[list[int], dict | None]:
+    """A prompt of ``num_images`` random images for ``family``: its token ids and the engine's ``images``."""
+    if family == "llava":
+        ids = prompt_with_images(num_images, seed)
+        return ids, ({"pixel_values": random_pixels(num_images, seed)} if num_images else None)
+    images = qwen2_vl_images([random_image(seed * 10 + i, QWEN_SIZES[(seed + i) % 4]) for i in range(num_images)]) \
+        if num_images else None
+    return qwen2_vl_prompt(images, seed), images
+
+
+def generate_kwargs(family: str, ids: list[int], images: dict | None) -> dict:
+    """What ``model.generate`` takes besides the ids for ``images`` (Qwen2-VL: the token types of its M-RoPE)."""
+    if images is None:
+        return {}
+    if family == "qwen2_vl":
+        return {**images, "mm_token_type_ids": (torch.tensor([ids]) == QWEN_IMAGE_TOKEN_ID).int()}
+    return dict(images)

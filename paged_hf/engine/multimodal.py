@@ -13,14 +13,18 @@ Prefix caching sees the images through the request's block keys (``hashing.Conte
 placeholder tokens carries the digests of its images, and the chained hash carries them to every later block, so
 the same image hits and another image behind the same placeholders misses.
 
-Families: LLaVA-style models (causal attention over the image tokens, plain RoPE: ``IMAGE_FAMILIES``). Qwen2-VL
-(M-RoPE positions) and Gemma 3 (bidirectional attention inside an image) are refused with a ``NotImplementedError``:
-the paged attention is causal and its positions are one row.
+Families (``IMAGE_FAMILIES``): LLaVA (causal attention over the image tokens, plain RoPE) and Qwen2-VL, whose
+M-RoPE positions (three rows: time, height, width) come from the model's ``get_rope_index`` once per request, at
+``add_request``; a step then hands the model ``[3, 1, T]`` position ids, sliced from them for prompt tokens and
+``position + rope delta`` for generated ones, and runs eagerly (the paged attention's causality still reads the
+plain positions). Gemma 3 (bidirectional attention inside an image) and Qwen2.5-VL are refused with a
+``NotImplementedError``: the paged attention is causal, and Qwen2.5-VL is not tested here.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,13 +36,15 @@ from ..hashing import ContentSpans
 
 logger = logging.getLogger("paged_hf")
 
-IMAGE_FAMILIES = ("llava",)  # config.model_type of the models whose images the engine runs
+IMAGE_FAMILIES = ("llava", "qwen2_vl")  # config.model_type of the models whose images the engine runs
+MROPE_FAMILIES = ("qwen2_vl",)
 REFUSED = {
-    "qwen2_vl": "Qwen2-VL places image tokens with 3-row M-RoPE positions",
-    "qwen2_5_vl": "Qwen2.5-VL places image tokens with 3-row M-RoPE positions",
+    "qwen2_5_vl": "Qwen2.5-VL's images are not tested with the engine (Qwen2-VL's are)",
     "gemma3": "Gemma 3's image tokens attend to each other bidirectionally, and the paged attention is causal",
 }
-IMAGE_KEYS = ("pixel_values", "image_sizes")  # the processor tensors the encoder takes, one row per image
+# the processor tensors the encoder takes: one row per image, except Qwen2-VL's pixel_values (one row per patch, the
+# image's rows being the product of its image_grid_thw row)
+IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw")
 
 
 @dataclass
@@ -59,10 +65,13 @@ class ImageSpan:
 @dataclass
 class RequestImages:
     """A request's images in prompt order; ``embeds[i]``: image ``i``'s embeddings ``[length, hidden]`` while some of
-    its tokens remain to be computed (the encoder cache)."""
+    its tokens remain to be computed (the encoder cache). ``mrope_positions`` ``[3, prompt length]`` and
+    ``rope_delta``: an M-RoPE model's prompt positions, and what a generated token adds to its position."""
 
     spans: list[ImageSpan]
     embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    mrope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
 
     def block_keys(self, salt) -> ContentSpans:
         """The request's prefix-cache keys: ``salt`` for every block, plus the digests of the images in it."""
@@ -110,7 +119,9 @@ def request_images(images, ids: list[int], model, max_images: int | None) -> Req
     if unknown:
         raise ParameterError("images", f"images has unsupported key(s) {unknown}; allowed keys are {list(IMAGE_KEYS)}")
     pixels = images["pixel_values"]
-    count = pixels.shape[0] if pixels.dim() > 0 else 0
+    grid = images.get("image_grid_thw")
+    count = grid.shape[0] if isinstance(grid, torch.Tensor) and grid.dim() > 0 else \
+        pixels.shape[0] if pixels.dim() > 0 else 0
     if count == 0:
         raise ParameterError("images", "images['pixel_values'] holds no image")
     if max_images is not None and count > max_images:
@@ -122,14 +133,51 @@ def request_images(images, ids: list[int], model, max_images: int | None) -> Req
         raise ParameterError("images", f"the prompt holds {len(runs)} runs of image placeholder tokens (id {token}) "
                                        f"for {count} images: the processor writes one run per image (a token must "
                                        f"separate two images)")
+    rows = _pixel_rows(images, count, runs, model)
     for name, value in images.items():
-        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != count:
+        if name != "pixel_values" and (not isinstance(value, torch.Tensor) or value.dim() == 0 or
+                                       value.shape[0] != count):
             raise ParameterError("images", f"images[{name!r}] must be a tensor with one row per image ({count})")
     spans = []
+    bounds = [0, *itertools.accumulate(rows)]
     for i, (offset, length) in enumerate(runs):
-        tensors = {name: value[i : i + 1].detach().cpu() for name, value in images.items()}
+        tensors = {name: (value[bounds[i] : bounds[i + 1]] if name == "pixel_values" else value[i : i + 1])
+                   .detach().cpu() for name, value in images.items()}
         spans.append(ImageSpan(offset, length, tensors, _digest(tensors)))
-    return RequestImages(spans)
+    result = RequestImages(spans)
+    if family in MROPE_FAMILIES:
+        result.mrope_positions, result.rope_delta = _mrope_positions(model, ids, token, images["image_grid_thw"])
+    return result
+
+
+def _pixel_rows(images, count: int, runs: list[tuple[int, int]], model) -> list[int]:
+    """The rows of ``pixel_values`` of each image: one, or (with ``image_grid_thw``) its patches, whose merged count
+    must equal its placeholders."""
+    pixels, grid = images["pixel_values"], images.get("image_grid_thw")
+    if grid is None:
+        if pixels.shape[0] != count:
+            raise ParameterError("images", f"images['pixel_values'] must have one row per image ({count})")
+        return [1] * count
+    if not isinstance(grid, torch.Tensor) or grid.shape != (count, 3):
+        raise ParameterError("images", f"images['image_grid_thw'] must be a [{count}, 3] tensor (one row per image)")
+    patches = grid.prod(-1).tolist()
+    if sum(patches) != pixels.shape[0]:
+        raise ParameterError("images", f"images['pixel_values'] has {pixels.shape[0]} rows but image_grid_thw "
+                                       f"counts {sum(patches)} patches")
+    merge = model.config.vision_config.spatial_merge_size ** 2
+    for index, ((_, length), num_patches) in enumerate(zip(runs, patches)):
+        if num_patches // merge != length:
+            raise ParameterError("images", f"image {index} has {num_patches // merge} merged patches "
+                                           f"(image_grid_thw) but the prompt holds {length} placeholder tokens for it")
+    return patches
+
+
+def _mrope_positions(model, ids: list[int], token: int, grid: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The prompt's ``[3, L]`` M-RoPE positions and its rope delta, from the model's own ``get_rope_index``."""
+    ids_tensor = torch.tensor([ids], dtype=torch.long)
+    owner = model if hasattr(model, "get_rope_index") else model.model
+    positions, delta = owner.get_rope_index(ids_tensor, (ids_tensor == token).int(), image_grid_thw=grid.cpu())
+    return positions[:, 0].cpu(), int(delta.reshape(-1)[0])
 
 
 def _placeholder_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
@@ -211,6 +259,31 @@ class ImageEncoder:
                                      f"the model's processor)")
                 images.embeds[index] = feature.to(dtype)
             self.num_encoded_images += len(members)
+
+    @staticmethod
+    def positions(scheduled, positions: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor | None:
+        """``[3, T]`` M-RoPE position ids of the packed step (``positions`` ``[T]``: each token's position), or None
+        when no scheduled request has M-RoPE positions (the model reads ``positions`` as they are)."""
+        if not any(item.seq.request.images is not None and item.seq.request.images.mrope_positions is not None
+                   for item in scheduled):
+            return None
+        out = positions.unsqueeze(0).repeat(3, 1)
+        starts = query_start_loc.tolist()
+        for i, item in enumerate(scheduled):
+            images = item.seq.request.images
+            if images is None or images.mrope_positions is None:
+                continue
+            stop = item.start + item.num_tokens
+            prompt_len = images.mrope_positions.shape[1]
+            row = starts[i]
+            if item.start < prompt_len:
+                count = min(stop, prompt_len) - item.start
+                out[:, row : row + count] = images.mrope_positions[:, item.start : item.start + count]
+            first = max(item.start, prompt_len)
+            if stop > first:  # generated tokens: their position plus the delta, in every row
+                at = row + first - item.start
+                out[:, at : at + stop - first] += images.rope_delta
+        return out
 
     @staticmethod
     def release(scheduled) -> None:

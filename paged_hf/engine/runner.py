@@ -65,7 +65,8 @@ class StepInput:
     logits to keep and the block copies to run first. Built by the leader (``ModelRunner.plan``); under tensor
     parallelism it is broadcast, with its tensors on the CPU, and each rank moves it to its device.
     ``inputs_embeds`` ``[T, hidden]``: a step that computes image tokens (one process only) runs on these, eagerly,
-    instead of ``input_ids``."""
+    instead of ``input_ids``; ``position_ids`` ``[3, T]``: a step with M-RoPE requests (Qwen2-VL) runs eagerly on
+    these instead of the metadata's positions."""
 
     input_ids: torch.Tensor
     metadata: AttentionMetadata
@@ -73,6 +74,7 @@ class StepInput:
     copies: list = field(default_factory=list)
     num_rows: int = 0  # the leader's block-table rows (a follower gives its tail formats as many tail rows)
     inputs_embeds: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -220,6 +222,8 @@ class ModelRunner:
         if self.images is not None:  # the vision tower runs here, for the images this step's tokens need
             step.inputs_embeds = self.images.inputs_embeds(output.scheduled, step.input_ids,
                                                            step.metadata.query_start_loc)
+            step.position_ids = self.images.positions(output.scheduled, step.metadata.positions,
+                                                      step.metadata.query_start_loc)
         self.broadcast(("step", step))
         logits = self.run(step)
         if step.inputs_embeds is not None:
@@ -266,10 +270,12 @@ class ModelRunner:
             tokens = dict(input_ids=step.input_ids.to(self.device, non_blocking=True).unsqueeze(0))
         else:
             tokens = dict(inputs_embeds=step.inputs_embeds.unsqueeze(0))
-        inputs = dict(**tokens, position_ids=metadata.positions.unsqueeze(0), cache=self.cache,
-                      attention_mask=self.no_mask, use_cache=True, **kwargs)
+        positions = metadata.positions.unsqueeze(0) if step.position_ids is None else step.position_ids.unsqueeze(1)
+        inputs = dict(**tokens, position_ids=positions, cache=self.cache, attention_mask=self.no_mask, use_cache=True,
+                      **kwargs)
+        eager = step.inputs_embeds is not None or step.position_ids is not None
         try:
-            out = self._forward(metadata, inputs) if step.inputs_embeds is None else self.model(**inputs)
+            out = self.model(**inputs) if eager else self._forward(metadata, inputs)
         except Exception as error:
             self._check_group(error)
             raise
