@@ -140,3 +140,17 @@ def generate_kwargs(family: str, ids: list[int], images: dict | None) -> dict:
     if family == "qwen2_vl":
         return {**images, "mm_token_type_ids": (torch.tensor([ids]) == QWEN_IMAGE_TOKEN_ID).int()}
     return dict(images)
+
+
+def tiny_gemma3(seed: int = 0):
+    """A 2-layer Gemma 3 (sliding window 8) with a 2-layer SigLIP tower on 16x16 images pooled to 4 tokens; ids
+    513 / 514 / 515 are its begin-of-image, end-of-image and image tokens."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0, query_pre_attn_scalar=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=IMAGE_SIZE, patch_size=PATCH)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=515, boi_token_index=513, eoi_token_index=514)
+    torch.manual_seed(seed)
+    return transformers.Gemma3ForConditionalGeneration(config).eval()
