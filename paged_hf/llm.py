@@ -157,6 +157,9 @@ class LLM:
         template = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                         continue_final_message=continue_final_message, tools=tools, **dict(chat_template_kwargs or {}))
         rendered = [render_chat(self.tokenizer, self.processor, list(c), self.media, template) for c in conversations]
+        if all(tensors is None for _, tensors in rendered):
+            return self.generate([prompt for prompt, _ in rendered], sampling_params, use_tqdm=use_tqdm,
+                                 lora_request=lora_request)
         prompts, images = [(prompt, None) for prompt, _ in rendered], [tensors for _, tensors in rendered]
         if lora_request is not None:
             raise ValueError("lora_request is not supported: LLM serves one set of weights (merge the adapter)")

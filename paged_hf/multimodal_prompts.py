@@ -64,7 +64,7 @@ def image_prompt(prompt: Mapping, processor, media: MediaPolicy) -> tuple[dict, 
     """vLLM's ``{"prompt": text, "multi_modal_data": {"image": image or [images]}}`` as the engine's prompt (its
     token ids) and its image tensors."""
     data = prompt["multi_modal_data"]
-    if not isinstance(data, Mapping) or set(data) - {"image"}:
+    if not isinstance(data, Mapping) or set(data) != {"image"}:
         raise ParameterError("multi_modal_data", f"multi_modal_data must be {{'image': a PIL image or a list of "
                                                  f"them}}, got {data!r:.200}")
     if not isinstance(prompt.get("prompt"), str) or "prompt_token_ids" in prompt:

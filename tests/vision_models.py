@@ -75,6 +75,7 @@ def prompt_with_images(num_images: int, seed: int, text_len: int = 3) -> list[in
 
 # ------------------------------------------------------------------------------------------------ Qwen2-VL
 VISION_START, VISION_END, QWEN_IMAGE_TOKEN_ID = 513, 514, 515
+GEMMA_IMAGE_TOKEN_ID = 515
 
 
 def tiny_qwen2_vl(attn_implementation: str = "sdpa", seed: int = 0):
@@ -115,11 +116,15 @@ def qwen2_vl_prompt(image_inputs: dict, seed: int, text_len: int = 3) -> list[in
 
 
 # ------------------------------------------------------------------------------------------------ both families
-VISION_FAMILIES = ("llava", "qwen2_vl")
+VISION_FAMILIES = ("llava", "qwen2_vl", "gemma3")
 QWEN_SIZES = ((28, 20), (16, 16), (40, 12), (20, 20))  # images of 8, 4, 6 and 4 placeholders
 
 
 def vision_model(family: str):
+    if family == "gemma3":
+        model = tiny_gemma3()
+        model.set_attn_implementation("sdpa")
+        return model
     return tiny_llava() if family == "llava" else tiny_qwen2_vl()
 
 
@@ -127,6 +132,12 @@ def vision_case(family: str, num_images: int, seed: int) -> tuple[list[int], dic
     """A prompt of ``num_images`` random images for ``family``: its token ids and the engine's ``images``."""
     if family == "llava":
         ids = prompt_with_images(num_images, seed)
+        return ids, ({"pixel_values": random_pixels(num_images, seed)} if num_images else None)
+    if family == "gemma3":  # <start_of_image>, 4 image tokens, <end_of_image>
+        generator = torch.Generator().manual_seed(seed)
+        ids = [1] + torch.randint(3, 500, (3,), generator=generator).tolist()
+        for _ in range(num_images):
+            ids += [513] + [GEMMA_IMAGE_TOKEN_ID] * 4 + [514] + torch.randint(3, 500, (2,), generator=generator).tolist()
         return ids, ({"pixel_values": random_pixels(num_images, seed)} if num_images else None)
     images = qwen2_vl_images([random_image(seed * 10 + i, QWEN_SIZES[(seed + i) % 4]) for i in range(num_images)]) \
         if num_images else None
@@ -139,6 +150,8 @@ def generate_kwargs(family: str, ids: list[int], images: dict | None) -> dict:
         return {}
     if family == "qwen2_vl":
         return {**images, "mm_token_type_ids": (torch.tensor([ids]) == QWEN_IMAGE_TOKEN_ID).int()}
+    if family == "gemma3":  # its image tokens attend to each other both ways
+        return {**images, "token_type_ids": (torch.tensor([ids]) == GEMMA_IMAGE_TOKEN_ID).long()}
     return dict(images)
 
 

@@ -112,7 +112,8 @@ class PagedEngine:
         ids = check_prompt_ids(ids, self.vocab_size, self.max_model_len)
         check_params(params, len(ids), self.vocab_size, self.max_model_len, self.config)
         limit = self.config.limit_mm_per_prompt
-        request_images = multimodal.request_images(images, ids, self.model, limit and limit.get("image"))
+        request_images = multimodal.request_images(images, ids, self.model, limit and limit.get("image"),
+                                                   self.config.max_num_batched_tokens)
         if request_images is not None and self.group is not None:
             raise NotImplementedError("PagedEngine runs images on one process, not under tensor parallelism")
         # the longest the sequence can get; its last token is sampled, never stored

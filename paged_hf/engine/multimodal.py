@@ -17,8 +17,11 @@ Families (``IMAGE_FAMILIES``): LLaVA (causal attention over the image tokens, pl
 M-RoPE positions (three rows: time, height, width) come from the model's ``get_rope_index`` once per request, at
 ``add_request``; a step then hands the model ``[3, 1, T]`` position ids, sliced from them for prompt tokens and
 ``position + rope delta`` for generated ones, and runs eagerly (the paged attention's causality still reads the
-plain positions). Gemma 3 (bidirectional attention inside an image) and Qwen2.5-VL are refused with a
-``NotImplementedError``: the paged attention is causal, and Qwen2.5-VL is not tested here.
+plain positions); and Gemma 3, whose image tokens attend to each other both ways: its images are never split across
+chunks (``whole_images``: a chunk ends before an image it cannot finish), and the step's image queries are attended
+again with a wider bound (``AttentionMetadata.pad_queries``: keys up to the image's last token, from the query's own
+window start), which is transformers' mask for them (causal OR same image, within the window). Qwen2.5-VL is refused
+with a ``NotImplementedError``: it is not tested here.
 """
 
 from __future__ import annotations
@@ -33,14 +36,15 @@ import torch
 
 from ..config import ParameterError
 from ..hashing import ContentSpans
+from ..metadata import PadQueries
 
 logger = logging.getLogger("paged_hf")
 
-IMAGE_FAMILIES = ("llava", "qwen2_vl")  # config.model_type of the models whose images the engine runs
+IMAGE_FAMILIES = ("llava", "qwen2_vl", "gemma3")  # config.model_type of the models whose images the engine runs
 MROPE_FAMILIES = ("qwen2_vl",)
+BIDIRECTIONAL_FAMILIES = ("gemma3",)  # an image's tokens attend to each other both ways
 REFUSED = {
     "qwen2_5_vl": "Qwen2.5-VL's images are not tested with the engine (Qwen2-VL's are)",
-    "gemma3": "Gemma 3's image tokens attend to each other bidirectionally, and the paged attention is causal",
 }
 # the processor tensors the encoder takes: one row per image, except Qwen2-VL's pixel_values (one row per patch, the
 # image's rows being the product of its image_grid_thw row)
@@ -72,6 +76,7 @@ class RequestImages:
     embeds: dict[int, torch.Tensor] = field(default_factory=dict)
     mrope_positions: torch.Tensor | None = None
     rope_delta: int = 0
+    bidirectional: bool = False
 
     def block_keys(self, salt) -> ContentSpans:
         """The request's prefix-cache keys: ``salt`` for every block, plus the digests of the images in it."""
@@ -92,11 +97,13 @@ def image_token_id(model) -> int | None:
     return None
 
 
-def request_images(images, ids: list[int], model, max_images: int | None) -> RequestImages | None:
+def request_images(images, ids: list[int], model, max_images: int | None,
+                   max_chunk: int | None = None) -> RequestImages | None:
     """Checks a request's ``images`` (a mapping of processor tensors: ``pixel_values`` ``[N, ...]``, optionally
     ``image_sizes`` ``[N, 2]``) against its prompt ``ids`` and pairs each image with its run of placeholder tokens.
     ``ParameterError`` (field ``images``) when they do not match; ``NotImplementedError`` for a family whose images
-    the engine cannot run. None for a request without images (whose prompt must hold no placeholder)."""
+    the engine cannot run. None for a request without images (whose prompt must hold no placeholder).
+    ``max_chunk``: the most tokens of one step (a bidirectional image must fit one)."""
     token = image_token_id(model)
     runs = _placeholder_runs(ids, token) if token is not None else []
     if images is None:
@@ -144,7 +151,10 @@ def request_images(images, ids: list[int], model, max_images: int | None) -> Req
         tensors = {name: (value[bounds[i] : bounds[i + 1]] if name == "pixel_values" else value[i : i + 1])
                    .detach().cpu() for name, value in images.items()}
         spans.append(ImageSpan(offset, length, tensors, _digest(tensors)))
-    result = RequestImages(spans)
+    result = RequestImages(spans, bidirectional=family in BIDIRECTIONAL_FAMILIES)
+    if result.bidirectional and max_chunk is not None and max(length for _, length in runs) > max_chunk:
+        raise ParameterError("images", f"an image of {max(length for _, length in runs)} tokens must be computed in "
+                                       f"one step, but max_num_batched_tokens is {max_chunk}")
     if family in MROPE_FAMILIES:
         result.mrope_positions, result.rope_delta = _mrope_positions(model, ids, token, images["image_grid_thw"])
     return result
@@ -286,6 +296,33 @@ class ImageEncoder:
         return out
 
     @staticmethod
+    def bidirectional_queries(scheduled, metadata) -> PadQueries | None:
+        """The step's queries inside a bidirectional image (Gemma 3), each attending keys up to its image's last
+        token (this step holds it: ``whole_images``) from its own window start; None when there are none."""
+        rows, seqs, bounds = [], [], []
+        starts = metadata.query_start_loc.tolist()
+        for i, item in enumerate(scheduled):
+            images = item.seq.request.images
+            if images is None or not images.bidirectional:
+                continue
+            stop = item.start + item.num_tokens
+            for index in images.overlapping(item.start, stop):
+                span = images.spans[index]
+                first = max(item.start, span.offset)
+                rows.extend(range(starts[i] + first - item.start, starts[i] + span.end - item.start))
+                seqs.extend([i] * (span.end - first))
+                bounds.extend([span.end - 1] * (span.end - first))
+        if not rows:
+            return None
+        device = metadata.positions.device
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        own = metadata.positions.index_select(0, index).long()
+        window_starts = [None if group.window is None else (own - group.window + 1).clamp_min(0)
+                         for group in metadata.groups]
+        return PadQueries(index, torch.tensor(seqs, dtype=torch.long, device=device),
+                          torch.tensor(bounds, dtype=torch.long, device=device), window_starts)
+
+    @staticmethod
     def release(scheduled) -> None:
         """After a step's forward: drops the embeddings of the images whose last token it computed."""
         for item in scheduled:
@@ -294,3 +331,16 @@ class ImageEncoder:
                 stop = item.start + item.num_tokens
                 for index in [i for i in images.embeds if images.spans[i].end <= stop]:
                     del images.embeds[index]
+
+
+def whole_images(request, start: int, count: int) -> int:
+    """``count`` cut so that tokens ``start .. start + count - 1`` of ``request`` never end inside one of its
+    bidirectional images (0: the next image does not fit this step); ``count`` itself for any other request."""
+    images = request.images
+    if images is None or not images.bidirectional:
+        return count
+    stop = start + count
+    for span in images.spans:
+        if span.offset < stop < span.end:
+            return max(0, span.offset - start)
+    return count

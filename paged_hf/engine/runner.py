@@ -224,6 +224,7 @@ class ModelRunner:
                                                            step.metadata.query_start_loc)
             step.position_ids = self.images.positions(output.scheduled, step.metadata.positions,
                                                       step.metadata.query_start_loc)
+            step.metadata.pad_queries = self.images.bidirectional_queries(output.scheduled, step.metadata)
         self.broadcast(("step", step))
         logits = self.run(step)
         if step.inputs_embeds is not None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from ..config import EngineConfig
 from ..kv.copies import BlockCopy
 from ..kv.manager import KVManager
+from .multimodal import whole_images
 from .request import Request, Sequence, SequenceStatus
 
 if TYPE_CHECKING:  # the runner imports this module
@@ -178,7 +179,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            count = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            count = whole_images(seq.request, seq.num_computed_tokens,
+                                 min(len(seq.token_ids) - seq.num_computed_tokens, budget))
+            if count == 0:  # its next image does not fit what is left of the budget: next step
+                index += 1
+                continue
             if self._has_windows:
                 kv.slide_windows(seq.kv)
             while not kv.try_append(seq.kv, count):
@@ -204,8 +209,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.num_swapped_in += 1
             self._join_running(seq)
-            count = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            if not kv.try_append(seq.kv, count):
+            count = whole_images(seq.request, seq.num_computed_tokens,
+                                 min(len(seq.token_ids) - seq.num_computed_tokens, budget))
+            if count == 0 or not kv.try_append(seq.kv, count):
                 break  # runs next step
             self._schedule(seq, count, decodes if count == 1 else prefills)
             budget -= count
@@ -219,8 +225,9 @@ class Scheduler:
             # as does one that asked for no prefix reuse
             hits = [] if seq.request.params.prompt_logprobs is not None or not seq.request.reuse_prefix else \
                 kv.find_prefix_hits(seq.kv, seq.token_ids, seq.request.cache_salt)
-            count = min(len(seq.token_ids) - len(hits) * kv.block_size, budget)
-            if kv.admission_blocks(hits, count) > kv.num_free_blocks:
+            count = whole_images(seq.request, len(hits) * kv.block_size,
+                                 min(len(seq.token_ids) - len(hits) * kv.block_size, budget))
+            if count == 0 or kv.admission_blocks(hits, count) > kv.num_free_blocks:
                 break
             self.waiting.popleft()
             first_admission = seq.request.metrics.first_scheduled_time is None
