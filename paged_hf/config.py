@@ -152,6 +152,8 @@ class EngineConfig:
         max_n: the most parallel samples (``n``) of one request (OpenAI's limit, 128).
         max_stop_strings: the most ``stop`` strings of one request: each is searched at every step of it.
         limit_mm_per_prompt: ``{"image": N}``, the most images of one request (vLLM's name); None: no limit.
+        max_num_encoder_input_tokens: the most image tokens the vision tower encodes in one step (vLLM's name; a
+            chunk ends before an image past it, which waits for a later step); None: no limit beyond the step's.
     """
 
     block_size: int = 16
@@ -172,6 +174,7 @@ class EngineConfig:
     cpu_threads_bind: str = "auto"
     enforce_eager: bool = False
     limit_mm_per_prompt: Mapping[str, int] | None = None
+    max_num_encoder_input_tokens: int | None = None
 
     @classmethod
     def from_options(cls, what: str, options: Mapping[str, Any]) -> "EngineConfig":
@@ -210,6 +213,7 @@ class EngineConfig:
                 raise ValueError(f"limit_mm_per_prompt must be None or {{'image': N}} (images are the only "
                                  f"modality), got {self.limit_mm_per_prompt!r}")
             _check_int("limit_mm_per_prompt['image']", self.limit_mm_per_prompt.get("image"), 0, allow_none=True)
+        _check_int("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, 1, allow_none=True)
 
 
 GREEDY_BELOW = 1e-5  # temperatures below it sample greedily

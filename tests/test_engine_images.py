@@ -196,6 +196,32 @@ def test_bad_qwen2_vl_grids_are_refused_before_queueing():
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("family, longest", [("llava", IMAGE_TOKENS), ("gemma3", 4)])  # images of one size
+def test_the_encoder_budget_holds_each_step_to_one_image(family, longest):
+    """max_num_encoder_input_tokens of one image: prompts of two and three images encode one image per step (a chunk
+    ends before the next image), and the tokens are unchanged."""
+    model = family_model(family)
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True,
+                         max_num_encoder_input_tokens=longest)
+    inputs = [case_inputs(*case, family) for case in CASES]
+    for index, (ids, images) in enumerate(inputs):
+        engine.add_request(ids, GREEDY, request_id=str(index), images=images)
+    done, encoded = {}, [0]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out.outputs[0].token_ids
+        encoded.append(engine.get_stats()["num_encoded_images"])
+    assert max(b - a for a, b in zip(encoded, encoded[1:])) == 1
+    assert encoded[-1] == sum(n for n, _ in CASES)
+    assert [done[i] for i in range(len(CASES))] == [reference(model, *case, family)[0] for case in CASES]
+    engine.check_invariants()
+    with pytest.raises(ValueError, match="max_num_encoder_input_tokens") as error:
+        PagedEngine(model, None, block_size=4, num_blocks=64, enforce_eager=True,
+                    max_num_encoder_input_tokens=longest - 1).add_request(*inputs[0][:1], GREEDY, images=inputs[0][1])
+    assert error.value.param == "images"
+
+
 def test_limit_mm_per_prompt_is_checked():
     from paged_hf.config import EngineConfig
 

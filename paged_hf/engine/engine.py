@@ -113,7 +113,8 @@ class PagedEngine:
         check_params(params, len(ids), self.vocab_size, self.max_model_len, self.config)
         limit = self.config.limit_mm_per_prompt
         request_images = multimodal.request_images(images, ids, self.model, limit and limit.get("image"),
-                                                   self.config.max_num_batched_tokens)
+                                                   self.config.max_num_batched_tokens,
+                                                   self.config.max_num_encoder_input_tokens)
         if request_images is not None and self.group is not None:
             raise NotImplementedError("PagedEngine runs images on one process, not under tensor parallelism")
         # the longest the sequence can get; its last token is sampled, never stored
@@ -316,6 +317,7 @@ class PagedEngine:
             generated_tokens=scheduler.num_generated_tokens,
             generation_tokens_per_s=scheduler.num_generated_tokens / self._busy_seconds if self._busy_seconds else 0.0,
             tensor_parallel_size=self.group.size if self.group is not None else 1,
+            num_encoded_images=self.runner.images.num_encoded_images if self.runner.images is not None else 0,
         )
 
     def check_invariants(self) -> None:

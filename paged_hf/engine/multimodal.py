@@ -18,7 +18,7 @@ M-RoPE positions (three rows: time, height, width) come from the model's ``get_r
 ``add_request``; a step then hands the model ``[3, 1, T]`` position ids, sliced from them for prompt tokens and
 ``position + rope delta`` for generated ones, and runs eagerly (the paged attention's causality still reads the
 plain positions); and Gemma 3, whose image tokens attend to each other both ways: its images are never split across
-chunks (``whole_images``: a chunk ends before an image it cannot finish), and the step's image queries are attended
+chunks (``ImageChunks``: a chunk ends before an image it cannot finish), and the step's image queries are attended
 again with a wider bound (``AttentionMetadata.pad_queries``: keys up to the image's last token, from the query's own
 window start), which is transformers' mask for them (causal OR same image, within the window). Qwen2.5-VL is refused
 with a ``NotImplementedError``: it is not tested here.
@@ -97,13 +97,14 @@ def image_token_id(model) -> int | None:
     return None
 
 
-def request_images(images, ids: list[int], model, max_images: int | None,
-                   max_chunk: int | None = None) -> RequestImages | None:
+def request_images(images, ids: list[int], model, max_images: int | None, max_chunk: int | None = None,
+                   max_encoder_tokens: int | None = None) -> RequestImages | None:
     """Checks a request's ``images`` (a mapping of processor tensors: ``pixel_values`` ``[N, ...]``, optionally
     ``image_sizes`` ``[N, 2]``) against its prompt ``ids`` and pairs each image with its run of placeholder tokens.
     ``ParameterError`` (field ``images``) when they do not match; ``NotImplementedError`` for a family whose images
     the engine cannot run. None for a request without images (whose prompt must hold no placeholder).
-    ``max_chunk``: the most tokens of one step (a bidirectional image must fit one)."""
+    ``max_chunk``: the most tokens of one step (a bidirectional image must fit one); ``max_encoder_tokens``: the
+    most image tokens encoded in one step (every image must fit it)."""
     token = image_token_id(model)
     runs = _placeholder_runs(ids, token) if token is not None else []
     if images is None:
@@ -152,9 +153,13 @@ def request_images(images, ids: list[int], model, max_images: int | None,
                    .detach().cpu() for name, value in images.items()}
         spans.append(ImageSpan(offset, length, tensors, _digest(tensors)))
     result = RequestImages(spans, bidirectional=family in BIDIRECTIONAL_FAMILIES)
-    if result.bidirectional and max_chunk is not None and max(length for _, length in runs) > max_chunk:
-        raise ParameterError("images", f"an image of {max(length for _, length in runs)} tokens must be computed in "
-                                       f"one step, but max_num_batched_tokens is {max_chunk}")
+    longest = max(length for _, length in runs)
+    if result.bidirectional and max_chunk is not None and longest > max_chunk:
+        raise ParameterError("images", f"an image of {longest} tokens must be computed in one step, but "
+                                       f"max_num_batched_tokens is {max_chunk}")
+    if max_encoder_tokens is not None and longest > max_encoder_tokens:
+        raise ParameterError("images", f"an image of {longest} tokens is more than the vision tower may encode in "
+                                       f"one step (max_num_encoder_input_tokens={max_encoder_tokens})")
     if family in MROPE_FAMILIES:
         result.mrope_positions, result.rope_delta = _mrope_positions(model, ids, token, images["image_grid_thw"])
     return result
@@ -298,7 +303,7 @@ class ImageEncoder:
     @staticmethod
     def bidirectional_queries(scheduled, metadata) -> PadQueries | None:
         """The step's queries inside a bidirectional image (Gemma 3), each attending keys up to its image's last
-        token (this step holds it: ``whole_images``) from its own window start; None when there are none."""
+        token (this step holds it: ``ImageChunks``) from its own window start; None when there are none."""
         rows, seqs, bounds = [], [], []
         starts = metadata.query_start_loc.tolist()
         for i, item in enumerate(scheduled):
@@ -333,14 +338,29 @@ class ImageEncoder:
                     del images.embeds[index]
 
 
-def whole_images(request, start: int, count: int) -> int:
-    """``count`` cut so that tokens ``start .. start + count - 1`` of ``request`` never end inside one of its
-    bidirectional images (0: the next image does not fit this step); ``count`` itself for any other request."""
-    images = request.images
-    if images is None or not images.bidirectional:
+class ImageChunks:
+    """One step's rules for chunks through images (the scheduler makes one per step): a chunk never ends inside a
+    bidirectional image (Gemma 3), and the images whose vision tower runs this step (their first tokens are computed
+    and their embeddings are not cached) hold at most ``encoder_budget`` placeholder tokens together (None: no
+    limit). A chunk cut to 0 tokens waits for a later step."""
+
+    def __init__(self, encoder_budget: int | None) -> None:
+        self.left = encoder_budget
+
+    def chunk(self, request, start: int, count: int) -> int:
+        """``count`` tokens of ``request`` from ``start``, cut before the first image they may not take; the images
+        it encodes are counted against the budget (as soon as the chunk is cut: a chunk the scheduler then cannot
+        place only leaves less encoding to this step)."""
+        images = request.images
+        if images is None:
+            return count
+        stop = start + count
+        for index in images.overlapping(start, stop):
+            span = images.spans[index]
+            encodes = index not in images.embeds
+            if (images.bidirectional and span.end > stop) or \
+                    (encodes and self.left is not None and span.length > self.left):
+                return max(0, span.offset - start)
+            if encodes and self.left is not None:
+                self.left -= span.length
         return count
-    stop = start + count
-    for span in images.spans:
-        if span.offset < stop < span.end:
-            return max(0, span.offset - start)
-    return count

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from ..config import EngineConfig
 from ..kv.copies import BlockCopy
 from ..kv.manager import KVManager
-from .multimodal import whole_images
+from .multimodal import ImageChunks
 from .request import Request, Sequence, SequenceStatus
 
 if TYPE_CHECKING:  # the runner imports this module
@@ -167,6 +167,7 @@ class Scheduler:
     # -------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        images = ImageChunks(self.config.max_num_encoder_input_tokens)
         decodes: list[ScheduledSequence] = []
         prefills: list[ScheduledSequence] = []
         preempted = False
@@ -179,9 +180,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            count = whole_images(seq.request, seq.num_computed_tokens,
+            count = images.chunk(seq.request, seq.num_computed_tokens,
                                  min(len(seq.token_ids) - seq.num_computed_tokens, budget))
-            if count == 0:  # its next image does not fit what is left of the budget: next step
+            if count == 0:  # its next image does not fit what is left of this step: next step
                 index += 1
                 continue
             if self._has_windows:
@@ -209,7 +210,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.num_swapped_in += 1
             self._join_running(seq)
-            count = whole_images(seq.request, seq.num_computed_tokens,
+            count = images.chunk(seq.request, seq.num_computed_tokens,
                                  min(len(seq.token_ids) - seq.num_computed_tokens, budget))
             if count == 0 or not kv.try_append(seq.kv, count):
                 break  # runs next step
@@ -225,7 +226,7 @@ class Scheduler:
             # as does one that asked for no prefix reuse
             hits = [] if seq.request.params.prompt_logprobs is not None or not seq.request.reuse_prefix else \
                 kv.find_prefix_hits(seq.kv, seq.token_ids, seq.request.cache_salt)
-            count = whole_images(seq.request, len(hits) * kv.block_size,
+            count = images.chunk(seq.request, len(hits) * kv.block_size,
                                  min(len(seq.token_ids) - len(hits) * kv.block_size, budget))
             if count == 0 or kv.admission_blocks(hits, count) > kv.num_free_blocks:
                 break
