@@ -143,6 +143,8 @@ def _add_model_and_engine_options(parser) -> None:
                              "use), 'nobind', or a list such as '0-3' (vLLM's VLLM_CPU_OMP_THREADS_BIND)")
     engine.add_argument("--limit-mm-per-prompt", type=_image_limit, metavar="JSON",
                         help="""the most images of one request, as vLLM's '{"image": N}'""")
+    engine.add_argument("--max-num-encoder-input-tokens", type=_positive_int, metavar="N",
+                        help="the most image tokens the vision tower encodes in one step")
     engine.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1, metavar="N",
                         help="shard the model over N ranks (transformers' tensor-parallel plan); this process leads "
                              "and starts the others (default: %(default)s)")

@@ -11,7 +11,7 @@ import sys
 from paged_hf_cli import LOG_LEVELS, build_parser, main  # noqa: F401 - re-exported
 
 from .demo import DemoSetupError, _model_source
-from .vision_loading import serve_media, vision_model_type
+from .vision_loading import model_class, serve_media
 
 
 def _run_demo(args) -> int:
@@ -27,7 +27,7 @@ def _run_demo(args) -> int:
 ENGINE_OPTIONS = ("block_size", "num_blocks", "kv_cache_dtype", "kv_cache_memory", "gpu_memory_utilization",
                   "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "swap_space",
                   "preemption_mode", "scheduling_policy", "max_logprobs", "max_n", "max_stop_strings",
-                  "enforce_eager", "cpu_threads_bind", "limit_mm_per_prompt")
+                  "enforce_eager", "cpu_threads_bind", "limit_mm_per_prompt", "max_num_encoder_input_tokens")
 
 
 def _engine_options(args) -> dict:
@@ -48,7 +48,7 @@ def _model_folder(args) -> tuple[str, dict]:
 
 def _load_engine(args, source: tuple[str, dict]):
     import torch  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoTokenizer  # noqa: PLC0415
 
     from .engine import PagedEngine  # noqa: PLC0415
 
@@ -60,13 +60,7 @@ def _load_engine(args, source: tuple[str, dict]):
         return PagedEngine.from_pretrained(directory, tokenizer, tensor_parallel_size=args.tensor_parallel_size,
                                            distributed_executor_backend=args.distributed_executor_backend,
                                            model_kwargs={"dtype": dtype, **extra}, **_engine_options(args)), name
-    if vision_model_type(directory, extra) is not None:  # a vision-language model: its image-text-to-text class
-        from transformers import AutoModelForImageTextToText  # noqa: PLC0415
-
-        model = AutoModelForImageTextToText.from_pretrained(directory, dtype=dtype, attn_implementation="paged",
-                                                            **extra)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="paged", **extra)
+    model = model_class(directory, extra).from_pretrained(directory, dtype=dtype, attn_implementation="paged", **extra)
     return PagedEngine(model, tokenizer, **_engine_options(args)), name
 
 

@@ -1,5 +1,5 @@
 """What ``paged-hf serve`` loads for a vision-language model folder: whether the folder holds one (a model type that
-transformers maps to an image-text-to-text class and not to a causal LM), its processor, and the server's
+transformers maps to an image-text-to-text class), the class to load it with, its processor, and the server's
 ``MediaPolicy`` from the command line's image flags."""
 
 from __future__ import annotations
@@ -8,18 +8,27 @@ from .media import DEFAULT_MAX_IMAGE_PIXELS, MediaPolicy
 
 
 def vision_model_type(directory: str, extra: dict) -> str | None:
-    """The folder's ``model_type`` when it is a vision-language model that only the image-text-to-text class
-    loads (LLaVA, Qwen2-VL...); None otherwise (a .gguf file, a text model, Gemma 3, which its causal class loads)."""
+    """The folder's ``model_type`` when transformers maps it to an image-text-to-text class (LLaVA, Qwen2-VL,
+    Gemma 3...); None otherwise (a .gguf file, a text model)."""
     if extra.get("gguf_file"):
         return None
     from transformers import AutoConfig  # noqa: PLC0415
-    from transformers.models.auto.modeling_auto import (  # noqa: PLC0415
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES  # noqa: PLC0415
 
     model_type = AutoConfig.from_pretrained(directory, **extra).model_type
-    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return model_type
-    return None
+    return model_type if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES else None
+
+
+def model_class(directory: str, extra: dict):
+    """The auto class that loads the folder for the engine: the causal LM class where transformers has one for its
+    model type (Gemma 3's loads its image-text model too), else the image-text-to-text class (LLaVA, Qwen2-VL)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # noqa: PLC0415
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: PLC0415
+
+    model_type = vision_model_type(directory, extra)
+    if model_type is None or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText
 
 
 def serve_media(args, directory: str, extra: dict):

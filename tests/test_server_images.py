@@ -183,8 +183,9 @@ def test_the_image_flags_reach_the_app_and_the_engine(monkeypatch):
     monkeypatch.setattr(app_module, "build_app", lambda engine, name, *limits, **options: seen.update(options))
     monkeypatch.setattr(uvicorn_module, "run", lambda app, **kwargs: None)
     assert cli.main(["serve", "--allowed-media-domains", "Example.com", "cdn.example.org", "--max-image-pixels", "100",
-                     "--limit-mm-per-prompt", '{"image": 2}']) == 0
+                     "--limit-mm-per-prompt", '{"image": 2}', "--max-num-encoder-input-tokens", "64"]) == 0
     assert seen["media"] == MediaPolicy(("example.com", "cdn.example.org"), None, 100)
     assert seen["engine"]["limit_mm_per_prompt"] == {"image": 2}
+    assert seen["engine"]["max_num_encoder_input_tokens"] == 64
     with pytest.raises(SystemExit):
         cli.main(["serve", "--limit-mm-per-prompt", "2"])
