@@ -26,7 +26,8 @@ from .compile import CompiledForward, CompileFailed
 from .forward_cache import EngineCache
 from .isolation import isolate
 from .model_output import ModelOutput
-from .multimodal import ImageEncoder, image_token_id
+from .image_encoder import ImageEncoder
+from .multimodal import image_token_id
 from .request import PositionLogprobs, Request, Sequence
 from .sampler import position_logprobs, sample
 from .scheduler import ScheduledSequence, SchedulerOutput
