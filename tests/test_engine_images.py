@@ -281,6 +281,30 @@ def test_llm_generate_with_multi_modal_data_equals_generate(model, llm):
     assert len(outs[0].outputs[0].token_ids) == MAX_TOKENS
 
 
+def test_llm_runs_gemma3_images_through_its_processor():
+    """Gemma 3's processor writes begin / image / end tokens and token_type_ids; the engine needs only the ids and
+    pixels, and answers as generate does with the token types (two-way attention inside each image)."""
+    from paged_hf import LLM
+    from vision_models import gemma3_processor, random_image, tiny_gemma3
+
+    model, processor = tiny_gemma3(boi=512, eoi=513, image=514), gemma3_processor()
+    llm = LLM(model, processor.tokenizer, processor=processor, enforce_eager=True, block_size=4, num_blocks=64)
+    text, images = "Look <start_of_image> and <start_of_image> now", [random_image(5), random_image(6)]
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0]
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    assert "token_type_ids" in inputs
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        expected = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0, cache=DynamicCache(config=model.config), return_dict_in_generate=True,
+                                  output_logits=True)
+    tokens = expected.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    assert out.outputs[0].token_ids == tokens
+    torch.testing.assert_close(token_logprobs(out.outputs[0]),
+                               [torch.log_softmax(step[0], -1)[t].item() for step, t in zip(expected.logits, tokens)],
+                               atol=2e-5, rtol=0)
+
+
 def test_llm_chat_reads_image_content_parts(model, llm):
     from vision_models import random_image
 

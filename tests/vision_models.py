@@ -155,15 +155,27 @@ def generate_kwargs(family: str, ids: list[int], images: dict | None) -> dict:
     return dict(images)
 
 
-def tiny_gemma3(seed: int = 0):
-    """A 2-layer Gemma 3 (sliding window 8) with a 2-layer SigLIP tower on 16x16 images pooled to 4 tokens; ids
-    513 / 514 / 515 are its begin-of-image, end-of-image and image tokens."""
+def tiny_gemma3(seed: int = 0, boi: int = 513, eoi: int = 514, image: int = 515):
+    """A 2-layer Gemma 3 (sliding window 8) with a 2-layer SigLIP tower on 16x16 images pooled to 4 tokens; ``boi``,
+    ``eoi``, ``image``: its begin-of-image, end-of-image and image token ids."""
     text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8, bos_token_id=1,
                 eos_token_id=2, pad_token_id=0, query_pre_attn_scalar=16)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   image_size=IMAGE_SIZE, patch_size=PATCH)
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                                       image_token_index=515, boi_token_index=513, eoi_token_index=514)
+                                       image_token_index=image, boi_token_index=boi, eoi_token_index=eoi)
     torch.manual_seed(seed)
     return transformers.Gemma3ForConditionalGeneration(config).eval()
+
+
+def gemma3_processor():
+    """Gemma 3's processor: its PIL image processor (16x16, no pan and scan) and the stories260K tokenizer with its
+    image tokens added (<start_of_image> 512, <end_of_image> 513, <image_soft_token> 514), 4 tokens per image."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    require_stories()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(STORIES, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    images = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, do_pan_and_scan=False)
+    return transformers.Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=4)
