@@ -189,3 +189,34 @@ def test_the_image_flags_reach_the_app_and_the_engine(monkeypatch):
     assert seen["engine"]["max_num_encoder_input_tokens"] == 64
     with pytest.raises(SystemExit):
         cli.main(["serve", "--limit-mm-per-prompt", "2"])
+
+
+# ------------------------------------------------------------------------------------------------ properties
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from paged_hf.config import ParameterError  # noqa: E402
+from paged_hf.media import load_image  # noqa: E402
+
+
+@settings(max_examples=80, deadline=None)
+@given(payload=st.one_of(st.binary(max_size=64), st.sampled_from(["PNG", "JPEG", "GIF", "BMP"])),
+       media_type=st.sampled_from(["image/png", "image/jpeg", "", "text/plain", "image/x-nothing"]),
+       mangle=st.sampled_from(["none", "no-base64-marker", "bad-padding", "spaces"]),
+       size=st.tuples(st.integers(1, 90), st.integers(1, 90)))
+def test_any_data_url_is_an_rgb_image_within_the_limit_or_a_parameter_error(payload, media_type, mangle, size):
+    """Whatever a data URL holds, load_image returns an RGB image no larger than max_image_pixels or raises
+    ParameterError naming the field: never another exception."""
+    if isinstance(payload, str):  # a real image of that format
+        buffer = io.BytesIO()
+        random_image(1, size).save(buffer, format=payload)
+        payload = buffer.getvalue()
+    encoded = base64.b64encode(payload).decode()
+    url = {"none": f"data:{media_type};base64,{encoded}", "no-base64-marker": f"data:{media_type},{encoded}",
+           "bad-padding": f"data:{media_type};base64,{encoded}=", "spaces": f"data:{media_type};base64, {encoded}"}[mangle]
+    policy = MediaPolicy(max_image_pixels=64 * 64)
+    try:
+        image = load_image(url, policy, "messages")
+    except ParameterError as error:
+        assert error.param == "messages"
+        return
+    assert image.mode == "RGB" and image.size[0] * image.size[1] <= 64 * 64
