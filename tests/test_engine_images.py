@@ -75,7 +75,8 @@ def run_cases(engine, cases, family: str = "llava"):
     {"max_num_batched_tokens": 5},  # every image's 16 tokens split over chunks
     {"max_num_batched_tokens": 13, "enable_prefix_caching": False},
     {"num_blocks": 16, "preemption_mode": "recompute", "max_num_batched_tokens": 24},
-], ids=["one-step", "chunked-5", "chunked-13", "recompute"])
+    {"num_blocks": 16, "preemption_mode": "swap", "swap_space": 0.001, "max_num_batched_tokens": 24},
+], ids=["one-step", "chunked-5", "chunked-13", "recompute", "swap"])
 @pytest.mark.parametrize("family", VISION_FAMILIES)
 def test_engine_equals_generate(family, options):
     model = family_model(family)
@@ -94,6 +95,19 @@ def test_engine_equals_generate(family, options):
         assert engine.runner.images.num_encoded_images == sum(n for n, _ in CASES)
     engine.check_invariants()
     assert engine.get_stats()["kv_cache_used"] == 0
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_parallel_samples_of_an_image_request_share_its_prompt(family):
+    """n=2: the second sample forks the first's blocks after the prompt (and, for Qwen2-VL, its rope delta)."""
+    model = family_model(family)
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
+    ids, images = case_inputs(2, 1, family)
+    out = engine.generate([ids], SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+                          use_tqdm=False, images=[images])[0]
+    assert [c.token_ids for c in out.outputs] == [reference(model, 2, 1, family)[0]] * 2
+    assert engine.get_stats()["num_encoded_images"] == 2
+    engine.check_invariants()
 
 
 @pytest.mark.parametrize("family", VISION_FAMILIES)
