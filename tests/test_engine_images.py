@@ -394,3 +394,14 @@ def test_gemma3_images_are_never_split_across_chunks(budget):
         assert out.outputs[0].token_ids == tokens
         torch.testing.assert_close(token_logprobs(out.outputs[0]), logprobs, atol=2e-5, rtol=0)
     engine.check_invariants()
+
+
+def test_a_compiled_engine_runs_image_steps_eagerly_and_the_rest_compiled():
+    """torch.compile serves the steps without image tokens; the steps with them run eagerly on inputs_embeds (one
+    engine, both kinds of step, the same tokens)."""
+    model = family_model("llava")
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, max_num_batched_tokens=13)
+    assert engine.runner.compiled is not None
+    outs = run_cases(engine, CASES[:3])
+    assert [o.outputs[0].token_ids for o in outs] == [reference(model, *case)[0] for case in CASES[:3]]
+    engine.check_invariants()
