@@ -30,6 +30,7 @@ from .config import GIB, EngineConfig, SamplingParams, check_known
 from .engine import PagedEngine, RequestOutput
 from .media import MediaPolicy
 from .multimodal_prompts import image_prompt, render_chat
+from .vision_loading import load_processor, model_class
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
@@ -71,7 +72,8 @@ class LLM:
             "vllm" ignores them, or a folder holding a generation_config.json.
         skip_tokenizer_init: no tokenizer: prompts must be token ids and outputs carry no text.
         processor: the model's processor (e.g. ``AutoProcessor.from_pretrained(...)``), which images need: it expands
-            the image placeholders and makes the pixel values (``multi_modal_data``, image content parts).
+            the image placeholders and makes the pixel values (``multi_modal_data``, image content parts); None
+            loads a vision-language model folder's own.
         media: a ``paged_hf.media.MediaPolicy``: which image URLs of chat content parts may be read (by default data:
             URLs only) and the most pixels of one image.
         trust_remote_code, revision, tokenizer_revision, gguf_file: passed to ``from_pretrained``.
@@ -111,6 +113,8 @@ class LLM:
                                                       trust_remote_code, revision, gguf_file, engine_options)
             self.model = self.llm_engine.runner.model
         self.tokenizer = tokenizer
+        if processor is None and tensor_parallel_size == 1 and isinstance(model, (str, os.PathLike)):
+            processor = load_processor(*_model_source(model, gguf_file))  # None for a text model
         self.processor = processor
         self.media = media if media is not None else MediaPolicy()
         self._default_params = _default_sampling_params(self.model, generation_config)
@@ -287,7 +291,7 @@ def _model_source(model, gguf_file: str | None) -> tuple[str, dict]:
 
 
 def _load_model(model, dtype, device, trust_remote_code, revision, gguf_file):
-    from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: PLC0415
+    from transformers import PreTrainedModel  # noqa: PLC0415
 
     if isinstance(model, PreTrainedModel):
         if dtype != "auto":
@@ -299,9 +303,9 @@ def _load_model(model, dtype, device, trust_remote_code, revision, gguf_file):
         extra["revision"] = revision
     if device.type != "cpu":
         extra["device_map"] = str(device)
-    with _explained_hub_miss(name):
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="paged",
-                                                     trust_remote_code=trust_remote_code, **extra)
+    with _explained_hub_miss(name):  # a vision-language folder: its image-text class where it has no causal one
+        model = model_class(name, extra).from_pretrained(name, dtype=dtype, attn_implementation="paged",
+                                                         trust_remote_code=trust_remote_code, **extra)
     return model.eval()
 
 

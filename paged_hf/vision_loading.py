@@ -1,4 +1,4 @@
-"""What ``paged-hf serve`` loads for a vision-language model folder: whether the folder holds one (a model type that
+"""What ``paged-hf serve`` and ``LLM`` load for a vision-language model folder: whether the folder holds one (a model type that
 transformers maps to an image-text-to-text class), the class to load it with, its processor, and the server's
 ``MediaPolicy`` from the command line's image flags."""
 
@@ -15,7 +15,8 @@ def vision_model_type(directory: str, extra: dict) -> str | None:
     from transformers import AutoConfig  # noqa: PLC0415
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES  # noqa: PLC0415
 
-    model_type = AutoConfig.from_pretrained(directory, **extra).model_type
+    source = {name: extra[name] for name in ("revision", "trust_remote_code") if name in extra}
+    model_type = AutoConfig.from_pretrained(directory, **source).model_type
     return model_type if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES else None
 
 
@@ -31,15 +32,20 @@ def model_class(directory: str, extra: dict):
     return AutoModelForImageTextToText
 
 
+def load_processor(directory: str, extra: dict):
+    """The folder's processor (``AutoProcessor``) when it holds a vision-language model, else None."""
+    if vision_model_type(directory, extra) is None:
+        return None
+    from transformers import AutoProcessor  # noqa: PLC0415
+
+    return AutoProcessor.from_pretrained(directory, **{n: extra[n] for n in ("revision",) if n in extra})
+
+
 def serve_media(args, directory: str, extra: dict):
     """``(processor or None, MediaPolicy)`` for ``paged-hf serve``: the folder's processor when it holds a
     vision-language model, and what image URLs may name (``--allowed-media-domains``, ``--allowed-local-media-path``,
     ``--max-image-pixels``)."""
-    processor = None
-    if vision_model_type(directory, extra) is not None:
-        from transformers import AutoProcessor  # noqa: PLC0415
-
-        processor = AutoProcessor.from_pretrained(directory)
+    processor = load_processor(directory, extra)
     domains = getattr(args, "allowed_media_domains", None)
     policy = MediaPolicy(allowed_media_domains=tuple(d.lower() for d in domains) if domains else None,
                          allowed_local_media_path=getattr(args, "allowed_local_media_path", None),

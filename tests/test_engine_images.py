@@ -422,3 +422,16 @@ def test_a_compiled_engine_runs_image_steps_eagerly_and_the_rest_compiled():
     outs = run_cases(engine, CASES[:3])
     assert [o.outputs[0].token_ids for o in outs] == [reference(model, *case)[0] for case in CASES[:3]]
     engine.check_invariants()
+
+
+def test_llm_loads_a_vision_language_folder_with_its_processor(tmp_path, model):
+    from paged_hf import LLM
+    from vision_models import llava_processor, random_image
+
+    model.save_pretrained(tmp_path)
+    llava_processor().save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", enforce_eager=True, block_size=4, num_blocks=64)
+    assert type(llm.model).__name__ == "LlavaForConditionalGeneration" and llm.processor is not None
+    text, image = "Look <image> at it", random_image(0)
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == processed_reference(model, llava_processor(), text, [image])
