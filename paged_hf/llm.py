@@ -29,7 +29,7 @@ import torch
 from .config import GIB, EngineConfig, SamplingParams, check_known
 from .engine import PagedEngine, RequestOutput
 from .media import MediaPolicy
-from .multimodal_prompts import image_prompt, render_chat
+from .multimodal_prompts import processed_images, render_chat
 from .vision_loading import load_processor, model_class
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -134,11 +134,7 @@ class LLM:
         if lora_request is not None:
             raise ValueError("lora_request is not supported: LLM serves one set of weights (merge the adapter)")
         prompts = _prompt_list(prompts)
-        images = [None] * len(prompts)
-        for index, (prompt, salt) in enumerate(prompts):
-            if isinstance(prompt, Mapping) and "multi_modal_data" in prompt:
-                engine_prompt, images[index] = image_prompt(prompt, self.processor, self.media)
-                prompts[index] = (engine_prompt, salt)
+        images = processed_images(prompts, self.processor, self.media)  # multi_modal_data prompts become token ids
         params = self._params_list(sampling_params, len(prompts))
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
@@ -157,18 +153,16 @@ class LLM:
         (data: URLs, or what ``media`` allows) and vLLM's ``image_pil``."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init=True")
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: LLM serves one set of weights (merge the adapter)")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         template = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                         continue_final_message=continue_final_message, tools=tools, **dict(chat_template_kwargs or {}))
         rendered = [render_chat(self.tokenizer, self.processor, list(c), self.media, template) for c in conversations]
         if all(tensors is None for _, tensors in rendered):
-            return self.generate([prompt for prompt, _ in rendered], sampling_params, use_tqdm=use_tqdm,
-                                 lora_request=lora_request)
-        prompts, images = [(prompt, None) for prompt, _ in rendered], [tensors for _, tensors in rendered]
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported: LLM serves one set of weights (merge the adapter)")
-        params = self._params_list(sampling_params, len(prompts))
-        return self._run(prompts, params, [0] * len(prompts), use_tqdm, images)
+            return self.generate([prompt for prompt, _ in rendered], sampling_params, use_tqdm=use_tqdm)
+        return self._run([(prompt, None) for prompt, _ in rendered], self._params_list(sampling_params, len(rendered)),
+                         [0] * len(rendered), use_tqdm, [tensors for _, tensors in rendered])
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel ranks this LLM started (a no-op on one process)."""

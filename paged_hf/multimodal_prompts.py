@@ -87,3 +87,14 @@ def render_chat(tokenizer, processor, conversation: list, media: MediaPolicy, te
     else:
         ids, tensors = tokenizer(text, add_special_tokens=False)["input_ids"], None
     return {"prompt": text, "prompt_token_ids": ids}, tensors
+
+
+def processed_images(prompts: list, processor, media: MediaPolicy) -> list[dict | None]:
+    """The image tensors of each ``(engine prompt, salt)`` of ``prompts`` (None without images); each
+    ``multi_modal_data`` prompt is replaced, in place, by its processed token ids."""
+    images: list[dict | None] = [None] * len(prompts)
+    for index, (prompt, salt) in enumerate(prompts):
+        if isinstance(prompt, Mapping) and "multi_modal_data" in prompt:
+            engine_prompt, images[index] = image_prompt(prompt, processor, media)
+            prompts[index] = (engine_prompt, salt)
+    return images
