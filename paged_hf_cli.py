@@ -51,6 +51,18 @@ def benchmark_summary(name: str) -> str:
     return (sentence.group(1) if sentence else text).rstrip(".")
 
 
+def _image_limit(text: str) -> dict:
+    import json  # noqa: PLC0415
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected JSON such as '{{\"image\": 2}}', got {text!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -131,6 +143,10 @@ def _add_model_and_engine_options(parser) -> None:
     engine.add_argument("--cpu-threads-bind", metavar="CPUS",
                         help="the CPUs the forward runs on, one pinned thread each: 'auto' (the CPUs this process may "
                              "use), 'nobind', or a list such as '0-3' (vLLM's VLLM_CPU_OMP_THREADS_BIND)")
+    engine.add_argument("--limit-mm-per-prompt", type=_image_limit, metavar="JSON",
+                        help="""the most images of one request, as vLLM's '{"image": N}'""")
+    engine.add_argument("--max-num-encoder-input-tokens", type=_positive_int, metavar="N",
+                        help="the most image tokens the vision tower encodes in one step")
     engine.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1, metavar="N",
                         help="shard the model over N ranks (transformers' tensor-parallel plan); this process leads "
                              "and starts the others (default: %(default)s)")
@@ -157,6 +173,13 @@ def _add_serve(subcommands) -> None:
                              "naming them (vLLM's behaviour)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                         help="for paged_hf's log (startup, request failures; debug: preemptions) and uvicorn's")
+    media = parser.add_argument_group("images", "what chat image parts may name (default: data: URLs only)")
+    media.add_argument("--allowed-media-domains", nargs="+", metavar="HOST", default=None,
+                       help="hosts whose http(s) image URLs the server fetches")
+    media.add_argument("--allowed-local-media-path", metavar="FOLDER", default=None,
+                       help="a folder whose files image URLs (file://...) may name")
+    media.add_argument("--max-image-pixels", type=_positive_int, default=None, metavar="N",
+                       help="the most pixels (width x height) of one image (default: 4096 x 4096)")
     parser.set_defaults(handler="_run_serve")
 
 

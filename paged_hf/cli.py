@@ -11,6 +11,7 @@ import sys
 from paged_hf_cli import LOG_LEVELS, build_parser, main  # noqa: F401 - re-exported
 
 from .demo import DemoSetupError, demo_model_source
+from .vision_loading import model_class, serve_media
 
 
 def _run_demo(args) -> int:
@@ -26,7 +27,8 @@ def _run_demo(args) -> int:
 ENGINE_OPTIONS = ("block_size", "num_blocks", "kv_cache_dtype", "kv_cache_memory", "gpu_memory_utilization",
                   "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "swap_space",
                   "kv_offloading_size", "preemption_mode", "scheduling_policy", "max_logprobs", "max_n",
-                  "max_stop_strings", "enforce_eager", "cpu_threads_bind")
+                  "max_stop_strings", "enforce_eager", "cpu_threads_bind", "limit_mm_per_prompt",
+                  "max_num_encoder_input_tokens")
 
 
 def _engine_options(args) -> dict:
@@ -47,7 +49,7 @@ def _model_folder(args) -> tuple[str, dict]:
 
 def _load_engine(args, source: tuple[str, dict]):
     import torch  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoTokenizer  # noqa: PLC0415
 
     from .engine import PagedEngine  # noqa: PLC0415
 
@@ -59,7 +61,7 @@ def _load_engine(args, source: tuple[str, dict]):
         return PagedEngine.from_pretrained(directory, tokenizer, tensor_parallel_size=args.tensor_parallel_size,
                                            distributed_executor_backend=args.distributed_executor_backend,
                                            model_kwargs={"dtype": dtype, **extra}, **_engine_options(args)), name
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="paged", **extra)
+    model = model_class(directory, extra).from_pretrained(directory, dtype=dtype, attn_implementation="paged", **extra)
     return PagedEngine(model, tokenizer, **_engine_options(args)), name
 
 
@@ -89,8 +91,9 @@ def _run_serve(args) -> int:
         return 2
     configure_logging(args.log_level)
     engine, name = _load_engine(args, source)
+    processor, media = serve_media(args, *source)
     app = build_app(engine, args.served_model_name or name, args.max_queue_len, args.max_request_bytes,
-                    allow_unknown_fields=args.allow_unknown_fields)
+                    allow_unknown_fields=args.allow_unknown_fields, processor=processor, media=media)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -155,6 +155,9 @@ class EngineConfig:
         max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default, 20).
         max_n: the most parallel samples (``n``) of one request (OpenAI's limit, 128).
         max_stop_strings: the most ``stop`` strings of one request: each is searched at every step of it.
+        limit_mm_per_prompt: ``{"image": N}``, the most images of one request (vLLM's name); None: no limit.
+        max_num_encoder_input_tokens: the most image tokens the vision tower encodes in one step (vLLM's name; a
+            chunk ends before an image past it, which waits for a later step); None: no limit beyond the step's.
     """
 
     block_size: int = 16
@@ -175,6 +178,8 @@ class EngineConfig:
     max_stop_strings: int = 32
     cpu_threads_bind: str = "auto"
     enforce_eager: bool = False
+    limit_mm_per_prompt: Mapping[str, int] | None = None
+    max_num_encoder_input_tokens: int | None = None
 
     @classmethod
     def from_options(cls, what: str, options: Mapping[str, Any]) -> "EngineConfig":
@@ -209,6 +214,12 @@ class EngineConfig:
         _check_int("max_logprobs", self.max_logprobs, 0)
         _check_int("max_n", self.max_n, 1)
         _check_int("max_stop_strings", self.max_stop_strings, 0)
+        if self.limit_mm_per_prompt is not None:
+            if not isinstance(self.limit_mm_per_prompt, Mapping) or set(self.limit_mm_per_prompt) - {"image"}:
+                raise ValueError(f"limit_mm_per_prompt must be None or {{'image': N}} (images are the only "
+                                 f"modality), got {self.limit_mm_per_prompt!r}")
+            _check_int("limit_mm_per_prompt['image']", self.limit_mm_per_prompt.get("image"), 0, allow_none=True)
+        _check_int("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, 1, allow_none=True)
 
 
 GREEDY_BELOW = 1e-5  # temperatures below it sample greedily

@@ -11,6 +11,22 @@ from __future__ import annotations
 import hashlib
 import operator
 from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class ContentSpans(NamedTuple):
+    """Extra keys that differ per block: ``base`` in every block's keys, plus the digest of each span of tokens
+    ``(offset, length, digest)`` (an image's placeholders) that overlaps the block. Blocks after a span need no key
+    of their own: the chained parent hash carries it."""
+
+    base: object
+    spans: tuple[tuple[int, int, str], ...]
+
+    def for_block(self, start: int, stop: int) -> object:
+        """The key of the block of tokens ``start .. stop - 1``: ``base`` alone for a block that overlaps no span (so
+        the text before the first image is keyed as a text-only prompt's), else ``(base, digests)``."""
+        digests = tuple(d for offset, length, d in self.spans if offset < stop and offset + length > start)
+        return (self.base, digests) if digests else self.base
 
 
 def _encode(value: object, out: list[bytes]) -> None:
@@ -64,11 +80,13 @@ def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size:
                         extra_keys: tuple = ()) -> list[int]:
     """Extends ``hashes`` (the chained hashes of the first ``len(hashes)`` blocks of ``token_ids``) in place to one
     hash per full block of ``token_ids``, and returns it; a partial tail block is not hashed. Work is proportional
-    to the new blocks only."""
+    to the new blocks only. A ``ContentSpans`` among ``extra_keys`` gives each block its own keys."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    per_block = any(isinstance(key, ContentSpans) for key in extra_keys)
     while len(hashes) < len(token_ids) // block_size:
         start = len(hashes) * block_size
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start:start + block_size],
-                                        extra_keys))
+        keys = tuple(key.for_block(start, start + block_size) if isinstance(key, ContentSpans) else key
+                     for key in extra_keys) if per_block else extra_keys
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start:start + block_size], keys))
     return hashes

@@ -95,3 +95,4 @@ class EngineStats(KVCacheStats):
     generated_tokens: int
     generation_tokens_per_s: float
     tensor_parallel_size: int = 1  # ranks the model and every KV block are split over (each holds its share)
+    num_encoded_images: int = 0  # vision-tower runs, one per image (again after a recompute)

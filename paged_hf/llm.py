@@ -26,7 +26,10 @@ import torch
 
 from .config import GIB, EngineConfig, SamplingParams, check_known
 from .engine import PagedEngine, RequestOutput
+from .media import MediaPolicy
 from .model_source import explained_hub_miss, load_tokenizer, model_source
+from .multimodal_prompts import processed_images, render_chat
+from .vision_loading import load_processor, model_class
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
@@ -47,7 +50,7 @@ WHY_NOT = {
     "enable_chunked_prefill": "the engine always chunks prefills within max_num_batched_tokens",
     "compilation_config": "the engine compiles its forward its own way (enforce_eager=True runs it eagerly)",
 }
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt", "multi_modal_data")
 # generation_config.json field -> SamplingParams field, as vLLM reads a model's defaults.
 GENERATION_DEFAULTS = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
                        ("repetition_penalty", "repetition_penalty"), ("max_new_tokens", "max_tokens"))
@@ -67,6 +70,11 @@ class LLM:
         generation_config: "auto" takes default sampling parameters from the model's generation_config (as vLLM),
             "vllm" ignores them, or a folder holding a generation_config.json.
         skip_tokenizer_init: no tokenizer: prompts must be token ids and outputs carry no text.
+        processor: the model's processor (e.g. ``AutoProcessor.from_pretrained(...)``), which images need: it expands
+            the image placeholders and makes the pixel values (``multi_modal_data``, image content parts); None
+            loads a vision-language model folder's own.
+        media: a ``paged_hf.media.MediaPolicy``: which image URLs of chat content parts may be read (by default data:
+            URLs only) and the most pixels of one image.
         trust_remote_code, revision, tokenizer_revision, gguf_file: passed to ``from_pretrained``.
         tensor_parallel_size, distributed_executor_backend: as vLLM: N > 1 shards the model (a path: each rank
             loads its shard) over N ranks with transformers' tensor-parallel plan, on CUDA when available (NCCL)
@@ -82,7 +90,7 @@ class LLM:
                  trust_remote_code: bool = False, dtype="auto", device: str = "auto", seed: int | None = 0,
                  revision: str | None = None, tokenizer_revision: str | None = None, gguf_file: str | None = None,
                  generation_config: str = "auto", tensor_parallel_size: int = 1,
-                 distributed_executor_backend: str | None = None, **options) -> None:
+                 distributed_executor_backend: str | None = None, processor=None, media=None, **options) -> None:
         engine_options = _engine_options(options)
         if tokenizer_mode != "auto":
             raise ValueError(f"tokenizer_mode must be 'auto' (transformers' AutoTokenizer), got {tokenizer_mode!r}")
@@ -105,6 +113,10 @@ class LLM:
                                                       trust_remote_code, revision, gguf_file, engine_options)
             self.model = self.llm_engine.runner.model
         self.tokenizer = tokenizer
+        if processor is None and tensor_parallel_size == 1 and isinstance(model, (str, os.PathLike)):
+            processor = load_processor(*model_source(model, gguf_file))  # None for a text model
+        self.processor = processor
+        self.media = media if media is not None else MediaPolicy()
         self._default_params = _default_sampling_params(self.model, generation_config)
         if seed is not None:
             torch.manual_seed(seed)
@@ -115,11 +127,14 @@ class LLM:
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Completes ``prompts``: a string, ``{"prompt": ...}``, ``{"prompt_token_ids": [...]}`` (vLLM's
         TextPrompt / TokensPrompt, optionally with ``cache_salt``), a list of token ids, or a list of any of these.
+        ``{"prompt": text, "multi_modal_data": {"image": a PIL image or a list of them}}``: the text holds the
+        model's image placeholder once per image (the processor expands it).
         Returns one ``RequestOutput`` per prompt, in order. A prompt that cannot run raises ``ValueError`` before
         any work starts; a request that fails while running raises ``RuntimeError`` at the end."""
         if lora_request is not None:
             raise ValueError("lora_request is not supported: LLM serves one set of weights (merge the adapter)")
         prompts = _prompt_list(prompts)
+        images = processed_images(prompts, self.processor, self.media)  # multi_modal_data prompts become token ids
         params = self._params_list(sampling_params, len(prompts))
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
@@ -127,26 +142,27 @@ class LLM:
         if any(priorities) and self.llm_engine.config.scheduling_policy != "priority":
             raise ValueError("priority needs scheduling_policy='priority' (the LLM was built with "
                              f"{self.llm_engine.config.scheduling_policy!r}, which ignores it)")
-        return self._run(prompts, params, priorities, use_tqdm)
+        return self._run(prompts, params, priorities, use_tqdm, images)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable = True, lora_request=None, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list | None = None,
              chat_template_kwargs: Mapping | None = None) -> list[RequestOutput]:
         """Answers one conversation (a list of ``{"role", "content"}`` messages) or a list of them, rendered with
-        the tokenizer's chat template (or ``chat_template``)."""
+        the tokenizer's chat template (or ``chat_template``). Content may be OpenAI's parts: text, ``image_url``
+        (data: URLs, or what ``media`` allows) and vLLM's ``image_pil``."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init=True")
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: LLM serves one set of weights (merge the adapter)")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
-                list(conversation), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools, tokenize=False,
-                **dict(chat_template_kwargs or {}))
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds the specials
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        template = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message, tools=tools, **dict(chat_template_kwargs or {}))
+        rendered = [render_chat(self.tokenizer, self.processor, list(c), self.media, template) for c in conversations]
+        if all(tensors is None for _, tensors in rendered):
+            return self.generate([prompt for prompt, _ in rendered], sampling_params, use_tqdm=use_tqdm)
+        return self._run([(prompt, None) for prompt, _ in rendered], self._params_list(sampling_params, len(rendered)),
+                         [0] * len(rendered), use_tqdm, [tensors for _, tensors in rendered])
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel ranks this LLM started (a no-op on one process)."""
@@ -191,10 +207,11 @@ class LLM:
                 raise ValueError(f"sampling_params must be paged_hf.SamplingParams (or a list of them), got {p!r}")
         return params
 
-    def _run(self, prompts, params, priorities, use_tqdm) -> list[RequestOutput]:
+    def _run(self, prompts, params, priorities, use_tqdm, images) -> list[RequestOutput]:
         # PagedEngine.generate checks every prompt before any work (a bad one raises, nothing stays queued)
         outputs = self.llm_engine.generate([prompt for prompt, _ in prompts], list(params), use_tqdm,
-                                           priority=list(priorities), cache_salt=[salt for _, salt in prompts])
+                                           priority=list(priorities), cache_salt=[salt for _, salt in prompts],
+                                           images=images if any(i is not None for i in images) else None)
         failed = [o for o in outputs if o.error is not None]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed; request {failed[0].request_id}: "
@@ -242,7 +259,7 @@ def _device(device) -> torch.device | None:
 
 
 def _load_model(model, dtype, device, trust_remote_code, revision, gguf_file):
-    from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: PLC0415
+    from transformers import PreTrainedModel  # noqa: PLC0415
 
     if isinstance(model, PreTrainedModel):
         if dtype != "auto":
@@ -254,9 +271,9 @@ def _load_model(model, dtype, device, trust_remote_code, revision, gguf_file):
         extra["revision"] = revision
     if device.type != "cpu":
         extra["device_map"] = str(device)
-    with explained_hub_miss(name):
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="paged",
-                                                     trust_remote_code=trust_remote_code, **extra)
+    with explained_hub_miss(name):  # a vision-language folder: its image-text class where it has no causal one
+        model = model_class(name, extra).from_pretrained(name, dtype=dtype, attn_implementation="paged",
+                                                         trust_remote_code=trust_remote_code, **extra)
     return model.eval()
 
 
@@ -313,6 +330,8 @@ def _engine_prompt(prompt) -> tuple[object, str | None]:
         unknown = sorted(set(prompt) - set(PROMPT_KEYS))
         if unknown:
             raise ValueError(f"prompt has unsupported key(s) {unknown}; allowed keys are {list(PROMPT_KEYS)}")
+        if "multi_modal_data" in prompt:  # LLM.generate runs the processor
+            return dict(prompt), prompt.get("cache_salt")
         if "prompt_token_ids" in prompt:
             return {"prompt": prompt.get("prompt"), "prompt_token_ids": list(prompt["prompt_token_ids"])}, \
                 prompt.get("cache_salt")

@@ -28,6 +28,8 @@ SMOKE = {
     "engine_compile": (["--models", "stories260K", "--dtypes", "float32", "--requests", "2", "--max-out", "8",
                         "--rounds", "1", "--threads", "1"], "same tokens"),
     "fault_load": (["--clients", "8"], "idle"),
+    "images": (["--requests", "3", "--max-out", "3", "--budgets", "64", "--layers", "1", "--hidden", "64"],
+               "vision-tower runs"),
     "kernels": (["--quick"], "Paged attention kernels"),
     "kv_decode": (["--model", "stories260K", "--formats", "int8,auto", "--batch", "1", "--prompt-len", "8",
                    "--new-tokens", "3", "--repeats", "1"], "decode ms/step"),

@@ -151,6 +151,7 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
 
     import uvicorn
 
+    from paged_hf.media import MediaPolicy
     from paged_hf.server import app as app_module
 
     seen = {}
@@ -166,7 +167,8 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
                          "--max-logprobs", "4", "--max-stop-strings", "2", "--max-queue-len", "9"]) == 0
         assert logger.level == logging.DEBUG and any(getattr(h, "paged_hf_cli", False) for h in logger.handlers)
         first = dict(seen)
-        assert cli.main(["serve", "--allow-unknown-fields"]) == 0 and seen["options"] == {"allow_unknown_fields": True}
+        assert cli.main(["serve", "--allow-unknown-fields"]) == 0 and seen["options"] == {
+            "allow_unknown_fields": True, "processor": None, "media": MediaPolicy()}
         seen.update(first)
     finally:
         logger.setLevel(level)
@@ -175,7 +177,7 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
     assert {k: seen["engine"][k] for k in ("max_n", "max_logprobs", "max_stop_strings")} == \
         {"max_n": 3, "max_logprobs": 4, "max_stop_strings": 2}
     assert seen["app"] == ("model", 9, 1000) and seen["uvicorn"]["log_level"] == "debug"
-    assert seen["options"] == {"allow_unknown_fields": False}
+    assert seen["options"] == {"allow_unknown_fields": False, "processor": None, "media": MediaPolicy()}
 
 
 def test_help_imports_neither_torch_nor_transformers():

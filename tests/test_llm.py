@@ -116,7 +116,7 @@ def test_accepted_vllm_keywords_that_tune_absent_machinery():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda llm: llm.generate({"prompt": "x", "multi_modal_data": {}}), r"unsupported key\(s\) \['multi_modal_data'\]"),
+        (lambda llm: llm.generate({"prompt": "x", "multi_modal_data": {}}), r"multi_modal_data must be \{'image'"),
         (lambda llm: llm.generate({"text": "x"}), r"unsupported key\(s\) \['text'\]"),
         (lambda llm: llm.generate(3.5), "a prompt must be a string"),
         (lambda llm: llm.generate(["a", "b"], [GREEDY]), "sampling_params has 1 entries for 2 prompts"),

@@ -25,7 +25,7 @@ from ..distributed.launch import check_launch_options
 from ..kv.sizing import blocks_to_hold
 from ..kv_stats import EngineStats
 from ..model_source import load_tokenizer
-from . import parallel
+from . import multimodal, parallel
 from .output import OutputStage
 from .request import Request, RequestOutput, RequestOutputKind
 from .runner import ModelRunner
@@ -97,12 +97,14 @@ class PagedEngine:
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, cache_salt: str | None = None,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-                    enable_prefix_caching: bool = True) -> str:
+                    enable_prefix_caching: bool = True, images=None) -> str:
         """Queues a request; raises ``ValueError`` (and queues nothing) for a prompt that can never run.
 
         ``output_kind`` says what ``step()`` returns for it: everything so far (default), only what is new
         (streaming), or one output when it finishes. ``enable_prefix_caching=False``: this request reuses no cached
-        prefix (it computes its whole prompt; its blocks are still cached for later requests).
+        prefix (it computes its whole prompt; its blocks are still cached for later requests). ``images``: the
+        processor's tensors for the prompt's images (``{"pixel_values": [N, ...]}``; the prompt's ids hold the
+        placeholders the processor expanded, one run per image; see ``engine/multimodal.py``).
         """
         self._require_leader("add_request")
         params = params or SamplingParams()
@@ -111,6 +113,12 @@ class PagedEngine:
         text, ids = prompt_ids(prompt, self.tokenizer)
         ids = check_prompt_ids(ids, self.vocab_size, self.max_model_len)
         check_params(params, len(ids), self.vocab_size, self.max_model_len, self.config)
+        limit = self.config.limit_mm_per_prompt
+        request_images = multimodal.request_images(images, ids, self.model, limit and limit.get("image"),
+                                                   self.config.max_num_batched_tokens,
+                                                   self.config.max_num_encoder_input_tokens)
+        if request_images is not None and self.group is not None:
+            raise NotImplementedError("PagedEngine runs images on one process, not under tensor parallelism")
         # the longest the sequence can get; its last token is sampled, never stored
         stored = len(ids) + params.max_tokens - 1
         need = blocks_to_hold(self.kv, stored)
@@ -123,6 +131,9 @@ class PagedEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         request = Request(request_id, text, ids, params, priority, cache_salt, RequestOutputKind(output_kind))
         request.reuse_prefix = bool(enable_prefix_caching)
+        if request_images is not None:
+            request.images = request_images
+            request.cache_salt = request_images.block_keys(cache_salt)  # the images' digests key their blocks
         self.scheduler.add(request)
         return request_id
 
@@ -153,14 +164,14 @@ class PagedEngine:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, *, priority: list[int] | None = None,
-                 cache_salt: list[str | None] | None = None) -> list[RequestOutput]:
+                 cache_salt: list[str | None] | None = None, images: list | None = None) -> list[RequestOutput]:
         """Runs ``prompts`` (one or a list) to completion; outputs in prompt order.
 
         Every prompt is checked before any work starts: one that cannot run (too long, ids outside the vocabulary,
         bad parameters) raises its ``ValueError`` and leaves nothing queued, as ``LLM.generate`` and vLLM do. A
         request that fails while it runs (a logits processor that raises, NaN logits, a failed step) fails alone:
         its output has ``error`` set and ``finish_reason == "error"``, and the others complete.
-        ``priority`` / ``cache_salt``: one per prompt, as ``add_request``'s.
+        ``priority`` / ``cache_salt`` / ``images``: one per prompt, as ``add_request``'s.
 
         Under tensor parallelism every rank may call it (as under ``torchrun``): the leader runs the prompts it was
         given, the followers run the leader's steps, and every rank returns the leader's outputs."""
@@ -171,16 +182,17 @@ class PagedEngine:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"params has {len(params_list)} entries for {len(prompts)} prompts")
-        for name, values in (("priority", priority), ("cache_salt", cache_salt)):
+        for name, values in (("priority", priority), ("cache_salt", cache_salt), ("images", images)):
             if values is not None and len(values) != len(prompts):
                 raise ValueError(f"{name} has {len(values)} entries for {len(prompts)} prompts")
         priorities = priority if priority is not None else [0] * len(prompts)
         salts = cache_salt if cache_salt is not None else [None] * len(prompts)
+        image_list = images if images is not None else [None] * len(prompts)
         order: list[str] = []
         try:
-            for prompt, p, rank, salt in zip(prompts, params_list, priorities, salts):
+            for prompt, p, rank, salt, image in zip(prompts, params_list, priorities, salts, image_list):
                 order.append(self.add_request(prompt, p, output_kind=RequestOutputKind.FINAL_ONLY, priority=rank,
-                                              cache_salt=salt))
+                                              cache_salt=salt, images=image))
         except Exception:
             for request_id in order:
                 self.abort(request_id)
@@ -307,6 +319,7 @@ class PagedEngine:
             generated_tokens=scheduler.num_generated_tokens,
             generation_tokens_per_s=scheduler.num_generated_tokens / self._busy_seconds if self._busy_seconds else 0.0,
             tensor_parallel_size=self.group.size if self.group is not None else 1,
+            num_encoded_images=self.runner.images.num_encoded_images if self.runner.images is not None else 0,
         )
 
     def check_invariants(self) -> None:

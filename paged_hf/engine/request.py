@@ -125,6 +125,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.reuse_prefix = True  # False: the scheduler looks up no cached prefix for it
+        self.images = None  # its RequestImages (multimodal.py), set by the engine for a request with images
         self.output_kind = output_kind
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.error: BaseException | None = None

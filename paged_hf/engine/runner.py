@@ -26,6 +26,8 @@ from .compile import CompiledForward, CompileFailed
 from .forward_cache import EngineCache
 from .isolation import isolate
 from .model_output import ModelOutput
+from .image_encoder import ImageEncoder
+from .multimodal import image_token_id
 from .request import PositionLogprobs, Request, Sequence
 from .sampler import position_logprobs, sample
 from .scheduler import ScheduledSequence, SchedulerOutput
@@ -62,13 +64,18 @@ class BlockCopyError(RuntimeError):
 class StepInput:
     """What every rank needs to run one forward: the packed token ids ``[T]``, the attention metadata, the rows of
     logits to keep and the block copies to run first. Built by the leader (``ModelRunner.plan``); under tensor
-    parallelism it is broadcast, with its tensors on the CPU, and each rank moves it to its device."""
+    parallelism it is broadcast, with its tensors on the CPU, and each rank moves it to its device.
+    ``inputs_embeds`` ``[T, hidden]``: a step that computes image tokens (one process only) runs on these, eagerly,
+    instead of ``input_ids``; ``position_ids`` ``[3, T]``: a step with M-RoPE requests (Qwen2-VL) runs eagerly on
+    these instead of the metadata's positions."""
 
     input_ids: torch.Tensor
     metadata: AttentionMetadata
     keep: torch.Tensor
     copies: list = field(default_factory=list)
     num_rows: int = 0  # the leader's block-table rows (a follower gives its tail formats as many tail rows)
+    inputs_embeds: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -93,6 +100,7 @@ class ModelRunner:
         self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self.last_broadcast = time.monotonic()
         self.compiled: CompiledForward | None = self._compile() if compile else None
+        self.images = ImageEncoder(model) if image_token_id(model) is not None else None
 
     def _compile(self) -> CompiledForward | None:
         compiled = CompiledForward(self.model)
@@ -212,8 +220,17 @@ class ModelRunner:
 
     def _run_planned(self, output: SchedulerOutput, copies: list) -> ModelOutput:
         step, sample_rows, prompt_rows = self.plan(output, copies)
+        if self.images is not None:  # the vision tower runs here, for the images this step's tokens need
+            step.inputs_embeds = self.images.inputs_embeds(output.scheduled, step.input_ids,
+                                                           step.metadata.query_start_loc)
+            step.position_ids = self.images.positions(output.scheduled, step.metadata.positions,
+                                                      step.metadata.query_start_loc)
+            step.metadata.pad_queries = self.images.bidirectional_queries(output.scheduled, step.metadata)
         self.broadcast(("step", step))
-        return ModelOutput(self.run(step), sample_rows, prompt_rows)
+        logits = self.run(step)
+        if step.inputs_embeds is not None:
+            self.images.release(output.scheduled)
+        return ModelOutput(logits, sample_rows, prompt_rows)
 
     def broadcast(self, message) -> None:
         """Sends ``message`` to the other ranks (tensor parallelism), after checking they are alive."""
@@ -251,11 +268,16 @@ class ModelRunner:
             self.model.set_attn_implementation("paged")
         self.cache.metadata = metadata
         kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
-        inputs = dict(input_ids=step.input_ids.to(self.device, non_blocking=True).unsqueeze(0),
-                      position_ids=metadata.positions.unsqueeze(0), cache=self.cache, attention_mask=self.no_mask,
-                      use_cache=True, **kwargs)
+        if step.inputs_embeds is None:
+            tokens = dict(input_ids=step.input_ids.to(self.device, non_blocking=True).unsqueeze(0))
+        else:
+            tokens = dict(inputs_embeds=step.inputs_embeds.unsqueeze(0))
+        positions = metadata.positions.unsqueeze(0) if step.position_ids is None else step.position_ids.unsqueeze(1)
+        inputs = dict(**tokens, position_ids=positions, cache=self.cache, attention_mask=self.no_mask, use_cache=True,
+                      **kwargs)
+        eager = step.inputs_embeds is not None or step.position_ids is not None
         try:
-            out = self._forward(metadata, inputs)
+            out = self.model(**inputs) if eager else self._forward(metadata, inputs)
         except Exception as error:
             self._check_group(error)
             raise

@@ -30,6 +30,7 @@ from ..kv.copies import BlockCopy
 from ..kv.manager import KVManager
 from ..kv.prefix_hit import MISS, PrefixHit
 from .lpm import lpm_order
+from .multimodal import ImageChunks
 from .request import Request, Sequence, SequenceStatus
 
 if TYPE_CHECKING:  # the runner imports this module
@@ -175,6 +176,7 @@ class Scheduler:
     # -------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        images = ImageChunks(self.config.max_num_encoder_input_tokens)
         decodes: list[ScheduledSequence] = []
         prefills: list[ScheduledSequence] = []
         preempted = False
@@ -187,7 +189,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            count = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            count = images.chunk(seq.request, seq.num_computed_tokens,
+                                 min(len(seq.token_ids) - seq.num_computed_tokens, budget))
+            if count == 0:  # its next image does not fit what is left of this step: next step
+                index += 1
+                continue
             if self._has_windows:
                 kv.slide_windows(seq.kv)
             while not kv.try_append(seq.kv, count):
@@ -213,8 +219,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.num_swapped_in += 1
             self._join_running(seq)
-            count = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            if not kv.try_append(seq.kv, count):
+            count = images.chunk(seq.request, seq.num_computed_tokens,
+                                 min(len(seq.token_ids) - seq.num_computed_tokens, budget))
+            if count == 0 or not kv.try_append(seq.kv, count):
                 break  # runs next step
             self._schedule(seq, count, decodes if count == 1 else prefills)
             budget -= count
@@ -227,8 +234,8 @@ class Scheduler:
             if seq.kv is None:
                 seq.kv = kv.new_sequence()
             hit = self._prefix_hit(seq)
-            count = min(len(seq.token_ids) - hit.num_tokens, budget)
-            if not kv.has_room(kv.admission_blocks(hit, count)):
+            count = images.chunk(seq.request, hit.num_tokens, min(len(seq.token_ids) - hit.num_tokens, budget))
+            if count == 0 or not kv.has_room(kv.admission_blocks(hit, count)):
                 break
             self.waiting.popleft()
             first_admission = seq.request.metrics.first_scheduled_time is None

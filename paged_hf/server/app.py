@@ -23,10 +23,12 @@ from starlette.concurrency import run_in_threadpool
 from ..config import SamplingParams
 from ..engine import PagedEngine, RequestOutputKind
 from ..engine.detokenizer import Decoder
+from ..media import MediaPolicy
 from .body import CLIENT_GONE, DEFAULT_MAX_REQUEST_BYTES, ClientGone, parse_body, read_body
 from .engine_loop import EngineDeadError, EngineLoop, QueueFullError
 from .errors import ApiError, bad_request, install_handlers, internal_error
 from .logprobs import TokenBytes
+from .media import ImagePrompts
 from .metrics import ServerMetrics
 from .prompts import PromptTokenizer
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -38,9 +40,11 @@ logger = logging.getLogger("paged_hf")
 
 
 def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allow_unknown_fields: bool = False) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allow_unknown_fields: bool = False,
+              processor=None, media: MediaPolicy | None = None) -> FastAPI:
     """The app; its engine loop starts and stops with the app's lifespan. ``allow_unknown_fields``: a request
-    field this server does not know is ignored with a warning instead of a 400 (vLLM's behaviour)."""
+    field this server does not know is ignored with a warning instead of a 400 (vLLM's behaviour). ``processor``:
+    the model's, for chat image parts; ``media``: which image URLs they may name (default: data: URLs only)."""
     if engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer: PagedEngine(model, tokenizer)")
     metrics = ServerMetrics()
@@ -48,6 +52,8 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
     tokenize = PromptTokenizer(engine.tokenizer, engine.max_model_len)
     decode = Decoder(engine.tokenizer)
     token_bytes = TokenBytes(engine.tokenizer)
+    limit = engine.config.limit_mm_per_prompt
+    image_prompts = ImagePrompts(tokenize, processor, media or MediaPolicy(), limit and limit.get("image"))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -118,19 +124,26 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
         max_tokens = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         rename = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
         params = sampling_params(body, body.num_top_logprobs, rename, body.prompt_logprobs)
-        prompt = await tokenize.chat(body.chat(), body.template_kwargs(), body.add_generation_prompt is not False,
-                                     bool(body.add_special_tokens), _truncation(body))
+        options = body.submit_options()
+        if body.num_images:
+            prompt, options["images"] = await image_prompts.chat(
+                body.chat(), body.num_images, body.template_kwargs(), body.add_generation_prompt is not False,
+                bool(body.add_special_tokens), _truncation(body))
+        else:
+            prompt = await tokenize.chat(body.chat(), body.template_kwargs(), body.add_generation_prompt is not False,
+                                         bool(body.add_special_tokens), _truncation(body))
         return await run(raw, body, [prompt], params, chat=True, logprobs=body.num_top_logprobs, rename=rename,
-                         echo=Echo(prompt_logprobs=body.prompt_logprobs))
+                         echo=Echo(prompt_logprobs=body.prompt_logprobs), options=options)
 
     add_tokenizer_routes(app, engine, tokenize, decode, parse)
 
-    async def run(raw: Request, body, prompts: list, params: SamplingParams, chat: bool, logprobs, rename, echo):
+    async def run(raw: Request, body, prompts: list, params: SamplingParams, chat: bool, logprobs, rename, echo,
+                  options: dict | None = None):
         per_prompt = [params if body.max_tokens_given else default_max_tokens(params, p, engine.max_model_len)
                       for p in prompts]
         kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
         try:
-            submitted = await loop.submit(prompts, per_prompt, kind, body.submit_options())
+            submitted = await loop.submit(prompts, per_prompt, kind, options or body.submit_options())
         except QueueFullError as error:
             metrics.rejected.inc()
             raise ApiError(503, str(error), code="overloaded", headers={"Retry-After": "1"}) from None

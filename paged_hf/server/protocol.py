@@ -226,9 +226,24 @@ class CompletionRequest(_Sampling):
                            "logprobs")
 
 
+class ImageUrl(StrictBody):
+    url: str
+    detail: Literal["auto"] | None = None  # the model's processor sizes the image: "low" / "high" are refused
+
+
 class ContentPart(StrictBody):
-    type: Literal["text"]
-    text: str
+    """A text part (``text``) or an image part (``image_url``: a data: URL, or what the server's media flags
+    allow)."""
+
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageUrl | None = None
+
+    def check_supported(self, where: str) -> None:
+        if (self.type == "text") != (self.text is not None) or (self.type == "image_url") != \
+                (self.image_url is not None):
+            raise ApiError(400, f"{where}: a {self.type!r} content part takes the field {self.type!r} alone",
+                           "messages")
 
 
 class ChatMessage(StrictBody):
@@ -245,10 +260,18 @@ class ChatMessage(StrictBody):
             if getattr(self, name):
                 raise ApiError(400, f"messages.{index}.{name} is not supported: paged_hf has no tool calls or audio",
                                "messages")
+        for number, part in enumerate(self.content if isinstance(self.content, list) else []):
+            part.check_supported(f"messages.{index}.content.{number}")
+
+    @property
+    def num_images(self) -> int:
+        return sum(part.type == "image_url" for part in self.content) if isinstance(self.content, list) else 0
 
     def as_dict(self) -> dict:
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, list) and self.num_images:  # the parts, for the image prompt (server/media.py)
+            content = [part.model_dump(exclude_none=True) for part in content]
+        elif isinstance(content, list):
             content = "".join(part.text for part in content)
         if not content and self.refusal:
             content = self.refusal
@@ -280,6 +303,10 @@ class ChatCompletionRequest(_Sampling):
 
     def chat(self) -> list[dict]:
         return [m.as_dict() for m in self.messages]
+
+    @property
+    def num_images(self) -> int:
+        return sum(m.num_images for m in self.messages)
 
     def template_kwargs(self) -> dict:
         """Extra variables for the chat template: ``chat_template_kwargs``, and ``reasoning_effort`` when given."""

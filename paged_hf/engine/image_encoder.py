@@ -1,0 +1,133 @@
+"""The runner's side of images: ``ImageEncoder`` runs the vision tower for the images a step needs (once per image,
+every image of the step in one call per shape) and caches their embeddings on their requests until their tokens are
+computed; it builds the step's ``inputs_embeds`` (text embeddings with the image rows written in), Qwen2-VL's
+``[3, T]`` M-RoPE position ids, and Gemma 3's widened image queries. The request's side (``RequestImages``) is
+``multimodal.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..metadata import PadQueries
+from .multimodal import RequestImages
+
+
+class ImageEncoder:
+    """The runner's side: runs the vision tower (``model.get_image_features``) for the images a step needs and
+    builds the step's ``inputs_embeds``. ``num_encoded_images``: vision-tower runs so far, one per image."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.embed_tokens = model.get_input_embeddings()
+        self.num_encoded_images = 0
+
+    def inputs_embeds(self, scheduled, input_ids: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor | None:
+        """``[T, hidden]`` embeddings of the packed step (``input_ids`` ``[T]``, sequence ``i``'s rows from
+        ``query_start_loc[i]``) with the image rows written in; None when no scheduled token is an image's."""
+        needed = []  # (row of the step, images, image index, first token, last token + 1)
+        for i, item in enumerate(scheduled):
+            images = item.seq.request.images
+            if images is None:
+                continue
+            stop = item.start + item.num_tokens
+            for index in images.overlapping(item.start, stop):
+                needed.append((i, images, index, item.start, stop))
+        if not needed:
+            return None
+        self._encode([(images, index) for _, images, index, _, _ in needed if index not in images.embeds])
+        device = self.embed_tokens.weight.device
+        embeds = self.embed_tokens(input_ids.to(device))
+        starts = query_start_loc.tolist()
+        for i, images, index, start, stop in needed:
+            span = images.spans[index]
+            first, last = max(start, span.offset), min(stop, span.end)
+            row = starts[i] + first - start
+            embeds[row : row + last - first] = images.embeds[index][first - span.offset : last - span.offset]
+        return embeds
+
+    def _encode(self, missing: list[tuple[RequestImages, int]]) -> None:
+        """Runs the vision tower once over the ``missing`` images (grouped by shape), caching each one's
+        embeddings on its request; ``ValueError`` when an image's embeddings do not match its placeholders."""
+        groups: dict[tuple, list[tuple[RequestImages, int]]] = {}
+        for images, index in missing:
+            tensors = images.spans[index].tensors
+            groups.setdefault(tuple((n, tuple(t.shape), t.dtype) for n, t in sorted(tensors.items())), []).append(
+                (images, index))
+        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
+        for members in groups.values():
+            batch = {name: torch.cat([images.spans[index].tensors[name] for images, index in members]).to(device)
+                     for name in members[0][0].spans[members[0][1]].tensors}
+            batch["pixel_values"] = batch["pixel_values"].to(dtype)
+            features = self.model.get_image_features(**batch).pooler_output
+            for (images, index), feature in zip(members, features):
+                span = images.spans[index]
+                feature = feature.reshape(-1, feature.shape[-1])
+                if feature.shape[0] != span.length:
+                    raise ValueError(f"image {index} gives {feature.shape[0]} embeddings but the prompt holds "
+                                     f"{span.length} placeholder tokens for it (the processor expands them: use "
+                                     f"the model's processor)")
+                images.embeds[index] = feature.to(dtype)
+            self.num_encoded_images += len(members)
+
+    @staticmethod
+    def positions(scheduled, positions: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor | None:
+        """``[3, T]`` M-RoPE position ids of the packed step (``positions`` ``[T]``: each token's position), or None
+        when no scheduled request has M-RoPE positions (the model reads ``positions`` as they are)."""
+        if not any(item.seq.request.images is not None and item.seq.request.images.mrope_positions is not None
+                   for item in scheduled):
+            return None
+        out = positions.unsqueeze(0).repeat(3, 1)
+        starts = query_start_loc.tolist()
+        for i, item in enumerate(scheduled):
+            images = item.seq.request.images
+            if images is None or images.mrope_positions is None:
+                continue
+            stop = item.start + item.num_tokens
+            prompt_len = images.mrope_positions.shape[1]
+            row = starts[i]
+            if item.start < prompt_len:
+                count = min(stop, prompt_len) - item.start
+                out[:, row : row + count] = images.mrope_positions[:, item.start : item.start + count]
+            first = max(item.start, prompt_len)
+            if stop > first:  # generated tokens: their position plus the delta, in every row
+                at = row + first - item.start
+                out[:, at : at + stop - first] += images.rope_delta
+        return out
+
+    @staticmethod
+    def bidirectional_queries(scheduled, metadata) -> PadQueries | None:
+        """The step's queries inside a bidirectional image (Gemma 3), each attending keys up to its image's last
+        token (this step holds it: ``ImageChunks``) from its own window start; None when there are none."""
+        rows, seqs, bounds = [], [], []
+        starts = metadata.query_start_loc.tolist()
+        for i, item in enumerate(scheduled):
+            images = item.seq.request.images
+            if images is None or not images.bidirectional:
+                continue
+            stop = item.start + item.num_tokens
+            for index in images.overlapping(item.start, stop):
+                span = images.spans[index]
+                first = max(item.start, span.offset)
+                rows.extend(range(starts[i] + first - item.start, starts[i] + span.end - item.start))
+                seqs.extend([i] * (span.end - first))
+                bounds.extend([span.end - 1] * (span.end - first))
+        if not rows:
+            return None
+        device = metadata.positions.device
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        own = metadata.positions.index_select(0, index).long()
+        window_starts = [None if group.window is None else (own - group.window + 1).clamp_min(0)
+                         for group in metadata.groups]
+        return PadQueries(index, torch.tensor(seqs, dtype=torch.long, device=device),
+                          torch.tensor(bounds, dtype=torch.long, device=device), window_starts)
+
+    @staticmethod
+    def release(scheduled) -> None:
+        """After a step's forward: drops the embeddings of the images whose last token it computed."""
+        for item in scheduled:
+            images = item.seq.request.images
+            if images is not None and images.embeds:
+                stop = item.start + item.num_tokens
+                for index in [i for i in images.embeds if images.spans[i].end <= stop]:
+                    del images.embeds[index]

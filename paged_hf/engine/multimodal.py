@@ -1,0 +1,242 @@
+"""Images in the engine: a request's images, their placeholder tokens, and the vision tower's embeddings.
+
+A request with images arrives with its placeholders already expanded (the model's processor writes one image token
+per image embedding) and the processor's tensors (``pixel_values``, one row per image). ``RequestImages`` pairs each
+image with its run of placeholder tokens and a digest of its pixels. The runner's ``ImageEncoder`` runs the vision
+tower once per image, in the step that first computes any of its placeholder tokens (every image such a step needs,
+in one call), and keeps the embeddings on the request until all its tokens are computed; a step whose tokens hold
+image rows then runs on ``inputs_embeds`` (the text embeddings with the image rows written in), eagerly. A request
+that computes an image's tokens again (preempted by recompute, or a prefix hit that ends inside the image) encodes
+it again, so a chunk never needs an embedding that is gone.
+
+Prefix caching sees the images through the request's block keys (``hashing.ContentSpans``): each block holding
+placeholder tokens carries the digests of its images, and the chained hash carries them to every later block, so
+the same image hits and another image behind the same placeholders misses.
+
+The runner's side is ``image_encoder.py``. Families (``IMAGE_FAMILIES``): LLaVA (causal attention over the image tokens, plain RoPE) and Qwen2-VL, whose
+M-RoPE positions (three rows: time, height, width) come from the model's ``get_rope_index`` once per request, at
+``add_request``; a step then hands the model ``[3, 1, T]`` position ids, sliced from them for prompt tokens and
+``position + rope delta`` for generated ones, and runs eagerly (the paged attention's causality still reads the
+plain positions); and Gemma 3, whose image tokens attend to each other both ways: its images are never split across
+chunks (``ImageChunks``: a chunk ends before an image it cannot finish), and the step's image queries are attended
+again with a wider bound (``AttentionMetadata.pad_queries``: keys up to the image's last token, from the query's own
+window start), which is transformers' mask for them (causal OR same image, within the window). Qwen2.5-VL is refused
+with a ``NotImplementedError``: it is not tested here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ParameterError
+from ..hashing import ContentSpans
+
+IMAGE_FAMILIES = ("llava", "qwen2_vl", "gemma3")  # config.model_type of the models whose images the engine runs
+MROPE_FAMILIES = ("qwen2_vl",)
+BIDIRECTIONAL_FAMILIES = ("gemma3",)  # an image's tokens attend to each other both ways
+REFUSED = {
+    "qwen2_5_vl": "Qwen2.5-VL's images are not tested with the engine (Qwen2-VL's are)",
+}
+# the processor tensors the encoder takes: one row per image, except Qwen2-VL's pixel_values (one row per patch, the
+# image's rows being the product of its image_grid_thw row)
+IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw")
+
+
+@dataclass
+class ImageSpan:
+    """One image of a request: its placeholder tokens ``offset .. offset + length - 1`` of the prompt, its
+    processor tensors (each with a leading dimension of 1) and the digest of its pixels."""
+
+    offset: int
+    length: int
+    tensors: dict[str, torch.Tensor]
+    digest: str
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass
+class RequestImages:
+    """A request's images in prompt order; ``embeds[i]``: image ``i``'s embeddings ``[length, hidden]`` while some of
+    its tokens remain to be computed (the encoder cache). ``mrope_positions`` ``[3, prompt length]`` and
+    ``rope_delta``: an M-RoPE model's prompt positions, and what a generated token adds to its position."""
+
+    spans: list[ImageSpan]
+    embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    mrope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
+    bidirectional: bool = False
+
+    def block_keys(self, salt) -> ContentSpans:
+        """The request's prefix-cache keys: ``salt`` for every block, plus the digests of the images in it."""
+        return ContentSpans(salt, tuple((s.offset, s.length, s.digest) for s in self.spans))
+
+    def overlapping(self, start: int, stop: int) -> list[int]:
+        """The images with placeholder tokens among positions ``start .. stop - 1``."""
+        return [i for i, s in enumerate(self.spans) if s.offset < stop and s.end > start]
+
+
+def image_token_id(model) -> int | None:
+    """The placeholder token id of ``model``'s images, or None for a model that reads no images."""
+    config = model.config
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def request_images(images, ids: list[int], model, max_images: int | None, max_chunk: int | None = None,
+                   max_encoder_tokens: int | None = None) -> RequestImages | None:
+    """Checks a request's ``images`` (a mapping of processor tensors: ``pixel_values`` ``[N, ...]``, optionally
+    ``image_sizes`` ``[N, 2]``) against its prompt ``ids`` and pairs each image with its run of placeholder tokens.
+    ``ParameterError`` (field ``images``) when they do not match; ``NotImplementedError`` for a family whose images
+    the engine cannot run. None for a request without images (whose prompt must hold no placeholder).
+    ``max_chunk``: the most tokens of one step (a bidirectional image must fit one); ``max_encoder_tokens``: the
+    most image tokens encoded in one step (every image must fit it)."""
+    token = image_token_id(model)
+    runs = _placeholder_runs(ids, token) if token is not None else []
+    if images is None:
+        if runs:
+            raise ParameterError("images", f"the prompt holds {sum(n for _, n in runs)} image placeholder tokens "
+                                           f"(id {token}) but the request has no images")
+        return None
+    if token is None:
+        raise ParameterError("images", f"{type(model).__name__} reads no images (its config names no image token)")
+    family = model.config.model_type
+    if family in REFUSED:
+        raise NotImplementedError(f"PagedEngine does not run images on {family} yet: {REFUSED[family]}; its "
+                                  f"text-only requests run. Image families: {list(IMAGE_FAMILIES)}")
+    if family not in IMAGE_FAMILIES:
+        raise NotImplementedError(f"PagedEngine runs images on {list(IMAGE_FAMILIES)} models, not {family!r}")
+    if not isinstance(images, Mapping) or not isinstance(images.get("pixel_values"), torch.Tensor):
+        raise ParameterError("images", "images must be the processor's tensors: a mapping with 'pixel_values' "
+                                       f"(a tensor, one row per image), got {type(images).__name__}")
+    unknown = sorted(set(images) - set(IMAGE_KEYS))
+    if unknown:
+        raise ParameterError("images", f"images has unsupported key(s) {unknown}; allowed keys are {list(IMAGE_KEYS)}")
+    pixels = images["pixel_values"]
+    grid = images.get("image_grid_thw")
+    count = grid.shape[0] if isinstance(grid, torch.Tensor) and grid.dim() > 0 else \
+        pixels.shape[0] if pixels.dim() > 0 else 0
+    if count == 0:
+        raise ParameterError("images", "images['pixel_values'] holds no image")
+    if max_images is not None and count > max_images:
+        raise ParameterError("images", f"the request has {count} images; at most {max_images} are allowed "
+                                       f"(limit_mm_per_prompt)")
+    if not torch.isfinite(pixels).all():
+        raise ParameterError("images", "pixel_values holds NaN or infinite values")
+    if len(runs) != count:
+        raise ParameterError("images", f"the prompt holds {len(runs)} runs of image placeholder tokens (id {token}) "
+                                       f"for {count} images: the processor writes one run per image (a token must "
+                                       f"separate two images)")
+    rows = _pixel_rows(images, count, runs, model)
+    for name, value in images.items():
+        if name != "pixel_values" and (not isinstance(value, torch.Tensor) or value.dim() == 0 or
+                                       value.shape[0] != count):
+            raise ParameterError("images", f"images[{name!r}] must be a tensor with one row per image ({count})")
+    spans = []
+    bounds = [0, *itertools.accumulate(rows)]
+    for i, (offset, length) in enumerate(runs):
+        tensors = {name: (value[bounds[i] : bounds[i + 1]] if name == "pixel_values" else value[i : i + 1])
+                   .detach().cpu() for name, value in images.items()}
+        spans.append(ImageSpan(offset, length, tensors, _digest(tensors)))
+    result = RequestImages(spans, bidirectional=family in BIDIRECTIONAL_FAMILIES)
+    longest = max(length for _, length in runs)
+    if result.bidirectional and max_chunk is not None and longest > max_chunk:
+        raise ParameterError("images", f"an image of {longest} tokens must be computed in one step, but "
+                                       f"max_num_batched_tokens is {max_chunk}")
+    if max_encoder_tokens is not None and longest > max_encoder_tokens:
+        raise ParameterError("images", f"an image of {longest} tokens is more than the vision tower may encode in "
+                                       f"one step (max_num_encoder_input_tokens={max_encoder_tokens})")
+    if family in MROPE_FAMILIES:
+        result.mrope_positions, result.rope_delta = _mrope_positions(model, ids, token, images["image_grid_thw"])
+    return result
+
+
+def _pixel_rows(images, count: int, runs: list[tuple[int, int]], model) -> list[int]:
+    """The rows of ``pixel_values`` of each image: one, or (with ``image_grid_thw``) its patches, whose merged count
+    must equal its placeholders."""
+    pixels, grid = images["pixel_values"], images.get("image_grid_thw")
+    if grid is None:
+        if pixels.shape[0] != count:
+            raise ParameterError("images", f"images['pixel_values'] must have one row per image ({count})")
+        return [1] * count
+    if not isinstance(grid, torch.Tensor) or grid.shape != (count, 3):
+        raise ParameterError("images", f"images['image_grid_thw'] must be a [{count}, 3] tensor (one row per image)")
+    patches = grid.prod(-1).tolist()
+    if sum(patches) != pixels.shape[0]:
+        raise ParameterError("images", f"images['pixel_values'] has {pixels.shape[0]} rows but image_grid_thw "
+                                       f"counts {sum(patches)} patches")
+    merge = model.config.vision_config.spatial_merge_size ** 2
+    for index, ((_, length), num_patches) in enumerate(zip(runs, patches)):
+        if num_patches // merge != length:
+            raise ParameterError("images", f"image {index} has {num_patches // merge} merged patches "
+                                           f"(image_grid_thw) but the prompt holds {length} placeholder tokens for it")
+    return patches
+
+
+def _mrope_positions(model, ids: list[int], token: int, grid: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The prompt's ``[3, L]`` M-RoPE positions and its rope delta, from the model's own ``get_rope_index``."""
+    ids_tensor = torch.tensor([ids], dtype=torch.long)
+    owner = model if hasattr(model, "get_rope_index") else model.model
+    positions, delta = owner.get_rope_index(ids_tensor, (ids_tensor == token).int(), image_grid_thw=grid.cpu())
+    return positions[:, 0].cpu(), int(delta.reshape(-1)[0])
+
+
+def _placeholder_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(offset, length) of each run of consecutive ``token`` in ``ids``."""
+    runs: list[tuple[int, int]] = []
+    for position, value in enumerate(ids):
+        if value != token:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == position:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((position, 1))
+    return runs
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """BLAKE2b of an image's processor tensors (names, dtypes, shapes and bytes): its identity in the prefix cache."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        value = tensors[name].contiguous()
+        digest.update(f"{name}:{value.dtype}:{tuple(value.shape)};".encode())
+        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()
+
+
+class ImageChunks:
+    """One step's rules for chunks through images (the scheduler makes one per step): a chunk never ends inside a
+    bidirectional image (Gemma 3), and the images whose vision tower runs this step (their first tokens are computed
+    and their embeddings are not cached) hold at most ``encoder_budget`` placeholder tokens together (None: no
+    limit). A chunk cut to 0 tokens waits for a later step."""
+
+    def __init__(self, encoder_budget: int | None) -> None:
+        self.left = encoder_budget
+
+    def chunk(self, request, start: int, count: int) -> int:
+        """``count`` tokens of ``request`` from ``start``, cut before the first image they may not take; the images
+        it encodes are counted against the budget (as soon as the chunk is cut: a chunk the scheduler then cannot
+        place only leaves less encoding to this step)."""
+        images = request.images
+        if images is None:
+            return count
+        stop = start + count
+        for index in images.overlapping(start, stop):
+            span = images.spans[index]
+            encodes = index not in images.embeds
+            if (images.bidirectional and span.end > stop) or \
+                    (encodes and self.left is not None and span.length > self.left):
+                return max(0, span.offset - start)
+            if encodes and self.left is not None:
+                self.left -= span.length
+        return count

@@ -1,0 +1,100 @@
+"""Prompts with images, for the front ends (``LLM``, the server): OpenAI / vLLM content parts to a chat template's
+messages and the images in order, and a text with its images to token ids (placeholders expanded) plus the
+processor's tensors, which is what ``PagedEngine.add_request(..., images=...)`` takes.
+
+Content parts: ``{"type": "text", "text"}``, ``{"type": "image_url", "image_url": {"url": ...}}`` (or the URL
+string), and vLLM's ``{"type": "image_pil", "image_pil": <PIL image>}``. Each image part becomes
+``{"type": "image"}`` in the message the chat template sees (what Hugging Face processors' templates read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from .config import ParameterError
+from .engine.multimodal import IMAGE_KEYS
+from .media import MediaPolicy, load_image
+
+IMAGE_PART_TYPES = ("image_url", "image_pil")
+
+
+def split_chat(messages: list, load: Callable[[object], object], field: str = "messages") -> tuple[list, list]:
+    """``(messages for the template, images)``: image parts replaced by ``{"type": "image"}`` and loaded with
+    ``load(url or PIL image)``, in order; a message without images keeps its text as a string."""
+    rendered, images = [], []
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, list):
+            rendered.append(message)
+            continue
+        parts, has_image = [], False
+        for part in content:
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": part.get("text", "")})
+            elif kind in IMAGE_PART_TYPES:
+                value = part.get(kind)
+                if kind == "image_url" and isinstance(value, Mapping):
+                    value = value.get("url")
+                images.append(load(value))
+                parts.append({"type": "image"})
+                has_image = True
+            else:
+                raise ParameterError(field, f"messages.{index}: content part type must be one of "
+                                            f"{['text', *IMAGE_PART_TYPES]}, got {kind!r:.40}")
+        content = parts if has_image else "".join(p["text"] for p in parts)
+        rendered.append({**message, "content": content})
+    return rendered, images
+
+
+def process(processor, text: str, images: list, add_special_tokens: bool = True) -> tuple[list[int], dict]:
+    """``(token ids, image tensors)`` of ``text`` with ``images`` through the model's ``processor``: the ids hold the
+    expanded placeholders, the tensors are ``PagedEngine``'s ``images`` (``pixel_values`` ``[N, ...]``, ...)."""
+    if processor is None:
+        raise ParameterError("multi_modal_data", "images need the model's processor (LLM(..., processor=...))")
+    try:
+        out = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=add_special_tokens)
+    except (ValueError, TypeError) as error:  # e.g. placeholders and images that do not match
+        raise ParameterError("multi_modal_data", f"the processor refused the prompt and its images: {error}") \
+            from None
+    return out["input_ids"][0].tolist(), {name: out[name] for name in IMAGE_KEYS if name in out}
+
+
+def image_prompt(prompt: Mapping, processor, media: MediaPolicy) -> tuple[dict, dict]:
+    """vLLM's ``{"prompt": text, "multi_modal_data": {"image": image or [images]}}`` as the engine's prompt (its
+    token ids) and its image tensors."""
+    data = prompt["multi_modal_data"]
+    if not isinstance(data, Mapping) or set(data) != {"image"}:
+        raise ParameterError("multi_modal_data", f"multi_modal_data must be {{'image': a PIL image or a list of "
+                                                 f"them}}, got {data!r:.200}")
+    if not isinstance(prompt.get("prompt"), str) or "prompt_token_ids" in prompt:
+        raise ParameterError("multi_modal_data", "multi_modal_data needs 'prompt' (the text with its image "
+                                                 "placeholders), not 'prompt_token_ids'")
+    images = data.get("image")
+    images = [load_image(image, media, "multi_modal_data")
+              for image in (images if isinstance(images, (list, tuple)) else [images])]
+    ids, tensors = process(processor, prompt["prompt"], images)
+    return {"prompt": prompt["prompt"], "prompt_token_ids": ids}, tensors
+
+
+def render_chat(tokenizer, processor, conversation: list, media: MediaPolicy, template: dict) -> tuple[dict, dict | None]:
+    """One conversation through the chat template (``template``: ``apply_chat_template``'s keywords) as the engine's
+    prompt, and its image tensors (None without images)."""
+    messages, images = split_chat(conversation, lambda source: load_image(source, media))
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **template)
+    if images:  # the template holds the special tokens
+        ids, tensors = process(processor, text, images, add_special_tokens=False)
+    else:
+        ids, tensors = tokenizer(text, add_special_tokens=False)["input_ids"], None
+    return {"prompt": text, "prompt_token_ids": ids}, tensors
+
+
+def processed_images(prompts: list, processor, media: MediaPolicy) -> list[dict | None]:
+    """The image tensors of each ``(engine prompt, salt)`` of ``prompts`` (None without images); each
+    ``multi_modal_data`` prompt is replaced, in place, by its processed token ids."""
+    images: list[dict | None] = [None] * len(prompts)
+    for index, (prompt, salt) in enumerate(prompts):
+        if isinstance(prompt, Mapping) and "multi_modal_data" in prompt:
+            engine_prompt, images[index] = image_prompt(prompt, processor, media)
+            prompts[index] = (engine_prompt, salt)
+    return images

@@ -1,0 +1,437 @@
+"""Images in the engine (tiny random LLaVA; Qwen2-VL, whose M-RoPE positions come from its ``get_rope_index``; Gemma 3,
+whose image tokens attend to each other both ways, so its images are never split across chunks):
+greedy tokens and logprobs equal ``generate`` on ``DynamicCache`` + sdpa, with several images per prompt, text-only and
+image requests in one step, chunked prefill through image tokens, preemption; the vision tower runs once per image;
+prefix hits keyed by the pixels; hostile inputs fail alone; ``LLM``'s image prompts."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from transformers import DynamicCache
+
+from paged_hf import PagedEngine, SamplingParams
+from paged_hf.engine.multimodal import request_images
+from paged_hf.hashing import ContentSpans, extend_block_hashes
+from models import token_logprobs
+from vision_models import (IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_FAMILIES, generate_kwargs, prompt_with_images,
+                           random_pixels, tiny_llava, vision_case, vision_model)
+
+MAX_TOKENS = 6
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+# (number of images, seed): a text-only prompt among prompts of one, two and three images
+CASES = ((2, 1), (0, 2), (1, 3), (3, 4), (1, 5))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llava()
+
+
+_models: dict = {}
+
+
+def family_model(family: str):
+    if family not in _models:
+        _models[family] = vision_model(family)
+    return _models[family]
+
+
+def case_inputs(num_images: int, seed: int, family: str = "llava"):
+    return vision_case(family, num_images, seed)
+
+
+_references: dict = {}
+
+
+def reference(model, num_images: int, seed: int, family: str = "llava"):
+    """(greedy tokens, logprobs) of one prompt alone, by generate on DynamicCache with sdpa."""
+    key = (family, num_images, seed)
+    if key not in _references:
+        ids, images = case_inputs(num_images, seed, family)
+        model.set_attn_implementation("sdpa")
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 **generate_kwargs(family, ids, images), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 eos_token_id=None,
+                                 pad_token_id=0, return_dict_in_generate=True, output_logits=True,
+                                 cache=DynamicCache(config=model.config))
+        tokens = out.sequences[0, len(ids):].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+        _references[key] = (tokens, logprobs)
+    return _references[key]
+
+
+def run_cases(engine, cases, family: str = "llava"):
+    inputs = [case_inputs(*case, family) for case in cases]
+    return engine.generate([ids for ids, _ in inputs], GREEDY, use_tqdm=False, images=[i for _, i in inputs])
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"max_num_batched_tokens": 5},  # every image's 16 tokens split over chunks
+    {"max_num_batched_tokens": 13, "enable_prefix_caching": False},
+    {"num_blocks": 16, "preemption_mode": "recompute", "max_num_batched_tokens": 24},
+    {"num_blocks": 16, "preemption_mode": "swap", "swap_space": 0.001, "max_num_batched_tokens": 24},
+], ids=["one-step", "chunked-5", "chunked-13", "recompute", "swap"])
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_engine_equals_generate(family, options):
+    model = family_model(family)
+    if family == "gemma3" and "num_blocks" in options:  # its sliding window frees blocks: a smaller pool preempts
+        options = {**options, "num_blocks": 6}
+    engine = PagedEngine(model, None, **{"block_size": 4, "num_blocks": 128, "enforce_eager": True, **options})
+    outs = run_cases(engine, CASES, family)
+    for out, case in zip(outs, CASES):
+        tokens, logprobs = reference(model, *case, family)
+        assert out.error is None
+        assert out.outputs[0].token_ids == tokens, case
+        torch.testing.assert_close(token_logprobs(out.outputs[0]), logprobs, atol=2e-5, rtol=0)
+    if options.get("preemption_mode"):
+        assert engine.get_stats()["preemption_count"] > 0, "the pool must force preemption"
+    else:  # the vision tower ran once per image, whatever the chunking
+        assert engine.runner.images.num_encoded_images == sum(n for n, _ in CASES)
+    engine.check_invariants()
+    assert engine.get_stats()["kv_cache_used"] == 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_quantized_kv_with_images_does_not_depend_on_the_chunking(family, kv_cache_dtype):
+    """A quantized block's bytes depend only on its tokens: image prompts in one step or in chunks of 7 (Gemma 3's
+    widened image queries included, int4's full-precision tail too) give the same tokens."""
+    model = family_model(family)
+    tokens = []
+    for budget in (2048, 7):
+        engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True,
+                             kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=budget)
+        outs = run_cases(engine, CASES[:3], family)
+        assert all(o.error is None for o in outs)
+        tokens.append([o.outputs[0].token_ids for o in outs])
+        engine.check_invariants()
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_parallel_samples_of_an_image_request_share_its_prompt(family):
+    """n=2: the second sample forks the first's blocks after the prompt (and, for Qwen2-VL, its rope delta)."""
+    model = family_model(family)
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
+    ids, images = case_inputs(2, 1, family)
+    out = engine.generate([ids], SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+                          use_tqdm=False, images=[images])[0]
+    assert [c.token_ids for c in out.outputs] == [reference(model, 2, 1, family)[0]] * 2
+    assert engine.get_stats()["num_encoded_images"] == 2
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_image_and_text_requests_share_a_step(family):
+    model = family_model(family)
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
+    ids, images = case_inputs(2, 1, family)
+    text_ids, _ = case_inputs(0, 2, family)
+    engine.add_request(ids, GREEDY, request_id="image", images=images)
+    engine.add_request(text_ids, GREEDY, request_id="text")
+    first = engine.step()  # both prompts fit one step: both get their first token from it
+    assert sorted((out.request_id, len(out.outputs[0].token_ids)) for out in first) == [("image", 1), ("text", 1)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done == {"image": reference(model, 2, 1, family)[0], "text": reference(model, 0, 2, family)[0]}
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])  # Gemma 3 slides windows: no prefix caching
+def test_prefix_hits_the_same_image_and_misses_another(family):
+    model = family_model(family)
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
+    ids, images = case_inputs(1, 3, family)  # 4 text tokens, then the image (and its markers) from position 4
+    first = engine.generate([ids], GREEDY, use_tqdm=False, images=[images])[0]
+    same = engine.generate([ids], GREEDY, use_tqdm=False, images=[images])[0]
+    other_pixels = {**images, "pixel_values": images["pixel_values"] + 0.5}  # the same placeholders
+    other = engine.generate([ids], GREEDY, use_tqdm=False, images=[other_pixels])[0]
+    assert first.metrics.num_prefix_cached_tokens == 0
+    assert same.metrics.num_prefix_cached_tokens == (len(ids) - 1) // 4 * 4  # every full block but the last token's
+    assert same.outputs[0].token_ids == first.outputs[0].token_ids
+    assert other.metrics.num_prefix_cached_tokens == 4  # the text block before the image, nothing after it
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([ids]), **generate_kwargs(family, ids, other_pixels), do_sample=False,
+                                  max_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0,
+                                  cache=DynamicCache(config=model.config))[0, len(ids):].tolist()
+    assert other.outputs[0].token_ids == expected != first.outputs[0].token_ids
+    engine.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(offset=st.integers(0, 30), length=st.integers(1, 12), block=st.sampled_from([1, 2, 4, 8]))
+def test_image_digests_key_the_blocks_from_the_image_on(offset, length, block):
+    tokens = list(range(48))
+    hashes = {d: extend_block_hashes([], tokens, block, ("auto", ContentSpans(None, ((offset, length, d),))))
+              for d in ("a", "b")}
+    first_image_block = offset // block
+    assert hashes["a"][:first_image_block] == hashes["b"][:first_image_block]
+    assert all(x != y for x, y in zip(hashes["a"][first_image_block:], hashes["b"][first_image_block:]))
+    plain = extend_block_hashes([], tokens, block, ("auto", None))
+    assert hashes["a"][:first_image_block] == plain[:first_image_block]
+
+
+def test_requests_whose_images_fail_fail_alone(model):
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
+    ids, images = case_inputs(1, 3)
+    small = {"pixel_values": torch.randn(1, 3, 8, 8)}  # the vision tower refuses an 8x8 image
+    short = [1, 7] + [IMAGE_TOKEN_ID] * 10 + [9]  # 10 placeholders for an image of 16 embeddings
+    outs = engine.generate([ids, ids, short, case_inputs(0, 2)[0]], GREEDY, use_tqdm=False,
+                           images=[images, small, images, None])
+    assert outs[1].error is not None and "image size" in outs[1].error
+    assert outs[2].error is not None and "16 embeddings but the prompt holds 10 placeholder" in outs[2].error
+    assert outs[0].outputs[0].token_ids == reference(model, 1, 3)[0]
+    assert outs[3].outputs[0].token_ids == reference(model, 0, 2)[0]
+    engine.check_invariants()
+    assert engine.get_stats()["kv_cache_used"] == 0
+
+
+@pytest.mark.parametrize("ids, images, message", [
+    (prompt_with_images(1, 0), None, "no images"),
+    (prompt_with_images(2, 0), {"pixel_values": random_pixels(1, 0)}, "holds 2 runs .* for 1 images"),
+    (prompt_with_images(1, 0), {"pixel_values": random_pixels(2, 0)}, "holds 1 runs .* for 2 images"),
+    (prompt_with_images(1, 0), {"pixel_values": torch.full((1, 3, 16, 16), float("nan"))}, "NaN"),
+    (prompt_with_images(1, 0), {"pixel_values": random_pixels(1, 0), "mask": torch.ones(1)}, "unsupported key"),
+    (prompt_with_images(1, 0), [random_pixels(1, 0)], "mapping with 'pixel_values'"),
+    (prompt_with_images(3, 0), {"pixel_values": random_pixels(3, 0)}, "at most 2 are allowed"),
+])
+def test_bad_images_are_refused_before_queueing(model, ids, images, message):
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True,
+                         limit_mm_per_prompt={"image": 2})
+    with pytest.raises(ValueError, match=message) as error:
+        engine.add_request(ids, GREEDY, images=images)
+    assert error.value.param == "images"
+    assert not engine.has_unfinished_requests()
+
+
+def test_bad_qwen2_vl_grids_are_refused_before_queueing():
+    model = family_model("qwen2_vl")
+    engine = PagedEngine(model, None, block_size=4, num_blocks=64, enforce_eager=True)
+    ids, images = case_inputs(2, 1, "qwen2_vl")  # images of 4 and 10 placeholders
+    swapped = {**images, "image_grid_thw": images["image_grid_thw"].flip(0)}
+    for bad, message in ((swapped, "image 0 has 10 merged patches .* holds 4 placeholder"),
+                         ({**images, "image_grid_thw": images["image_grid_thw"][:1]}, "holds 2 runs .* for 1 images"),
+                         ({**images, "pixel_values": images["pixel_values"][:-1]}, "rows but image_grid_thw counts")):
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(ids, GREEDY, images=bad)
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("family, longest", [("llava", IMAGE_TOKENS), ("gemma3", 4)])  # images of one size
+def test_the_encoder_budget_holds_each_step_to_one_image(family, longest):
+    """max_num_encoder_input_tokens of one image: prompts of two and three images encode one image per step (a chunk
+    ends before the next image), and the tokens are unchanged."""
+    model = family_model(family)
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True,
+                         max_num_encoder_input_tokens=longest)
+    inputs = [case_inputs(*case, family) for case in CASES]
+    for index, (ids, images) in enumerate(inputs):
+        engine.add_request(ids, GREEDY, request_id=str(index), images=images)
+    done, encoded = {}, [0]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out.outputs[0].token_ids
+        encoded.append(engine.get_stats()["num_encoded_images"])
+    assert max(b - a for a, b in zip(encoded, encoded[1:])) == 1
+    assert encoded[-1] == sum(n for n, _ in CASES)
+    assert [done[i] for i in range(len(CASES))] == [reference(model, *case, family)[0] for case in CASES]
+    engine.check_invariants()
+    with pytest.raises(ValueError, match="max_num_encoder_input_tokens") as error:
+        PagedEngine(model, None, block_size=4, num_blocks=64, enforce_eager=True,
+                    max_num_encoder_input_tokens=longest - 1).add_request(*inputs[0][:1], GREEDY, images=inputs[0][1])
+    assert error.value.param == "images"
+
+
+def test_limit_mm_per_prompt_is_checked():
+    from paged_hf.config import EngineConfig
+
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        EngineConfig(limit_mm_per_prompt={"video": 1})
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        EngineConfig(limit_mm_per_prompt={"image": -1})
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "mllama"])
+def test_families_without_engine_images_are_refused_by_name(family):
+    model = types.SimpleNamespace(config=types.SimpleNamespace(model_type=family, image_token_id=IMAGE_TOKEN_ID))
+    ids = [1, 2] + [IMAGE_TOKEN_ID] * IMAGE_TOKENS
+    with pytest.raises(NotImplementedError, match=family):
+        request_images({"pixel_values": random_pixels(1, 0)}, ids, model, None)
+
+
+# ------------------------------------------------------------------------------------------------- LLM
+@pytest.fixture(scope="module")
+def llm(model):
+    from paged_hf import LLM
+    from paged_hf.media import MediaPolicy
+    from vision_models import llava_processor
+
+    processor = llava_processor()
+    return LLM(model, processor.tokenizer, processor=processor, media=MediaPolicy(max_image_pixels=64 * 64),
+               enforce_eager=True, block_size=4, num_blocks=128)
+
+
+def processed_reference(model, processor, text: str, images: list, add_special_tokens: bool = True):
+    inputs = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=add_special_tokens)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, cache=DynamicCache(config=model.config))
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def data_url(image, kind: str = "PNG") -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format=kind)
+    return f"data:image/{kind.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_llm_generate_with_multi_modal_data_equals_generate(model, llm):
+    from vision_models import random_image
+
+    prompts = [("Look <image> at it", [random_image(0)]), ("A <image> and <image> too", [random_image(1),
+                                                                                          random_image(2, (30, 18))])]
+    outs = llm.generate([{"prompt": "Once upon a time"}] + [{"prompt": text, "multi_modal_data": {
+        "image": images if len(images) > 1 else images[0]}} for text, images in prompts], GREEDY, use_tqdm=False)
+    for out, (text, images) in zip(outs[1:], prompts):
+        assert out.outputs[0].token_ids == processed_reference(model, llm.processor, text, images)
+    assert len(outs[0].outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_llm_runs_gemma3_images_through_its_processor():
+    """Gemma 3's processor writes begin / image / end tokens and token_type_ids; the engine needs only the ids and
+    pixels, and answers as generate does with the token types (two-way attention inside each image)."""
+    from paged_hf import LLM
+    from vision_models import gemma3_processor, random_image, tiny_gemma3
+
+    model, processor = tiny_gemma3(boi=512, eoi=513, image=514), gemma3_processor()
+    llm = LLM(model, processor.tokenizer, processor=processor, enforce_eager=True, block_size=4, num_blocks=64)
+    text, images = "Look <start_of_image> and <start_of_image> now", [random_image(5), random_image(6)]
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0]
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    assert "token_type_ids" in inputs
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        expected = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0, cache=DynamicCache(config=model.config), return_dict_in_generate=True,
+                                  output_logits=True)
+    tokens = expected.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    assert out.outputs[0].token_ids == tokens
+    torch.testing.assert_close(token_logprobs(out.outputs[0]),
+                               [torch.log_softmax(step[0], -1)[t].item() for step, t in zip(expected.logits, tokens)],
+                               atol=2e-5, rtol=0)
+
+
+def test_llm_chat_reads_image_content_parts(model, llm):
+    from vision_models import random_image
+
+    image = random_image(3)
+    parts = [{"type": "text", "text": "Look "}, {"type": "image_url", "image_url": {"url": data_url(image)}},
+             {"type": "text", "text": " and "}, {"type": "image_pil", "image_pil": random_image(4)}]
+    out = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)[0]
+    assert out.prompt == "user: Look <image> and <image>assistant:"
+    assert out.outputs[0].token_ids == processed_reference(model, llm.processor, out.prompt,
+                                                           [image, random_image(4)], add_special_tokens=False)
+
+
+@pytest.mark.parametrize("image, message", [
+    ("data:image/png;base64,not*base64", "base64 does not decode"),
+    ("data:image/png;base64," + "aGVsbG8gd29ybGQ=", "could not be decoded"),  # "hello world"
+    ("data:text/plain;base64,aGVsbG8=", "media type must be image"),
+    ("https://example.com/cat.png", "remote image URLs are not allowed"),
+    ("/etc/passwd", "local image files are not allowed"),
+    ("huge", "at most 4096 pixels"),
+])
+def test_llm_refuses_bad_images(llm, image, message):
+    from vision_models import random_image
+
+    if image == "huge":
+        image = data_url(random_image(5, (65, 64)))
+    with pytest.raises(ValueError, match=message):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}], GREEDY,
+                 use_tqdm=False)
+    with pytest.raises(ValueError, match="multi_modal_data must be"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"video": image}}, GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.xfail(strict=True, reason="generate with the 'paged' attention is causal: Gemma 3's image tokens, which "
+                                       "attend to each other both ways (token_type_ids), lose their bidirectional "
+                                       "mask (the engine widens its image queries' bounds; generate does not yet)")
+def test_gemma3_images_through_generate_with_the_paged_attention_match_sdpa():
+    from vision_models import tiny_gemma3
+
+    model = tiny_gemma3()
+    ids = torch.tensor([[1, 5, 6, 513] + [515] * 4 + [514, 7, 8, 9]])
+    inputs = dict(pixel_values=random_pixels(1, 1), token_type_ids=(ids == 515).long(),
+                  attention_mask=torch.ones_like(ids))
+    logits = {}
+    for attention in ("sdpa", "paged"):
+        model.set_attn_implementation(attention)
+        with torch.no_grad():
+            out = model.generate(ids, **inputs, max_new_tokens=1, do_sample=False, pad_token_id=0,
+                                 cache_implementation="paged", return_dict_in_generate=True, output_logits=True)
+        logits[attention] = out.logits[0][0]
+    torch.testing.assert_close(logits["paged"], logits["sdpa"], atol=1e-5, rtol=0)
+
+
+def test_a_gemma3_image_must_fit_one_step():
+    engine = PagedEngine(family_model("gemma3"), None, block_size=4, num_blocks=64, enforce_eager=True,
+                         max_num_batched_tokens=3)
+    ids, images = case_inputs(1, 3, "gemma3")
+    with pytest.raises(ValueError, match="an image of 4 tokens must be computed in one step") as error:
+        engine.add_request(ids, GREEDY, images=images)
+    assert error.value.param == "images"
+
+
+@pytest.mark.parametrize("budget", [5, 6, 7])
+def test_gemma3_images_are_never_split_across_chunks(budget):
+    """Chunks of 5-7 tokens would cut the 4-token images in the middle; the scheduler ends a chunk before an image
+    it cannot finish, and every step's image queries see their whole image."""
+    model = family_model("gemma3")
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True,
+                         max_num_batched_tokens=budget)
+    outs = run_cases(engine, CASES, "gemma3")
+    for out, case in zip(outs, CASES):
+        tokens, logprobs = reference(model, *case, "gemma3")
+        assert out.outputs[0].token_ids == tokens
+        torch.testing.assert_close(token_logprobs(out.outputs[0]), logprobs, atol=2e-5, rtol=0)
+    engine.check_invariants()
+
+
+def test_a_compiled_engine_runs_image_steps_eagerly_and_the_rest_compiled():
+    """torch.compile serves the steps without image tokens; the steps with them run eagerly on inputs_embeds (one
+    engine, both kinds of step, the same tokens)."""
+    model = family_model("llava")
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, max_num_batched_tokens=13)
+    assert engine.runner.compiled is not None
+    outs = run_cases(engine, CASES[:3])
+    assert [o.outputs[0].token_ids for o in outs] == [reference(model, *case)[0] for case in CASES[:3]]
+    engine.check_invariants()
+
+
+def test_llm_loads_a_vision_language_folder_with_its_processor(tmp_path, model):
+    from paged_hf import LLM
+    from vision_models import llava_processor, random_image
+
+    model.save_pretrained(tmp_path)
+    llava_processor().save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", enforce_eager=True, block_size=4, num_blocks=64)
+    assert type(llm.model).__name__ == "LlavaForConditionalGeneration" and llm.processor is not None
+    text, image = "Look <image> at it", random_image(0)
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == processed_reference(model, llava_processor(), text, [image])

@@ -1,0 +1,181 @@
+"""Tiny random vision-language models and their processors, built from small configs and local pieces (nothing is
+downloaded): a LLaVA (a 2-layer CLIP vision tower on 16x16 images, 4x4 patches, its projector and a 2-layer Llama)
+whose processor is LLaVA's PIL image processor with the stories260K tokenizer plus an ``<image>`` token."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+
+from models import STORIES, require_stories
+
+IMAGE_SIZE = 16
+PATCH = 4
+IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2  # CLIP's CLS token is dropped ("default" strategy)
+IMAGE_TOKEN_ID = 512  # the stories260K vocabulary (512) plus "<image>"
+VOCAB = 520
+
+
+def tiny_llava(attn_implementation: str = "sdpa", seed: int = 0):
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH,
+                                           projection_dim=32)
+    text = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID,
+                                      vision_feature_layer=-2, vision_feature_select_strategy="default")
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def llava_processor():
+    """LLaVA's processor: its PIL image processor (resize to 16, crop 16x16) and the stories260K tokenizer with
+    ``<image>`` added (id 512)."""
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    require_stories()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(STORIES)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    assert tokenizer.convert_tokens_to_ids("<image>") == IMAGE_TOKEN_ID
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+        "{% for part in m['content'] %}{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}"
+        "{% endif %}{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    images = LlavaImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
+                                    crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    return transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH,
+                                       vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                       chat_template=tokenizer.chat_template)
+
+
+def random_pixels(count: int, seed: int) -> torch.Tensor:
+    """``[count, 3, 16, 16]`` processed-looking pixel values."""
+    return torch.randn(count, 3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(seed))
+
+
+def random_image(seed: int, size: tuple[int, int] = (24, 20)) -> Image.Image:
+    """A random RGB PIL image of ``size`` (width, height)."""
+    pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def prompt_with_images(num_images: int, seed: int, text_len: int = 3) -> list[int]:
+    """Token ids: text, then each image's placeholder run followed by a few text tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = [1] + torch.randint(3, 500, (text_len,), generator=generator).tolist()
+    for _ in range(num_images):
+        ids += [IMAGE_TOKEN_ID] * IMAGE_TOKENS + torch.randint(3, 500, (2,), generator=generator).tolist()
+    return ids
+
+
+# ------------------------------------------------------------------------------------------------ Qwen2-VL
+VISION_START, VISION_END, QWEN_IMAGE_TOKEN_ID = 513, 514, 515
+GEMMA_IMAGE_TOKEN_ID = 515
+
+
+def tiny_qwen2_vl(attn_implementation: str = "sdpa", seed: int = 0):
+    """A 2-layer Qwen2-VL (M-RoPE sections 2/3/3 of head_dim 16) with a 2-block vision tower on 4x4 patches, merged
+    2x2; ids 513-516 are its vision start / end, image and video tokens."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3)
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE_TOKEN_ID,
+                                        video_token_id=516, vision_start_token_id=VISION_START,
+                                        vision_end_token_id=VISION_END)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def qwen2_vl_images(images: list) -> dict:
+    """Qwen2-VL's PIL image processor on ``images`` (resized to 64..1024 pixels, 4x4 patches, 2x2 merge)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil(min_pixels=8 * 8, max_pixels=32 * 32, patch_size=4, merge_size=2,
+                                         temporal_patch_size=2)
+    return dict(processor(images, return_tensors="pt"))
+
+
+def qwen2_vl_prompt(image_inputs: dict, seed: int, text_len: int = 3) -> list[int]:
+    """Token ids: text, then per image <vision_start>, its merged patches' placeholders, <vision_end>, text."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = [1] + torch.randint(3, 500, (text_len,), generator=generator).tolist()
+    grid = image_inputs["image_grid_thw"] if image_inputs else torch.zeros(0, 3, dtype=torch.long)
+    for count in (grid.prod(-1) // 4).tolist():
+        ids += [VISION_START] + [QWEN_IMAGE_TOKEN_ID] * count + [VISION_END]
+        ids += torch.randint(3, 500, (2,), generator=generator).tolist()
+    return ids
+
+
+# ------------------------------------------------------------------------------------------------ both families
+VISION_FAMILIES = ("llava", "qwen2_vl", "gemma3")
+QWEN_SIZES = ((28, 20), (16, 16), (40, 12), (20, 20))  # images of 8, 4, 6 and 4 placeholders
+
+
+def vision_model(family: str):
+    if family == "gemma3":
+        model = tiny_gemma3()
+        model.set_attn_implementation("sdpa")
+        return model
+    return tiny_llava() if family == "llava" else tiny_qwen2_vl()
+
+
+def vision_case(family: str, num_images: int, seed: int) -> tuple[list[int], dict | None]:
+    """A prompt of ``num_images`` random images for ``family``: its token ids and the engine's ``images``."""
+    if family == "llava":
+        ids = prompt_with_images(num_images, seed)
+        return ids, ({"pixel_values": random_pixels(num_images, seed)} if num_images else None)
+    if family == "gemma3":  # <start_of_image>, 4 image tokens, <end_of_image>
+        generator = torch.Generator().manual_seed(seed)
+        ids = [1] + torch.randint(3, 500, (3,), generator=generator).tolist()
+        for _ in range(num_images):
+            ids += [513] + [GEMMA_IMAGE_TOKEN_ID] * 4 + [514] + torch.randint(3, 500, (2,), generator=generator).tolist()
+        return ids, ({"pixel_values": random_pixels(num_images, seed)} if num_images else None)
+    images = qwen2_vl_images([random_image(seed * 10 + i, QWEN_SIZES[(seed + i) % 4]) for i in range(num_images)]) \
+        if num_images else None
+    return qwen2_vl_prompt(images, seed), images
+
+
+def generate_kwargs(family: str, ids: list[int], images: dict | None) -> dict:
+    """What ``model.generate`` takes besides the ids for ``images`` (Qwen2-VL: the token types of its M-RoPE)."""
+    if images is None:
+        return {}
+    if family == "qwen2_vl":
+        return {**images, "mm_token_type_ids": (torch.tensor([ids]) == QWEN_IMAGE_TOKEN_ID).int()}
+    if family == "gemma3":  # its image tokens attend to each other both ways
+        return {**images, "token_type_ids": (torch.tensor([ids]) == GEMMA_IMAGE_TOKEN_ID).long()}
+    return dict(images)
+
+
+def tiny_gemma3(seed: int = 0, boi: int = 513, eoi: int = 514, image: int = 515):
+    """A 2-layer Gemma 3 (sliding window 8) with a 2-layer SigLIP tower on 16x16 images pooled to 4 tokens; ``boi``,
+    ``eoi``, ``image``: its begin-of-image, end-of-image and image token ids."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0, query_pre_attn_scalar=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=IMAGE_SIZE, patch_size=PATCH)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=image, boi_token_index=boi, eoi_token_index=eoi)
+    torch.manual_seed(seed)
+    return transformers.Gemma3ForConditionalGeneration(config).eval()
+
+
+def gemma3_processor():
+    """Gemma 3's processor: its PIL image processor (16x16, no pan and scan) and the stories260K tokenizer with its
+    image tokens added (<start_of_image> 512, <end_of_image> 513, <image_soft_token> 514), 4 tokens per image."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    require_stories()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(STORIES, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    images = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, do_pan_and_scan=False)
+    return transformers.Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=4)
