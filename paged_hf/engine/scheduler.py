@@ -13,7 +13,8 @@ first. Under "lpm" the waiting queue is ordered each step by the longest cached 
 
 A prompt in flight never makes a later admission compute its prefix again: running sequences are scheduled first,
 the blocks a chunk fills are registered when it is scheduled (so admissions of the same step hit them), and a chunk
-shorter than the rest of its prompt used up the step's token budget, so nothing is admitted after it.
+shorter than the rest of its prompt used up the step's token budget (or a sliding window's whole pool: a prompt with
+more blocks than that pool is computed in chunks it holds, ``KVManager.max_chunk``), so nothing is admitted after it.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            count = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            count = self._chunk(seq, seq.num_computed_tokens, budget)
             if self._has_windows:
                 kv.slide_windows(seq.kv)
             while not kv.try_append(seq.kv, count):
@@ -213,7 +214,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.num_swapped_in += 1
             self._join_running(seq)
-            count = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            count = self._chunk(seq, seq.num_computed_tokens, budget)
             if not kv.try_append(seq.kv, count):
                 break  # runs next step
             self._schedule(seq, count, decodes if count == 1 else prefills)
@@ -227,7 +228,7 @@ class Scheduler:
             if seq.kv is None:
                 seq.kv = kv.new_sequence()
             hit = self._prefix_hit(seq)
-            count = min(len(seq.token_ids) - hit.num_tokens, budget)
+            count = self._chunk(seq, hit.num_tokens, budget)
             if not kv.has_room(kv.admission_blocks(hit, count)):
                 break
             self.waiting.popleft()
@@ -243,6 +244,15 @@ class Scheduler:
             self._schedule(seq, count, decodes if count == 1 else prefills)
             budget -= count
         return SchedulerOutput(decodes + prefills, len(decodes), kv.take_copies())
+
+    def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
+        """The tokens ``seq`` computes this step from position ``start``: the rest of it within ``budget``, and, with
+        sliding windows, within what its pools hold (``KVManager.max_chunk``: a prompt longer than a window group's
+        pool is computed in chunks). Such a capped chunk takes a whole pool, so nothing is admitted after it."""
+        count = min(len(seq.token_ids) - start, budget)
+        if self._has_windows and count > 1:
+            return min(count, self.kv.max_chunk(start))
+        return count
 
     def _prefix_hit(self, seq: Sequence) -> PrefixHit:
         """The prefix hit of waiting ``seq`` (which has its ``kv``). Prompt logprobs need the logits of every prompt
