@@ -76,3 +76,15 @@ def test_long_prompts_queued_together_all_finish(mistral):
     assert [tokens[i] for i in ids] == [reference(mistral, p) for p in batch]
     engine.check_invariants()
     assert engine.get_stats()["kv_cache_used"] == 0
+
+
+def test_the_same_long_prompt_again_starts_on_its_cached_window(mistral):
+    """Run again, the prompt hits the blocks its window left cached, and computes only past them."""
+    engine = PagedEngine(mistral, None, block_size=4, num_blocks=5, enforce_eager=True)
+    ids = prompt(41)
+    for _ in range(2):
+        request_id = engine.add_request(ids, GREEDY)
+        assert run_bounded(engine)[request_id] == reference(mistral, ids)
+    assert engine.get_stats()["prefix_cache_hit_rate"] > 0
+    engine.check_invariants()
+    assert engine.get_stats()["kv_cache_used"] == 0
