@@ -3,9 +3,10 @@
 ``add_request`` accepts such a request (a sliding group holds only its window's blocks), so admission must be able to
 start it: the scheduler computes the prompt in chunks its pool holds, freeing the blocks behind the window as it
 goes. Tiny random Mistral (every layer a window of 6), block size 4, a 5-block pool (20 slots), prompts of 40 and
-more tokens and a chunk budget larger than the prompt. The engines run eagerly: what is checked is the scheduling,
-and the compiled forward of the same chunks is covered by ``test_engine_families.py``. Each run is a step loop bounded in steps and seconds, so a
-request that waits forever fails the test instead of hanging it.
+more tokens, with the default chunk budget (larger than the prompt) and one of 17 tokens (more than the pool holds
+beside the window). The engines run eagerly: what is checked is the scheduling (the compiled forward of sliding
+window chunks is `test_engine_families.py`'s). Each run is a step loop bounded in steps and seconds, so a request
+that waits forever fails the test instead of hanging it.
 """
 
 from __future__ import annotations
