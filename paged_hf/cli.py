@@ -47,6 +47,16 @@ def _model_folder(args) -> tuple[str, dict]:
     return directory, extra
 
 
+def _model_folder_or_report(args, command: str) -> tuple[str, dict] | None:
+    """``_model_folder``, or None once what is wrong is printed under ``paged-hf <command>`` (which then exits with
+    status 2): the opening ``serve`` and ``generate`` share."""
+    try:
+        return _model_folder(args)
+    except DemoSetupError as error:
+        print(f"paged-hf {command}: {error}", file=sys.stderr)
+        return None
+
+
 def _load_engine(args, source: tuple[str, dict]):
     import torch  # noqa: PLC0415
     from transformers import AutoTokenizer  # noqa: PLC0415
@@ -84,10 +94,8 @@ def _run_serve(args) -> int:
 
     from .server.app import build_app  # noqa: PLC0415
 
-    try:
-        source = _model_folder(args)
-    except DemoSetupError as error:
-        print(f"paged-hf serve: {error}", file=sys.stderr)
+    source = _model_folder_or_report(args, "serve")
+    if source is None:
         return 2
     configure_logging(args.log_level)
     engine, name = _load_engine(args, source)
@@ -103,10 +111,8 @@ def _run_generate(args) -> int:
 
     from .config import SamplingParams  # noqa: PLC0415
 
-    try:
-        source = _model_folder(args)
-    except DemoSetupError as error:
-        print(f"paged-hf generate: {error}", file=sys.stderr)
+    source = _model_folder_or_report(args, "generate")
+    if source is None:
         return 2
     prompts = list(args.prompt)
     if args.prompts_file:

@@ -7,10 +7,11 @@ import contextlib
 import math
 
 import pytest
+import torch
 
 from paged_hf import PagedEngine, SamplingParams
 from paged_hf.config import ParameterError
-from models import stories_model, stories_tokenizer, story_openings
+from models import stories_model, stories_tokenizer, story_openings, tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -204,6 +205,41 @@ def test_a_request_reading_the_prefix_a_failing_request_writes_in_the_same_step_
             done.update((o.request_id, o) for o in engine.step() if o.finished)
     assert "poisoned" in done[ids[0]].error
     assert [done[i].outputs[0].token_ids for i in ids[1:]] == references
+    assert_all_freed(engine)
+
+
+def test_a_hybrid_reader_of_a_full_block_a_failing_request_writes_in_the_same_step_computes_it_again():
+    """Gemma2 (sliding window of 6 first, then full): the reader's sliding group hits older cached blocks while its
+    full group hits the block the failing writer fills this step. ``y`` leaves its prefix cached (the window freed its
+    first blocks early, the full group frees its last blocks first), ``z`` then evicts two blocks of each pool: the
+    full group loses block 5, the sliding group blocks 0 and 1. So ``writer`` computes block 5 again, registered in
+    the full pool only (the sliding pool still holds ``y``'s), and ``reader``, admitted in the same step, hits 24
+    tokens through it: it must not read that block of the failed writer, and gets its solo tokens and logprobs."""
+    model = tiny_model("gemma2")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+    generator = torch.Generator().manual_seed(0)
+    prefix, y_tail, z, r_tail = (torch.randint(3, 300, (n,), generator=generator).tolist() for n in (24, 1, 41, 3))
+    poison = 400
+    reader, writer = prefix + r_tail, prefix + [poison]
+
+    def fresh() -> PagedEngine:
+        return PagedEngine(model, None, block_size=4, num_blocks=16, max_num_batched_tokens=8, enforce_eager=True)
+
+    solo = fresh().generate([reader], params, use_tqdm=False)[0].outputs[0]
+    engine = fresh()
+    engine.generate([prefix + y_tail], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    engine.generate([z], SamplingParams(max_tokens=1), use_tqdm=False)
+    with poisoned(model, poison):
+        ids = [engine.add_request(p, params) for p in (writer, reader)]
+        done = {o.request_id: o for o in engine.step() if o.finished}
+        assert engine.requests[ids[1]].metrics.num_prefix_cached_tokens == 24, "the reader hit the writer's block"
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert "poisoned" in done[ids[0]].error
+    out = done[ids[1]].outputs[0]
+    assert out.token_ids == solo.token_ids
+    assert [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)] == pytest.approx(
+        [lp[t].logprob for lp, t in zip(solo.logprobs, solo.token_ids)], abs=2e-5)
     assert_all_freed(engine)
 
 

@@ -134,18 +134,19 @@ def tail_rewriters(items: list[ScheduledSequence], kv: KVManager) -> list[int]:
 
 def same_step_writers(items: list[ScheduledSequence], kv: KVManager) -> list[set[int]]:
     """For each scheduled sequence, the others of the step whose new tokens fill blocks it reads as its prefix
-    (a prefix hit on a block registered in this step). Empty sets without prefix caching."""
+    (a prefix hit on a block registered in this step), in any layer group: a hybrid model's sliding group may hit
+    older cached blocks where its full group hits one this step fills. Empty sets without prefix caching."""
     if not kv.prefix_caching:
         return [set() for _ in items]
     size = kv.block_size
-    filled: dict[int, int] = {}  # block id (full-attention group) -> the sequence writing it this step
+    filled: dict[tuple[int, int], int] = {}  # (group, block id) -> the sequence writing it this step
     for index, item in enumerate(items):
-        blocks = item.seq.kv.tables[0].blocks
-        for block in blocks[item.start // size : -(-(item.start + item.num_tokens) // size)]:
-            filled[block.block_id] = index
+        for g, table in enumerate(item.seq.kv.tables):
+            for block in table.blocks[item.start // size : -(-(item.start + item.num_tokens) // size)]:
+                filled[g, block.block_id] = index
     writers = []
     for index, item in enumerate(items):
-        prefix = item.seq.kv.tables[0].blocks[: item.start // size]
-        writers.append({filled[b.block_id] for b in prefix
-                        if b is not None and filled.get(b.block_id, index) != index})
+        writers.append({filled[g, b.block_id] for g, table in enumerate(item.seq.kv.tables)
+                        for b in table.blocks[: item.start // size]
+                        if b is not None and filled.get((g, b.block_id), index) != index})
     return writers

@@ -13,7 +13,8 @@ first. Under "lpm" the waiting queue is ordered each step by the longest cached 
 
 A prompt in flight never makes a later admission compute its prefix again: running sequences are scheduled first,
 the blocks a chunk fills are registered when it is scheduled (so admissions of the same step hit them), and a chunk
-shorter than the rest of its prompt used up the step's token budget, so nothing is admitted after it.
+shorter than the rest of its prompt used up the step's token budget (or a sliding window's whole pool: a prompt with
+more blocks than that pool is computed in chunks it holds, ``KVManager.max_chunk``), so nothing is admitted after it.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             count = images.chunk(seq.request, seq.num_computed_tokens,
-                                 min(len(seq.token_ids) - seq.num_computed_tokens, budget))
+                                 self._chunk(seq, seq.num_computed_tokens, budget))
             if count == 0:  # its next image does not fit what is left of this step: next step
                 index += 1
                 continue
@@ -220,7 +221,7 @@ class Scheduler:
             self.num_swapped_in += 1
             self._join_running(seq)
             count = images.chunk(seq.request, seq.num_computed_tokens,
-                                 min(len(seq.token_ids) - seq.num_computed_tokens, budget))
+                                 self._chunk(seq, seq.num_computed_tokens, budget))
             if count == 0 or not kv.try_append(seq.kv, count):
                 break  # runs next step
             self._schedule(seq, count, decodes if count == 1 else prefills)
@@ -234,7 +235,7 @@ class Scheduler:
             if seq.kv is None:
                 seq.kv = kv.new_sequence()
             hit = self._prefix_hit(seq)
-            count = images.chunk(seq.request, hit.num_tokens, min(len(seq.token_ids) - hit.num_tokens, budget))
+            count = images.chunk(seq.request, hit.num_tokens, self._chunk(seq, hit.num_tokens, budget))
             if count == 0 or not kv.has_room(kv.admission_blocks(hit, count)):
                 break
             self.waiting.popleft()
@@ -250,6 +251,15 @@ class Scheduler:
             self._schedule(seq, count, decodes if count == 1 else prefills)
             budget -= count
         return SchedulerOutput(decodes + prefills, len(decodes), kv.take_copies())
+
+    def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
+        """The tokens ``seq`` computes this step from position ``start``: the rest of it within ``budget``, and, with
+        sliding windows, within what its pools hold (``KVManager.max_chunk``: a prompt longer than a window group's
+        pool is computed in chunks). Such a capped chunk takes a whole pool, so nothing is admitted after it."""
+        count = min(len(seq.token_ids) - start, budget)
+        if self._has_windows and count > 1:
+            return min(count, self.kv.max_chunk(start))
+        return count
 
     def _prefix_hit(self, seq: Sequence) -> PrefixHit:
         """The prefix hit of waiting ``seq`` (which has its ``kv``). Prompt logprobs need the logits of every prompt

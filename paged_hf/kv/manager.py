@@ -164,6 +164,16 @@ class KVManager:
             if table.num_freed > before:
                 group.rows.clear(seq.row, before, table.num_freed)
 
+    def max_chunk(self, num_tokens: int) -> int:
+        """The most tokens one forward can add to a sequence of ``num_tokens`` tokens with every group's whole pool
+        to itself: a group holds its blocks from ``first_needed(num_tokens)``'s on (a sliding window's, once
+        ``slide_windows`` freed those behind it) to the last new token's. A full group never limits a request
+        ``add_request`` accepted; a sliding group limits a prompt whose blocks exceed its pool, which is then
+        computed in chunks, freeing the blocks behind its window as it goes."""
+        bs = self.block_size
+        return min((max(0, g.policy.first_needed(num_tokens)) // bs + g.pool.num_blocks) * bs - num_tokens
+                   for g in self.groups)
+
     def try_append(self, seq: SequenceKV, num_new_tokens: int) -> bool:
         """``append`` if every group has room (True), else nothing changes (False)."""
         if num_new_tokens == 1 and all(table.tail_has_room() for table in seq.tables):  # most decode steps
