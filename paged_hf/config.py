@@ -145,6 +145,8 @@ class EngineConfig:
             ``VLLM_CPU_OMP_THREADS_BIND``); see ``paged_hf.engine.threads``.
         enforce_eager: run the model's forward eagerly (vLLM's switch); False (the default) compiles it with
             torch.compile at engine start (``engine/compile.py``; a model that does not compile runs eagerly).
+        speculative_config: vLLM's dict (``{"method": "ngram", "num_speculative_tokens": 4, ...}``), checked into a
+            ``SpeculativeConfig`` (``engine/spec/config.py``); None: no speculative decoding.
 
     Limits on one request, checked by ``PagedEngine.add_request`` (a request past one gets a ``ValueError`` naming
     the parameter, before it is queued):
@@ -170,6 +172,7 @@ class EngineConfig:
     max_stop_strings: int = 32
     cpu_threads_bind: str = "auto"
     enforce_eager: bool = False
+    speculative_config: Any = None  # a SpeculativeConfig after __post_init__ (or None)
 
     @classmethod
     def from_options(cls, what: str, options: Mapping[str, Any]) -> "EngineConfig":
@@ -179,7 +182,8 @@ class EngineConfig:
         return cls(**options)
 
     def __post_init__(self) -> None:
-        from .engine.threads import check_cpu_threads_bind  # noqa: PLC0415 - the engine package imports this one
+        from .engine.spec.config import SpeculativeConfig  # noqa: PLC0415 - the engine package imports this one
+        from .engine.threads import check_cpu_threads_bind  # noqa: PLC0415
 
         CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype)
         check_cpu_threads_bind(self.cpu_threads_bind)
@@ -203,6 +207,7 @@ class EngineConfig:
         _check_int("max_logprobs", self.max_logprobs, 0)
         _check_int("max_n", self.max_n, 1)
         _check_int("max_stop_strings", self.max_stop_strings, 0)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
 
 
 GREEDY_BELOW = 1e-5  # temperatures below it sample greedily

@@ -1,0 +1,54 @@
+"""``Speculator``: what the scheduler asks about speculation. It proposes a decoding sequence's drafts (n-gram
+lookup, within the room the step and the request leave), records how many the target accepted and keeps the
+statistics (vLLM's counters: drafts, draft tokens, accepted tokens, accepted tokens per position)."""
+
+from __future__ import annotations
+
+from ..request import Sequence
+from .config import SpeculativeConfig
+from .gate import AcceptanceGate
+from .ngram import propose_ngram
+
+
+class Speculator:
+    """Proposals and acceptance statistics of one engine (``config``: its ``SpeculativeConfig``)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.num_drafts = 0  # verified runs that had drafts
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_per_pos = [0] * config.num_speculative_tokens  # [k]: runs whose draft j was accepted
+
+    @staticmethod
+    def eligible(seq: Sequence) -> bool:
+        """Whether ``seq``'s request may speculate: user logits processors may keep state, and would see the
+        positions of rejected drafts, so their requests decode one token a step."""
+        return not seq.request.params.logits_processors
+
+    def propose(self, seq: Sequence, room: int, max_model_len: int) -> tuple[int, ...]:
+        """Drafts for ``seq`` (a sequence decoding its output), at most ``room`` of them, never so many that the accepted
+        drafts plus the bonus token pass ``max_tokens`` or ``max_model_len``; () when its gate is closed."""
+        params = seq.request.params
+        num_output = seq.num_output_tokens
+        limit = min(self.config.num_speculative_tokens, room, params.max_tokens - num_output - 1,
+                    max_model_len - len(seq.token_ids) - 1)
+        if limit < 1 or num_output < 1 or not self.eligible(seq):  # a prompt's last token may still fork its samples
+            return ()
+        if seq.spec_gate is None:
+            seq.spec_gate = AcceptanceGate()
+        if not seq.spec_gate.is_open(num_output):
+            return ()
+        c = self.config
+        return tuple(propose_ngram(seq.token_ids, limit, c.prompt_lookup_max, c.prompt_lookup_min))
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """Counts a verified run of ``seq`` (``num_accepted`` leading drafts of ``num_drafts`` accepted)."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.num_accepted_per_pos[j] += 1
+        c = self.config
+        seq.spec_gate.record(num_drafts, num_accepted, seq.num_output_tokens, 2 * c.num_speculative_tokens,
+                             c.min_acceptance_rate)
