@@ -26,7 +26,7 @@ def _run_demo(args) -> int:
 ENGINE_OPTIONS = ("block_size", "num_blocks", "kv_cache_dtype", "kv_cache_memory", "gpu_memory_utilization",
                   "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "swap_space",
                   "preemption_mode", "scheduling_policy", "max_logprobs", "max_n", "max_stop_strings",
-                  "enforce_eager", "cpu_threads_bind")
+                  "enforce_eager", "cpu_threads_bind", "speculative_config")
 
 
 def _engine_options(args) -> dict:

@@ -42,6 +42,12 @@ class Speculator:
         c = self.config
         return tuple(propose_ngram(seq.token_ids, limit, c.prompt_lookup_max, c.prompt_lookup_min))
 
+    def stats(self) -> dict:
+        """The counters under ``EngineStats``' names."""
+        return dict(spec_decode_num_drafts=self.num_drafts, spec_decode_num_draft_tokens=self.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=self.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=tuple(self.num_accepted_per_pos))
+
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """Counts a verified run of ``seq`` (``num_accepted`` leading drafts of ``num_drafts`` accepted)."""
         self.num_drafts += 1
