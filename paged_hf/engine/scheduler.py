@@ -82,7 +82,7 @@ class Scheduler:
         self._running_sorted = True  # ``running`` is in ``_order``; appending may break that
         self._has_windows = any(g.window is not None for g in kv.groups)
         spec = config.speculative_config
-        self.speculator = Speculator(spec) if spec is not None else None
+        self.speculator = Speculator(spec, kv.block_size if kv.has_tail else None) if spec is not None else None
 
     def _order(self, seq: Sequence) -> tuple:
         """Sort key: who runs first (and, reversed, who is preempted first)."""

@@ -11,10 +11,17 @@ from .ngram import propose_ngram
 
 
 class Speculator:
-    """Proposals and acceptance statistics of one engine (``config``: its ``SpeculativeConfig``)."""
+    """Proposals and acceptance statistics of one engine (``config``: its ``SpeculativeConfig``).
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    ``tail_block_size``: the block size of a KV format with a full-precision tail row (int4), else None. Such a
+    format quantizes a block when it fills, from its tail row; a block filled by drafts that are then rejected
+    would be requantized from dequantized values, and its bytes would no longer depend only on its tokens. So
+    there the newest token and its drafts stay inside one block without filling it: rollback only rewinds the tail
+    row, and the output equals that of the engine without speculation."""
+
+    def __init__(self, config: SpeculativeConfig, tail_block_size: int | None = None) -> None:
         self.config = config
+        self.tail_block_size = tail_block_size
         self.num_drafts = 0  # verified runs that had drafts
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -33,6 +40,8 @@ class Speculator:
         num_output = seq.num_output_tokens
         limit = min(self.config.num_speculative_tokens, room, params.max_tokens - num_output - 1,
                     max_model_len - len(seq.token_ids) - 1)
+        if self.tail_block_size is not None:  # positions start .. start + k in the newest token's block, not its last
+            limit = min(limit, self.tail_block_size - 2 - (len(seq.token_ids) - 1) % self.tail_block_size)
         if limit < 1 or num_output < 1 or not self.eligible(seq):  # a prompt's last token may still fork its samples
             return ()
         if seq.spec_gate is None:
