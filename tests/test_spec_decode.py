@@ -16,7 +16,7 @@ from paged_hf import PagedEngine, SamplingParams
 from models import sample_stories, stories_model, stories_tokenizer, tiny_model, token_logprobs
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-         "min_acceptance_rate": 0.0}
+         "min_acceptance_rate": 0.0, "auto_disable": False}
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +234,59 @@ def test_one_lookup_bound_alone_keeps_the_other_in_range():
 
     assert SpeculativeConfig.of({"method": "ngram", "prompt_lookup_min": 6}).prompt_lookup_max == 6
     assert SpeculativeConfig.of({"method": "ngram", "prompt_lookup_max": 2}).prompt_lookup_min == 1
+
+
+def test_throughput_switch_follows_the_faster_mode():
+    """Decoding steps measured: speculation slower -> off, but for short probes; faster again -> back on."""
+    from paged_hf.engine.spec.switch import CYCLE_STEPS, PROBE_STEPS, ThroughputSwitch
+
+    switch = ThroughputSwitch()
+
+    def cycle(rate_on: float, rate_off: float) -> list[bool]:
+        modes = []
+        for _ in range(CYCLE_STEPS):
+            mode = switch.speculating()
+            modes.append(mode)
+            switch.record(mode, 1.0, int(rate_on if mode else rate_off))
+        return modes
+
+    first = cycle(rate_on=80, rate_off=100)
+    assert first == [False] * PROBE_STEPS + [True] * (CYCLE_STEPS - PROBE_STEPS)  # probes off, then on
+    assert not switch.winner
+    assert cycle(rate_on=80, rate_off=100) == [True] * PROBE_STEPS + [False] * (CYCLE_STEPS - PROBE_STEPS)
+    cycle(rate_on=150, rate_off=100)  # its probes of speculation measure it faster
+    assert switch.winner and switch.speculating() is False  # the next cycle opens with a probe of "off"
+
+
+def test_auto_disable_speculates_less_where_it_is_slower(monkeypatch):
+    """With the switch on and speculation measured slower (a clock that charges each draft), the engine spends most
+    decoding steps without drafts; the tokens stay the same."""
+    import time
+    from types import SimpleNamespace
+
+    import paged_hf.engine.scheduler as scheduler_module
+    import paged_hf.engine.spec.switch as switch_module
+
+    model = tiny_model("llama", attn_implementation="sdpa")
+    prompts = [[1, 10 + i, 20 + i, 10 + i, 20 + i] for i in range(4)]
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    base = PagedEngine(model, None, enforce_eager=True, block_size=4, num_blocks=400)
+    drafted = {}
+    for auto in (False, True):
+        spec = PagedEngine(model, None, enforce_eager=True, block_size=4, num_blocks=400,
+                           speculative_config={**NGRAM, "auto_disable": auto})
+        clock = [0.0]
+
+        def charged():  # each call 1 s, 11 s in a step that speculates: its tokens per second are fewer
+            clock[0] += 1.0 + 10.0 * spec.scheduler._speculating
+            return clock[0]
+
+        expected = run(base, prompts, params)
+        monkeypatch.setattr(switch_module, "CYCLE_STEPS", 16)  # cycles of 2 probes and 14 steps
+        monkeypatch.setattr(switch_module, "PROBE_STEPS", 2)
+        monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(perf_counter=charged, monotonic=time.monotonic))
+        got = run(spec, prompts, params)
+        monkeypatch.undo()
+        same(expected, got)
+        drafted[auto] = spec.get_stats()["spec_decode_num_drafts"]
+    assert drafted[True] < drafted[False] / 2

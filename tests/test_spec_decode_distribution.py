@@ -57,7 +57,8 @@ def test_sampling_with_speculation_keeps_the_target_distribution(model):
     engine = PagedEngine(model, None, enforce_eager=True, block_size=2, num_blocks=4096, max_num_seqs=256,
                          max_num_batched_tokens=4096,
                          speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
-                                             "prompt_lookup_min": 1, "min_acceptance_rate": 0.0})
+                                             "prompt_lookup_min": 1, "min_acceptance_rate": 0.0,
+                                             "auto_disable": False})
     params = SamplingParams(n=100, max_tokens=NUM_OUTPUT, temperature=TEMPERATURE, ignore_eos=True)
     samples = Counter()
     for _ in range(6):  # 1000 sequences at a time leave the token budget room for their drafts

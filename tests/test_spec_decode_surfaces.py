@@ -12,7 +12,7 @@ from paged_hf.server.metrics import ServerMetrics
 from models import require_stories, tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-         "min_acceptance_rate": 0.0}
+         "min_acceptance_rate": 0.0, "auto_disable": False}
 
 
 def test_llm_speculates_and_matches_greedy():

@@ -83,6 +83,8 @@ class Scheduler:
         self._has_windows = any(g.window is not None for g in kv.groups)
         spec = config.speculative_config
         self.speculator = Speculator(spec, kv.block_size if kv.has_tail else None) if spec is not None else None
+        self._speculating = False  # this step's mode (the speculator's switch)
+        self._step_started = 0.0
 
     def _order(self, seq: Sequence) -> tuple:
         """Sort key: who runs first (and, reversed, who is preempted first)."""
@@ -179,6 +181,9 @@ class Scheduler:
             self.running.sort(key=self._order)
             self._running_sorted = True
         kv = self.kv
+        if self.speculator is not None:
+            self._speculating = self.speculator.speculating()
+            self._step_started = time.perf_counter()
 
         # 1. running sequences, oldest / most important first; decodes take one token
         index = 0
@@ -256,7 +261,7 @@ class Scheduler:
     def _drafts(self, seq: Sequence, room: int) -> tuple[int, ...]:
         """Speculative drafts for decoding ``seq`` (at most ``room``) with their slots allocated, or () (none
         proposed, or no free blocks for them: speculation never preempts)."""
-        if self.speculator is None or room < 1:
+        if not self._speculating or room < 1:
             return ()
         drafts = self.speculator.propose(seq, room, self.max_model_len)
         if drafts and not self.kv.try_append(seq.kv, 1 + len(drafts)):
@@ -326,6 +331,9 @@ class Scheduler:
                 self._apply_verified(run, now, stop_string)
                 touched[run.seq.request.request_id] = run.seq.request
         self.kv.end_step(failed=result.retried)
+        if self.speculator is not None and all(i.num_tokens == 1 + len(i.draft_token_ids) for i in output.scheduled):
+            self.speculator.end_step(self._speculating, time.perf_counter() - self._step_started,
+                                          len(result.token_ids) + sum(len(r.token_ids) for r in result.verified))
         return list(touched.values())
 
     def _emit(self, seq: Sequence, token: int, entry, now: float, stop_string) -> None:

@@ -37,6 +37,9 @@ class SpeculativeConfig:
             ``min <= max``, each in [1, 64]; given one alone, the other keeps its default (raised to fit).
         min_acceptance_rate: a sequence whose drafts are accepted less often than this stops proposing for a
             while (the pause doubles each time, up to 256 tokens), so poor acceptance costs little; 0 never pauses.
+        auto_disable: the engine measures its decoding steps' tokens per second with and without speculation
+            (short probes of the losing mode) and speculates only while that is faster (``switch.py``); False
+            speculates at every step.
     """
 
     method: str = "ngram"
@@ -44,6 +47,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     min_acceptance_rate: float = 0.3
+    auto_disable: bool = True
 
     def __post_init__(self) -> None:
         if self.method == "draft_model":
@@ -63,6 +67,8 @@ class SpeculativeConfig:
                 f"got {self.prompt_lookup_min}"
             )
         _check_rate("min_acceptance_rate", self.min_acceptance_rate)
+        if not isinstance(self.auto_disable, bool):
+            raise ValueError(f"speculative_config['auto_disable'] must be a bool, got {self.auto_disable!r}")
 
     @classmethod
     def of(cls, value: "SpeculativeConfig | Mapping[str, Any] | None") -> "SpeculativeConfig | None":

@@ -8,6 +8,7 @@ from ..request import Sequence
 from .config import SpeculativeConfig
 from .gate import AcceptanceGate
 from .ngram import propose_ngram
+from .switch import ThroughputSwitch
 
 
 class Speculator:
@@ -22,10 +23,20 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, tail_block_size: int | None = None) -> None:
         self.config = config
         self.tail_block_size = tail_block_size
+        self.switch = ThroughputSwitch() if config.auto_disable else None
         self.num_drafts = 0  # verified runs that had drafts
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_accepted_per_pos = [0] * config.num_speculative_tokens  # [k]: runs whose draft j was accepted
+
+    def speculating(self) -> bool:
+        """Whether this step proposes drafts (the engine-wide switch's choice)."""
+        return self.switch is None or self.switch.speculating()
+
+    def end_step(self, speculated: bool, seconds: float, num_tokens: int) -> None:
+        """A decoding step's time and generated tokens, for the switch."""
+        if self.switch is not None:
+            self.switch.record(speculated, seconds, num_tokens)
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -34,8 +45,8 @@ class Speculator:
         return not seq.request.params.logits_processors
 
     def propose(self, seq: Sequence, room: int, max_model_len: int) -> tuple[int, ...]:
-        """Drafts for ``seq`` (a sequence decoding its output), at most ``room`` of them, never so many that the accepted
-        drafts plus the bonus token pass ``max_tokens`` or ``max_model_len``; () when its gate is closed."""
+        """Drafts for ``seq`` (a sequence decoding its output), at most ``room`` of them, never so many that the
+        accepted drafts plus the bonus token pass ``max_tokens`` or ``max_model_len``; () when its gate is closed."""
         params = seq.request.params
         num_output = seq.num_output_tokens
         limit = min(self.config.num_speculative_tokens, room, params.max_tokens - num_output - 1,
