@@ -10,6 +10,8 @@ target's distribution is ``test_spec_decode_distribution.py``.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from paged_hf import PagedEngine, SamplingParams
@@ -290,3 +292,25 @@ def test_auto_disable_speculates_less_where_it_is_slower(monkeypatch):
         same(expected, got)
         drafted[auto] = spec.get_stats()["spec_decode_num_drafts"]
     assert drafted[True] < drafted[False] / 2
+
+
+def _lookup_reference(tokens: list[int], k: int, lookup_max: int, lookup_min: int) -> list[int]:
+    """Prompt lookup written plainly: the longest suffix first, its latest earlier occurrence with ``k`` tokens
+    after it, else its earliest one."""
+    for n in range(min(lookup_max, len(tokens) - 1), lookup_min - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == suffix]
+        if starts:
+            full = [i for i in starts if i + n + k <= len(tokens)]
+            start = (full[-1] if full else starts[0]) + n
+            return tokens[start : start + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 5), st.integers(1, 4), st.integers(0, 3))
+def test_ngram_lookup_equals_the_plain_reference(tokens, k, lookup_min, extra):
+    from paged_hf.engine.spec.ngram import propose_ngram
+
+    lookup_max = lookup_min + extra
+    assert propose_ngram(tokens, k, lookup_max, lookup_min) == _lookup_reference(tokens, k, lookup_max, lookup_min)
