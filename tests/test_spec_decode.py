@@ -80,6 +80,17 @@ def test_greedy_stories_equals_no_speculation(stories, repeat_prompts, options):
         assert spec.get_stats()["preemption_count"] > 0
 
 
+def test_compiled_forward_verifies_drafts_like_the_eager_one(stories, repeat_prompts):
+    """The engine's default compiled forward (dynamic sizes) runs the 1 + k rows of verified runs too."""
+    model, tok = stories
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    expected = run(PagedEngine(model, tok, enforce_eager=True, block_size=16, num_blocks=256), repeat_prompts[:3],
+                   params)
+    compiled = PagedEngine(model, tok, enforce_eager=False, block_size=16, num_blocks=256, speculative_config=NGRAM)
+    same(expected, run(compiled, repeat_prompts[:3], params))
+    assert compiled.runner.compiled is not None and accepted(compiled) > 5
+
+
 def test_prefix_hits_and_forks(stories, repeat_prompts):
     """The same prompts twice (the second round hits the first's blocks, verified drafts' blocks included) and
     ``n = 3`` greedy samples, which fork the prompt's blocks and then speculate apart."""
