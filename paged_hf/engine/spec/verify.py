@@ -21,16 +21,20 @@ from .rejection import num_accepted
 class DraftView:
     """What the sampler reads of ``seq`` extended by ``drafts`` (the drafts before one verified row)."""
 
-    __slots__ = ("request", "token_ids", "generator")
+    __slots__ = ("request", "generator", "_seq", "_drafts")
 
     def __init__(self, seq: Sequence, drafts: tuple[int, ...]) -> None:
         self.request = seq.request
-        self.token_ids = seq.token_ids + list(drafts) if drafts else seq.token_ids
         self.generator = seq.generator
+        self._seq, self._drafts = seq, drafts
+
+    @property
+    def token_ids(self) -> list[int]:  # built when read (penalties, logits processors): most steps never do
+        return self._seq.token_ids + list(self._drafts) if self._drafts else self._seq.token_ids
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.request.prompt_token_ids)
+        return self._seq.num_output_tokens + len(self._drafts)
 
     @property
     def output_token_ids(self) -> list[int]:
