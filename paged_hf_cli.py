@@ -70,6 +70,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _json_object(text: str) -> dict:
+    """A JSON object on the command line (``--speculative-config '{"method": "ngram"}'``)."""
+    import json  # noqa: PLC0415 - standard library, needed by this option only
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"method\": \"ngram\"}}', got {text!r}")
+    return value
+
+
 class _VersionAction(argparse.Action):
     """``--version``: reads ``paged_hf.__version__`` (importing the package) only when asked."""
 
@@ -147,6 +160,9 @@ def _add_model_and_engine_options(parser) -> None:
                         help="""the most images of one request, as vLLM's '{"image": N}'""")
     engine.add_argument("--max-num-encoder-input-tokens", type=_positive_int, metavar="N",
                         help="the most image tokens the vision tower encodes in one step")
+    engine.add_argument("--speculative-config", type=_json_object, metavar="JSON",
+                        help="speculative decoding, as vLLM's: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                             "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (default: none)")
     engine.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1, metavar="N",
                         help="shard the model over N ranks (transformers' tensor-parallel plan); this process leads "
                              "and starts the others (default: %(default)s)")

@@ -149,6 +149,8 @@ class EngineConfig:
             ``VLLM_CPU_OMP_THREADS_BIND``); see ``paged_hf.engine.threads``.
         enforce_eager: run the model's forward eagerly (vLLM's switch); False (the default) compiles it with
             torch.compile at engine start (``engine/compile.py``; a model that does not compile runs eagerly).
+        speculative_config: vLLM's dict (``{"method": "ngram", "num_speculative_tokens": 4, ...}``), checked into a
+            ``SpeculativeConfig`` (``engine/spec/config.py``); None: no speculative decoding.
 
     Limits on one request, checked by ``PagedEngine.add_request`` (a request past one gets a ``ValueError`` naming
     the parameter, before it is queued):
@@ -180,6 +182,7 @@ class EngineConfig:
     enforce_eager: bool = False
     limit_mm_per_prompt: Mapping[str, int] | None = None
     max_num_encoder_input_tokens: int | None = None
+    speculative_config: Any = None  # a SpeculativeConfig after __post_init__ (or None)
 
     @classmethod
     def from_options(cls, what: str, options: Mapping[str, Any]) -> "EngineConfig":
@@ -189,7 +192,8 @@ class EngineConfig:
         return cls(**options)
 
     def __post_init__(self) -> None:
-        from .engine.threads import check_cpu_threads_bind  # noqa: PLC0415 - the engine package imports this one
+        from .engine.spec.config import SpeculativeConfig  # noqa: PLC0415 - the engine package imports this one
+        from .engine.threads import check_cpu_threads_bind  # noqa: PLC0415
 
         CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype)
         check_cpu_threads_bind(self.cpu_threads_bind)
@@ -220,6 +224,7 @@ class EngineConfig:
                                  f"modality), got {self.limit_mm_per_prompt!r}")
             _check_int("limit_mm_per_prompt['image']", self.limit_mm_per_prompt.get("image"), 0, allow_none=True)
         _check_int("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, 1, allow_none=True)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
 
 
 GREEDY_BELOW = 1e-5  # temperatures below it sample greedily

@@ -96,3 +96,25 @@ class EngineStats(KVCacheStats):
     generation_tokens_per_s: float
     tensor_parallel_size: int = 1  # ranks the model and every KV block are split over (each holds its share)
     num_encoded_images: int = 0  # vision-tower runs, one per image (again after a recompute)
+    # speculative decoding (vLLM's counters; all 0 without it): verified runs with drafts, draft tokens, accepted
+    # draft tokens, and per draft position j the runs whose draft j was accepted
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 before any draft)."""
+        drafted = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / drafted if drafted else 0.0
+
+    @property
+    def spec_decode_acceptance_rate_per_pos(self) -> tuple[float, ...]:
+        """Per draft position: the fraction of verified runs whose draft at that position was accepted."""
+        runs = self.spec_decode_num_drafts
+        return tuple(n / runs if runs else 0.0 for n in self.spec_decode_num_accepted_tokens_per_pos)
+
+    def as_dict(self) -> dict:
+        return {**super().as_dict(), "spec_decode_acceptance_rate": self.spec_decode_acceptance_rate,
+                "spec_decode_acceptance_rate_per_pos": self.spec_decode_acceptance_rate_per_pos}

@@ -46,6 +46,8 @@ SMOKE = {
     "vs_vllm": (["--model", "stories260K", "--workloads", "shared", "--dtypes", "float32", "--pairs", "1",
                  "--num-requests", "2", "--max-prompt", "16", "--max-output", "2", "--threads", "1",
                  "--engines", "paged_hf"], "paged_hf"),  # tests/test_vs_vllm_smoke.py runs its HF rows too
+    "spec_decode": (["--requests", "2", "--batches", "1,2", "--max-tokens", "8", "--repeats", "1", "--story-chars",
+                     "200"], "same tokens"),
     "tp": (["--tensor-parallel-size", "1", "--requests", "2", "--prompt-len", "8", "16", "--output-len", "2", "4"],
            "TP"),
 }

@@ -320,6 +320,7 @@ class PagedEngine:
             generation_tokens_per_s=scheduler.num_generated_tokens / self._busy_seconds if self._busy_seconds else 0.0,
             tensor_parallel_size=self.group.size if self.group is not None else 1,
             num_encoded_images=self.runner.images.num_encoded_images if self.runner.images is not None else 0,
+            **(scheduler.speculator.stats() if scheduler.speculator is not None else {}),
         )
 
     def check_invariants(self) -> None:

@@ -42,30 +42,33 @@ class Isolation:
     def merged(self, output: SchedulerOutput, keep) -> tuple[SchedulerOutput, ModelOutput] | None:
         """The succeeded sequences that ``keep(item)`` accepts, in scheduled order (decodes first), with their
         logits: what the step's forward would have returned for them alone. None if there are none."""
-        where: dict[int, tuple[int, int | None, tuple[int, int] | None]] = {}  # index -> rows
+        where: dict[int, tuple] = {}  # index -> (offset, sample row, prompt rows, draft rows)
         parts, offset = [], 0
         for indices, model_output in self.succeeded:
             sampling = iter(model_output.sample_rows)
             for local, index in enumerate(indices):
-                sample_row = next(sampling) if output.scheduled[index].samples else None
-                prompt = model_output.prompt_rows.get(local)
-                where[index] = (offset, sample_row, prompt)
+                item = output.scheduled[index]
+                sample_row = next(sampling) if item.samples and not item.draft_token_ids else None
+                where[index] = (offset, sample_row, model_output.prompt_rows.get(local),
+                                model_output.draft_rows.get(local))
             parts.append(model_output.logits)
             offset += model_output.logits.shape[0]
         kept = sorted(i for i in where if keep(output.scheduled[i]))
         if not kept:
             return None
-        sample_rows, prompt_rows = [], {}
+        sample_rows, prompt_rows, draft_rows = [], {}, {}
         for new_index, index in enumerate(kept):
-            base, sample_row, prompt = where[index]
+            base, sample_row, prompt, drafts = where[index]
             if sample_row is not None:
                 sample_rows.append(base + sample_row)
             if prompt is not None:
                 prompt_rows[new_index] = (base + prompt[0], prompt[1])
+            if drafts is not None:
+                draft_rows[new_index] = (base + drafts[0], drafts[1])
         items = [output.scheduled[i] for i in kept]
         num_decodes = sum(1 for i in kept if i < output.num_decodes)
         logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return SchedulerOutput(items, num_decodes), ModelOutput(logits, sample_rows, prompt_rows)
+        return SchedulerOutput(items, num_decodes), ModelOutput(logits, sample_rows, prompt_rows, draft_rows)
 
 
 def isolate(forward: Callable[[SchedulerOutput], ModelOutput], kv: KVManager, output: SchedulerOutput,

@@ -55,7 +55,7 @@ class Sequence:
     """One sample of a request. ``token_ids`` = prompt + generated; K/V exists for ``num_computed_tokens``."""
 
     __slots__ = ("request", "index", "token_ids", "status", "num_computed_tokens", "kv", "finish_reason",
-                 "stop_reason", "logprobs", "cumulative_logprob", "generator", "detokenizer")
+                 "stop_reason", "logprobs", "cumulative_logprob", "generator", "detokenizer", "spec_gate")
 
     def __init__(self, request: "Request", index: int, token_ids: list[int]) -> None:
         self.request = request
@@ -70,6 +70,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.generator: torch.Generator | None = None
         self.detokenizer: IncrementalDetokenizer | None = None  # the output stage's
+        self.spec_gate = None  # speculative decoding's AcceptanceGate (engine/spec/gate.py), made when it proposes
 
     @property
     def num_prompt_tokens(self) -> int:

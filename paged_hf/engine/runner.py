@@ -31,6 +31,7 @@ from .multimodal import image_token_id
 from .request import PositionLogprobs, Request, Sequence
 from .sampler import position_logprobs, sample
 from .scheduler import ScheduledSequence, SchedulerOutput
+from .spec.verify import VerifiedRun, verify
 
 logger = logging.getLogger("paged_hf")
 
@@ -39,7 +40,8 @@ logger = logging.getLogger("paged_hf")
 class RunnerOutput:
     """What one step gave, for the scheduler to apply. ``seqs[i]`` drew ``token_ids[i]`` (with ``logprobs[i]``
     when its request asked for them; the samples of an ``n > 1`` request whose prompt completed are among them);
-    ``prompt_logprobs``: per scheduled sequence that asked, the entries of its chunk's prompt positions.
+    ``prompt_logprobs``: per scheduled sequence that asked, the entries of its chunk's prompt positions;
+    ``verified``: the sequences that ran speculative drafts, with the tokens they emit (not in ``seqs``).
     ``errors``: requests that fail alone (their forward or their sampling raised); ``requeue``: sequences whose
     prefix a failed sequence of the step was to write (they compute their prompt again); ``retried``: the forward
     raised and ran again in parts. ``step_error``: nothing of the step ran (its block copies failed, or, with
@@ -50,6 +52,7 @@ class RunnerOutput:
     logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     prompt_logprobs: list[tuple[ScheduledSequence, list[PositionLogprobs]]] = field(default_factory=list)
     errors: list[tuple[Request, BaseException]] = field(default_factory=list)
+    verified: list[VerifiedRun] = field(default_factory=list)  # sequences whose speculative drafts were verified
     requeue: list[Sequence] = field(default_factory=list)
     retried: bool = False
     step_error: BaseException | None = None
@@ -117,21 +120,27 @@ class ModelRunner:
                     counters["stats"]["unique_graphs"] - graphs)
         return compiled
 
-    def plan(self, output: SchedulerOutput, copies: list) -> tuple[StepInput, list[int], dict[int, tuple[int, int]]]:
+    def plan(self, output: SchedulerOutput, copies: list) -> tuple[StepInput, list[int], dict[int, tuple[int, int]],
+                                                                   dict[int, tuple[int, int]]]:
         """The ``StepInput`` of ``output``'s forward (host work only), and where its logits go: the rows of the
-        sampling sequences, in scheduled order, and per prompt-logprob sequence ``(first row, count)``."""
+        sampling sequences, in scheduled order, per prompt-logprob sequence ``(first row, count)``, and per
+        sequence with speculative drafts ``(first row, 1 + k)``."""
         scheduled = output.scheduled
         d = output.num_decodes
         input_ids = [item.seq.token_ids[item.start] for item in scheduled[:d]]
         for item in scheduled[d:]:
-            input_ids.extend(item.seq.token_ids[item.start : item.start + item.num_tokens])
+            if item.draft_token_ids:
+                input_ids.append(item.seq.token_ids[item.start])
+                input_ids.extend(item.draft_token_ids)
+            else:
+                input_ids.extend(item.seq.token_ids[item.start : item.start + item.num_tokens])
         device = "cpu" if self.group is not None else self.device  # broadcast from the host, then moved
         metadata = build_metadata(
             self.kv, [item.seq.kv for item in scheduled], [item.start for item in scheduled],
             [item.num_tokens for item in scheduled], d, device,
         )
         ends = metadata.query_start_loc[1:] - 1  # [S]: each sequence's last token row
-        sample_index = [i for i, item in enumerate(scheduled) if item.samples]
+        sample_index = [i for i, item in enumerate(scheduled) if item.samples and not item.draft_token_ids]
         keep_rows = [ends if len(sample_index) == len(scheduled)
                      else ends[torch.tensor(sample_index, dtype=torch.long, device=ends.device)]]
         prompt_rows: dict[int, tuple[int, int]] = {}
@@ -144,9 +153,16 @@ class ModelRunner:
                     keep_rows.append(torch.arange(start, start + count, device=ends.device))
                     prompt_rows[i] = (first, count)
                     first += count
+        draft_rows: dict[int, tuple[int, int]] = {}
+        for i, item in enumerate(scheduled[d:], start=d):
+            if item.draft_token_ids:
+                start = int(metadata.query_start_loc[i])
+                keep_rows.append(torch.arange(start, start + item.num_tokens, device=ends.device))
+                draft_rows[i] = (first, item.num_tokens)
+                first += item.num_tokens
         keep = torch.cat(keep_rows) if len(keep_rows) > 1 else keep_rows[0]
         step = StepInput(torch.tensor(input_ids, dtype=torch.long), metadata, keep, copies, self.kv.num_rows)
-        return step, list(range(len(sample_index))), prompt_rows
+        return step, list(range(len(sample_index))), prompt_rows, draft_rows
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
@@ -192,8 +208,14 @@ class ModelRunner:
             entries = position_logprobs(logits[first : first + count], chosen,
                                         [item.seq.request.params.prompt_logprobs] * count, self.token_text)
             result.prompt_logprobs.append((item, entries))
+        if model_output.draft_rows:
+            runs = [(output.scheduled[i].seq, output.scheduled[i].start, output.scheduled[i].draft_token_ids, first)
+                    for i, (first, _) in model_output.draft_rows.items()]
+            result.verified, errors = verify(logits, runs, self.token_text, self.eos_token_ids)
+            result.errors.extend(errors)
         seqs, rows = [], []
-        for item, row in zip((item for item in output.scheduled if item.samples), model_output.sample_rows):
+        for item, row in zip((item for item in output.scheduled if item.samples and not item.draft_token_ids),
+                             model_output.sample_rows):
             seqs.append(item.seq)
             rows.append(row)
             for fork in item.forks:
@@ -219,7 +241,7 @@ class ModelRunner:
         return self._run_planned(output, [])
 
     def _run_planned(self, output: SchedulerOutput, copies: list) -> ModelOutput:
-        step, sample_rows, prompt_rows = self.plan(output, copies)
+        step, sample_rows, prompt_rows, draft_rows = self.plan(output, copies)
         if self.images is not None:  # the vision tower runs here, for the images this step's tokens need
             step.inputs_embeds = self.images.inputs_embeds(output.scheduled, step.input_ids,
                                                            step.metadata.query_start_loc)
@@ -230,7 +252,7 @@ class ModelRunner:
         logits = self.run(step)
         if step.inputs_embeds is not None:
             self.images.release(output.scheduled)
-        return ModelOutput(logits, sample_rows, prompt_rows)
+        return ModelOutput(logits, sample_rows, prompt_rows, draft_rows)
 
     def broadcast(self, message) -> None:
         """Sends ``message`` to the other ranks (tensor parallelism), after checking they are alive."""

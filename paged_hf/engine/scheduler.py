@@ -33,6 +33,7 @@ from ..kv.prefix_hit import MISS, PrefixHit
 from .lpm import lpm_order
 from .multimodal import ImageChunks
 from .request import Request, Sequence, SequenceStatus
+from .spec import Speculator
 
 if TYPE_CHECKING:  # the runner imports this module
     from .runner import RunnerOutput
@@ -48,13 +49,16 @@ AUTO_SWAP_MIN_BLOCKS = 4
 class ScheduledSequence:
     """``seq`` computes tokens ``start .. start + num_tokens - 1`` this step; ``samples``: the last of them is its
     newest token, so the step samples the next one. ``forks``: the other samples of an ``n > 1`` request whose
-    prompt this chunk completes; they draw their first tokens from the same logits and then share its blocks."""
+    prompt this chunk completes; they draw their first tokens from the same logits and then share its blocks.
+    ``draft_token_ids``: a decoding sequence's speculative drafts, computed after its newest token (``num_tokens``
+    counts them); the step verifies them (``engine/spec``)."""
 
     seq: Sequence
     start: int
     num_tokens: int
     samples: bool
     forks: tuple[Sequence, ...] = ()
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -88,6 +92,10 @@ class Scheduler:
         self._lpm = config.scheduling_policy == "lpm" and kv.prefix_caching
         self._running_sorted = True  # ``running`` is in ``_order``; appending may break that
         self._has_windows = any(g.window is not None for g in kv.groups)
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, kv.block_size if kv.has_tail else None) if spec is not None else None
+        self._speculating = False  # this step's mode (the speculator's switch)
+        self._step_started = 0.0
 
     def _order(self, seq: Sequence) -> tuple:
         """Sort key: who runs first (and, reversed, who is preempted first)."""
@@ -185,6 +193,9 @@ class Scheduler:
             self.running.sort(key=self._order)
             self._running_sorted = True
         kv = self.kv
+        if self.speculator is not None:
+            self._speculating = self.speculator.speculating()
+            self._step_started = time.perf_counter()
 
         # 1. running sequences, oldest / most important first; decodes take one token
         index = 0
@@ -197,6 +208,12 @@ class Scheduler:
                 continue
             if self._has_windows:
                 kv.slide_windows(seq.kv)
+            drafts = self._drafts(seq, budget - (len(self.running) - index)) if count == 1 else ()
+            if drafts:  # their slots are allocated
+                self._schedule(seq, 1 + len(drafts), prefills, drafts)
+                budget -= 1 + len(drafts)
+                index += 1
+                continue
             while not kv.try_append(seq.kv, count):
                 victim = max(self.running[index:], key=self._order)
                 self._preempt(victim)
@@ -279,18 +296,29 @@ class Scheduler:
             self._running_sorted = False
         self.running.append(seq)
 
-    def _schedule(self, seq: Sequence, count: int, out: list[ScheduledSequence]) -> None:
-        """Schedules ``count`` tokens of ``seq`` (their slots are allocated) and registers the blocks they fill in
-        the prefix cache (later admissions of this step may hit them)."""
+    def _drafts(self, seq: Sequence, room: int) -> tuple[int, ...]:
+        """Speculative drafts for decoding ``seq`` (at most ``room``) with their slots allocated, or () (none
+        proposed, or no free blocks for them: speculation never preempts)."""
+        if not self._speculating or room < 1:
+            return ()
+        drafts = self.speculator.propose(seq, room, self.max_model_len)
+        if drafts and not self.kv.try_append(seq.kv, 1 + len(drafts)):
+            return ()
+        return drafts
+
+    def _schedule(self, seq: Sequence, count: int, out: list[ScheduledSequence], drafts: tuple[int, ...] = ()) -> None:
+        """Schedules ``count`` tokens of ``seq`` (their slots are allocated; ``drafts`` are the last of them) and
+        registers the blocks they fill in the prefix cache (later admissions of this step may hit them); blocks
+        of drafts are registered once the drafts are accepted, by a later step."""
         start = seq.num_computed_tokens
         if self.kv.prefix_caching:
-            self.kv.cache_full_blocks(seq.kv, seq.token_ids, start + count, seq.request.cache_salt)
-        samples = start + count == len(seq.token_ids)
+            self.kv.cache_full_blocks(seq.kv, seq.token_ids, start + count - len(drafts), seq.request.cache_salt)
+        samples = start + count - len(drafts) == len(seq.token_ids)
         if samples and seq.request.params.n > 1 and seq.index == 0:
             forks = tuple(s for s in seq.request.sequences[1:] if s.status is SequenceStatus.FORK_PENDING)
-            out.append(ScheduledSequence(seq, start, count, samples, forks))
+            out.append(ScheduledSequence(seq, start, count, samples, forks, drafts))
         else:
-            out.append(ScheduledSequence(seq, start, count, samples))
+            out.append(ScheduledSequence(seq, start, count, samples, (), drafts))
 
     # -------------------------------------------------------------------------- after the step
     def update_from_output(self, output: SchedulerOutput, result: "RunnerOutput",
@@ -334,16 +362,41 @@ class Scheduler:
                 self._join_running(seq)
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            self._append(seq, token, entry, now)
-            stop = stop_string(seq)
-            if stop is not None:
-                if seq.status is SequenceStatus.FINISHED:  # by length: the stop string came first
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-                else:
-                    self.finish(seq, "stop", stop)
+            self._emit(seq, token, entry, now, stop_string)
             touched[seq.request.request_id] = seq.request
+        for run in result.verified:
+            if run.seq.status is SequenceStatus.RUNNING:
+                self._apply_verified(run, now, stop_string)
+                touched[run.seq.request.request_id] = run.seq.request
         self.kv.end_step(failed=result.retried)
+        if self.speculator is not None and all(i.num_tokens == 1 + len(i.draft_token_ids) for i in output.scheduled):
+            self.speculator.end_step(self._speculating, time.perf_counter() - self._step_started,
+                                          len(result.token_ids) + sum(len(r.token_ids) for r in result.verified))
         return list(touched.values())
+
+    def _emit(self, seq: Sequence, token: int, entry, now: float, stop_string) -> None:
+        """Appends one sampled token, then finishes ``seq`` if its text now ends in a stop string."""
+        self._append(seq, token, entry, now)
+        stop = stop_string(seq)
+        if stop is not None:
+            if seq.status is SequenceStatus.FINISHED:  # by length: the stop string came first
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            else:
+                self.finish(seq, "stop", stop)
+
+    def _apply_verified(self, run, now: float, stop_string) -> None:
+        """A sequence's verified drafts: its K/V holds its last token and the accepted drafts, the rejected ones'
+        slots are given back; the accepted drafts and the resampled (or bonus) token are appended one by one, as
+        single steps would, so that EOS, stop tokens, stop strings and lengths end the run where they occur."""
+        seq = run.seq
+        seq.num_computed_tokens = run.start + 1 + run.num_accepted
+        for token, entry in zip(run.token_ids, run.logprobs):
+            self._emit(seq, token, entry, now, stop_string)
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+        self.speculator.record(seq, run.num_drafts, run.num_accepted)
+        if seq.status is SequenceStatus.RUNNING and seq.kv.num_tokens > seq.num_computed_tokens:
+            self.kv.truncate(seq.kv, seq.num_computed_tokens)
 
     def _append(self, seq: Sequence, token: int, entry, now: float) -> None:
         """Appends a sampled token (and its logprobs) and finishes ``seq`` on a stop token, EOS or a length."""

@@ -1,5 +1,6 @@
 """Prometheus series of the server: KV blocks, prefix hit rate and hits per tier (device pool, host tier), the host
-tier's blocks, preemptions, queue, rejections, TTFT and inter-token latency."""
+tier's blocks, preemptions, queue, rejections, TTFT and inter-token latency, and speculative decoding's counters
+under vLLM's names (``vllm:spec_decode_*``)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS)
         self.itl = Histogram("paged_hf_inter_token_latency_seconds", "time between output updates", registry=r,
                              buckets=_LATENCY_BUCKETS)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "verified runs with speculative drafts", registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "speculative draft tokens proposed",
+                                         registry=r)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "speculative draft tokens accepted",
+                                     registry=r)
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "accepted draft tokens at each draft position", ["position"], registry=r)
+        self._spec_seen: dict[tuple, int] = {}  # counter -> the engine's total when last rendered
         self._last: dict[str, float] = {}
 
     def observe(self, out, now: float) -> None:
@@ -59,4 +68,13 @@ class ServerMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.tensor_parallel_size.set(stats.tensor_parallel_size)
+        totals = [((self.spec_drafts,), stats.spec_decode_num_drafts),
+                  ((self.spec_draft_tokens,), stats.spec_decode_num_draft_tokens),
+                  ((self.spec_accepted,), stats.spec_decode_num_accepted_tokens)]
+        totals += [((self.spec_accepted_per_pos, str(j)), n)
+                   for j, n in enumerate(stats.spec_decode_num_accepted_tokens_per_pos)]
+        for key, total in totals:  # the engine keeps totals; a counter only grows by the difference
+            counter = key[0].labels(position=key[1]) if len(key) > 1 else key[0]
+            counter.inc(total - self._spec_seen.get(key, 0))
+            self._spec_seen[key] = total
         return generate_latest(self.registry)

@@ -1,0 +1,6 @@
+"""Speculative decoding: n-gram proposals verified by one forward of the target, exact by the acceptance rule."""
+
+from .config import SPECULATIVE_METHODS, SpeculativeConfig
+from .speculator import Speculator
+
+__all__ = ["SPECULATIVE_METHODS", "SpeculativeConfig", "Speculator"]

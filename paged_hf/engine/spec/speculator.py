@@ -1,0 +1,81 @@
+"""``Speculator``: what the scheduler asks about speculation. It proposes a decoding sequence's drafts (n-gram
+lookup, within the room the step and the request leave), records how many the target accepted and keeps the
+statistics (vLLM's counters: drafts, draft tokens, accepted tokens, accepted tokens per position)."""
+
+from __future__ import annotations
+
+from ..request import Sequence
+from .config import SpeculativeConfig
+from .gate import AcceptanceGate
+from .ngram import propose_ngram
+from .switch import ThroughputSwitch
+
+
+class Speculator:
+    """Proposals and acceptance statistics of one engine (``config``: its ``SpeculativeConfig``).
+
+    ``tail_block_size``: the block size of a KV format with a full-precision tail row (int4), else None. Such a
+    format quantizes a block when it fills, from its tail row; a block filled by drafts that are then rejected
+    would be requantized from dequantized values, and its bytes would no longer depend only on its tokens. So
+    there the newest token and its drafts stay inside one block without filling it: rollback only rewinds the tail
+    row, and the output equals that of the engine without speculation."""
+
+    def __init__(self, config: SpeculativeConfig, tail_block_size: int | None = None) -> None:
+        self.config = config
+        self.tail_block_size = tail_block_size
+        self.switch = ThroughputSwitch() if config.auto_disable else None
+        self.num_drafts = 0  # verified runs that had drafts
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_per_pos = [0] * config.num_speculative_tokens  # [k]: runs whose draft j was accepted
+
+    def speculating(self) -> bool:
+        """Whether this step proposes drafts (the engine-wide switch's choice)."""
+        return self.switch is None or self.switch.speculating()
+
+    def end_step(self, speculated: bool, seconds: float, num_tokens: int) -> None:
+        """A decoding step's time and generated tokens, for the switch."""
+        if self.switch is not None:
+            self.switch.record(speculated, seconds, num_tokens)
+
+    @staticmethod
+    def eligible(seq: Sequence) -> bool:
+        """Whether ``seq``'s request may speculate: user logits processors may keep state, and would see the
+        positions of rejected drafts, so their requests decode one token a step; so do requests with images (their
+        steps run eagerly, and Qwen2-VL's M-RoPE positions are planned one decode token at a time)."""
+        return not seq.request.params.logits_processors and seq.request.images is None
+
+    def propose(self, seq: Sequence, room: int, max_model_len: int) -> tuple[int, ...]:
+        """Drafts for ``seq`` (a sequence decoding its output), at most ``room`` of them, never so many that the
+        accepted drafts plus the bonus token pass ``max_tokens`` or ``max_model_len``; () when its gate is closed."""
+        params = seq.request.params
+        num_output = seq.num_output_tokens
+        limit = min(self.config.num_speculative_tokens, room, params.max_tokens - num_output - 1,
+                    max_model_len - len(seq.token_ids) - 1)
+        if self.tail_block_size is not None:  # positions start .. start + k in the newest token's block, not its last
+            limit = min(limit, self.tail_block_size - 2 - (len(seq.token_ids) - 1) % self.tail_block_size)
+        if limit < 1 or num_output < 1 or not self.eligible(seq):  # a prompt's last token may still fork its samples
+            return ()
+        if seq.spec_gate is None:
+            seq.spec_gate = AcceptanceGate()
+        if not seq.spec_gate.is_open(num_output):
+            return ()
+        c = self.config
+        return tuple(propose_ngram(seq.token_ids, limit, c.prompt_lookup_max, c.prompt_lookup_min))
+
+    def stats(self) -> dict:
+        """The counters under ``EngineStats``' names."""
+        return dict(spec_decode_num_drafts=self.num_drafts, spec_decode_num_draft_tokens=self.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=self.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=tuple(self.num_accepted_per_pos))
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """Counts a verified run of ``seq`` (``num_accepted`` leading drafts of ``num_drafts`` accepted)."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.num_accepted_per_pos[j] += 1
+        c = self.config
+        seq.spec_gate.record(num_drafts, num_accepted, seq.num_output_tokens, 2 * c.num_speculative_tokens,
+                             c.min_acceptance_rate)
