@@ -7,7 +7,8 @@ Is there room? Each client asks one question:
 
 * ``PagedCache`` asks ``reserve(seqs, counts)`` before a forward: it grows a growable pool, or raises
   ``PagedCacheFullError`` with nothing allocated.
-* The engine asks ``has_room(blocks_per_group)``: ``try_append`` asks it for the running sequences; the scheduler
+* The engine asks ``has_room(blocks_per_group)``: ``try_append`` (and ``append_decodes``, the same for many
+  decodes in one pass) asks it for the running sequences; the scheduler
   asks it for admissions and swap-ins as ``cost <= num_free_blocks`` (the same question with one count for every
   group), the cost from ``PrefixCache.admission_blocks`` or ``num_swap_in_blocks``.
 
