@@ -130,10 +130,11 @@ class _StepPlans(threading.local):
     (block tables, lengths, offsets): it is found by comparing values with a copy taken when it was built, so an
     in-place change, a new step or a per-layer copy of the same values all find the right plan. Up to
     ``MAX_ENTRIES`` value sets (a mixed step's decode and prefill parts, the groups of a long batch) and
-    ``MAX_BYTES`` of plans (a long prefill chunk's mask is large); past either, a new set clears them all. Never
-    while compiling (fake tensors)."""
+    ``MAX_BYTES`` of plans (a long prefill chunk's mask is large); past either, a new set clears them all. The
+    newest are compared first (a layer finds its step's plan at once; a new step compares each held set once).
+    Never while compiling (fake tensors)."""
 
-    MAX_ENTRIES = 16
+    MAX_ENTRIES = 8
     MAX_BYTES = 64 << 20
 
     def __init__(self) -> None:
@@ -143,7 +144,7 @@ class _StepPlans(threading.local):
     def get(self, key: tuple, tensors: tuple, build):
         if torch.compiler.is_compiling():
             return build()
-        plans = next((plans for held, plans in self.entries if _same_values(held, tensors)), None)
+        plans = next((plans for held, plans in reversed(self.entries) if _same_values(held, tensors)), None)
         if plans is None:
             if len(self.entries) >= self.MAX_ENTRIES or self.nbytes > self.MAX_BYTES:
                 self.entries, self.nbytes = [], 0
