@@ -3,14 +3,16 @@
 A step is schedule -> forward -> sample -> update. Everything but the forward is host work that a GPU waits on.
 This measures it on stories260K (a tiny real model, so the forward is short and the host work shows) with every
 sequence in decode: ``N`` requests of 32-token prompts are admitted and prefilled, then ``--steps`` decode steps
-are timed. The forward is timed with hooks on the model (pre-hook to hook), so it includes the paged attention's
-per-layer work but not the engine's planning before it. "scheduler" is ``engine.scheduler.schedule()`` alone.
+are timed. The forward is the call of the compiled model (dynamo's guard check and the graph, the paged attention's
+per-layer work included; hooks on the model would send a compiled engine back to eager), or, in an eager engine,
+the model's pre-hook to hook; the engine's planning before it is host work. "scheduler" is
+``engine.scheduler.schedule()`` alone.
 
 ``--compare REF`` runs the same measurement on commit ``REF`` of this repository (a temporary git worktree,
 imported in a subprocess) and prints both side by side in one run, interleaved per batch size.
 
     python benchmarks/overhead.py                         # 1, 64, 256, 1024 running decodes
-    python benchmarks/overhead.py --compare HEAD~5 --threads 1
+    python benchmarks/overhead.py --compare HEAD~5 --threads 1 --rounds 3   # alternating, medians of 3
 """
 
 from __future__ import annotations
@@ -58,9 +60,25 @@ def measure(num_seqs: int, steps: int, warmup: int, output_kind: str = "final_on
         engine.add_request(prompt, params, **kind)
 
     forward_times: list[float] = []
-    started = [0.0]
-    model.register_forward_pre_hook(lambda *_: started.__setitem__(0, time.perf_counter()))
-    model.register_forward_hook(lambda *_: forward_times.append(time.perf_counter() - started[0]))
+    forward_cpu: list[float] = []  # the same in CPU time of this thread (steadier on a shared machine)
+    compiled = getattr(getattr(engine, "runner", None), "compiled", None)
+    if compiled is not None:  # hooks on the model would make the compiled forward fall back to eager
+        graph = compiled.compiled
+
+        def timed_graph(*args, **kwargs):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            out = graph(*args, **kwargs)
+            forward_times.append(time.perf_counter() - t0)
+            forward_cpu.append(time.thread_time() - c0)
+            return out
+
+        compiled.compiled = timed_graph
+    else:
+        started = [0.0, 0.0]
+        model.register_forward_pre_hook(lambda *_: started.__setitem__(slice(None), [time.perf_counter(),
+                                                                                     time.thread_time()]))
+        model.register_forward_hook(lambda *_: (forward_times.append(time.perf_counter() - started[0]),
+                                                forward_cpu.append(time.thread_time() - started[1])))
     scheduler = engine.scheduler
     schedule = scheduler.schedule
     schedule_times: list[float] = []
@@ -77,15 +95,17 @@ def measure(num_seqs: int, steps: int, warmup: int, output_kind: str = "final_on
             engine.step()
         for _ in range(warmup):
             engine.step()
-        step_times, forward_times[:], schedule_times[:] = [], [], []
+        step_times, step_cpu, forward_times[:], forward_cpu[:], schedule_times[:] = [], [], [], [], []
         for _ in range(steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             engine.step()
             step_times.append(time.perf_counter() - t0)
+            step_cpu.append(time.thread_time() - c0)
     assert len(forward_times) == steps, "every timed step must run exactly one forward"
     host = [s - f for s, f in zip(step_times, forward_times)]
+    host_cpu = [s - f for s, f in zip(step_cpu, forward_cpu)]
     ms = lambda values: round(1e3 * statistics.median(values), 3)  # noqa: E731
-    return {"num_seqs": num_seqs, "step": ms(step_times), "forward": ms(forward_times), "host": ms(host),
+    return {"num_seqs": num_seqs, "step": ms(step_times), "forward": ms(forward_times), "host": ms(host), "host_cpu": ms(host_cpu),
             "scheduler": ms(schedule_times), "running": engine.get_stats()["num_running"]}
 
 
@@ -115,6 +135,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="measurements per tree and batch size, alternating")
     parser.add_argument("--compare", metavar="REF", default=None, help="a git commit to measure beside this tree")
     parser.add_argument("--output-kind", choices=["final_only", "delta", "cumulative"], default="final_only",
                         help="what each step returns per request (default: as generate asks)")
@@ -134,24 +155,27 @@ def main(argv=None) -> int:
     try:
         rows = []
         for n in args.num_seqs:
-            for label, source in sources:
-                result = run_at(source, args, n)
-                rows.append((label, result))
-                print(f"  {label:>10}  n={n:5d}  " + "  ".join(f"{k}={v}" for k, v in result.items()), flush=True)
+            for _ in range(args.rounds):
+                for label, source in sources:
+                    result = run_at(source, args, n)
+                    rows.append((label, result))
+                    print(f"  {label:>10}  n={n:5d}  " + "  ".join(f"{k}={v}" for k, v in result.items()), flush=True)
     finally:
         if tmp:
             subprocess.run(["git", "worktree", "remove", "--force", tmp], cwd=ROOT, capture_output=True)
 
-    print("\nms per step (median); host = step - forward")
-    header = "| running decodes | " + " | ".join(f"{label} host | {label} scheduler | {label} forward"
-                                               for label, _ in sources) + " |"
+    print(f"\nms per step (median of {args.steps} steps; with --rounds, the median of the rounds' medians); "
+          "host = step - forward, in wall time and in this thread's CPU time")
+    metrics = ("host", "host_cpu", "scheduler", "forward")
+    header = "| running decodes | " + " | ".join(f"{label} {m}" for label, _ in sources for m in metrics) + " |"
     print(header)
-    print("|" + "---|" * (1 + 3 * len(sources)))
+    print("|" + "---|" * (1 + len(metrics) * len(sources)))
     for n in args.num_seqs:
         cells = []
         for label, _ in sources:
-            result = next(r for lab, r in rows if lab == label and r["num_seqs"] == n)
-            cells += [f"{result['host']:.2f}", f"{result['scheduler']:.2f}", f"{result['forward']:.2f}"]
+            results = [r for lab, r in rows if lab == label and r["num_seqs"] == n]
+            cells += [f"{statistics.median(r[m] for r in results if m in r):.2f}" if any(m in r for r in results)
+                      else "-" for m in metrics]
         print(f"| {n} | " + " | ".join(cells) + " |")
     return 0
 

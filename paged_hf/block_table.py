@@ -65,6 +65,17 @@ class BlockTable:
         tail = self.blocks[-1]
         return tail.ref_cnt == 1 and tail.block_hash is None
 
+    def append_in_tail(self) -> bool:
+        """``append(1)`` when the token goes into the tail block in place (True: no block taken, nothing to copy);
+        False, nothing changed, otherwise. The decode steady state, asked of every running sequence each step."""
+        if self._num_tokens % self.block_size == 0:
+            return False
+        tail = self.blocks[-1]
+        if tail.ref_cnt != 1 or tail.block_hash is not None:
+            return False
+        self._num_tokens += 1
+        return True
+
     def num_new_blocks_needed(self, num_new_tokens: int) -> int:
         """Blocks ``append(num_new_tokens)`` would take from the pool, copy-on-write included."""
         if num_new_tokens == 1 and self.tail_has_room():
@@ -84,8 +95,7 @@ class BlockTable:
         storage the caller must copy before writing. All blocks are allocated up front: on NoFreeBlocksError
         nothing changed.
         """
-        if num_new_tokens == 1 and self.tail_has_room():
-            self._num_tokens += 1
+        if num_new_tokens == 1 and self.append_in_tail():
             return []
         num_needed = self.num_new_blocks_needed(num_new_tokens)
         if num_new_tokens == 0:

@@ -17,7 +17,9 @@ All of it is computed here, on the host, with a few vectorized ops per forward (
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -127,26 +129,35 @@ def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], cou
     ``min_width``: the narrowest block tables to build (a caller that knows its longest sequence keeps one shape).
     """
     num_seqs = len(seqs)
-    counts_t = torch.tensor(counts, dtype=torch.long)
-    starts_t = torch.tensor(starts, dtype=torch.long)
-    seq_lens = starts_t + counts_t
-    query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.long)
-    torch.cumsum(counts_t, 0, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1]) if num_seqs else 0
-    if num_decodes == num_seqs:  # one token per sequence: no expansion
+    decode_only = num_decodes == num_seqs
+    starts_t = long_tensor(starts)
+    if decode_only:  # one token per sequence: no expansion
+        counts_t = torch.ones(num_seqs, dtype=torch.long)
+        query_start_loc = torch.arange(num_seqs + 1)
+        num_tokens = num_seqs
         token_seq, positions = torch.arange(num_seqs), starts_t
+        longest = max(starts, default=0) + 1
     else:
+        counts_t = long_tensor(counts)
+        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.long)
+        torch.cumsum(counts_t, 0, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
         token_seq = torch.repeat_interleave(torch.arange(num_seqs), counts_t)
         positions = torch.arange(num_tokens) - query_start_loc[token_seq] + starts_t[token_seq]
-    longest = max((s + c for s, c in zip(starts, counts)), default=1)
+        longest = max(map(operator.add, starts, counts), default=1)
+    seq_lens = starts_t + counts_t
     width = max(min_width, table_width(-(-longest // kv.block_size)))
-    rows = torch.tensor([seq.row for seq in seqs], dtype=torch.long)
+    rows = long_tensor([seq.row for seq in seqs])
     tails = _tail_plan(kv.block_size, rows, starts_t, counts_t, query_start_loc, token_seq, positions) \
         if kv.has_tail else None
     groups = []
     for group in kv.groups:
         tables = group.rows.gather(rows, width)
-        slots = tables[token_seq, positions // kv.block_size].long() * kv.block_size + positions % kv.block_size
+        if decode_only:  # row s holds token s
+            columns = tables.gather(1, (positions // kv.block_size).unsqueeze(1)).view(-1)
+        else:
+            columns = tables[token_seq, positions // kv.block_size]
+        slots = columns.long() * kv.block_size + positions % kv.block_size
         plan = None if tails is None else tails.store_plan(tables, device)
         groups.append(GroupMetadata(tables.to(device, non_blocking=True), slots.to(device, non_blocking=True),
                                     kv.block_size, group.window, store_plan=plan))
@@ -214,6 +225,14 @@ def _moved(value, device: torch.device):
             changes["device"] = device
         return dataclasses.replace(value, **changes)
     return value
+
+
+def long_tensor(values: list[int]) -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.long)`` on the host, through a buffer: 3-4x faster for the few hundred ints
+    of a step (``torch.tensor`` converts a list one element at a time)."""
+    if not values:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.frombuffer(array.array("q", values), dtype=torch.long)
 
 
 def table_width(num_blocks: int) -> int:

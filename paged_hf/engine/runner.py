@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 
 from ..distributed.group import TensorParallelError
 from ..kv.manager import KVManager
-from ..metadata import AttentionMetadata, build_metadata
+from ..metadata import AttentionMetadata, build_metadata, long_tensor
 from .compile import CompiledForward, CompileFailed
 from .forward_cache import EngineCache
 from .isolation import isolate
@@ -142,11 +142,13 @@ class ModelRunner:
         ends = metadata.query_start_loc[1:] - 1  # [S]: each sequence's last token row
         sample_index = [i for i, item in enumerate(scheduled) if item.samples and not item.draft_token_ids]
         keep_rows = [ends if len(sample_index) == len(scheduled)
-                     else ends[torch.tensor(sample_index, dtype=torch.long, device=ends.device)]]
+                     else ends[long_tensor(sample_index).to(ends.device)]]
         prompt_rows: dict[int, tuple[int, int]] = {}
         first = len(sample_index)
-        for i, item in enumerate(scheduled):
-            if item.seq.request.params.prompt_logprobs is not None and item.seq.index == 0:
+        scoring = [i for i, item in enumerate(scheduled) if item.seq.request.params.prompt_logprobs is not None]
+        for i in scoring:
+            item = scheduled[i]
+            if item.seq.index == 0:
                 count = _prompt_positions(item)
                 if count:
                     start = int(metadata.query_start_loc[i])
@@ -161,7 +163,7 @@ class ModelRunner:
                 draft_rows[i] = (first, item.num_tokens)
                 first += item.num_tokens
         keep = torch.cat(keep_rows) if len(keep_rows) > 1 else keep_rows[0]
-        step = StepInput(torch.tensor(input_ids, dtype=torch.long), metadata, keep, copies, self.kv.num_rows)
+        step = StepInput(long_tensor(input_ids), metadata, keep, copies, self.kv.num_rows)
         return step, list(range(len(sample_index))), prompt_rows, draft_rows
 
     @torch.inference_mode()
@@ -213,18 +215,26 @@ class ModelRunner:
                     for i, (first, _) in model_output.draft_rows.items()]
             result.verified, errors = verify(logits, runs, self.token_text, self.eos_token_ids)
             result.errors.extend(errors)
-        seqs, rows = [], []
-        for item, row in zip((item for item in output.scheduled if item.samples and not item.draft_token_ids),
-                             model_output.sample_rows):
-            seqs.append(item.seq)
-            rows.append(row)
-            for fork in item.forks:
-                seqs.append(fork)
+        sampling = [item for item in output.scheduled if item.samples and not item.draft_token_ids]
+        seqs, rows = [item.seq for item in sampling], model_output.sample_rows
+        if any(item.forks for item in sampling):  # the samples of a completed prompt draw from its row
+            seqs, rows = [], []
+            for item, row in zip(sampling, model_output.sample_rows):
+                seqs.append(item.seq)
                 rows.append(row)
+                for fork in item.forks:
+                    seqs.append(fork)
+                    rows.append(row)
         if not seqs:
             return result
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        drawn = sample(logits.index_select(0, index), seqs, self.token_text, self.eos_token_ids)
+        if len(rows) == logits.shape[0] and rows == list(range(len(rows))):  # every kept row samples, in order
+            picked = logits
+        else:
+            picked = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+        drawn = sample(picked, seqs, self.token_text, self.eos_token_ids)
+        if not drawn.errors:
+            result.seqs, result.token_ids, result.logprobs = seqs, drawn.token_ids, drawn.logprobs
+            return result
         failed = {id(seqs[row].request): seqs[row].request for row in drawn.errors}
         for row, error in drawn.errors.items():
             result.errors.append((seqs[row].request, error))

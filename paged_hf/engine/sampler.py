@@ -38,9 +38,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
     and transformers' ``min_new_tokens``: they get -inf after the other processing, greedy rows included.
     """
     params = [seq.request.params for seq in seqs]
+    if all(p.plain_greedy and not p.min_tokens for p in params):  # the common fast path: one argmax over the batch
+        return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(seqs), {})
     held_back = _held_back_stops(seqs, params, eos_token_ids, logits.shape[-1])
-    if not held_back and all(p.plain_greedy for p in params):  # the common fast path: one argmax over the batch
-        return SamplerOutput(torch.argmax(logits, dim=-1).tolist(), [None] * len(seqs), {})
+    if not held_back and all(p.plain_greedy for p in params):  # min_tokens, all reached
+        return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(seqs), {})
     raw = logits
     logits = logits.float()
     errors: dict[int, BaseException] = {}
@@ -66,7 +68,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
                           torch.tensor(float("-inf"), device=logits.device))
 
     greedy = [p.greedy for p in params]
-    tokens = torch.argmax(logits, dim=-1)
+    tokens = greedy_tokens(logits)
     sampled_rows = [r for r, g in enumerate(greedy) if not g]
     if sampled_rows:
         index = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
@@ -91,6 +93,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
         for r, entry in zip(asked, entries):
             logprobs[r] = entry
     return SamplerOutput(token_ids, logprobs, errors)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``argmax(logits, dim=-1)`` (``[R, vocab]`` -> ``[R]``: the first index of each row's maximum; a NaN counts
+    as the maximum). On a CPU, ``max(dim=-1)`` finds the same index 2.5-4x faster than ``argmax`` (its generic
+    reduction: 28 ms for 256 rows of a 49k vocabulary in float32, 40 ms in bfloat16)."""
+    if logits.device.type == "cpu":
+        return torch.max(logits, dim=-1).indices
+    return torch.argmax(logits, dim=-1)
 
 
 def position_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_k: list[int],

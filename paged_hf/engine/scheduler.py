@@ -24,7 +24,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from itertools import islice
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..config import EngineConfig
 from ..kv.copies import BlockCopy
@@ -43,6 +44,15 @@ logger = logging.getLogger("paged_hf")
 # "auto" preemption swaps a sequence with at least this many computed blocks (recomputing it would cost more
 # than copying its blocks both ways); shorter ones are recomputed.
 AUTO_SWAP_MIN_BLOCKS = 4
+
+
+class _Ends(NamedTuple):
+    """What can end a request, for the test after each sampled token: ``token_ids`` (its stop token ids, and EOS
+    unless it ignores EOS; ``min_tokens`` may still hold them back) and ``max_len`` (prompt + ``max_tokens``, or
+    ``max_model_len`` if shorter: at this many tokens it ends by length)."""
+
+    token_ids: frozenset[int]
+    max_len: int
 
 
 @dataclass(slots=True)
@@ -96,6 +106,7 @@ class Scheduler:
         self.speculator = Speculator(spec, kv.block_size if kv.has_tail else None) if spec is not None else None
         self._speculating = False  # this step's mode (the speculator's switch)
         self._step_started = 0.0
+        self._ends: dict[str, _Ends] = {}  # per request id not finished
 
     def _order(self, seq: Sequence) -> tuple:
         """Sort key: who runs first (and, reversed, who is preempted first)."""
@@ -109,6 +120,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         self.requests[request.request_id] = request
+        params = request.params
+        self._ends[request.request_id] = _Ends(
+            frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)),
+            min(len(request.prompt_token_ids) + params.max_tokens, self.max_model_len))
         self.waiting.append(request.sequences[0])
         if self._priority:
             self.waiting = deque(sorted(self.waiting, key=self._order))
@@ -148,6 +163,7 @@ class Scheduler:
         if seq.request.finished:
             seq.request.metrics.finished_time = time.monotonic()
             self.requests.pop(seq.request.request_id, None)
+            self._ends.pop(seq.request.request_id, None)
 
     # ------------------------------------------------------------------------------ preemption
     def _preempt(self, victim: Sequence) -> None:
@@ -200,6 +216,12 @@ class Scheduler:
         # 1. running sequences, oldest / most important first; decodes take one token
         index = 0
         while index < len(self.running) and budget > 0:
+            if not self._has_windows and not self._speculating:  # most of them: decodes that have room (drafts
+                # and sliding windows take the loop below)
+                taken = self._schedule_decodes(index, budget, decodes)
+                index, budget = index + taken, budget - taken
+                if index == len(self.running) or budget <= 0:
+                    break
             seq = self.running[index]
             count = images.chunk(seq.request, seq.num_computed_tokens,
                                  self._chunk(seq, seq.num_computed_tokens, budget))
@@ -291,6 +313,32 @@ class Scheduler:
             seq.kv = self.kv.new_sequence()
         return self._prefix_hit(seq).num_tokens
 
+    def _schedule_decodes(self, index: int, budget: int, out: list[ScheduledSequence]) -> int:
+        """Schedules the running decodes from ``running[index]`` on (at most ``budget``) up to the first that is not
+        one (a prompt chunk) or finds no room (preemption is the caller's); returns how many. What the caller's loop
+        does with ``try_append`` and ``_schedule``, one decode at a time, in fewer passes: every decode step's steady
+        state."""
+        run = []
+        for seq in islice(self.running, index, index + budget):
+            if len(seq.token_ids) - seq.num_computed_tokens != 1:
+                break
+            run.append(seq)
+        kv = self.kv
+        # with prefix caching, a decode that takes a block (it may evict a cached one) goes after the registrations
+        # of those before it: the caller's loop does it, in order
+        count = kv.append_decodes([seq.kv for seq in run], grow=not kv.prefix_caching)
+        block_size = kv.block_size if kv.prefix_caching else 0
+        for seq in run[:count]:
+            start = seq.num_computed_tokens
+            if block_size and (start + 1) // block_size > seq.kv.num_cached_blocks:  # a block fills: register it
+                kv.cache_full_blocks(seq.kv, seq.token_ids, start + 1, seq.request.cache_salt)
+            if seq.index == 0 and seq.request.params.n > 1:  # the chunk completing its prompt: the other samples fork
+                forks = tuple(s for s in seq.request.sequences[1:] if s.status is SequenceStatus.FORK_PENDING)
+                out.append(ScheduledSequence(seq, start, 1, True, forks))
+            else:
+                out.append(ScheduledSequence(seq, start, 1, True))
+        return count
+
     def _join_running(self, seq: Sequence) -> None:
         if self.running and self._order(seq) < self._order(self.running[-1]):
             self._running_sorted = False
@@ -341,9 +389,11 @@ class Scheduler:
         for seq in result.requeue:
             if seq.status is SequenceStatus.RUNNING:
                 self.requeue(seq)
+        running = SequenceStatus.RUNNING
         for item in output.scheduled:
-            if item.seq.status is SequenceStatus.RUNNING:
-                item.seq.num_computed_tokens += item.num_tokens
+            seq = item.seq
+            if seq.status is running:
+                seq.num_computed_tokens += item.num_tokens
         for item, entries in result.prompt_logprobs:
             request = item.seq.request
             if item.seq.status is SequenceStatus.RUNNING and request.prompt_logprobs is not None:
@@ -352,13 +402,16 @@ class Scheduler:
                 touched[request.request_id] = request
         now = time.monotonic()
         for seq, token, entry in zip(result.seqs, result.token_ids, result.logprobs):
-            if seq.status is SequenceStatus.FORK_PENDING:  # its prompt completed this step: share sample 0's blocks
+            if seq.status is not running:
+                if seq.status is not SequenceStatus.FORK_PENDING:
+                    continue
+                # its prompt completed this step: share sample 0's blocks
                 leader = seq.request.sequences[0]
-                if leader.status is not SequenceStatus.RUNNING:
+                if leader.status is not running:
                     continue
                 seq.kv = self.kv.fork(leader.kv)
                 seq.num_computed_tokens = leader.num_computed_tokens
-                seq.status = SequenceStatus.RUNNING
+                seq.status = running
                 self._join_running(seq)
             if seq.status is not SequenceStatus.RUNNING:
                 continue
@@ -400,15 +453,20 @@ class Scheduler:
 
     def _append(self, seq: Sequence, token: int, entry, now: float) -> None:
         """Appends a sampled token (and its logprobs) and finishes ``seq`` on a stop token, EOS or a length."""
-        seq.token_ids.append(token)
+        token_ids = seq.token_ids
+        token_ids.append(token)
         self.num_generated_tokens += 1
-        metrics = seq.request.metrics
+        request = seq.request
+        metrics = request.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         if entry is not None:
             seq.logprobs.append(entry)
             seq.cumulative_logprob += entry[token].logprob
-        params = seq.request.params
+        ends = self._ends[request.request_id]
+        if token not in ends.token_ids and len(token_ids) < ends.max_len:  # most tokens: no end is possible
+            return
+        params = request.params
         num_output = len(seq.token_ids) - len(seq.request.prompt_token_ids)
         held_back = num_output <= params.min_tokens  # the sampler masks stops until min_tokens are out
         if token in params.stop_token_ids and not held_back:

@@ -22,15 +22,19 @@ tolerance) by another road, in the compute dtype (the query's: a bfloat16 model 
 
 A batch whose gathered K/V would pass ``GATHER_ELEMENTS_PER_CHUNK`` goes in consecutive groups of sequences (each
 group one vectorized call, a loop over groups, not sequences), so a batch of long contexts never holds a dense copy
-of all its K/V, and each group's copy is read back from cache. The masks are
-rebuilt per layer (an ``[S, n, L]`` comparison, under 1% of a decode call in a profile); building them once per step
-would need a per-step cache in the step metadata.
+of all its K/V, and each group's copy is read back from cache. What depends on the
+step alone (the sequence groups, the block ids to gather, the masks, a tail format's own-block indices) is built by
+the first layer and reused by the others (``_StepPlans``: the kernels' signatures carry tensors, not the step's
+metadata object, so the plans are found by the step tensors' memory).
 
 No C++ extension: in a profile of decode (32 sequences x 1024 tokens, 1 thread) the block gather is 52-57% and the
 flash call the rest, so a kernel reading the blocks in place could at most about halve decode attention; not built.
 """
 
 from __future__ import annotations
+
+import threading
+from typing import NamedTuple
 
 import torch
 
@@ -93,9 +97,10 @@ class _Pools:
             raise ValueError(f"kv_format={kv_format!r} keeps a full-precision tail: pass key_tail, value_tail, "
                              f"tail_rows, fresh_key and fresh_value")
 
-    def gather(self, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blocks ``ids`` ``[S, n]`` of K and V as ``[S, n * block_size, kv_heads, head_dim]`` in ``dtype``."""
-        flat = ids.reshape(-1).long()
+    def gather(self, flat: torch.Tensor, num_columns: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks ``flat`` (``[S * n]`` int64, ``n = num_columns`` per sequence) of K and V as
+        ``[S, n * block_size, kv_heads, head_dim]`` in ``dtype``."""
+        num_seqs = flat.shape[0] // num_columns
         out = []
         for cache, scale, zero, side in (self.key, self.value):
             if not self.fmt.quantized:
@@ -111,13 +116,64 @@ class _Pools:
                     blocks = dequantize_block_values_ref(codes, side_scale, side_zero, dtype)
                 else:
                     blocks = dequantize_kv_ref(codes, side_scale, side_zero, self.fmt.name, dtype)
-            out.append(blocks.view(ids.shape[0], -1, *blocks.shape[2:]))
+            out.append(blocks.view(num_seqs, -1, *blocks.shape[2:]))
         return out[0], out[1]
+
+
+class _StepPlans(threading.local):
+    """The plans (``_DecodePlan``, ``_PrefillPlan``, the sequence groups) of the step running on this thread, so
+    that every layer reuses what depends on the step's small tensors alone (block ids, masks) instead of building
+    it again. A plan is a pure function of its key (kind, window, dtype, ...) and of the values of those tensors
+    (block tables, lengths, offsets): it is found by comparing values with a copy taken when it was built, so an
+    in-place change, a new step or a per-layer copy of the same values all find the right plan. Up to
+    ``MAX_ENTRIES`` value sets (a mixed step's decode and prefill parts, the groups of a long batch) and
+    ``MAX_BYTES`` of plans (a long prefill chunk's mask is large); past either, a new set clears them all. The
+    newest are compared first (a layer finds its step's plan at once; a new step compares each held set once).
+    Never while compiling (fake tensors)."""
+
+    MAX_ENTRIES = 8
+    MAX_BYTES = 64 << 20
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[tuple, dict]] = []  # (copies of the tensors, {key: plan})
+        self.nbytes = 0
+
+    def get(self, key: tuple, tensors: tuple, build):
+        if torch.compiler.is_compiling():
+            return build()
+        plans = next((plans for held, plans in reversed(self.entries) if _same_values(held, tensors)), None)
+        if plans is None:
+            if len(self.entries) >= self.MAX_ENTRIES or self.nbytes > self.MAX_BYTES:
+                self.entries, self.nbytes = [], 0
+            plans = {}
+            self.entries.append((tuple(None if t is None else t.clone() for t in tensors), plans))
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = build()
+            self.nbytes += sum(t.nbytes for t in (plan if isinstance(plan, tuple) else ())
+                               if isinstance(t, torch.Tensor))
+        return plan
+
+
+def _same_values(held: tuple, tensors: tuple) -> bool:
+    return len(held) == len(tensors) and all(
+        (a is None and b is None) or (a is not None and b is not None and a.dtype == b.dtype and a.shape == b.shape
+                                      and a.device == b.device and torch.equal(a, b))
+        for a, b in zip(held, tensors))
+
+
+_STEP = _StepPlans()
 
 
 def _groups(seq_lens, pools) -> list[tuple[int, int]]:
     """Consecutive sequence ranges whose gathered keys fit ``GATHER_ELEMENTS_PER_CHUNK`` (one range when compiling:
-    no host sync)."""
+    no host sync); once per step."""
+    return _STEP.get(("groups", pools.num_kv_heads * pools.head_dim, pools.block_size, GATHER_ELEMENTS_PER_CHUNK),
+                     (seq_lens,),
+                     lambda: _sequence_groups(seq_lens, pools))
+
+
+def _sequence_groups(seq_lens, pools) -> list[tuple[int, int]]:
     count = seq_lens.shape[0]
     if count == 0:
         return []
@@ -152,50 +208,74 @@ def _columns(block_tables, first_positions, last_positions, block_size, window) 
     return block_tables.gather(1, columns.to(block_tables.device)), start * block_size
 
 
-def _decode(query, pools, block_tables, seq_lens, scale, window, softcap, sinks, tail_rows, fresh):
-    """One group of decode queries ``[S, heads, D]``."""
-    num_seqs, dtype, bs = query.shape[0], query.dtype, pools.block_size
-    positions = seq_lens.long().to(query.device) - 1
+class _DecodePlan(NamedTuple):
+    """What a group of decode queries needs that depends on the step alone (built once, read by every layer)."""
+
+    ids: torch.Tensor  # [S * n] int64: the blocks to gather
+    num_columns: int  # n
+    mask: torch.Tensor  # [S, 1, 1, n * block_size] additive, in the compute dtype
+    positions: torch.Tensor  # [S]
+    own_column: torch.Tensor | None  # [S]: the gathered column of each query's own block (tail formats)
+    rows: torch.Tensor | None  # [S]: the tail rows (tail formats)
+
+
+def _decode_plan(block_tables, seq_lens, bs, window, dtype, device, tail_rows) -> _DecodePlan:
+    positions = seq_lens.long().to(device) - 1
     ids, key_start = _columns(block_tables, positions, positions, bs, window)
-    k, v = pools.gather(ids, dtype)
-    if pools.fmt.tail:  # the query's own block, exact: its tail row with the query's own K/V at its offset
-        rows, batch = tail_rows.long(), torch.arange(num_seqs, device=query.device)
-        own_column = positions // bs - key_start // bs
-        for gathered, tail, new in zip((k, v), pools.tails, fresh):
-            exact = tail.index_select(0, rows).to(dtype)
-            exact[batch, positions % bs] = new.to(dtype)
-            gathered.view(num_seqs, -1, bs, *gathered.shape[2:])[batch, own_column] = exact
-    key_positions = key_start[:, None] + torch.arange(k.shape[1], device=query.device)[None, :]  # [S, L]
+    key_positions = key_start[:, None] + torch.arange(ids.shape[1] * bs, device=device)[None, :]  # [S, L]
     visible = key_positions <= positions[:, None]
     if window is not None:
         visible &= key_positions > positions[:, None] - window
-    out = _attend(query.unsqueeze(2), k, v, visible[:, None, None, :], scale, softcap, sinks)
+    own_column = None if tail_rows is None else positions // bs - key_start // bs
+    return _DecodePlan(ids.reshape(-1).long(), ids.shape[1], _additive(visible[:, None, None, :], dtype), positions,
+                       own_column, None if tail_rows is None else tail_rows.long())
+
+
+def _decode(query, pools, block_tables, seq_lens, scale, window, softcap, sinks, tail_rows, fresh):
+    """One group of decode queries ``[S, heads, D]``."""
+    num_seqs, dtype, bs = query.shape[0], query.dtype, pools.block_size
+    plan = _STEP.get(("decode", window, dtype, bs), (block_tables, seq_lens, tail_rows), lambda: _decode_plan(
+        block_tables, seq_lens, bs, window, dtype, query.device, tail_rows))
+    k, v = pools.gather(plan.ids, plan.num_columns, dtype)
+    if pools.fmt.tail:  # the query's own block, exact: its tail row with the query's own K/V at its offset
+        batch = torch.arange(num_seqs, device=query.device)
+        for gathered, tail, new in zip((k, v), pools.tails, fresh):
+            exact = tail.index_select(0, plan.rows).to(dtype)
+            exact[batch, plan.positions % bs] = new.to(dtype)
+            gathered.view(num_seqs, -1, bs, *gathered.shape[2:])[batch, plan.own_column] = exact
+    out = _attend(query.unsqueeze(2), k, v, plan.mask, scale, softcap, sinks)
     return out.squeeze(2)
 
 
-def _prefill(query, pools, block_tables, seq_lens, cu_query_lens, scale, window, softcap, sinks, tail_rows, fresh):
-    """One group of prefill chunks: packed ``query [T, heads, D]`` of sequences ``cu_query_lens`` (from 0)."""
-    num_seqs, dtype, bs, device = seq_lens.shape[0], query.dtype, pools.block_size, query.device
+class _PrefillPlan(NamedTuple):
+    """What a group of prefill chunks needs that depends on the step alone (built once, read by every layer)."""
+
+    ids: torch.Tensor  # [S * n] int64: the blocks to gather
+    num_columns: int
+    width: int  # the longest chunk
+    same_lengths: bool  # every chunk as long: the packed rows are the padded ones
+    seq_of: torch.Tensor  # [T]: the chunk of each packed query
+    offset: torch.Tensor  # [T]: its row in its chunk
+    mask: torch.Tensor  # [S, 1, W, L (+ bs + W with a tail)] additive, in the compute dtype
+    tail_rows: torch.Tensor | None  # [S] int64 (tail formats)
+
+
+def _prefill_plan(block_tables, seq_lens, cu_query_lens, num_queries, bs, window, dtype, device, tail_rows,
+                  ) -> _PrefillPlan:
+    num_seqs = seq_lens.shape[0]
     seq_lens = seq_lens.long().to(device)
     query_lens = (cu_query_lens[1:] - cu_query_lens[:-1]).long().to(device)
     width = int(query_lens.max())
-    seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens, output_size=query.shape[0])
-    offset = torch.arange(query.shape[0], device=device) - cu_query_lens.long().to(device)[seq_of]
-    same_lengths = query.shape[0] == num_seqs * width  # every chunk as long: the packed rows are the padded ones
-    if same_lengths:
-        padded = query.view(num_seqs, width, *query.shape[1:])
-    else:
-        padded = query.new_zeros(num_seqs, width, *query.shape[1:])
-        padded[seq_of, offset] = query
+    seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens, output_size=num_queries)
+    offset = torch.arange(num_queries, device=device) - cu_query_lens.long().to(device)[seq_of]
     ctx = seq_lens - query_lens  # the first new position of each sequence
     columns = torch.arange(width, device=device)
     positions = ctx[:, None] + columns[None, :]  # [S, W]; columns >= query_lens are padding rows
     ids, key_start = _columns(block_tables, ctx, seq_lens - 1, bs, window)
-    k, v = pools.gather(ids, dtype)
-    key_positions = key_start[:, None] + torch.arange(k.shape[1], device=device)[None, :]  # [S, L]
+    key_positions = key_start[:, None] + torch.arange(ids.shape[1] * bs, device=device)[None, :]  # [S, L]
     rows = positions[:, :, None]  # [S, W, 1]
     visible = key_positions[:, None, :] <= rows
-    if pools.fmt.tail:  # stored keys below each query's own block; then its own block exact, appended
+    if tail_rows is not None:  # stored keys below each query's own block; then its own block exact, appended
         first = ctx // bs * bs  # where the tail row starts
         visible &= key_positions[:, None, :] < torch.maximum(rows // bs * bs, first[:, None, None])
         offsets = torch.arange(bs, device=device)
@@ -204,30 +284,51 @@ def _prefill(query, pools, block_tables, seq_lens, cu_query_lens, scale, window,
                                columns[None, :] < query_lens[:, None]], dim=1)
         own_visible = own_valid[:, None, :] & (own_positions[:, None, :] <= rows)
         own_visible &= own_positions[:, None, :] // bs == rows // bs
-        if same_lengths:
-            new_k, new_v = (x.view(num_seqs, width, *x.shape[1:]) for x in fresh)
-        else:
-            new_k, new_v = (x.new_zeros(num_seqs, width, *x.shape[1:]) for x in fresh)
-            new_k[seq_of, offset], new_v[seq_of, offset] = fresh
-        tail_index = tail_rows.long()
-        k = torch.cat([k, pools.tails[0].index_select(0, tail_index).to(dtype), new_k.to(dtype)], dim=1)
-        v = torch.cat([v, pools.tails[1].index_select(0, tail_index).to(dtype), new_v.to(dtype)], dim=1)
         key_positions = torch.cat([key_positions, own_positions], dim=1)
         visible = torch.cat([visible, own_visible], dim=2)
     if window is not None:
         visible &= key_positions[:, None, :] > rows - window
-    out = _attend(padded.transpose(1, 2), k, v, visible[:, None], scale, softcap, sinks)  # [S, heads, W, D]
+    return _PrefillPlan(ids.reshape(-1).long(), ids.shape[1], width, num_queries == num_seqs * width, seq_of, offset,
+                        _additive(visible[:, None], dtype), None if tail_rows is None else tail_rows.long())
+
+
+def _prefill(query, pools, block_tables, seq_lens, cu_query_lens, scale, window, softcap, sinks, tail_rows, fresh):
+    """One group of prefill chunks: packed ``query [T, heads, D]`` of sequences ``cu_query_lens`` (from 0)."""
+    num_seqs, dtype, bs = seq_lens.shape[0], query.dtype, pools.block_size
+    plan = _STEP.get(("prefill", window, dtype, bs, query.shape[0]), (block_tables, seq_lens, cu_query_lens, tail_rows),
+                     lambda: _prefill_plan(block_tables, seq_lens, cu_query_lens, query.shape[0], bs, window, dtype,
+                                           query.device, tail_rows))
+    width, seq_of, offset = plan.width, plan.seq_of, plan.offset
+    if plan.same_lengths:
+        padded = query.view(num_seqs, width, *query.shape[1:])
+    else:
+        padded = query.new_zeros(num_seqs, width, *query.shape[1:])
+        padded[seq_of, offset] = query
+    k, v = pools.gather(plan.ids, plan.num_columns, dtype)
+    if pools.fmt.tail:  # each sequence's tail row and its new K/V after the stored keys (the plan's mask)
+        if plan.same_lengths:
+            new_k, new_v = (x.view(num_seqs, width, *x.shape[1:]) for x in fresh)
+        else:
+            new_k, new_v = (x.new_zeros(num_seqs, width, *x.shape[1:]) for x in fresh)
+            new_k[seq_of, offset], new_v[seq_of, offset] = fresh
+        k = torch.cat([k, pools.tails[0].index_select(0, plan.tail_rows).to(dtype), new_k.to(dtype)], dim=1)
+        v = torch.cat([v, pools.tails[1].index_select(0, plan.tail_rows).to(dtype), new_v.to(dtype)], dim=1)
+    out = _attend(padded.transpose(1, 2), k, v, plan.mask, scale, softcap, sinks)  # [S, heads, W, D]
     out = out.transpose(1, 2)
-    return out.reshape(query.shape) if same_lengths else out[seq_of, offset]
+    return out.reshape(query.shape) if plan.same_lengths else out[seq_of, offset]
 
 
-def _attend(query, k, v, visible, scale, softcap, sinks) -> torch.Tensor:
-    """``query [S, heads, n, D]`` over ``k``, ``v`` ``[S, L, kv_heads, D]`` where ``visible [S, 1, n, L]``; returns
-    ``[S, heads, n, D]`` in the query's dtype (rows that see no key: 0)."""
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The boolean ``visible`` as the fused kernel's additive mask (0 / -inf), in the query's dtype (the kernel's)."""
+    return torch.where(visible, 0.0, float("-inf")).to(dtype)
+
+
+def _attend(query, k, v, mask, scale, softcap, sinks) -> torch.Tensor:
+    """``query [S, heads, n, D]`` over ``k``, ``v`` ``[S, L, kv_heads, D]`` under the additive ``mask [S, 1, n, L]``
+    (``_additive``); returns ``[S, heads, n, D]`` in the query's dtype (rows that see no key: 0)."""
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     if softcap is not None:
-        return _explicit_attention(query, k, v, visible, scale, softcap, sinks)
-    mask = torch.where(visible, 0.0, float("-inf")).to(query.dtype)  # additive: the kernel's mask is the query's dtype
+        return _explicit_attention(query, k, v, mask == 0, scale, softcap, sinks)
     out, lse = _flash(query, k, v, attn_mask=mask, scale=scale)
     if sinks is not None:  # the sink joins the denominator: exp(lse) / (exp(lse) + exp(sink))
         weight = torch.sigmoid(lse - sinks.float().view(1, -1, 1))

@@ -7,7 +7,8 @@ Is there room? Each client asks one question:
 
 * ``PagedCache`` asks ``reserve(seqs, counts)`` before a forward: it grows a growable pool, or raises
   ``PagedCacheFullError`` with nothing allocated.
-* The engine asks ``has_room(blocks_per_group)``: ``try_append`` asks it for the running sequences; the scheduler
+* The engine asks ``has_room(blocks_per_group)``: ``try_append`` (and ``append_decodes``, the same for many
+  decodes in one pass) asks it for the running sequences; the scheduler
   asks it for admissions and swap-ins as ``cost <= num_free_blocks`` (the same question with one count for every
   group), the cost from ``PrefixCache.admission_blocks`` or ``num_swap_in_blocks``.
 
@@ -176,14 +177,34 @@ class KVManager:
 
     def try_append(self, seq: SequenceKV, num_new_tokens: int) -> bool:
         """``append`` if every group has room (True), else nothing changes (False)."""
-        if num_new_tokens == 1 and all(table.tail_has_room() for table in seq.tables):  # most decode steps
-            for table in seq.tables:
-                table.append(1)
-            return True
+        if num_new_tokens == 1:  # most steps: a decode
+            return self.append_decodes([seq]) == 1
+        return self._try_grow(seq, num_new_tokens)
+
+    def _try_grow(self, seq: SequenceKV, num_new_tokens: int) -> bool:
         if not self.has_room([table.num_new_blocks_needed(num_new_tokens) for table in seq.tables]):
             return False
         self.append(seq, num_new_tokens)
         return True
+
+    def append_decodes(self, seqs: list[SequenceKV], grow: bool = True) -> int:
+        """``try_append(seq, 1)`` for each of ``seqs`` in turn, as long as it succeeds; returns how many did. The
+        first that did not (no room: nothing changed) and those after it are left as they were. ``grow=False``
+        also stops at the first token that needs a block (or a copy of its tail): only in-place appends, which take
+        no block from the pool. A token that goes into the tail block of every group in place (most of them)
+        costs a few attribute reads: the decode steady state, asked of every running sequence each step."""
+        if len(self.groups) == 1:
+            for i, seq in enumerate(seqs):
+                if not seq.tables[0].append_in_tail() and not (grow and self._try_grow(seq, 1)):
+                    return i
+            return len(seqs)
+        for i, seq in enumerate(seqs):
+            if all(table.tail_has_room() for table in seq.tables):
+                for table in seq.tables:
+                    table.append_in_tail()
+            elif not (grow and self._try_grow(seq, 1)):
+                return i
+        return len(seqs)
 
     def reserve(self, seqs: list[SequenceKV], counts: list[int]) -> None:
         """``PagedCache``'s question: makes room for ``counts[i]`` more tokens of each of ``seqs``. Grows a growable

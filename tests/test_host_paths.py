@@ -1,0 +1,88 @@
+"""The engine step's host fast paths give exactly what the general paths give: the decode admission
+(``KVManager.append_decodes``) against ``try_append`` one sequence at a time, the greedy pick against
+``torch.argmax``, and the buffer-built index tensors against ``torch.tensor``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_probe import block_ids
+from models import tiny_model
+from paged_hf.engine.sampler import greedy_tokens
+from paged_hf.kv.manager import KVManager
+from paged_hf.metadata import long_tensor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 17, 4099])
+def test_greedy_tokens_are_argmax_with_ties_nan_and_inf(dtype, vocab):
+    """The first index of the maximum wins a tie; a NaN counts as the maximum (its first one)."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(0, 3, (12, vocab), generator=generator).to(dtype)  # many ties
+    logits[1] = float("-inf")
+    logits[2, -1] = float("nan")
+    logits[3, -1] = float("inf")
+    logits[4] = float("nan")
+    if vocab > 1:
+        logits[3, 0] = float("inf")
+        logits[5, vocab // 2] = float("nan")
+        logits[5, 0] = float("inf")
+    assert torch.equal(greedy_tokens(logits), torch.argmax(logits, dim=-1))
+    assert torch.equal(greedy_tokens(logits[::2]), torch.argmax(logits[::2], dim=-1))  # strided rows
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40))
+def test_long_tensor_equals_torch_tensor(values):
+    out = long_tensor(values)
+    assert out.dtype == torch.long and torch.equal(out, torch.tensor(values, dtype=torch.long))
+
+
+def _scenario(family: str, seed: int):
+    """A small pool (block size 4) with sequences of random lengths, some forked (a shared, partly full tail that
+    must be copied before it is written), close enough to full that some appends find no block."""
+    rng = random.Random(seed)
+    kv = KVManager(tiny_model(family).config, 4, "auto", num_blocks=rng.randint(6, 14))
+    seqs = []
+    for _ in range(rng.randint(1, 6)):
+        if seqs and rng.random() < 0.3:
+            seqs.append(kv.fork(rng.choice(seqs)))
+            continue
+        seq = kv.new_sequence()
+        count = rng.randint(0, 7)
+        if not kv.try_append(seq, count):
+            kv.discard(seq)
+            continue
+        seqs.append(seq)
+    rng.shuffle(seqs)
+    return kv, seqs
+
+
+def _state(kv: KVManager, seqs) -> tuple:
+    return ([(seq.num_tokens, [block_ids(t) for t in seq.tables]) for seq in seqs], kv.num_free_blocks,
+            kv.take_copies())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # one layer group; a full and a sliding-window group
+@pytest.mark.parametrize("grow", [True, False])
+@pytest.mark.parametrize("seed", range(40))
+def test_append_decodes_is_try_append_one_at_a_time(family, grow, seed):
+    fast_kv, fast = _scenario(family, seed)
+    slow_kv, slow = _scenario(family, seed)
+    assert _state(fast_kv, fast) == _state(slow_kv, slow)
+    count = fast_kv.append_decodes(fast, grow=grow)
+    expected = 0
+    for seq in slow:  # the definition: in turn, until one fails (without grow: until one needs a block or copy)
+        if not grow and not all(table.tail_has_room() for table in seq.tables):
+            break
+        if not slow_kv.try_append(seq, 1):
+            break
+        expected += 1
+    assert count == expected
+    assert _state(fast_kv, fast) == _state(slow_kv, slow)
+    fast_kv.check_invariants()
