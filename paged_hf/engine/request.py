@@ -55,7 +55,7 @@ class Sequence:
     """One sample of a request. ``token_ids`` = prompt + generated; K/V exists for ``num_computed_tokens``."""
 
     __slots__ = ("request", "index", "token_ids", "status", "num_computed_tokens", "kv", "finish_reason",
-                 "stop_reason", "logprobs", "cumulative_logprob", "generator", "detokenizer")
+                 "stop_reason", "logprobs", "cumulative_logprob", "generator", "detokenizer", "grammar")
 
     def __init__(self, request: "Request", index: int, token_ids: list[int]) -> None:
         self.request = request
@@ -70,6 +70,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.generator: torch.Generator | None = None
         self.detokenizer: IncrementalDetokenizer | None = None  # the output stage's
+        self.grammar = None  # its SequenceGrammar (structured outputs), set when its request's grammar is compiled
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -125,6 +126,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.reuse_prefix = True  # False: the scheduler looks up no cached prefix for it
+        self.compiled_grammar = None  # structured outputs: the Future of its CompiledGrammar (engine.add_request)
         self.output_kind = output_kind
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.error: BaseException | None = None
