@@ -95,14 +95,12 @@ class Scheduler:
         still compiling waits in ``compiling`` without holding up the others (``admit_compiled``)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
-        grammar = request.compiled_grammar
-        if grammar is not None and grammar.done() and grammar.exception() is not None:
-            raise grammar.exception()
         self.requests[request.request_id] = request
-        if grammar is not None and not grammar.done():
-            self.compiling.append(request)
-        else:
+        grammar = request.compiled_grammar
+        if grammar is None or (grammar.done() and grammar.exception() is None):
             self._enqueue(request)
+        else:  # compiling, or failed: admit_compiled queues or fails it
+            self.compiling.append(request)
 
     def _enqueue(self, request: Request) -> None:
         if request.compiled_grammar is not None:  # each sample follows the grammar on its own

@@ -52,12 +52,14 @@ class GrammarCompilerCache:
         grammar = build_grammar(spec)  # outside the lock: the caller's thread parses
         with self._lock:
             future = self._futures.get(key)
-            if future is None:
-                future = self._executor().submit(self._compile, grammar, spec.kind)
-                self._futures[key] = future
-                future.add_done_callback(lambda done, key=key: self._forget_failure(key, done))
-                self._evict()
-            return future
+            if future is not None:
+                return future
+            future = self._executor().submit(self._compile, grammar, spec.kind)
+            self._futures[key] = future
+            self._evict()
+        # outside the lock: a compilation that already failed runs the callback here, and it takes the lock
+        future.add_done_callback(lambda done, key=key: self._forget_failure(key, done))
+        return future
 
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar of ``spec``, waiting for it (``generate``'s logits processor)."""
