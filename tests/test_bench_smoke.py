@@ -39,6 +39,8 @@ SMOKE = {
                 "--max-tokens", "2", "--repeats", "1", "--admission", "chunked", "--bursts", "off"], "prefix"),
     "serve": (["--model", "stories", "--requests", "2", "--rates", "inf", "--prompt-len", "8-16",
                "--output-len", "2-4"], "TTFT"),
+    "structured": (["--model", "stories260K", "--batch", "2", "--steps", "2", "--rounds", "1", "--threads", "1"],
+                   "JSON-schema constrained"),
     "throughput": (["--model", "stories", "--requests", "4", "--max-prompt", "32", "--max-out", "8",
                     "--min-out", "2"], "PagedEngine"),
     "vs_vllm": (["--model", "stories260K", "--workloads", "shared", "--dtypes", "float32", "--pairs", "1",

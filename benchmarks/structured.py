@@ -1,0 +1,125 @@
+"""Structured outputs in ``PagedEngine``: steady-state decode throughput with every row constrained vs none, and
+the first-request latency of a schema the engine has not seen.
+
+Throughput: ``--batch`` requests of real-text prompts (``--prompt-len`` tokens) decode greedily; once every one is
+past its prompt, ``--steps`` steps are timed. Constrained rows follow a JSON schema for an array of at least 1,000
+small objects (so none can end inside the window): each step fills one grammar bitmask row per sequence, masks the
+logits and advances each matcher. Unconstrained rows ignore EOS and take the plain greedy path. The two modes
+alternate over ``--rounds`` fresh engines; medians of tokens/s are compared (the issue's goal: under 10% slower).
+
+First request: one request on an idle engine with a new schema (a property name no earlier request used), time to
+its first token, against the same request once the schema is cached; and the compile time alone (parse +
+``GrammarCompiler.compile_grammar``) of a new schema.
+
+    PYTHONPATH=. python benchmarks/structured.py                          # SmolLM2-135M, batch 32
+    PYTHONPATH=. python benchmarks/structured.py --model stories260K --batch 2 --steps 2 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import MODEL_NAMES, ModelUnavailable, load_model, prompt_lengths, source_version, text_prompts  # noqa: E402
+
+import paged_hf  # noqa: E402
+from paged_hf import SamplingParams, StructuredOutputsParams  # noqa: E402
+
+
+def item_schema(name: str = "name") -> dict:
+    return {"type": "object", "properties": {name: {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                                             "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                             "ok": {"type": "boolean"}},
+            "required": [name, "age", "ok"]}
+
+
+LONG_ARRAY = StructuredOutputsParams(json={"type": "array", "items": item_schema(), "minItems": 1000})
+
+
+def decode_rate(model, tokenizer, prompts, constrained: bool, steps: int, max_tokens: int) -> float:
+    """Generated tokens per second over ``steps`` steps with every request of ``prompts`` decoding."""
+    engine = paged_hf.PagedEngine(model, tokenizer, max_num_seqs=len(prompts), enable_prefix_caching=False,
+                                  max_num_batched_tokens=4096, num_blocks=len(prompts) * (max_tokens // 16 + 8))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            structured_outputs=LONG_ARRAY if constrained else None)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    while any(seq.num_computed_tokens < len(seq.request.prompt_token_ids) for seq in engine.scheduler.running) \
+            or engine.scheduler.waiting or engine.scheduler.compiling:
+        engine.step()
+    engine.step()  # every row decodes from here on
+    before = engine.get_stats()["generated_tokens"]
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    seconds = time.perf_counter() - started
+    tokens = engine.get_stats()["generated_tokens"] - before
+    assert tokens == steps * len(prompts), f"{tokens} tokens in {steps} steps of {len(prompts)} rows"
+    return tokens / seconds
+
+
+def first_request(model, tokenizer, prompt, rounds: int) -> dict[str, float]:
+    """Median ms: time to first token with a new schema, with the same schema cached, and its compile alone."""
+    engine = paged_hf.PagedEngine(model, tokenizer, max_num_seqs=4, num_blocks=256)
+    cold, warm, compile_ms = [], [], []
+    for i in range(rounds):
+        spec = StructuredOutputsParams(json=item_schema(f"field_{os.getpid()}_{i}"))
+        for times in (cold, warm):
+            started = time.perf_counter()
+            engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, structured_outputs=spec),
+                            use_tqdm=False)
+            times.append((time.perf_counter() - started) * 1e3)
+        fresh = StructuredOutputsParams(json=item_schema(f"other_{os.getpid()}_{i}"))
+        started = time.perf_counter()
+        engine.grammars.compile(fresh)
+        compile_ms.append((time.perf_counter() - started) * 1e3)
+    return {"new schema": statistics.median(cold), "cached schema": statistics.median(warm),
+            "compile alone": statistics.median(compile_ms)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", choices=MODEL_NAMES)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        model, tokenizer = load_model(args.model, attn_implementation="paged")
+    except ModelUnavailable as why:
+        print(f"skipped {args.model}: {why}")
+        return 0
+    prompts = text_prompts(tokenizer, prompt_lengths(args.batch, args.prompt_len, args.prompt_len, 0), 0)
+    max_tokens = args.steps + 8
+    rates = {True: [], False: []}
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            for constrained in (True, False):
+                rates[constrained].append(decode_rate(model, tokenizer, prompts, constrained, args.steps, max_tokens))
+        latency = first_request(model, tokenizer, prompts[0], max(1, args.rounds))
+    plain, masked = statistics.median(rates[False]), statistics.median(rates[True])
+    print(f"# structured outputs: {args.model}, batch {args.batch}, {args.steps} decode steps, {args.rounds} rounds, "
+          f"{torch.get_num_threads()} threads, {source_version()}, load {os.getloadavg()[0]:.2f}")
+    print("\n| rows | decode tok/s (median) | runs | vs unconstrained |\n| --- | ---: | --- | ---: |")
+    print(f"| unconstrained | {plain:.1f} | {', '.join(f'{r:.1f}' for r in rates[False])} | 1.00x |")
+    print(f"| every row JSON-schema constrained | {masked:.1f} | {', '.join(f'{r:.1f}' for r in rates[True])} | "
+          f"{masked / plain:.2f}x ({(1 - masked / plain) * 100:+.1f}% slower) |")
+    print("\n| first request (max_tokens=1, idle engine) | ms (median) |\n| --- | ---: |")
+    for name, ms in latency.items():
+        print(f"| {name} | {ms:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
