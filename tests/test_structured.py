@@ -311,3 +311,13 @@ def test_equal_specs_share_one_compilation(engine):
 def test_backend_length_bounded_strings_exclude_control_characters(engine):
     compiled = engine.grammars.compile(StructuredOutputsParams(json={"type": "string", "maxLength": 4}))
     assert not xgr.GrammarMatcher(compiled).accept_string('"\x12')
+
+
+def test_llm_takes_the_same_sampling_params(tiny):
+    from paged_hf import LLM
+
+    model, tok = tiny
+    llm = LLM(model, tok, block_size=8, num_blocks=128, enforce_eager=True)
+    outs = llm.generate(PROMPTS[:2], constrained(seed=3, json=PERSON, disable_any_whitespace=True), use_tqdm=False)
+    for out in outs:
+        assert_valid_json(out.outputs[0], PERSON)
