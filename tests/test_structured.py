@@ -143,15 +143,22 @@ def test_n_samples_each_follow_the_grammar(engine):
         assert_valid_json(completion, PERSON)
 
 
-def test_preemption_by_recompute_keeps_each_matcher_in_step(tiny):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_each_matcher_in_step(tiny, mode):
+    """Preempted sequences (recomputed or swapped) keep their tokens and so their matchers: the outputs equal a
+    roomy pool's; run again, the prompts hit the prefix cache and give the same outputs."""
     params = [constrained(max_tokens=60, seed=i, json=PERSON, disable_any_whitespace=True) for i in range(4)] + \
              [constrained(max_tokens=40, seed=9, regex=r"[a-z ]{10,40}")]
     prompts = PROMPTS + ["Lily had a"]
     roomy = make_engine(tiny).generate(prompts, params, use_tqdm=False)
-    tight = make_engine(tiny, block_size=4, num_blocks=24, preemption_mode="recompute", max_num_seqs=5)
+    tight = make_engine(tiny, block_size=4, num_blocks=24, preemption_mode=mode, max_num_seqs=5, swap_space=0.001)
     cramped = tight.generate(prompts, params, use_tqdm=False)
-    assert tight.get_stats()["preemption_count"] > 0
+    stats = tight.get_stats()
+    assert stats["preemption_count"] > 0 and (stats["num_swapped_out"] > 0) == (mode == "swap")
     assert [o.outputs[0].token_ids for o in cramped] == [o.outputs[0].token_ids for o in roomy]
+    again = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.get_stats()["prefix_cache_hit_rate"] > 0
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in roomy]
     for out in cramped[:4]:
         assert_valid_json(out.outputs[0], PERSON)
     tight.check_invariants()
