@@ -11,6 +11,7 @@ from .cache import PagedCache, PagedCacheFullError
 from .config import CacheConfig, EngineConfig, SamplingParams
 from .engine import CompletionOutput, PagedEngine, RequestOutput
 from .llm import LLM
+from .structured import StructuredOutputsParams
 from . import patches
 from .patches import default_paged as _default_paged
 
@@ -61,6 +62,7 @@ __all__ = [
     "PagedEngine",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "disable_default_paged",
     "enable_default_paged",
     "PagedCache",

@@ -245,6 +245,8 @@ class SamplingParams:
     ``skip_special_tokens=False`` keeps special tokens in the output text (``spaces_between_special_tokens`` is
     handed to tokenizers whose ``decode`` takes it); ``include_stop_str_in_output`` ends the text after the stop
     string that stopped it instead of before it (vLLM's names and defaults).
+    ``structured_outputs``: a ``paged_hf.StructuredOutputsParams`` (JSON schema, regex, choice, grammar or JSON
+    object) the output must match: its logprobs are then those of the masked distribution, as vLLM's.
 
     Every value is checked here (types, ranges, finite numbers: NaN or inf is refused); the limits that depend on
     the model or the engine (token ids in the vocabulary, ``max_model_len``, ``EngineConfig.max_n`` ...) are checked
@@ -272,6 +274,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: Any = None  # a StructuredOutputsParams (paged_hf.structured)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
@@ -300,6 +303,13 @@ class SamplingParams:
                                                       f"f(output_token_ids, logits) -> logits, got {processors!r}")
         object.__setattr__(self, "logits_processors", tuple(processors or ()))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.structured_outputs is not None:
+            from .structured.params import StructuredOutputsParams  # noqa: PLC0415 - it imports this module
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ParameterError("structured_outputs", f"structured_outputs must be a "
+                                                           f"paged_hf.StructuredOutputsParams or None, got "
+                                                           f"{self.structured_outputs!r:.100}")
 
     @property
     def greedy(self) -> bool:

@@ -235,7 +235,8 @@ def test_message_fields_null_are_the_default(served):
 @pytest.mark.parametrize("field, value", [
     ("audio", {"voice": "alloy", "format": "wav"}), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("modalities", ["text", "audio"]), ("verbosity", "low"), ("response_format", {"type": "json_object"}),
+    ("modalities", ["text", "audio"]), ("verbosity", "low"), ("structural_tag", {"type": "structural_tag"}),
+    ("guided_whitespace_pattern", " *"),
 ])
 def test_fields_that_would_change_the_answer_are_refused_by_name(served, field, value):
     response = post(served, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, field: value})
@@ -337,9 +338,9 @@ def test_prefix_caching_per_request(client, served):
     assert skipped["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("guided_json", {"type": "object"}),
-                                          ("guided_choice", ["a", "b"]), ("guided_regex", "a+"),
-                                          ("frobnicate", 1)])
+@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("guided_json", {"type": "foo"}),
+                                          ("guided_choice", []), ("guided_regex", "a("),
+                                          ("guided_decoding_backend", "outlines"), ("frobnicate", 1)])
 def test_what_does_not_map_is_refused_by_name(served, field, value):
     response = post(served, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, field: value})
     assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text

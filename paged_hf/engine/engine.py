@@ -18,13 +18,14 @@ import time
 
 import torch
 
-from ..config import GIB, EngineConfig, SamplingParams
+from ..config import GIB, EngineConfig, ParameterError, SamplingParams
 from ..distributed import tensor_parallel_group
 from ..distributed.group import DEFAULT_TIMEOUT_S, TensorParallelError
 from ..distributed.launch import check_launch_options
 from ..kv.sizing import blocks_to_hold
 from ..kv_stats import EngineStats
 from ..model_source import load_tokenizer
+from ..structured.compiler import GrammarCompilerCache, logits_width
 from . import multimodal, parallel
 from .output import OutputStage
 from .request import Request, RequestOutput, RequestOutputKind
@@ -63,6 +64,7 @@ class PagedEngine:
         self.kv = build_kv(model, self.config, self.group)
         self.eos_token_ids = self._eos_token_ids()
         self.output = OutputStage(tokenizer)
+        self.grammars = GrammarCompilerCache(tokenizer, logits_width(model), self.eos_token_ids)
         self.scheduler = Scheduler(self.config, self.kv, self.eos_token_ids, self.max_model_len)
         if self.group is not None and not self.config.enforce_eager:
             logger.info("PagedEngine: tensor parallelism runs the forward eagerly on every rank (enforce_eager)")
@@ -129,13 +131,25 @@ class PagedEngine:
                 f"or raise num_blocks"
             )
         request_id = str(next(self._ids)) if request_id is None else request_id
+        grammar = self._compile_grammar(params)
         request = Request(request_id, text, ids, params, priority, cache_salt, RequestOutputKind(output_kind))
         request.reuse_prefix = bool(enable_prefix_caching)
         if request_images is not None:
             request.images = request_images
             request.cache_salt = request_images.block_keys(cache_salt)  # the images' digests key their blocks
+        request.compiled_grammar = grammar
         self.scheduler.add(request)
         return request_id
+
+    def _compile_grammar(self, params: SamplingParams):
+        """The Future of ``params.structured_outputs``' compiled grammar (compiling on the grammar threads), or None;
+        a spec the backend refuses raises its ``GrammarError`` now."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ParameterError("structured_outputs", "structured_outputs needs the engine's tokenizer (the grammar "
+                                                       "is compiled over its vocabulary): PagedEngine(model, tokenizer)")
+        return self.grammars.submit(params.structured_outputs)
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its blocks; unknown or finished ids are ignored."""
@@ -151,14 +165,14 @@ class PagedEngine:
         ``output_kind``)."""
         self._require_leader("step")
         started = time.perf_counter()
+        changed: list[Request] = self.scheduler.admit_compiled()  # structured outputs whose grammar failed
         output = self.scheduler.schedule()
-        changed: list[Request] = []
         if output.scheduled:
             result = self.runner.execute(output)
             if result.broken:
                 logger.error("the engine cannot run any more: %s", result.step_error)
                 self._broken = result.step_error
-            changed = self.scheduler.update_from_output(output, result, self.output.stop_string)
+            changed += self.scheduler.update_from_output(output, result, self.output.stop_string)
         self._busy_seconds += time.perf_counter() - started
         return self.output.outputs(changed)
 

@@ -55,7 +55,8 @@ class Sequence:
     """One sample of a request. ``token_ids`` = prompt + generated; K/V exists for ``num_computed_tokens``."""
 
     __slots__ = ("request", "index", "token_ids", "status", "num_computed_tokens", "kv", "finish_reason",
-                 "stop_reason", "logprobs", "cumulative_logprob", "generator", "detokenizer", "spec_gate")
+                 "stop_reason", "logprobs", "cumulative_logprob", "generator", "detokenizer", "spec_gate",
+                 "grammar")
 
     def __init__(self, request: "Request", index: int, token_ids: list[int]) -> None:
         self.request = request
@@ -71,6 +72,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.detokenizer: IncrementalDetokenizer | None = None  # the output stage's
         self.spec_gate = None  # speculative decoding's AcceptanceGate (engine/spec/gate.py), made when it proposes
+        self.grammar = None  # its SequenceGrammar (structured outputs), set when its request's grammar is compiled
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -127,6 +129,7 @@ class Request:
         self.cache_salt = cache_salt
         self.reuse_prefix = True  # False: the scheduler looks up no cached prefix for it
         self.images = None  # its RequestImages (multimodal.py), set by the engine for a request with images
+        self.compiled_grammar = None  # structured outputs: the Future of its CompiledGrammar (engine.add_request)
         self.output_kind = output_kind
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.error: BaseException | None = None

@@ -6,7 +6,9 @@ logit biases (one scatter-add over the rows that have them), penalties (rows tha
 ``torch.Generator``, so its tokens do not depend on the rest of the batch; the others share one draw.
 
 Logprobs are those of the model's raw distribution (``log_softmax`` of the logits, before any processing), as a
-plain forward over prompt + output gives them: the sampled token's, its rank, and the top ``k``.
+plain forward over prompt + output gives them: the sampled token's, its rank, and the top ``k``. Rows constrained by
+a grammar (structured outputs) are masked first, before everything else, so their logprobs are those of the masked
+distribution, as vLLM's (which masks the logits before its sampler).
 A failing logits processor fails its row only.
 """
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..structured.bitmask import mask_logits
 from .request import Logprob, PositionLogprobs, Sequence
 
 
@@ -37,6 +40,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
     end tokens, which a row still short of its ``min_tokens`` may not draw (nor its ``stop_token_ids``), as vLLM's
     and transformers' ``min_new_tokens``: they get -inf after the other processing, greedy rows included.
     """
+    if any(seq.grammar is not None for seq in seqs):
+        logits = mask_logits(logits, [seq.grammar for seq in seqs])
     params = [seq.request.params for seq in seqs]
     if all(p.plain_greedy and not p.min_tokens for p in params):  # the common fast path: one argmax over the batch
         return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(seqs), {})

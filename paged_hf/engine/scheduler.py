@@ -23,6 +23,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, NamedTuple
@@ -33,6 +34,7 @@ from ..kv.manager import KVManager
 from ..kv.prefix_hit import MISS, PrefixHit
 from .lpm import lpm_order
 from .multimodal import ImageChunks
+from ..structured.matcher import GrammarRejected, SequenceGrammar
 from .request import Request, Sequence, SequenceStatus
 from .spec import Speculator
 
@@ -44,6 +46,8 @@ logger = logging.getLogger("paged_hf")
 # "auto" preemption swaps a sequence with at least this many computed blocks (recomputing it would cost more
 # than copying its blocks both ways); shorter ones are recomputed.
 AUTO_SWAP_MIN_BLOCKS = 4
+# With nothing else to run, the engine waits this long (seconds) for a grammar being compiled before it steps again.
+GRAMMAR_WAIT_S = 0.01
 
 
 class _Ends(NamedTuple):
@@ -95,6 +99,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
+        self.compiling: list[Request] = []  # structured outputs whose grammar is compiling: queued once it is ready
         self.num_preemptions = 0
         self.num_swapped_out = 0
         self.num_swapped_in = 0
@@ -116,7 +121,8 @@ class Scheduler:
         return (arrival, seq.index)
 
     def add(self, request: Request) -> None:
-        """Queues a checked request (its other samples wait for its prompt, ``FORK_PENDING``)."""
+        """Queues a checked request (its other samples wait for its prompt, ``FORK_PENDING``); one whose grammar is
+        still compiling waits in ``compiling`` without holding up the others (``admit_compiled``)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         self.requests[request.request_id] = request
@@ -124,9 +130,41 @@ class Scheduler:
         self._ends[request.request_id] = _Ends(
             frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)),
             min(len(request.prompt_token_ids) + params.max_tokens, self.max_model_len))
+        grammar = request.compiled_grammar
+        if grammar is None or (grammar.done() and grammar.exception() is None):
+            self._enqueue(request)
+        else:  # compiling, or failed: admit_compiled queues or fails it
+            self.compiling.append(request)
+
+    def _enqueue(self, request: Request) -> None:
+        if request.compiled_grammar is not None:  # each sample follows the grammar on its own
+            for seq in request.sequences:
+                seq.grammar = SequenceGrammar(request.compiled_grammar.result())
         self.waiting.append(request.sequences[0])
         if self._priority:
             self.waiting = deque(sorted(self.waiting, key=self._order))
+
+    def admit_compiled(self) -> list[Request]:
+        """Queues the requests whose grammar compiled; fails those whose compilation raised and returns them. With
+        nothing else to run, first waits up to ``GRAMMAR_WAIT_S`` for a compilation to end."""
+        if not self.compiling:
+            return []
+        if not (self.running or self.waiting or self.swapped):
+            wait([r.compiled_grammar for r in self.compiling], timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+        failed, pending = [], []
+        for request in self.compiling:
+            if request.finished:  # aborted while its grammar compiled
+                continue
+            grammar = request.compiled_grammar
+            if not grammar.done():
+                pending.append(request)
+            elif grammar.exception() is not None:
+                self.fail(request, grammar.exception())
+                failed.append(request)
+            else:
+                self._enqueue(request)
+        self.compiling = pending
+        return failed
 
     def abort(self, request_id: str) -> Request | None:
         """Stops a request and frees its blocks (no output follows); unknown or finished ids are ignored."""
@@ -428,8 +466,17 @@ class Scheduler:
         return list(touched.values())
 
     def _emit(self, seq: Sequence, token: int, entry, now: float, stop_string) -> None:
-        """Appends one sampled token, then finishes ``seq`` if its text now ends in a stop string."""
+        """Appends one sampled token (advancing ``seq``'s grammar first: a token it rejects fails the request), then
+        finishes ``seq`` if its grammar reached its end or its text now ends in a stop string."""
+        if seq.grammar is not None:
+            try:
+                seq.grammar.accept(token)
+            except GrammarRejected as error:
+                self.fail(seq.request, error)
+                return
         self._append(seq, token, entry, now)
+        if seq.grammar is not None and seq.grammar.terminated and seq.status is SequenceStatus.RUNNING:
+            self.finish(seq, "stop")  # the grammar took an end token that ignore_eos does not stop on
         stop = stop_string(seq)
         if stop is not None:
             if seq.status is SequenceStatus.FINISHED:  # by length: the stop string came first

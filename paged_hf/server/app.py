@@ -33,6 +33,7 @@ from .metrics import ServerMetrics
 from .prompts import PromptTokenizer
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import Echo, ResponseBuilder, collect, events
+from .structured import check_compiles
 from .tokenizer_api import add_tokenizer_routes
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives no max_tokens (capped by the room its prompt leaves)
@@ -139,6 +140,10 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
 
     async def run(raw: Request, body, prompts: list, params: SamplingParams, chat: bool, logprobs, rename, echo,
                   options: dict | None = None):
+        structured = body.structured()
+        if structured is not None:
+            await check_compiles(engine.grammars, structured)
+            rename = {**rename, "structured_outputs": structured.field}
         per_prompt = [params if body.max_tokens_given else default_max_tokens(params, p, engine.max_model_len)
                       for p in prompts]
         kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY

@@ -3,8 +3,9 @@
 Every field of OpenAI's Chat Completions and Completions references is here, and vLLM's extensions that clients
 written for vLLM send. Each is honoured, accepted as changing nothing here (``NO_EFFECT``: logged at debug), or
 refused with a 400 naming it (``tools``, ``audio``, ``prediction``, ``web_search_options``, ``suffix``,
-``best_of`` other than ``n``, a ``response_format`` other than text, ``use_beam_search: true``, vLLM's ``guided_*``
-structured output). ``null`` means the default for every field, as in OpenAI's API. An unknown field gets OpenAI's
+``best_of`` other than ``n``, ``use_beam_search: true``); structured outputs (``response_format``, vLLM's
+``guided_*`` and ``structured_outputs``) are read by ``structured.py``. ``null`` means the default for every field,
+as in OpenAI's API. An unknown field gets OpenAI's
 "Unrecognized request argument supplied" (400), unless the server runs with ``--allow-unknown-fields``. Values
 are range-checked by ``SamplingParams`` (``ParameterError`` naming the field) and by the engine's limits when the
 request is added.
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..config import SamplingParams
 from .errors import ApiError
+from .structured import StructuredField, structured_field
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions "logprobs"
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for /v1/chat/completions "top_logprobs"
@@ -29,8 +31,6 @@ logger = logging.getLogger("paged_hf")
 # parallelism without tools, and stream obfuscation (no padding field is ever added here).
 NO_EFFECT = ("store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
              "user", "parallel_tool_calls")
-GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-          "guided_whitespace_pattern", "structured_outputs", "structural_tag")
 
 
 class StrictBody(BaseModel):
@@ -56,7 +56,7 @@ class _Sampling(StrictBody):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: dict | None = None  # OpenAI's on chat, vLLM's on completions: only {"type": "text"}
+    response_format: dict | None = None  # OpenAI's on chat, vLLM's on completions (structured.py)
     # OpenAI's fields that change nothing here (NO_EFFECT)
     user: str | None = None
     store: bool | None = None
@@ -110,19 +110,13 @@ class _Sampling(StrictBody):
             logger.debug("accepted, changing nothing here: %s", ", ".join(given))
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise ApiError(400, f"response_format {self.response_format!r:.100} is not supported: only "
-                                f"{{\"type\": \"text\"}} (no JSON mode or schema)", "response_format")
+        self.structured()
         if self.use_beam_search:
             raise ApiError(400, "use_beam_search is not supported: the engine samples (greedy at temperature 0); "
                                 "beam search runs through transformers' generate(num_beams=...)", "use_beam_search")
         if self.length_penalty is not None and self.length_penalty != 1.0:
             raise ApiError(400, f"length_penalty applies to beam search, which is not supported; got "
                                 f"{self.length_penalty}", "length_penalty")
-        for name in GUIDED:
-            if getattr(self, name) is not None:
-                raise ApiError(400, f"{name} is not supported: paged_hf has no structured output (guided decoding)",
-                               name)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1 and \
                 self.truncate_prompt_tokens < 1:
             raise ApiError(400, f"truncate_prompt_tokens must be -1 (no truncation) or an int >= 1, got "
@@ -130,6 +124,10 @@ class _Sampling(StrictBody):
 
     def _requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def structured(self) -> StructuredField | None:
+        """The structured output this body asks for (``response_format``, ``guided_*``, ``structured_outputs``)."""
+        return structured_field(self)
 
     def sampling_params(self, default_max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -153,6 +151,7 @@ class _Sampling(StrictBody):
             max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(self.logit_bias),
+            structured_outputs=structured.spec if (structured := self.structured()) is not None else None,
         )
 
     @property

@@ -42,8 +42,10 @@ class Speculator:
     def eligible(seq: Sequence) -> bool:
         """Whether ``seq``'s request may speculate: user logits processors may keep state, and would see the
         positions of rejected drafts, so their requests decode one token a step; so do requests with images (their
-        steps run eagerly, and Qwen2-VL's M-RoPE positions are planned one decode token at a time)."""
-        return not seq.request.params.logits_processors and seq.request.images is None
+        steps run eagerly, and Qwen2-VL's M-RoPE positions are planned one decode token at a time), and so do
+        requests with structured outputs (their drafts would be verified without the grammar's mask)."""
+        request = seq.request
+        return not request.params.logits_processors and request.images is None and request.compiled_grammar is None
 
     def propose(self, seq: Sequence, room: int, max_model_len: int) -> tuple[int, ...]:
         """Drafts for ``seq`` (a sequence decoding its output), at most ``room`` of them, never so many that the

@@ -21,11 +21,12 @@ from .rejection import num_accepted
 class DraftView:
     """What the sampler reads of ``seq`` extended by ``drafts`` (the drafts before one verified row)."""
 
-    __slots__ = ("request", "generator", "_seq", "_drafts")
+    __slots__ = ("request", "generator", "grammar", "_seq", "_drafts")
 
     def __init__(self, seq: Sequence, drafts: tuple[int, ...]) -> None:
         self.request = seq.request
         self.generator = seq.generator
+        self.grammar = None  # requests with a grammar never speculate (``Speculator.eligible``)
         self._seq, self._drafts = seq, drafts
 
     @property
