@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from contextvars import ContextVar
 
+import torch
 from transformers import masking_utils
 
 TRANSFORMERS_VERSIONS = ("5.20", "6")
@@ -35,18 +36,22 @@ def _preprocess_mask_arguments(config, inputs_embeds, attention_mask, cache, pos
         cache.observe_forward(inputs_embeds.shape[0], inputs_embeds.shape[1], mask_2d, position_ids,
                               inputs_embeds.device, attention=_attention_of(config))
         if config._attn_implementation == "paged":
-            if inputs_embeds.shape[1] == 1:  # a decode step: an overlay cannot reach a later key; no mask
-                _mask_cache.set(None)
+            # a decode step (an overlay cannot reach a later key), or a compiled forward: no mask
+            if inputs_embeds.shape[1] == 1 or torch.compiler.is_compiling():
                 return True, None, None, None, None, None, None
             building = cache
-    _mask_cache.set(building)
+    if not torch.compiler.is_compiling():  # a compiled forward (the engine's) keeps no handshake
+        _mask_cache.set(building)
     return _originals["_preprocess_mask_arguments"](
         config, inputs_embeds, attention_mask, cache, position_ids, layer_idx, *args, **kwargs
     )
 
 
 def take_mask_cache():
-    """The ``PagedCache`` whose paged prefill the mask builder running now sizes, or None; reading it clears it."""
+    """The ``PagedCache`` whose paged prefill the mask builder running now sizes, or None (always in a compiled
+    forward); reading it clears it."""
+    if torch.compiler.is_compiling():
+        return None
     cache = _mask_cache.get()
     _mask_cache.set(None)
     return cache
