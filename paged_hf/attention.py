@@ -16,7 +16,7 @@ import logging
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from . import ops
@@ -175,19 +175,28 @@ def paged_mask(*args, **kwargs):
     """Mask builder registered for ``"paged"``. Without a ``PagedCache`` prefill (``masks_v5.take_mask_cache``) the
     attention is the dense fallback, which needs sdpa's mask: that one. A ``PagedCache`` prefill whose mask is plain
     (causal, its window, padding) gets None: the paged attention derives it from its metadata. One whose mask adds a
-    part the metadata does not say (an ``or_mask_function`` / ``and_mask_function`` / ``block_sequence_ids``, which
-    transformers signals by ``use_vmap`` or by refusing the causal skip of a prefill: Gemma 3's image tokens attending
-    to each other both ways, a prefix-LM's prefix) gets sdpa's exact mask, and the cache answers the forward densely
-    (``PagedCache.answer_densely``): the exact attention, never a causal approximation."""
+    part the metadata does not say (an ``or_mask_function`` / ``and_mask_function`` / ``block_sequence_ids``, see
+    ``_has_overlay``: Gemma 3's image tokens attending to each other both ways, a prefix-LM's prefix) gets sdpa's
+    exact mask, and the cache answers the forward densely (``PagedCache.answer_densely``, one warning per model
+    type): the exact attention, never a causal approximation."""
     cache = masks_v5.take_mask_cache()
     if cache is None:
         return sdpa_mask(*args, **kwargs)
-    if not kwargs.get("use_vmap", False) and kwargs.get("allow_is_causal_skip", True):
+    if not _has_overlay(kwargs):
         if cache.leave_mask_to_paged():
             return None
     elif cache.answer_densely():
         _warn_dense_once(kwargs.get("config"))
     return sdpa_mask(*args, **kwargs)
+
+
+def _has_overlay(kwargs) -> bool:
+    """Whether a prefill's mask adds a part to its causal (or sliding) one: transformers sets ``use_vmap`` for an
+    or/and mask function and refuses the causal skip for block ids; a plain causal mask that a model materializes on
+    purpose (``allow_is_causal_skip=False``: Falcon) is ``causal_mask_function`` itself."""
+    if kwargs.get("use_vmap", False):
+        return True
+    return not kwargs.get("allow_is_causal_skip", True) and kwargs.get("mask_function") is not causal_mask_function
 
 
 def _warn_dense_once(config) -> None:

@@ -179,7 +179,10 @@ class PagedCache(DynamicCache):
         the paged attention (its layers would read the blocks against another's dense layout)."""
         if self._masks == "dense":
             return False
-        if self._masks == "paged" or self._state is not _Forward.PLANNED:
+        if self._state is not _Forward.PLANNED:
+            raise RuntimeError("PagedCache.answer_densely: the forward's layers already began (a mask built after "
+                               "the first layer runs cannot change how they attend)")
+        if self._masks == "paged":
             raise NotImplementedError(
                 "this forward's attention masks mix a plain causal mask with one that adds a non-causal part, and "
                 "the plain one was already left to the paged attention; run this model with "
