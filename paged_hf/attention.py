@@ -12,18 +12,22 @@ and the forward's new K/V handed over as ``storage.FreshKV``), then writes the n
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from . import ops
+from .patches import masks_v5
 from .kernels.attention_ref import paged_attention_core
 from .metadata import METADATA_KEY
 from .ops import OpStep
 from .rotation import rotate, unrotate
 
 ATTENTION_NAME = "paged"
+logger = logging.getLogger("paged_hf")
 
 
 def paged_attention_forward(
@@ -168,9 +172,43 @@ def dense_attention(query, key, value, attention_mask, scale, softcap=None, sink
 
 
 def paged_mask(*args, **kwargs):
-    """Mask builder registered for ``"paged"``: the paged path derives its masks from positions and block
-    tables, the dense fallback needs sdpa's mask, so build that one."""
+    """Mask builder registered for ``"paged"``. Without a ``PagedCache`` prefill (``masks_v5.take_mask_cache``) the
+    attention is the dense fallback, which needs sdpa's mask: that one. A ``PagedCache`` prefill whose mask is plain
+    (causal, its window, padding) gets None: the paged attention derives it from its metadata. One whose mask adds a
+    part the metadata does not say (an ``or_mask_function`` / ``and_mask_function`` / ``block_sequence_ids``, see
+    ``_has_overlay``: Gemma 3's image tokens attending to each other both ways, a prefix-LM's prefix) gets sdpa's
+    exact mask, and the cache answers the forward densely (``PagedCache.answer_densely``, one warning per model
+    type): the exact attention, never a causal approximation."""
+    cache = masks_v5.take_mask_cache()
+    if cache is None:
+        return sdpa_mask(*args, **kwargs)
+    if not _has_overlay(kwargs):
+        if cache.leave_mask_to_paged():
+            return None
+    elif cache.answer_densely():
+        _warn_dense_once(kwargs.get("config"))
     return sdpa_mask(*args, **kwargs)
+
+
+def _has_overlay(kwargs) -> bool:
+    """Whether a prefill's mask adds a part to its causal (or sliding) one: transformers sets ``use_vmap`` for an
+    or/and mask function and refuses the causal skip for block ids; a plain causal mask that a model materializes on
+    purpose (``allow_is_causal_skip=False``: Falcon) is ``causal_mask_function`` itself."""
+    if kwargs.get("use_vmap", False):
+        return True
+    return not kwargs.get("allow_is_causal_skip", True) and kwargs.get("mask_function") is not causal_mask_function
+
+
+def _warn_dense_once(config) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _DENSE_WARNED:
+        _DENSE_WARNED.add(model_type)
+        logger.warning("%s: a prefill whose attention mask adds a non-causal part (image tokens attending to each "
+                       "other both ways, a prefix-LM's prefix) runs the exact dense attention over the PagedCache; "
+                       "the paged attention does not express such a mask", model_type)
+
+
+_DENSE_WARNED: set = set()  # the model types warned about once
 
 
 def register_attention() -> None:

@@ -36,7 +36,7 @@ from .kv.sequence import SequenceKV
 from .kv_stats import PagedCacheStats
 from .metadata import METADATA_KEY, AttentionMetadata, table_width
 from .timeline import PaddedTimeline
-from .timeline_plan import plan_forward
+from .timeline_plan import dense_layout, plan_forward
 
 __all__ = ["PagedCache", "PagedCacheFullError", "PagedLayer", "METADATA_KEY"]
 
@@ -113,6 +113,9 @@ class PagedCache(DynamicCache):
         # forward has been observed, the config this cache was built from. A config is only data: a cache built
         # from another config object (another instance, AutoConfig, a copy) must follow the model, not the copy.
         self._attention: str | None = None
+        # This forward's masks: None (none built yet), "paged" (a plain one: None given, the paged attention derives
+        # it) or "dense" (one the paged attention does not express: the forward runs densely, ``answer_densely``)
+        self._masks: str | None = None
 
     @property
     def seq_length(self) -> int:
@@ -155,6 +158,7 @@ class PagedCache(DynamicCache):
                 f"PagedCache holds {len(self.rows)} sequences but the forward has batch size {batch}; "
                 f"call cache.reset() to start a new batch"
             )
+        self._masks = None
         self._metadata, self._dense_slots = plan_forward(self.kv, self.rows, self.timeline, new, device,
                                                          self._min_table_width, dense=not self.reads_blocks)
         self._written = set()
@@ -166,7 +170,36 @@ class PagedCache(DynamicCache):
     def reads_blocks(self) -> bool:
         """Whether this forward's attention is the paged one (reads the blocks) rather than a dense one."""
         attention = self._attention if self._attention is not None else self.text_config._attn_implementation
-        return attention == "paged"
+        return attention == "paged" and self._masks != "dense"
+
+    def answer_densely(self) -> bool:
+        """The planned forward's mask adds a part the paged attention does not express (``attention.paged_mask``):
+        its layers return their K/V in the padded layout that mask covers, for the exact dense attention. True the
+        first time in a forward. ``NotImplementedError`` when an earlier mask of the forward was already left to
+        the paged attention (its layers would read the blocks against another's dense layout)."""
+        if self._masks == "dense":
+            return False
+        if self._state is not _Forward.PLANNED:
+            raise RuntimeError("PagedCache.answer_densely: the forward's layers already began (a mask built after "
+                               "the first layer runs cannot change how they attend)")
+        if self._masks == "paged":
+            raise NotImplementedError(
+                "this forward's attention masks mix a plain causal mask with one that adds a non-causal part, and "
+                "the plain one was already left to the paged attention; run this model with "
+                "attn_implementation='sdpa' on the PagedCache")
+        query_len = self._metadata.query_len
+        self._dense_slots = dense_layout(self.kv, self.rows, self.timeline, self.seq_length - query_len, query_len,
+                                         self._metadata.device)
+        self._masks = "dense"
+        return True
+
+    def leave_mask_to_paged(self) -> bool:
+        """The planned forward got a plain mask: True when the paged attention derives it, False when the forward
+        already runs densely (then the dense attention needs that mask too)."""
+        if self._masks == "dense":
+            return False
+        self._masks = "paged"
+        return True
 
     def _slots(self, group, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         device = self._metadata.device if self._metadata is not None else "cpu"

@@ -60,8 +60,12 @@ def plan_forward(kv: KVManager, rows: list[SequenceKV], timeline: PaddedTimeline
             index.to(device), (index // query_len).to(device), positions.flatten()[index].to(device),
             [None if s is None else s.flatten()[index].to(device) for s in starts_of],
         )
-    dense_slots = []
-    if dense:  # every group's dense layout, once per forward
-        dense_slots = [timeline.slots(group, rows, *timeline.mask_window(group.window, seen, query_len), kv.has_tail,
-                                      device) for group in kv.groups]
-    return TimelinePlan(metadata, dense_slots)
+    return TimelinePlan(metadata, dense_layout(kv, rows, timeline, seen, query_len, device) if dense else [])
+
+
+def dense_layout(kv: KVManager, rows: list[SequenceKV], timeline: PaddedTimeline, seen: int, query_len: int,
+                 device) -> list[tuple]:
+    """Every group's dense layout of the forward of ``query_len`` columns after ``seen`` (once per forward): the
+    ``(slots [B, kv_length], tail slots or None)`` its mask covers."""
+    return [timeline.slots(group, rows, *timeline.mask_window(group.window, seen, query_len), kv.has_tail, device)
+            for group in kv.groups]

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from transformers import DynamicCache
 
-from paged_hf import PagedEngine, SamplingParams
+from paged_hf import PagedEngine, SamplingParams, attention
 from paged_hf.engine.multimodal import request_images
 from paged_hf.hashing import ContentSpans, extend_block_hashes
 from models import token_logprobs
@@ -369,24 +369,45 @@ def test_llm_refuses_bad_images(llm, image, message):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-@pytest.mark.xfail(strict=True, reason="generate with the 'paged' attention is causal: Gemma 3's image tokens, which "
-                                       "attend to each other both ways (token_type_ids), lose their bidirectional "
-                                       "mask (the engine widens its image queries' bounds; generate does not yet)")
-def test_gemma3_images_through_generate_with_the_paged_attention_match_sdpa():
+def gemma3_generate(model, attention: str, ids: torch.Tensor, mask: torch.Tensor, pixels: torch.Tensor, cache):
+    """Greedy tokens and per-step logits of ``generate`` on a Gemma 3 with ``attention``; ``cache``: "paged" or
+    "dynamic"."""
+    model.set_attn_implementation(attention)
+    options = dict(cache_implementation="paged") if cache == "paged" else dict(cache=DynamicCache(config=model.config))
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, pixel_values=pixels, token_type_ids=(ids == 515).long(),
+                             max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             return_dict_in_generate=True, output_logits=True, **options)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1).float()
+
+
+def gemma3_batch():
+    """Two Gemma 3 prompts of three and two images, the second left-padded by two (``[2, 25]`` ids and mask, and the
+    five images' pixels)."""
+    image = [513] + [515] * 4 + [514]
+    first = [1, 5, 6, *image, 7, *image, 8, 9, *image, 10]
+    second = [0, 0, 1, 5, *image, 7, *image, 8, 9, 10, 11, 12, 13, 14, 15]
+    ids = torch.tensor([first, second])
+    mask = (torch.arange(ids.shape[1]) >= torch.tensor([[0], [2]])).long()
+    return ids, mask, random_pixels(5, 9)
+
+
+def test_gemma3_images_through_generate_with_the_paged_attention_match_sdpa(caplog, monkeypatch):
+    """The image tokens attend to each other both ways (transformers' or-mask from token_type_ids): generate with the
+    "paged" attention answers those prefills with the exact dense attention over the PagedCache, warning once,
+    and its tokens and logprobs equal sdpa on DynamicCache."""
     from vision_models import tiny_gemma3
 
+    monkeypatch.setattr(attention, "_DENSE_WARNED", set())
     model = tiny_gemma3()
-    ids = torch.tensor([[1, 5, 6, 513] + [515] * 4 + [514, 7, 8, 9]])
-    inputs = dict(pixel_values=random_pixels(1, 1), token_type_ids=(ids == 515).long(),
-                  attention_mask=torch.ones_like(ids))
-    logits = {}
-    for attention in ("sdpa", "paged"):
-        model.set_attn_implementation(attention)
-        with torch.no_grad():
-            out = model.generate(ids, **inputs, max_new_tokens=1, do_sample=False, pad_token_id=0,
-                                 cache_implementation="paged", return_dict_in_generate=True, output_logits=True)
-        logits[attention] = out.logits[0][0]
-    torch.testing.assert_close(logits["paged"], logits["sdpa"], atol=1e-5, rtol=0)
+    ids, mask, pixels = gemma3_batch()
+    tokens, logits = gemma3_generate(model, "sdpa", ids, mask, pixels, "dynamic")
+    with caplog.at_level("WARNING", logger="paged_hf"):
+        paged_tokens, paged_logits = gemma3_generate(model, "paged", ids, mask, pixels, "paged")
+        gemma3_generate(model, "paged", ids, mask, pixels, "paged")
+    assert paged_tokens.tolist() == tokens.tolist()
+    torch.testing.assert_close(torch.log_softmax(paged_logits, -1), torch.log_softmax(logits, -1), atol=1e-5, rtol=0)
+    assert sum("non-causal part" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_gemma3_image_must_fit_one_step():
