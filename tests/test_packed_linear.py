@@ -102,3 +102,13 @@ def test_bfloat16_engine_packs_and_keeps_its_greedy_tokens(enforce_eager, monkey
                             eos_token_id=None, pad_token_id=0, cache=DynamicCache(config=m.config))
                  for m in (model, unpacked_model)]
     assert torch.equal(generated[0], generated[1])
+
+
+def test_a_packed_bfloat16_engine_never_recompiles_in_steady_serving():
+    from test_engine_compile import STEADY, graphs_during  # noqa: PLC0415 - its helpers, not its tests
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    engine = PagedEngine(model, None, **STEADY)
+    assert type(model.lm_head) is PackedLinear
+    new_graphs, calls, _ = graphs_during(engine)
+    assert calls > 5 and new_graphs == 0
