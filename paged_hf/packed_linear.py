@@ -52,7 +52,9 @@ def _pack(weight: torch.Tensor) -> _Packed:
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+    """A plain 2-d bfloat16 CPU tensor (a tensor subclass, e.g. a tensor-parallel DTensor shard, stays unpacked)."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and type(weight.detach()) is torch.Tensor)
 
 
 @torch.library.custom_op("paged_hf::packed_linear", mutates_args=())
