@@ -27,6 +27,8 @@ SMOKE = {
                 "--max-len", "8", "--threads", "1"], "DynamicCache"),
     "engine_compile": (["--models", "stories260K", "--dtypes", "float32", "--requests", "2", "--max-out", "8",
                         "--rounds", "1", "--threads", "1"], "same tokens"),
+    "gemm": (["--shapes", "k/v", "--tokens", "1", "4", "--repeats", "1", "--iters", "2", "--threads", "1"],
+             "fastest"),
     "fault_load": (["--clients", "8"], "idle"),
     "images": (["--requests", "3", "--max-out", "3", "--budgets", "64", "--layers", "1", "--hidden", "64"],
                "vision-tower runs"),

@@ -20,17 +20,20 @@ from ..distributed.group import init_group
 from ..kv.manager import KVManager
 from ..kv.model_config import available_memory, block_id_bytes, local_kv_heads
 from ..kv.sizing import allocate_all
+from ..packed_linear import pack_linears
 from .runner import ModelRunner
 
 logger = logging.getLogger("paged_hf")
 
 
 def prepare_model(model):
-    """``model`` switched to the ``"paged"`` attention, in eval mode; NotImplementedError for encoder-decoders."""
+    """``model`` switched to the ``"paged"`` attention, in eval mode, its bfloat16 CPU linears packed for oneDNN
+    (``packed_linear``); NotImplementedError for encoder-decoders."""
     if getattr(model.config, "is_encoder_decoder", False):
         raise NotImplementedError(f"PagedEngine serves decoder-only models; {type(model).__name__} is not")
     if model.config._attn_implementation != "paged":
         model.set_attn_implementation("paged")
+    pack_linears(model)
     return model.eval()
 
 

@@ -1,0 +1,113 @@
+"""bfloat16 linears on a CPU through oneDNN with the weight reordered once (AMX where the CPU has it).
+
+Eager ``F.linear`` in bfloat16 already runs oneDNN, but reorders the weight into oneDNN's blocked layout at every
+call: at the engine's token counts (a decode step is ``M`` = the running sequences) that reorder costs more than the
+product (``benchmarks/gemm.py``). ``pack_linears`` reorders each ``nn.Linear`` weight of a bfloat16 CPU model once
+(``torch.ops.mkldnn._reorder_linear_weight``) and switches the module to ``PackedLinear``, whose forward is the custom
+op ``paged_hf::packed_linear(x [..., in], weight [out, in], bias?, key: int) -> [..., out]`` over
+``torch.ops.mkldnn._linear_pointwise``: opaque to dynamo, so the compiled forward and the eager one run the same
+kernel. The output equals ``F.linear``'s bit for bit at one thread (tested) and at the decode sizes; with two
+threads and 512 rows oneDNN splits the two layouts' work differently and a few outputs differ by one bfloat16 ulp
+(``benchmarks/gemm.py`` prints the difference): bfloat16 engine logits are bounded, not exact (``test_cpu_bf16.py``).
+
+The packed copy is kept beside the model's own weight (a stock model's parameters stay the user's: ``state_dict``,
+tied embeddings, ``.to()``): at most one more copy of the linear weights (SmolLM2-135M, measured: +82 MiB of RSS
+for 256 MiB of linear weights; where oneDNN's layout is the plain one the copy is not made). The op checks that the weight is still
+the one packed (same storage, same version counter, bfloat16 on the CPU): a weight loaded or changed in place is
+packed again at its next call, any other dtype or device runs ``F.linear``: a packed copy is never stale.
+Off with ``PAGED_HF_PACKED_LINEAR=0``. float32 stays on MKL's sgemm (oneDNN's float32 rounds differently).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import weakref
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("paged_hf")
+
+ENV = "PAGED_HF_PACKED_LINEAR"
+# oneDNN picks its blocked layout for a batch size: the engine's decode steps run tens of tokens.
+PACK_BATCH_HINT = 32
+
+
+class _Packed(NamedTuple):
+    weight: torch.Tensor  # oneDNN's opaque layout
+    data_ptr: int  # the dense weight it was made from, and that weight's version counter then
+    version: int
+
+
+_packs: dict[int, _Packed] = {}  # key -> the packed weight (dropped with its module)
+_keys = itertools.count()
+
+
+def _pack(weight: torch.Tensor) -> _Packed:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+    return _Packed(packed, weight.data_ptr(), weight._version)
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    """A plain 2-d bfloat16 CPU tensor (a tensor subclass, e.g. a tensor-parallel DTensor shard, stays unpacked)."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and type(weight.detach()) is torch.Tensor)
+
+
+@torch.library.custom_op("paged_hf::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the weight packed under ``key`` (packed again when ``weight`` changed)."""
+    if not (_packable(weight) and x.dtype == weight.dtype and key in _packs):
+        return F.linear(x, weight, bias)
+    entry = _packs[key]
+    if entry.data_ptr != weight.data_ptr() or entry.version != weight._version:
+        entry = _packs[key] = _pack(weight)
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), entry.weight, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@packed_linear.register_fake
+def _(x, weight, bias, key):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+class PackedLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose forward is ``paged_hf::packed_linear`` (made by ``pack_linears``, never directly)."""
+
+    _pack_key: int
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return packed_linear(input, self.weight, self.bias, self._pack_key)
+
+
+def enabled() -> bool:
+    """``PAGED_HF_PACKED_LINEAR`` is unset or ``1`` (``0`` turns packing off); ValueError for another value."""
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def pack_linears(model: torch.nn.Module) -> int:
+    """Packs every bfloat16 CPU ``nn.Linear`` of ``model`` (idempotent) where oneDNN runs bfloat16; returns how many
+    were packed now. Nothing where ``PAGED_HF_PACKED_LINEAR=0``, the model is not bfloat16 or not on a CPU."""
+    if not enabled() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return 0
+    count, size = 0, 0
+    for module in model.modules():
+        if type(module) is not torch.nn.Linear or not _packable(module.weight):
+            continue
+        key = next(_keys)
+        _packs[key] = _pack(module.weight)
+        weakref.finalize(module, _packs.pop, key, None)
+        module._pack_key = key
+        module.__class__ = PackedLinear
+        count += 1
+        size += module.weight.numel() * module.weight.element_size()
+    if count:
+        logger.info("packed %d bfloat16 linear weights for oneDNN once (at most %.0f MiB more; %s=0 turns it off)", count,
+                    size / 2**20, ENV)
+    return count

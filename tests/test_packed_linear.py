@@ -1,0 +1,114 @@
+"""bfloat16 CPU linears packed once for oneDNN (``paged_hf.packed_linear``): bit-identical to ``F.linear``, compiled
+and eager; a changed weight is packed again; float32 and ``PAGED_HF_PACKED_LINEAR=0`` stay unpacked; the engine packs
+its bfloat16 model and its greedy tokens equal the unpacked engine's and generate + DynamicCache's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from paged_hf import PagedEngine, SamplingParams, packed_linear
+from paged_hf.packed_linear import PackedLinear, pack_linears
+from models import tiny_model
+from test_engine_families import prompts
+
+pytestmark = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                reason="oneDNN has no bfloat16 on this CPU")
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def linear(n_in: int, n_out: int, bias: bool, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(n_in, n_out, bias=bias).to(torch.bfloat16)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 70), n_in=st.integers(1, 96), n_out=st.integers(1, 96), bias=st.booleans(),
+       lead=st.sampled_from([(), (1,), (2,)]))
+def test_packed_equals_f_linear_bit_for_bit(rows, n_in, n_out, bias, lead):
+    module = linear(n_in, n_out, bias)
+    x = torch.randn(*lead, rows, n_in).to(torch.bfloat16)
+    expected = F.linear(x, module.weight, module.bias)
+    assert pack_linears(module) == 1 and type(module) is PackedLinear
+    assert torch.equal(module(x), expected)
+
+
+def test_compiled_packed_linear_equals_eager_over_dynamic_rows():
+    module = linear(64, 48, True)
+    pack_linears(module)
+    compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    with torch.inference_mode():
+        for rows in (1, 7, 33):
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            assert torch.equal(compiled(x), F.linear(x, module.weight, module.bias))
+
+
+def test_a_weight_changed_after_packing_is_packed_again():
+    module = linear(32, 16, False)
+    pack_linears(module)
+    x = torch.randn(4, 32).to(torch.bfloat16)
+    module(x)
+    with torch.no_grad():
+        module.weight.mul_(-2)  # in place: the version counter moves
+    assert torch.equal(module(x), F.linear(x, module.weight))
+    module.load_state_dict({"weight": torch.randn(16, 32).to(torch.bfloat16)})
+    assert torch.equal(module(x), F.linear(x, module.weight))
+
+
+def test_other_dtypes_run_f_linear_and_float32_is_never_packed():
+    module = linear(32, 16, True)
+    assert pack_linears(module.float()) == 0 and type(module) is torch.nn.Linear
+    pack_linears(module.to(torch.bfloat16))
+    x = torch.randn(3, 32)
+    module.float()  # packed in bfloat16, now float32: the op falls back to F.linear
+    assert torch.equal(module(x), F.linear(x, module.weight, module.bias))
+
+
+def test_the_env_var_turns_packing_off_and_refuses_other_values(monkeypatch):
+    monkeypatch.setenv(packed_linear.ENV, "0")
+    assert pack_linears(linear(8, 8, True)) == 0
+    monkeypatch.setenv(packed_linear.ENV, "yes")
+    with pytest.raises(ValueError, match="PAGED_HF_PACKED_LINEAR must be 0 or 1"):
+        pack_linears(linear(8, 8, True))
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_bfloat16_engine_packs_and_keeps_its_greedy_tokens(enforce_eager, monkeypatch):
+    """The packed engine's greedy tokens == the unpacked engine's (compiled and eager); and generate + DynamicCache
+    (sdpa) over the packed model == over the unpacked one. (The bfloat16 paged attention itself may differ from sdpa
+    by rounding: ``test_cpu_bf16.py`` bounds that.)"""
+    model = tiny_model("llama").to(torch.bfloat16)
+    unpacked_model = copy.deepcopy(model)
+    options = dict(block_size=4, num_blocks=128, max_num_batched_tokens=9, enforce_eager=enforce_eager)
+    monkeypatch.setenv(packed_linear.ENV, "0")
+    unpacked = PagedEngine(unpacked_model, None, **options)
+    monkeypatch.delenv(packed_linear.ENV)
+    packed = PagedEngine(model, None, **options)
+    assert not any(isinstance(m, PackedLinear) for m in unpacked_model.modules())
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 7 * model.config.num_hidden_layers + 1
+    got = [[o.outputs[0].token_ids for o in engine.generate(prompts(), GREEDY, use_tqdm=False)]
+           for engine in (unpacked, packed)]
+    assert got[1] == got[0]
+    for each in (model, unpacked_model):
+        each.set_attn_implementation("sdpa")
+    ids = torch.tensor([prompts()[0]])
+    generated = [m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                            eos_token_id=None, pad_token_id=0, cache=DynamicCache(config=m.config))
+                 for m in (model, unpacked_model)]
+    assert torch.equal(generated[0], generated[1])
+
+
+def test_a_packed_bfloat16_engine_never_recompiles_in_steady_serving():
+    from test_engine_compile import STEADY, graphs_during  # noqa: PLC0415 - its helpers, not its tests
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    engine = PagedEngine(model, None, **STEADY)
+    assert type(model.lm_head) is PackedLinear
+    new_graphs, calls, _ = graphs_during(engine)
+    assert calls > 5 and new_graphs == 0
