@@ -89,6 +89,26 @@ def test_greedy_equals_no_speculation(stories, drafts, prompts, options, which):
         assert stats["preemption_count"] > 0
 
 
+def test_preemption_by_recompute_and_abort_free_the_draft_kv(stories, drafts, prompts):
+    """A sequence preempted by recompute holds no draft K/V while it waits (it computes it again when it runs), and
+    an aborted request frees its samples' draft K/V."""
+    model, tok = stories
+    spec = PagedEngine(model, tok, enforce_eager=True, block_size=16, num_blocks=14, preemption_mode="recompute",
+                       enable_prefix_caching=False, speculative_config=draft_config(drafts["self"]))
+    ids = [spec.add_request(p, SamplingParams(max_tokens=40, temperature=0.0, n=2)) for p in prompts]
+    waited = 0
+    for _ in range(12):
+        spec.step()
+        preempted = [s for s in spec.scheduler.waiting if s.request.metrics.num_preemptions]
+        waited += len(preempted)
+        assert not any(id(s) in drafter(spec).states for s in preempted)
+    assert waited > 0 and drafter(spec).states
+    for request_id in ids:
+        spec.abort(request_id)
+    assert not drafter(spec).states and not drafter(spec).kv.live_sequences()
+    spec.check_invariants()
+
+
 class FakeSequence:
     """What the proposer reads of a sequence: its tokens."""
 
@@ -97,8 +117,8 @@ class FakeSequence:
 
 
 def test_proposals_are_the_draft_models_greedy_continuation():
-    """Whatever part of its drafts a sequence then takes (none, some, all, with another token after them), the
-    next proposal is the draft model's own greedy continuation of the sequence (a dense forward per token): the
+    """Whatever part of its drafts a sequence then takes (none, some, all, with another token after them, or more
+    tokens of steps without drafts), the next proposal is the draft model's own greedy continuation of the sequence (a dense forward per token): the
     draft K/V is rolled back to the tokens the sequence repeats and caught up on the rest."""
     paged = tiny_model("llama", vocab_size=64, seed=2)
     dense = tiny_model("llama", attn_implementation="sdpa", vocab_size=64, seed=2)
@@ -118,8 +138,10 @@ def test_proposals_are_the_draft_models_greedy_continuation():
         proposals = proposer.propose(wanted)
         for seq, n in wanted:
             assert proposals[id(seq)] == greedy(seq.token_ids, n)
+            assert proposer.states[id(seq)][1].kv.num_tokens == len(seq.token_ids) + n - 1  # rolled back, not grown
             taken = int(torch.randint(0, n + 1, (1,), generator=rng))
-            seq.token_ids += list(proposals[id(seq)][:taken]) + [int(torch.randint(0, 64, (1,), generator=rng))]
+            others = 1 + 2 * (step % 3 == 2)  # sometimes steps without drafts follow
+            seq.token_ids += list(proposals[id(seq)][:taken]) + torch.randint(0, 64, (others,), generator=rng).tolist()
         if step == 4:  # a sequence preempted by recompute: its draft K/V is computed again from its start
             proposer.release(seqs[0])
         proposer.check_invariants()
