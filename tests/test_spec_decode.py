@@ -229,7 +229,7 @@ def test_poor_acceptance_switches_proposals_off(stories):
 # ---------------------------------------------------------------------------------------------- configuration
 @pytest.mark.parametrize("config, message", [
     ({"method": "eagle"}, r"speculative_config\['method'\] must be one of \['ngram', 'draft_model'\]"),
-    ({"method": "draft_model", "model": "/no/such/folder", "num_speculative_tokens": 2}, r"'model'\] must be a model f"),
+    ({"method": "draft_model", "model": "/no/such/folder", "num_speculative_tokens": 2}, r"'model'\] must be a model"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, r"'model'\] must be a loaded PreTrainedModel"),
     ({"method": "draft_model", "model": tiny_model("llama"), "prompt_lookup_max": 2}, r"'prompt_lookup_max'\] is for"),
     ({"method": "ngram", "model": tiny_model("llama")}, r"'model'\] is for method 'draft_model'"),

@@ -118,8 +118,9 @@ class FakeSequence:
 
 def test_proposals_are_the_draft_models_greedy_continuation():
     """Whatever part of its drafts a sequence then takes (none, some, all, with another token after them, or more
-    tokens of steps without drafts), the next proposal is the draft model's own greedy continuation of the sequence (a dense forward per token): the
-    draft K/V is rolled back to the tokens the sequence repeats and caught up on the rest."""
+    tokens of steps without drafts), the next proposal is the draft model's own greedy continuation of the sequence
+    (a dense forward per token): the draft K/V is rolled back to the tokens the sequence repeats and caught up on
+    the rest, and holds no more than its tokens and drafts."""
     paged = tiny_model("llama", vocab_size=64, seed=2)
     dense = tiny_model("llama", attn_implementation="sdpa", vocab_size=64, seed=2)
     proposer = DraftModelProposer(load_draft_model(paged, dense), num_blocks=64, block_size=4)
