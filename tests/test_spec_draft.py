@@ -151,6 +151,23 @@ def test_proposals_are_the_draft_models_greedy_continuation():
     assert proposer.kv.num_free_blocks == proposer.kv.num_total_blocks and not proposer.kv.live_sequences()
 
 
+def test_a_proposal_without_room_leaves_the_draft_kv_consistent():
+    """A sequence that takes exactly its drafts, then asks for more drafts than the pool holds, proposes nothing;
+    its next proposal (with room) is still the draft's greedy continuation."""
+    paged = tiny_model("llama", vocab_size=64, seed=2)
+    dense = tiny_model("llama", attn_implementation="sdpa", vocab_size=64, seed=2)
+    proposer = DraftModelProposer(load_draft_model(paged, dense), num_blocks=3, block_size=4)
+    seq = FakeSequence([3, 14, 15, 9, 26])
+    seq.token_ids += list(proposer.propose([(seq, 3)])[id(seq)][:2])  # its K/V holds 5 tokens and these 2 drafts
+    assert proposer.propose([(seq, 7)]) == {}  # 6 + 7 tokens: more than the 12 of the pool
+    seq.token_ids.append(5)
+    with torch.no_grad():
+        expected = int(dense(input_ids=torch.tensor([seq.token_ids])).logits[0, -1].argmax())
+    assert proposer.propose([(seq, 1)]) == {id(seq): (expected,)}
+    assert proposer.states[id(seq)][1].kv.num_tokens == len(seq.token_ids)  # a slot for every token it computed
+    proposer.check_invariants()
+
+
 def test_a_full_draft_pool_proposes_nothing_and_fails_no_request(stories, drafts, prompts):
     """A draft pool of 3 blocks of 4 tokens holds only the short prompts' first tokens: the rest proposes nothing,
     and the output is the same."""

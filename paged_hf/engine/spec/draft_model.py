@@ -89,6 +89,8 @@ class DraftModelProposer:
             start = self._roll_back(seq, state)
             if self.kv.try_append(state.kv, len(seq.token_ids) - start + n - 1):
                 runs.append((seq, state, start, n))
+            else:  # no room: it holds its first ``start`` tokens, and proposes nothing this step
+                state.num_valid, state.drafts = start, ()
         if not runs:
             return {}
         runs.sort(key=lambda r: len(r[0].token_ids) - r[2] > 1)  # one-token catch-ups first (the decode path)
