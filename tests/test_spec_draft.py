@@ -191,6 +191,29 @@ def test_draft_model_from_a_folder(stories, prompts):
     assert spec.get_stats()["spec_decode_num_accepted_tokens"] > 10
 
 
+def test_the_target_drafting_for_itself_in_one_object(stories, prompts):
+    """The same loaded model as target and draft: two pools, one set of weights."""
+    model, tok = stories
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    expected = run(PagedEngine(model, tok, enforce_eager=True, num_blocks=128), prompts[:3], params)
+    spec = PagedEngine(model, tok, enforce_eager=True, num_blocks=128, speculative_config=draft_config(model))
+    same(expected, run(spec, prompts[:3], params))
+    stats = spec.get_stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 20
+
+
+def test_serve_takes_a_draft_model_folder_as_json():
+    import paged_hf_cli  # noqa: PLC0415
+    from paged_hf import cli  # noqa: PLC0415
+
+    folder = str(require_stories())
+    text = f'{{"method": "draft_model", "model": "{folder}", "num_speculative_tokens": 2}}'
+    args = paged_hf_cli.build_parser().parse_args(["serve", "--speculative-config", text])
+    options = cli._engine_options(args)["speculative_config"]
+    engine = PagedEngine(stories_model("sdpa"), None, enforce_eager=True, num_blocks=32, speculative_config=options)
+    assert engine.scheduler.speculator.drafter is not None
+
+
 def test_a_draft_of_another_vocabulary_is_refused(stories):
     model, tok = stories
     with pytest.raises(ValueError, match=r"speculative_config\['model'\] must have the target's vocabulary: its "
