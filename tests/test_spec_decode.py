@@ -228,8 +228,11 @@ def test_poor_acceptance_switches_proposals_off(stories):
 
 # ---------------------------------------------------------------------------------------------- configuration
 @pytest.mark.parametrize("config, message", [
-    ({"method": "eagle"}, r"speculative_config\['method'\] must be one of \['ngram'\]"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, r"'draft_model' is not supported.*'ngram'"),
+    ({"method": "eagle"}, r"speculative_config\['method'\] must be one of \['ngram', 'draft_model'\]"),
+    ({"method": "draft_model", "model": "/no/such/folder", "num_speculative_tokens": 2}, r"'model'\] must be a model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, r"'model'\] must be a loaded PreTrainedModel"),
+    ({"method": "draft_model", "model": tiny_model("llama"), "prompt_lookup_max": 2}, r"'prompt_lookup_max'\] is for"),
+    ({"method": "ngram", "model": tiny_model("llama")}, r"'model'\] is for method 'draft_model'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens'\] must be an int in \[1, 16\]"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min'] must be <="),

@@ -27,7 +27,7 @@ def test_llm_speculates_and_matches_greedy():
 
 
 def test_llm_refuses_a_bad_speculative_config_before_loading():
-    with pytest.raises(ValueError, match=r"speculative_config\['method'\] must be one of \['ngram'\]"):
+    with pytest.raises(ValueError, match=r"speculative_config\['method'\] must be one of \['ngram', 'draft_model'\]"):
         LLM("/nonexistent/model", speculative_config={"method": "medusa"})
 
 

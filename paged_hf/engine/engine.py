@@ -66,6 +66,7 @@ class PagedEngine:
         self.output = OutputStage(tokenizer)
         self.grammars = GrammarCompilerCache(tokenizer, logits_width(model), self.eos_token_ids)
         self.scheduler = Scheduler(self.config, self.kv, self.eos_token_ids, self.max_model_len)
+        self._attach_draft_model()
         if self.group is not None and not self.config.enforce_eager:
             logger.info("PagedEngine: tensor parallelism runs the forward eagerly on every rank (enforce_eager)")
         self.runner = ModelRunner(model, self.kv, self.group, _executor, self.eos_token_ids,
@@ -82,6 +83,19 @@ class PagedEngine:
         logger.info("PagedEngine: %d KV blocks of %d tokens (%s, %.2f GiB) on %s, max_model_len %d",
                     self.kv.num_total_blocks, self.config.block_size, self.config.kv_cache_dtype,
                     self.kv.stats().kv_cache_bytes / GIB, model.device, self.max_model_len)
+
+    def _attach_draft_model(self) -> None:
+        """Method "draft_model": the draft model on its own pool of as many blocks as the target's."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return
+        if self.group is not None:
+            raise ValueError("speculative_config['method'] 'draft_model' runs on one process, not under tensor "
+                             "parallelism; use 'ngram'")
+        from .spec.draft_model import DraftModelProposer, load_draft_model  # noqa: PLC0415 - only this method
+
+        draft = load_draft_model(spec.model, self.model)
+        self.scheduler.speculator.drafter = DraftModelProposer(draft, self.kv.num_total_blocks, self.config.block_size)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
@@ -339,6 +353,9 @@ class PagedEngine:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
+        speculator = self.scheduler.speculator
+        if speculator is not None and speculator.drafter is not None:
+            speculator.drafter.check_invariants()
 
 
 def _progress(total: int, use_tqdm):

@@ -196,6 +196,8 @@ class Scheduler:
         if seq.kv is not None:
             self.kv.discard(seq.kv)
             seq.kv = None
+        if self.speculator is not None:
+            self.speculator.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         if seq.request.finished:
@@ -224,6 +226,8 @@ class Scheduler:
     def _recompute(self, seq: Sequence) -> None:
         """Drops ``seq``'s KV; it waits at the head of the queue to compute its tokens again."""
         self.kv.free(seq.kv)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -250,6 +254,8 @@ class Scheduler:
         if self.speculator is not None:
             self._speculating = self.speculator.speculating()
             self._step_started = time.perf_counter()
+            if self._speculating:
+                self.speculator.begin_step(self.running, self.max_model_len)
 
         # 1. running sequences, oldest / most important first; decodes take one token
         index = 0

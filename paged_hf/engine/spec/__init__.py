@@ -1,4 +1,5 @@
-"""Speculative decoding: n-gram proposals verified by one forward of the target, exact by the acceptance rule."""
+"""Speculative decoding: n-gram or draft-model proposals verified by one forward of the target, exact by the
+acceptance rule."""
 
 from .config import SPECULATIVE_METHODS, SpeculativeConfig
 from .speculator import Speculator

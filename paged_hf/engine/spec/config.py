@@ -2,17 +2,22 @@
 
 ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}`` proposes up to
 ``k`` tokens per decoding sequence by prompt lookup: the longest suffix of its tokens (``n`` down to ``m`` tokens)
-that occurred before, continued by what followed it. The method ``"draft_model"`` is named by vLLM and refused here
-with the methods that are supported.
+that occurred before, continued by what followed it. ``{"method": "draft_model", "model": m, "num_speculative_tokens":
+k}`` proposes ``k`` tokens greedily with a small model ``m`` (a loaded ``PreTrainedModel`` or a folder) of the target's
+vocabulary, on its own paged pool (``draft_model.py``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-SPECULATIVE_METHODS = ("ngram",)
+import torch
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -31,7 +36,10 @@ class SpeculativeConfig:
     """Speculative decoding of the engine (vLLM's keys).
 
     Attributes:
-        method: "ngram" (prompt lookup over the sequence's own prompt and output tokens).
+        method: "ngram" (prompt lookup over the sequence's own prompt and output tokens) or "draft_model" (greedy
+            proposals of a small model).
+        model: the draft model of "draft_model": a loaded ``PreTrainedModel`` or the folder of one (loaded in the
+            target's dtype, on its device); its vocabulary size must be the target's. None for "ngram".
         num_speculative_tokens: ``k``, the most tokens proposed per sequence and step, in [1, 16].
         prompt_lookup_max / prompt_lookup_min: the longest / shortest suffix n-gram looked up (vLLM's names);
             ``min <= max``, each in [1, 64]; given one alone, the other keeps its default (raised to fit).
@@ -48,16 +56,21 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     min_acceptance_rate: float = 0.3
     auto_disable: bool = True
+    model: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model":
-            raise ValueError(
-                "speculative_config['method'] 'draft_model' is not supported by this engine yet; supported methods "
-                f"are {list(SPECULATIVE_METHODS)}"
-            )
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config['method'] must be one of {list(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")
+        if self.method == "draft_model":
+            if not isinstance(self.model, (torch.nn.Module, str, os.PathLike)):
+                raise ValueError("speculative_config['model'] must be a loaded PreTrainedModel or a model folder for "
+                                 f"method 'draft_model', got {type(self.model).__name__}")
+            if not isinstance(self.model, torch.nn.Module) and not os.path.isdir(self.model):
+                raise ValueError(f"speculative_config['model'] must be a model folder, got {self.model!r} (not a "
+                                 "folder)")
+        elif self.model is not None:
+            raise ValueError(f"speculative_config['model'] is for method 'draft_model', not {self.method!r}")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, 64)
         _check_int("prompt_lookup_max", self.prompt_lookup_max, 1, 64)
@@ -81,11 +94,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', "
                              f"'num_speculative_tokens': 4}} or None, got {type(value).__name__}")
         options = dict(value)
-        if options.get("method") == "draft_model":
-            cls(method="draft_model")  # refused by name, before its other keys (``model``) are looked at
         check_known("speculative_config", "key", options, [f.name for f in fields(cls)])
         if "method" not in options:
             raise ValueError(f"speculative_config needs a 'method', one of {list(SPECULATIVE_METHODS)}")
+        if options["method"] == "draft_model":
+            for key in NGRAM_KEYS:
+                if key in options:
+                    raise ValueError(f"speculative_config[{key!r}] is for method 'ngram', not 'draft_model'")
         if "prompt_lookup_min" in options and "prompt_lookup_max" not in options:
             options["prompt_lookup_max"] = max(options["prompt_lookup_min"], cls.prompt_lookup_max) \
                 if isinstance(options["prompt_lookup_min"], int) else options["prompt_lookup_min"]

@@ -1,4 +1,4 @@
-"""The acceptance rule of speculative decoding, for drafts proposed as a point mass (n-gram lookup).
+"""The acceptance rule of speculative decoding, for drafts proposed as a point mass (n-gram lookup, greedy drafts).
 
 The accepted-or-resampled rule (Leviathan et al., Chen et al.) accepts draft ``d`` with probability
 ``min(1, p(d) / q(d))`` and, on rejection, draws from ``norm(max(p - q, 0))``. For a point-mass draft ``q = 1{d}`` it

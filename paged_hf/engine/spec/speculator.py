@@ -1,5 +1,6 @@
 """``Speculator``: what the scheduler asks about speculation. It proposes a decoding sequence's drafts (n-gram
-lookup, within the room the step and the request leave), records how many the target accepted and keeps the
+lookup, or a draft model's greedy tokens computed for the step's decoding sequences at once by ``begin_step``,
+within the room the step and the request leave), records how many the target accepted and keeps the
 statistics (vLLM's counters: drafts, draft tokens, accepted tokens, accepted tokens per position)."""
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ class Speculator:
     format quantizes a block when it fills, from its tail row; a block filled by drafts that are then rejected
     would be requantized from dequantized values, and its bytes would no longer depend only on its tokens. So
     there the newest token and its drafts stay inside one block without filling it: rollback only rewinds the tail
-    row, and the output equals that of the engine without speculation."""
+    row, and the output equals that of the engine without speculation.
+
+    ``drafter``: method "draft_model"'s ``DraftModelProposer`` (attached by the engine, which holds the models)."""
 
     def __init__(self, config: SpeculativeConfig, tail_block_size: int | None = None) -> None:
         self.config = config
         self.tail_block_size = tail_block_size
+        self.drafter = None
+        self._proposals: dict[int, tuple[int, ...]] = {}  # this step's draft-model proposals, by id(seq)
         self.switch = ThroughputSwitch() if config.auto_disable else None
         self.num_drafts = 0  # verified runs that had drafts
         self.num_draft_tokens = 0
@@ -47,9 +52,9 @@ class Speculator:
         request = seq.request
         return not request.params.logits_processors and request.images is None and request.compiled_grammar is None
 
-    def propose(self, seq: Sequence, room: int, max_model_len: int) -> tuple[int, ...]:
-        """Drafts for ``seq`` (a sequence decoding its output), at most ``room`` of them, never so many that the
-        accepted drafts plus the bonus token pass ``max_tokens`` or ``max_model_len``; () when its gate is closed."""
+    def _limit(self, seq: Sequence, room: int, max_model_len: int) -> int:
+        """The most drafts ``seq`` may propose: at most ``room``, never so many that the accepted drafts plus the
+        bonus token pass ``max_tokens`` or ``max_model_len``; 0 when it may not propose or its gate is closed."""
         params = seq.request.params
         num_output = seq.num_output_tokens
         limit = min(self.config.num_speculative_tokens, room, params.max_tokens - num_output - 1,
@@ -57,11 +62,36 @@ class Speculator:
         if self.tail_block_size is not None:  # positions start .. start + k in the newest token's block, not its last
             limit = min(limit, self.tail_block_size - 2 - (len(seq.token_ids) - 1) % self.tail_block_size)
         if limit < 1 or num_output < 1 or not self.eligible(seq):  # a prompt's last token may still fork its samples
-            return ()
+            return 0
         if seq.spec_gate is None:
             seq.spec_gate = AcceptanceGate()
-        if not seq.spec_gate.is_open(num_output):
+        return limit if seq.spec_gate.is_open(num_output) else 0
+
+    def begin_step(self, running: list[Sequence], max_model_len: int) -> None:
+        """A speculating step starts: the draft model proposes for every running sequence that decodes (one new
+        token) and may propose, as many drafts as its limit allows (the step's room may cut them)."""
+        if self.drafter is None:
+            return
+        wanted = []
+        for seq in running:
+            if seq.num_computed_tokens == len(seq.token_ids) - 1:
+                limit = self._limit(seq, self.config.num_speculative_tokens, max_model_len)
+                if limit:
+                    wanted.append((seq, limit))
+        self._proposals = self.drafter.propose(wanted) if wanted else {}
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` finished or lost its K/V (preempted by recompute): its draft K/V, if any, is freed."""
+        if self.drafter is not None:
+            self.drafter.release(seq)
+
+    def propose(self, seq: Sequence, room: int, max_model_len: int) -> tuple[int, ...]:
+        """Drafts for ``seq`` (a sequence decoding its output) within ``_limit``; () when it proposes none."""
+        limit = self._limit(seq, room, max_model_len)
+        if limit < 1:
             return ()
+        if self.drafter is not None:
+            return self._proposals.get(id(seq), ())[:limit]
         c = self.config
         return tuple(propose_ngram(seq.token_ids, limit, c.prompt_lookup_max, c.prompt_lookup_min))
 

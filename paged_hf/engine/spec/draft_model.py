@@ -1,0 +1,150 @@
+"""Draft-model proposals: a small model of the target's vocabulary guesses ``k`` tokens greedily, batched over the
+step's decoding sequences, on its own paged pool.
+
+Each proposing sequence keeps a ``SequenceKV`` in the draft's pool holding the K/V of ``num_valid`` of its tokens and
+of the drafts proposed after them. At the next proposal the drafts the sequence's tokens now repeat (the accepted
+ones, or a resampled token equal to a draft) stay, the rest is rolled back (``KVManager.truncate``); the tokens
+after that are computed as one chunk (a catch-up prefill whose last row gives draft 0), then ``k - 1`` one-token
+forwards give drafts ``1 .. k - 1``: ``k`` forwards a step, each over every proposing sequence. Greedy drafts are a
+point mass, so the engine's acceptance rule (``rejection.py``) keeps the target's distribution as for n-gram drafts.
+
+A sequence whose tokens do not fit the draft's pool proposes nothing (its request never fails for it); its draft
+KV is freed when it finishes or is preempted by recompute (``release``), and computed again from its start.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ...kv.manager import KVManager
+from ...kv.sequence import SequenceKV
+from ...kv.sizing import allocate_all
+from ...metadata import build_metadata
+from ..forward_cache import EngineCache
+from ..request import Sequence
+from ..validation import vocab_size
+from ..worker import prepare_model
+
+logger = logging.getLogger("paged_hf")
+
+
+@dataclass(slots=True)
+class DraftKV:
+    """A sequence's K/V in the draft's pool: its first ``num_valid`` tokens, then ``drafts`` (the last proposal's
+    drafts that were computed, all but its last one)."""
+
+    kv: SequenceKV
+    num_valid: int = 0
+    drafts: tuple[int, ...] = ()
+
+
+def load_draft_model(model, target):
+    """``model`` (a loaded model or a folder) ready to draft for ``target``: in the paged attention, on the target's
+    device; ValueError naming ``speculative_config['model']`` when its vocabulary size is not the target's."""
+    if not isinstance(model, torch.nn.Module):
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415 - only a folder needs it
+
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=target.dtype).to(target.device)
+    ours = vocab_size(model, model.config.get_text_config(decoder=True))
+    theirs = vocab_size(target, target.config.get_text_config(decoder=True))
+    if ours != theirs:
+        raise ValueError(f"speculative_config['model'] must have the target's vocabulary: its vocab_size is {ours}, "
+                         f"the target's {theirs}")
+    if model.device != target.device:
+        raise ValueError(f"speculative_config['model'] must be on the target's device {target.device}, "
+                         f"got {model.device}")
+    return prepare_model(model)
+
+
+class DraftModelProposer:
+    """Greedy proposals of ``model`` (prepared by ``load_draft_model``) over a pool of ``num_blocks`` blocks of
+    ``block_size`` tokens (full precision, no prefix cache)."""
+
+    def __init__(self, model, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.device = model.device
+        self.kv = KVManager(model.config.get_text_config(decoder=True), block_size, "auto", num_blocks)
+        allocate_all(self.kv, model.dtype, self.device)
+        self.cache = EngineCache(self.kv)
+        self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.states: dict[int, tuple[Sequence, DraftKV]] = {}  # by id(seq); the seq is held so the id stays its own
+
+    def release(self, seq: Sequence) -> None:
+        """Frees ``seq``'s draft K/V (it finished, or its target K/V was dropped)."""
+        entry = self.states.pop(id(seq), None)
+        if entry is not None:
+            self.kv.discard(entry[1].kv)
+
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[int, tuple[int, ...]]:
+        """``wanted[i] = (seq, n)``: up to ``n >= 1`` drafts continuing ``seq.token_ids``; returns them by
+        ``id(seq)`` (sequences whose tokens do not fit the pool are left out)."""
+        runs: list[tuple[Sequence, DraftKV, int, int]] = []  # (seq, state, first new position, drafts wanted)
+        for seq, n in wanted:
+            state = self._state(seq)
+            start = self._roll_back(seq, state)
+            if self.kv.try_append(state.kv, len(seq.token_ids) - start + n - 1):
+                runs.append((seq, state, start, n))
+            else:  # no room: it holds its first ``start`` tokens, and proposes nothing this step
+                state.num_valid, state.drafts = start, ()
+        if not runs:
+            return {}
+        runs.sort(key=lambda r: len(r[0].token_ids) - r[2] > 1)  # one-token catch-ups first (the decode path)
+        counts = [len(seq.token_ids) - start for seq, _, start, _ in runs]
+        tokens = [t for (seq, _, start, _) in runs for t in seq.token_ids[start:]]
+        drafts = [[d] for d in self._forward([s.kv for _, s, _, _ in runs], [r[2] for r in runs], counts, tokens)]
+        for j in range(1, max(n for *_, n in runs)):
+            active = [i for i, r in enumerate(runs) if r[3] > j]
+            kvs = [runs[i][1].kv for i in active]
+            starts = [len(runs[i][0].token_ids) + j - 1 for i in active]
+            nexts = self._forward(kvs, starts, [1] * len(active), [drafts[i][-1] for i in active])
+            for i, token in zip(active, nexts):
+                drafts[i].append(token)
+        for (seq, state, _, _), proposal in zip(runs, drafts):
+            state.num_valid, state.drafts = len(seq.token_ids), tuple(proposal[:-1])
+        return {id(seq): tuple(proposal) for (seq, *_), proposal in zip(runs, drafts)}
+
+    def _state(self, seq: Sequence) -> DraftKV:
+        entry = self.states.get(id(seq))
+        if entry is None or entry[0] is not seq:
+            entry = (seq, DraftKV(self.kv.new_sequence()))
+            self.states[id(seq)] = entry
+        return entry[1]
+
+    def _roll_back(self, seq: Sequence, state: DraftKV) -> int:
+        """Truncates ``state`` to the tokens of ``seq`` it holds (its valid tokens, then the drafts ``seq`` now
+        repeats; never its last token, whose row gives draft 0); returns that length."""
+        held = state.num_valid
+        for draft in state.drafts:
+            if held >= len(seq.token_ids) or seq.token_ids[held] != draft:
+                break
+            held += 1
+        held = min(held, len(seq.token_ids) - 1)
+        if state.kv.num_tokens > held:
+            self.kv.truncate(state.kv, held)
+        return held
+
+    def _forward(self, kvs: list[SequenceKV], starts: list[int], counts: list[int], tokens: list[int]) -> list[int]:
+        """One forward of the draft model (slots allocated); the argmax token after each sequence's last new one."""
+        num_decodes = sum(1 for c in counts if c == 1)
+        metadata = build_metadata(self.kv, kvs, starts, counts, num_decodes, self.device)
+        keep = (metadata.query_start_loc[1:] - 1).to(self.device)
+        kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
+        self.cache.metadata = metadata
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
+                                 position_ids=metadata.positions.unsqueeze(0), cache=self.cache,
+                                 attention_mask=self.no_mask, use_cache=True, **kwargs)
+        finally:
+            self.cache.metadata = None
+        logits = out.logits[0] if self.keeps_logits else out.logits[0, keep]
+        return logits.argmax(-1).tolist()
+
+    def check_invariants(self) -> None:
+        """The draft pool's audit (``KVManager.check_invariants``)."""
+        self.kv.check_invariants()
