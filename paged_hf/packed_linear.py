@@ -91,15 +91,34 @@ def enabled() -> bool:
     return value == "1"
 
 
+def _available_memory() -> int | None:
+    """Bytes of memory the system has available now (Linux's MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def pack_linears(model: torch.nn.Module) -> int:
     """Packs every bfloat16 CPU ``nn.Linear`` of ``model`` (idempotent) where oneDNN runs bfloat16; returns how many
-    were packed now. Nothing where ``PAGED_HF_PACKED_LINEAR=0``, the model is not bfloat16 or not on a CPU."""
+    were packed now. Nothing where ``PAGED_HF_PACKED_LINEAR=0``, the model is not bfloat16 or not on a CPU, or the
+    packed copy would take more than half the memory available (logged)."""
     if not enabled() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return 0
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and _packable(m.weight)]
+    needed = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    available = _available_memory()
+    if linears and available is not None and needed > available // 2:  # the copy must not crowd out the KV pool
+        logger.warning("not packing %d bfloat16 linear weights for oneDNN: their copy (%.0f MiB) is over half the "
+                       "available memory (%.0f MiB); they run through F.linear", len(linears), needed / 2**20,
+                       available / 2**20)
+        return 0
     count, size = 0, 0
-    for module in model.modules():
-        if type(module) is not torch.nn.Linear or not _packable(module.weight):
-            continue
+    for module in linears:
         key = next(_keys)
         _packs[key] = _pack(module.weight)
         weakref.finalize(module, _packs.pop, key, None)

@@ -78,6 +78,17 @@ def test_the_env_var_turns_packing_off_and_refuses_other_values(monkeypatch):
         pack_linears(linear(8, 8, True))
 
 
+def test_a_copy_over_half_the_available_memory_is_not_made(monkeypatch, caplog):
+    model = torch.nn.Sequential(linear(64, 64, True), linear(64, 32, False))  # 12 KiB of bfloat16 weights
+    monkeypatch.setattr(packed_linear, "_available_memory", lambda: 20 * 1024)
+    with caplog.at_level("WARNING", logger="paged_hf"):
+        assert pack_linears(model) == 0
+    assert "not packing 2 bfloat16 linear weights" in caplog.text
+    assert all(type(m) is torch.nn.Linear for m in model)
+    monkeypatch.setattr(packed_linear, "_available_memory", lambda: 40 * 1024)
+    assert pack_linears(model) == 2
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_bfloat16_engine_packs_and_keeps_its_greedy_tokens(enforce_eager, monkeypatch):
     """The packed engine's greedy tokens == the unpacked engine's (compiled and eager); and generate + DynamicCache

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 import pytest
@@ -215,11 +216,14 @@ def test_host_tier_under_tensor_parallelism_equals_one_process(tmp_path):
         return [o.outputs[0].token_ids for o in outs], outs[-1].num_cached_tokens, llm.get_stats()
 
     one_tokens, one_cached, _ = run(LLM(str(folder), **options))
+    env_before = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     two = LLM(str(folder), tensor_parallel_size=2, **options)
     try:
         tokens, cached, stats = run(two)
     finally:
         two.shutdown()
     assert not multiprocessing.active_children()
+    # the group's variables are given back: a torchrun started next must not inherit the old group's port
+    assert {name: os.environ.get(name) for name in env_before} == env_before
     assert one_cached == cached == len(SHARED) and stats["prefix_cache_host_hits"] == len(SHARED)
     assert tokens == one_tokens

@@ -281,6 +281,7 @@ def test_auto_disable_speculates_less_where_it_is_slower(monkeypatch):
     from types import SimpleNamespace
 
     import paged_hf.engine.scheduler as scheduler_module
+    import paged_hf.engine.step_update as step_update_module
     import paged_hf.engine.spec.switch as switch_module
 
     model = tiny_model("llama", attn_implementation="sdpa")
@@ -300,7 +301,9 @@ def test_auto_disable_speculates_less_where_it_is_slower(monkeypatch):
         expected = run(base, prompts, params)
         monkeypatch.setattr(switch_module, "CYCLE_STEPS", 16)  # cycles of 2 probes and 14 steps
         monkeypatch.setattr(switch_module, "PROBE_STEPS", 2)
-        monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(perf_counter=charged, monotonic=time.monotonic))
+        clocked = SimpleNamespace(perf_counter=charged, monotonic=time.monotonic)
+        monkeypatch.setattr(scheduler_module, "time", clocked)  # the step starts in one, ends in the other
+        monkeypatch.setattr(step_update_module, "time", clocked)
         got = run(spec, prompts, params)
         monkeypatch.undo()
         same(expected, got)

@@ -85,10 +85,30 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+# What init_group sets for transformers' tensor-parallel loading (it reads the rank and world size from them), and
+# leave_group gives back: a process that ran a tensor-parallel engine and then starts torchrun must not hand its
+# children a port its own (destroyed) group once listened on.
+_GROUP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+_env_before: dict[str, str | None] = {}
+
+
 def init_group(rank: int, size: int, address: str, port: int, backend: str, timeout_s: float) -> None:
     """Joins the default process group (every rank calls it with the same address, port, size and backend)."""
+    _env_before.clear()
+    _env_before.update({name: os.environ.get(name) for name in _GROUP_ENV})
     os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size))
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def leave_group() -> None:
+    """Destroys the default process group and restores the variables ``init_group`` set (unset where they were)."""
+    dist.destroy_process_group()
+    for name, value in _env_before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _env_before.clear()

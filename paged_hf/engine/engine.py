@@ -16,11 +16,10 @@ import logging
 from collections.abc import Iterator
 import time
 
-import torch
 
 from ..config import GIB, EngineConfig, ParameterError, SamplingParams
 from ..distributed import tensor_parallel_group
-from ..distributed.group import DEFAULT_TIMEOUT_S, TensorParallelError
+from ..distributed.group import DEFAULT_TIMEOUT_S, TensorParallelError, leave_group
 from ..distributed.launch import check_launch_options
 from ..kv.sizing import blocks_to_hold
 from ..kv_stats import EngineStats
@@ -324,7 +323,7 @@ class PagedEngine:
         if self.runner.executor is not None:  # the followers from_pretrained started
             executor, self.runner.executor = self.runner.executor, None
             executor.shutdown()
-            torch.distributed.destroy_process_group()
+            leave_group()
 
     def _require_leader(self, name: str) -> None:
         """``name`` needs the leader of a working group (or no group)."""

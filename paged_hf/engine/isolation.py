@@ -27,7 +27,7 @@ import torch
 from ..distributed.group import TensorParallelError
 from ..kv.manager import KVManager
 from .model_output import ModelOutput
-from .scheduler import ScheduledSequence, SchedulerOutput
+from .scheduled import ScheduledSequence, SchedulerOutput
 
 
 @dataclass

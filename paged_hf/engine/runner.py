@@ -30,7 +30,7 @@ from .image_encoder import ImageEncoder
 from .multimodal import image_token_id
 from .request import PositionLogprobs, Request, Sequence
 from .sampler import position_logprobs, sample
-from .scheduler import ScheduledSequence, SchedulerOutput
+from .scheduled import ScheduledSequence, SchedulerOutput
 from .spec.verify import VerifiedRun, verify
 
 logger = logging.getLogger("paged_hf")

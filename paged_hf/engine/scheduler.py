@@ -1,8 +1,9 @@
 """Iteration-level scheduler: the owner of every request and sequence state. It picks which sequences run in the
 next forward and how many tokens each (``schedule``), and makes every change after the forward
-(``update_from_output``): computed tokens, prompt logprobs, the samples of ``n > 1`` joining their prompt, the new
-tokens and their logprobs, finishing (EOS, stop tokens, lengths, and stop strings on the output stage's verdict),
-failures, and the prefix cache's step.
+(``update_from_output``, in ``step_update.py``): computed tokens, prompt logprobs, the samples of ``n > 1`` joining
+their prompt, the new tokens and their logprobs, finishing (EOS, stop tokens, lengths, and stop strings on the output
+stage's verdict), failures, and the prefix cache's step. Requests whose grammar compiles wait in ``grammar_queue.py``;
+the end test after each token is ``ends.py``; the step's typed output is ``scheduled.py``.
 
 Each step: running sequences first (oldest / most important first), then swapped-out sequences come back, then
 waiting ones are admitted, all within ``max_num_batched_tokens`` and ``max_num_seqs``. When blocks run out a victim
@@ -22,73 +23,31 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass, field
 from itertools import islice
-from typing import TYPE_CHECKING, NamedTuple
 
 from ..config import EngineConfig
-from ..kv.copies import BlockCopy
 from ..kv.manager import KVManager
 from ..kv.prefix_hit import MISS, PrefixHit
+from .ends import RequestEnds
+from .grammar_queue import GrammarQueue, give_matchers
 from .lpm import lpm_order
 from .multimodal import ImageChunks
-from ..structured.matcher import GrammarRejected, SequenceGrammar
 from .request import Request, Sequence, SequenceStatus
+from .scheduled import ScheduledSequence, SchedulerOutput
 from .spec import Speculator
-
-if TYPE_CHECKING:  # the runner imports this module
-    from .runner import RunnerOutput
+from .step_update import StepUpdate
 
 logger = logging.getLogger("paged_hf")
 
 # "auto" preemption swaps a sequence with at least this many computed blocks (recomputing it would cost more
 # than copying its blocks both ways); shorter ones are recomputed.
 AUTO_SWAP_MIN_BLOCKS = 4
-# With nothing else to run, the engine waits this long (seconds) for a grammar being compiled before it steps again.
-GRAMMAR_WAIT_S = 0.01
 
 
-class _Ends(NamedTuple):
-    """What can end a request, for the test after each sampled token: ``token_ids`` (its stop token ids, and EOS
-    unless it ignores EOS; ``min_tokens`` may still hold them back) and ``max_len`` (prompt + ``max_tokens``, or
-    ``max_model_len`` if shorter: at this many tokens it ends by length)."""
+class Scheduler(StepUpdate):
+    """The owner of request and sequence state (this module's docstring); the after-step half of its methods
+    (``update_from_output``) is in ``step_update.py``."""
 
-    token_ids: frozenset[int]
-    max_len: int
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    """``seq`` computes tokens ``start .. start + num_tokens - 1`` this step; ``samples``: the last of them is its
-    newest token, so the step samples the next one. ``forks``: the other samples of an ``n > 1`` request whose
-    prompt this chunk completes; they draw their first tokens from the same logits and then share its blocks.
-    ``draft_token_ids``: a decoding sequence's speculative drafts, computed after its newest token (``num_tokens``
-    counts them); the step verifies them (``engine/spec``)."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    samples: bool
-    forks: tuple[Sequence, ...] = ()
-    draft_token_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's work: the scheduled sequences (decodes first), and the block copies to run before the forward."""
-
-    scheduled: list[ScheduledSequence]
-    num_decodes: int
-    copies: list[BlockCopy] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-
-class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVManager, eos_token_ids: set[int], max_model_len: int) -> None:
         self.config = config
         self.kv = kv
@@ -99,7 +58,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
-        self.compiling: list[Request] = []  # structured outputs whose grammar is compiling: queued once it is ready
+        self.compiling = GrammarQueue()  # structured outputs whose grammar is compiling: queued once it is ready
         self.num_preemptions = 0
         self.num_swapped_out = 0
         self.num_swapped_in = 0
@@ -111,7 +70,7 @@ class Scheduler:
         self.speculator = Speculator(spec, kv.block_size if kv.has_tail else None) if spec is not None else None
         self._speculating = False  # this step's mode (the speculator's switch)
         self._step_started = 0.0
-        self._ends: dict[str, _Ends] = {}  # per request id not finished
+        self._ends: dict[str, RequestEnds] = {}  # per request id not finished
 
     def _order(self, seq: Sequence) -> tuple:
         """Sort key: who runs first (and, reversed, who is preempted first)."""
@@ -126,45 +85,24 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         self.requests[request.request_id] = request
-        params = request.params
-        self._ends[request.request_id] = _Ends(
-            frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)),
-            min(len(request.prompt_token_ids) + params.max_tokens, self.max_model_len))
-        grammar = request.compiled_grammar
-        if grammar is None or (grammar.done() and grammar.exception() is None):
+        self._ends[request.request_id] = RequestEnds.of(request, self.eos_token_ids, self.max_model_len)
+        if not self.compiling.hold(request):  # compiling, or failed: admit_compiled queues or fails it
             self._enqueue(request)
-        else:  # compiling, or failed: admit_compiled queues or fails it
-            self.compiling.append(request)
 
     def _enqueue(self, request: Request) -> None:
-        if request.compiled_grammar is not None:  # each sample follows the grammar on its own
-            for seq in request.sequences:
-                seq.grammar = SequenceGrammar(request.compiled_grammar.result())
+        give_matchers(request)
         self.waiting.append(request.sequences[0])
         if self._priority:
             self.waiting = deque(sorted(self.waiting, key=self._order))
 
     def admit_compiled(self) -> list[Request]:
-        """Queues the requests whose grammar compiled; fails those whose compilation raised and returns them. With
-        nothing else to run, first waits up to ``GRAMMAR_WAIT_S`` for a compilation to end."""
-        if not self.compiling:
-            return []
-        if not (self.running or self.waiting or self.swapped):
-            wait([r.compiled_grammar for r in self.compiling], timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
-        failed, pending = [], []
-        for request in self.compiling:
-            if request.finished:  # aborted while its grammar compiled
-                continue
-            grammar = request.compiled_grammar
-            if not grammar.done():
-                pending.append(request)
-            elif grammar.exception() is not None:
-                self.fail(request, grammar.exception())
-                failed.append(request)
-            else:
-                self._enqueue(request)
-        self.compiling = pending
-        return failed
+        """Queues the requests whose grammar compiled; fails those whose compilation raised and returns them."""
+        ready, failed = self.compiling.settle(idle=not (self.running or self.waiting or self.swapped))
+        for request in ready:
+            self._enqueue(request)
+        for request, error in failed:
+            self.fail(request, error)
+        return [request for request, _ in failed]
 
     def abort(self, request_id: str) -> Request | None:
         """Stops a request and frees its blocks (no output follows); unknown or finished ids are ignored."""
@@ -411,120 +349,3 @@ class Scheduler:
             out.append(ScheduledSequence(seq, start, count, samples, forks, drafts))
         else:
             out.append(ScheduledSequence(seq, start, count, samples, (), drafts))
-
-    # -------------------------------------------------------------------------- after the step
-    def update_from_output(self, output: SchedulerOutput, result: "RunnerOutput",
-                           stop_string: Callable[[Sequence], str | None]) -> list[Request]:
-        """Applies one step's ``result`` to its sequences; returns the requests it changed (a token, prompt
-        logprobs, a failure, an end), in order. ``stop_string(seq)``: the output stage's verdict on a sequence that
-        just got a token (the stop string its text now ends with, or None)."""
-        touched: dict[str, Request] = {}
-        if result.step_error is not None:  # nothing of the step ran: its requests (every request: a broken group) fail
-            failing = list(self.requests.values()) if result.broken else \
-                list({id(i.seq.request): i.seq.request for i in output.scheduled}.values())
-            for request in failing:
-                self.fail(request, result.step_error)
-                touched[request.request_id] = request
-            self.kv.end_step(failed=True)
-            return list(touched.values())
-        for request, error in result.errors:
-            self.fail(request, error)
-            touched[request.request_id] = request
-        for seq in result.requeue:
-            if seq.status is SequenceStatus.RUNNING:
-                self.requeue(seq)
-        running = SequenceStatus.RUNNING
-        for item in output.scheduled:
-            seq = item.seq
-            if seq.status is running:
-                seq.num_computed_tokens += item.num_tokens
-        for item, entries in result.prompt_logprobs:
-            request = item.seq.request
-            if item.seq.status is SequenceStatus.RUNNING and request.prompt_logprobs is not None:
-                skip = len(request.prompt_logprobs) - (item.start + 1)  # recorded before (a recomputed chunk)
-                request.prompt_logprobs.extend(entries[max(0, skip):])
-                touched[request.request_id] = request
-        now = time.monotonic()
-        for seq, token, entry in zip(result.seqs, result.token_ids, result.logprobs):
-            if seq.status is not running:
-                if seq.status is not SequenceStatus.FORK_PENDING:
-                    continue
-                # its prompt completed this step: share sample 0's blocks
-                leader = seq.request.sequences[0]
-                if leader.status is not running:
-                    continue
-                seq.kv = self.kv.fork(leader.kv)
-                seq.num_computed_tokens = leader.num_computed_tokens
-                seq.status = running
-                self._join_running(seq)
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            self._emit(seq, token, entry, now, stop_string)
-            touched[seq.request.request_id] = seq.request
-        for run in result.verified:
-            if run.seq.status is SequenceStatus.RUNNING:
-                self._apply_verified(run, now, stop_string)
-                touched[run.seq.request.request_id] = run.seq.request
-        self.kv.end_step(failed=result.retried)
-        if self.speculator is not None and all(i.num_tokens == 1 + len(i.draft_token_ids) for i in output.scheduled):
-            self.speculator.end_step(self._speculating, time.perf_counter() - self._step_started,
-                                          len(result.token_ids) + sum(len(r.token_ids) for r in result.verified))
-        return list(touched.values())
-
-    def _emit(self, seq: Sequence, token: int, entry, now: float, stop_string) -> None:
-        """Appends one sampled token (advancing ``seq``'s grammar first: a token it rejects fails the request), then
-        finishes ``seq`` if its grammar reached its end or its text now ends in a stop string."""
-        if seq.grammar is not None:
-            try:
-                seq.grammar.accept(token)
-            except GrammarRejected as error:
-                self.fail(seq.request, error)
-                return
-        self._append(seq, token, entry, now)
-        if seq.grammar is not None and seq.grammar.terminated and seq.status is SequenceStatus.RUNNING:
-            self.finish(seq, "stop")  # the grammar took an end token that ignore_eos does not stop on
-        stop = stop_string(seq)
-        if stop is not None:
-            if seq.status is SequenceStatus.FINISHED:  # by length: the stop string came first
-                seq.finish_reason, seq.stop_reason = "stop", stop
-            else:
-                self.finish(seq, "stop", stop)
-
-    def _apply_verified(self, run, now: float, stop_string) -> None:
-        """A sequence's verified drafts: its K/V holds its last token and the accepted drafts, the rejected ones'
-        slots are given back; the accepted drafts and the resampled (or bonus) token are appended one by one, as
-        single steps would, so that EOS, stop tokens, stop strings and lengths end the run where they occur."""
-        seq = run.seq
-        seq.num_computed_tokens = run.start + 1 + run.num_accepted
-        for token, entry in zip(run.token_ids, run.logprobs):
-            self._emit(seq, token, entry, now, stop_string)
-            if seq.status is not SequenceStatus.RUNNING:
-                break
-        self.speculator.record(seq, run.num_drafts, run.num_accepted)
-        if seq.status is SequenceStatus.RUNNING and seq.kv.num_tokens > seq.num_computed_tokens:
-            self.kv.truncate(seq.kv, seq.num_computed_tokens)
-
-    def _append(self, seq: Sequence, token: int, entry, now: float) -> None:
-        """Appends a sampled token (and its logprobs) and finishes ``seq`` on a stop token, EOS or a length."""
-        token_ids = seq.token_ids
-        token_ids.append(token)
-        self.num_generated_tokens += 1
-        request = seq.request
-        metrics = request.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        if entry is not None:
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += entry[token].logprob
-        ends = self._ends[request.request_id]
-        if token not in ends.token_ids and len(token_ids) < ends.max_len:  # most tokens: no end is possible
-            return
-        params = request.params
-        num_output = len(seq.token_ids) - len(seq.request.prompt_token_ids)
-        held_back = num_output <= params.min_tokens  # the sampler masks stops until min_tokens are out
-        if token in params.stop_token_ids and not held_back:
-            self.finish(seq, "stop", token)
-        elif not params.ignore_eos and token in self.eos_token_ids and not held_back:
-            self.finish(seq, "stop", None)
-        elif num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            self.finish(seq, "length")

@@ -1,0 +1,38 @@
+"""What the scheduler hands the runner each step: the sequences that run, how many tokens each, and the block copies
+to run before the forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..kv.copies import BlockCopy
+from .request import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """``seq`` computes tokens ``start .. start + num_tokens - 1`` this step; ``samples``: the last of them is its
+    newest token, so the step samples the next one. ``forks``: the other samples of an ``n > 1`` request whose
+    prompt this chunk completes; they draw their first tokens from the same logits and then share its blocks.
+    ``draft_token_ids``: a decoding sequence's speculative drafts, computed after its newest token (``num_tokens``
+    counts them); the step verifies them (``engine/spec``)."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool
+    forks: tuple[Sequence, ...] = ()
+    draft_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: the scheduled sequences (decodes first), and the block copies to run before the forward."""
+
+    scheduled: list[ScheduledSequence]
+    num_decodes: int
+    copies: list[BlockCopy] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
