@@ -166,7 +166,11 @@ def tiny_gemma3(seed: int = 0, boi: int = 513, eoi: int = 514, image: int = 515)
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                                        image_token_index=image, boi_token_index=boi, eoi_token_index=eoi)
     torch.manual_seed(seed)
-    return transformers.Gemma3ForConditionalGeneration(config).eval()
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers starts the projector at zeros: every image would embed the same
+        projector = model.model.multi_modal_projector.mm_input_projection_weight
+        projector.normal_(0.0, projector.shape[0] ** -0.5)
+    return model
 
 
 def gemma3_processor():
