@@ -91,42 +91,28 @@ def enabled() -> bool:
     return value == "1"
 
 
-def _available_memory() -> int | None:
-    """Bytes of memory the system has available now (Linux's MemAvailable), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def pack_linears(model: torch.nn.Module) -> int:
+def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> int:
     """Packs every bfloat16 CPU ``nn.Linear`` of ``model`` (idempotent) where oneDNN runs bfloat16; returns how many
     were packed now. Nothing where ``PAGED_HF_PACKED_LINEAR=0``, the model is not bfloat16 or not on a CPU, or the
-    packed copy would take more than half the memory available (logged)."""
+    packed copy would take more than half of ``available_bytes`` (the memory free now, as the caller measured it;
+    None: no bound), which is logged."""
     if not enabled() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return 0
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and _packable(m.weight)]
     needed = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    available = _available_memory()
-    if linears and available is not None and needed > available // 2:  # the copy must not crowd out the KV pool
+    # the copy must not crowd out the KV pool the engine sizes next
+    if linears and available_bytes is not None and needed > available_bytes // 2:
         logger.warning("not packing %d bfloat16 linear weights for oneDNN: their copy (%.0f MiB) is over half the "
                        "available memory (%.0f MiB); they run through F.linear", len(linears), needed / 2**20,
-                       available / 2**20)
+                       available_bytes / 2**20)
         return 0
-    count, size = 0, 0
     for module in linears:
         key = next(_keys)
         _packs[key] = _pack(module.weight)
         weakref.finalize(module, _packs.pop, key, None)
         module._pack_key = key
         module.__class__ = PackedLinear
-        count += 1
-        size += module.weight.numel() * module.weight.element_size()
-    if count:
-        logger.info("packed %d bfloat16 linear weights for oneDNN once (at most %.0f MiB more; %s=0 turns it off)", count,
-                    size / 2**20, ENV)
-    return count
+    if linears:
+        logger.info("packed %d bfloat16 linear weights for oneDNN once (at most %.0f MiB more; %s=0 turns it off)",
+                    len(linears), needed / 2**20, ENV)
+    return len(linears)

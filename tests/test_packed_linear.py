@@ -78,15 +78,13 @@ def test_the_env_var_turns_packing_off_and_refuses_other_values(monkeypatch):
         pack_linears(linear(8, 8, True))
 
 
-def test_a_copy_over_half_the_available_memory_is_not_made(monkeypatch, caplog):
+def test_a_copy_over_half_the_available_memory_is_not_made(caplog):
     model = torch.nn.Sequential(linear(64, 64, True), linear(64, 32, False))  # 12 KiB of bfloat16 weights
-    monkeypatch.setattr(packed_linear, "_available_memory", lambda: 20 * 1024)
     with caplog.at_level("WARNING", logger="paged_hf"):
-        assert pack_linears(model) == 0
+        assert pack_linears(model, available_bytes=20 * 1024) == 0
     assert "not packing 2 bfloat16 linear weights" in caplog.text
     assert all(type(m) is torch.nn.Linear for m in model)
-    monkeypatch.setattr(packed_linear, "_available_memory", lambda: 40 * 1024)
-    assert pack_linears(model) == 2
+    assert pack_linears(model, available_bytes=40 * 1024) == 2
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])

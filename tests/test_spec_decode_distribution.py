@@ -52,6 +52,25 @@ def chi_square_bound(df: int, z: float = 3.719) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+def pooled_chi_square(law: dict[tuple[int, ...], float], samples: Counter) -> tuple[float, int]:
+    """Pearson's statistic of ``samples`` against ``law`` and its number of cells; the paths expected fewer than 5
+    times are pooled into one cell."""
+    total = sum(samples.values())
+    statistic, pooled_expected, pooled_observed, cells = 0.0, 0.0, 0, 0
+    for path, p in law.items():
+        expected = p * total
+        if expected < 5:
+            pooled_expected += expected
+            pooled_observed += samples.get(path, 0)
+            continue
+        statistic += (samples.get(path, 0) - expected) ** 2 / expected
+        cells += 1
+    if pooled_expected > 0:
+        statistic += (pooled_observed - pooled_expected) ** 2 / pooled_expected
+        cells += 1
+    return statistic, cells
+
+
 def test_sampling_with_speculation_keeps_the_target_distribution(model):
     torch.manual_seed(0)
     engine = PagedEngine(model, None, enforce_eager=True, block_size=2, num_blocks=4096, max_num_seqs=256,
@@ -73,18 +92,6 @@ def test_sampling_with_speculation_keeps_the_target_distribution(model):
 
     law = exact_law(model)
     assert abs(sum(law.values()) - 1) < 1e-9
-    # cells expected fewer than 5 times are pooled into one
-    statistic, pooled_expected, pooled_observed, cells = 0.0, 0.0, 0, 0
-    for path, p in law.items():
-        expected = p * total
-        if expected < 5:
-            pooled_expected += expected
-            pooled_observed += samples.get(path, 0)
-            continue
-        statistic += (samples.get(path, 0) - expected) ** 2 / expected
-        cells += 1
-    if pooled_expected > 0:
-        statistic += (pooled_observed - pooled_expected) ** 2 / pooled_expected
-        cells += 1
+    statistic, cells = pooled_chi_square(law, samples)
     assert cells > 20
     assert statistic < chi_square_bound(cells - 1), (statistic, cells)

@@ -19,7 +19,8 @@ import torch
 from paged_hf import PagedEngine, SamplingParams
 from paged_hf.engine.spec.draft_model import DraftModelProposer, load_draft_model
 from models import require_stories, sample_stories, stories_model, stories_tokenizer, tiny_model, token_logprobs
-from test_spec_decode_distribution import NUM_OUTPUT, PROMPT, TEMPERATURE, VOCAB, chi_square_bound, exact_law
+from test_spec_decode_distribution import (NUM_OUTPUT, PROMPT, TEMPERATURE, VOCAB, chi_square_bound, exact_law,
+                                          pooled_chi_square)
 
 
 def draft_config(model, k: int = 3) -> dict:
@@ -237,20 +238,9 @@ def test_sampling_with_a_draft_model_keeps_the_target_distribution():
     for _ in range(4):
         outs = run(engine, [PROMPT] * 10, params)
         samples.update(tuple(c.token_ids) for out in outs for c in out.outputs)
-    total = sum(samples.values())
     stats = engine.get_stats()
     assert 300 < stats["spec_decode_num_accepted_tokens"] < 0.9 * stats["spec_decode_num_draft_tokens"]
     law = exact_law(target)
-    statistic, pooled_expected, pooled_observed, cells = 0.0, 0.0, 0, 0
-    for path, p in law.items():
-        expected = p * total
-        if expected < 5:
-            pooled_expected, pooled_observed = pooled_expected + expected, pooled_observed + samples.get(path, 0)
-            continue
-        statistic += (samples.get(path, 0) - expected) ** 2 / expected
-        cells += 1
-    if pooled_expected > 0:
-        statistic += (pooled_observed - pooled_expected) ** 2 / pooled_expected
-        cells += 1
+    statistic, cells = pooled_chi_square(law, samples)
     assert cells > 10
     assert statistic < chi_square_bound(cells - 1), (statistic, cells)

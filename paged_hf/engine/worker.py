@@ -33,7 +33,7 @@ def prepare_model(model):
         raise NotImplementedError(f"PagedEngine serves decoder-only models; {type(model).__name__} is not")
     if model.config._attn_implementation != "paged":
         model.set_attn_implementation("paged")
-    pack_linears(model)
+    pack_linears(model, available_memory(model.device))
     return model.eval()
 
 
