@@ -60,10 +60,12 @@ def _packable(weight: torch.Tensor) -> bool:
 @torch.library.custom_op("paged_hf::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the weight packed under ``key`` (packed again when ``weight`` changed)."""
-    if not (_packable(weight) and x.dtype == weight.dtype and key in _packs):
+    entry = _packs.get(key)
+    if entry is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
-    entry = _packs[key]
-    if entry.data_ptr != weight.data_ptr() or entry.version != weight._version:
+    if entry.data_ptr != weight.data_ptr() or entry.version != weight._version:  # the packed weight is not this one
+        if not _packable(weight):  # moved to another dtype or device: the plain product
+            return F.linear(x, weight, bias)
         entry = _packs[key] = _pack(weight)
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), entry.weight, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], weight.shape[0])
