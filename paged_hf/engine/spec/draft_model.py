@@ -14,7 +14,6 @@ KV is freed when it finishes or is preempted by recompute (``release``), and com
 
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 
@@ -23,9 +22,9 @@ import torch
 from ...kv.manager import KVManager
 from ...kv.sequence import SequenceKV
 from ...kv.sizing import allocate_all
-from ...metadata import build_metadata
-from ..forward_cache import EngineCache
+from ...metadata import build_metadata, long_tensor
 from ..request import Sequence
+from ..runner import ModelRunner, StepInput
 from ..validation import vocab_size
 from ..worker import prepare_model
 
@@ -69,9 +68,7 @@ class DraftModelProposer:
         self.device = model.device
         self.kv = KVManager(model.config.get_text_config(decoder=True), block_size, "auto", num_blocks)
         allocate_all(self.kv, model.dtype, self.device)
-        self.cache = EngineCache(self.kv)
-        self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
-        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.runner = ModelRunner(model, self.kv)  # eager: the engine's forward over the draft's own pool
         self.states: dict[int, tuple[Sequence, DraftKV]] = {}  # by id(seq); the seq is held so the id stays its own
 
     def release(self, seq: Sequence) -> None:
@@ -132,17 +129,8 @@ class DraftModelProposer:
         """One forward of the draft model (slots allocated); the argmax token after each sequence's last new one."""
         num_decodes = sum(1 for c in counts if c == 1)
         metadata = build_metadata(self.kv, kvs, starts, counts, num_decodes, self.device)
-        keep = (metadata.query_start_loc[1:] - 1).to(self.device)
-        kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
-        self.cache.metadata = metadata
-        try:
-            with torch.inference_mode():
-                out = self.model(input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
-                                 position_ids=metadata.positions.unsqueeze(0), cache=self.cache,
-                                 attention_mask=self.no_mask, use_cache=True, **kwargs)
-        finally:
-            self.cache.metadata = None
-        logits = out.logits[0] if self.keeps_logits else out.logits[0, keep]
+        keep = metadata.query_start_loc[1:] - 1
+        logits = self.runner.run(StepInput(long_tensor(tokens), metadata, keep))
         return logits.argmax(-1).tolist()
 
     def check_invariants(self) -> None:
