@@ -100,18 +100,21 @@ class SwapSpace:
             self._storages = [{} for _ in range(self.num_groups)]
         storages = self._storages[group]
         storage = storages.get(layer_idx)
-        if storage is None:
+        changed = storage is None  # made or grown: tensors that may not be pinned yet
+        if changed:
             _, block_size, heads, _ = device_storage.key_cache.shape
             storage = storages[layer_idx] = make_storage(self.kv_format, 0, block_size, heads, self.head_dim,
                                                          device_storage.dtype, "cpu")
-        if tails:
+        if tails:  # swap only (the host tier holds full blocks)
             storage.ensure_tail_rows(num_ids)
+            changed = True
         elif storage.num_blocks < num_ids:
             if before_grow is not None and storage.num_blocks:
                 before_grow()
             storage.grow(min(self.num_blocks, max(num_ids, storage.num_blocks + -(-storage.num_blocks // 4)))
                          - storage.num_blocks)
-        if self.pin_memory and device_storage.device.type == "cuda":
+            changed = True
+        if changed and self.pin_memory and device_storage.device.type == "cuda":
             _pin(storage)
         return storage
 
