@@ -65,6 +65,7 @@ class Record:
     finish_reason: str | None = None
     tokens: int = 0
     error: str | None = None
+    text: str = ""  # the streamed text, joined
 
 
 class Server:
@@ -123,6 +124,7 @@ async def one_request(http, url: str, prompt: list[int], max_tokens: int, model:
                     record.error = event["error"]["message"]
                     continue
                 record.chunks.append(now)
+                record.text += event["choices"][0].get("text") or ""
                 record.finish_reason = event["choices"][0]["finish_reason"] or record.finish_reason
     except Exception as error:  # noqa: BLE001 - counted as a failed request
         record.error = f"{type(error).__name__}: {error}"

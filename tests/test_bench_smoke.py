@@ -43,6 +43,9 @@ SMOKE = {
                 "--max-tokens", "2", "--repeats", "1", "--admission", "chunked", "--bursts", "off"], "prefix"),
     "serve": (["--model", "stories", "--requests", "2", "--rates", "inf", "--prompt-len", "8-16",
                "--output-len", "2-4"], "TTFT"),
+    "serve_vs_vllm": (["--model", "stories260K", "--vllm-python", "/nonexistent/bin/python", "--requests", "3",
+                       "--concurrency", "2", "--prompt-len", "8-16", "--output-len", "2-4", "--threads", "1",
+                       "--pairs", "1"], "vLLM SKIPPED: no Python at /nonexistent"),  # paged_hf's row still runs
     "structured": (["--model", "stories260K", "--batch", "2", "--steps", "2", "--rounds", "1", "--latency-rounds", "1",
                     "--threads", "1"],
                    "JSON-schema constrained"),

@@ -11,6 +11,9 @@ Skipped without CUDA (CI has none). A GPU session runs it with ``python -m pytes
   error beyond bf16 itself. With int8 the kernels take bf16 queries too (the rotated query returns to bf16).
 - The engine on CUDA (mixed decode + chunked prefill steps, prefix hits, copy-on-write for n > 1) gives the CPU
   engine's greedy tokens.
+- The host tier's copies on a side stream, host blocks pinned: an offload, the device blocks' immediate reuse and a
+  load give back the original bytes in every format, with a stream kept busy before each copy (a missing wait
+  copies stale bytes); a host-tier hit on CUDA gives the tokens and logprobs of a device-pool hit.
 """
 
 from __future__ import annotations
@@ -110,3 +113,38 @@ def test_engine_on_cuda_equals_cpu_engine():
     out = engine.generate([prompts[0]], forks, use_tqdm=False)[0]
     assert all(c.token_ids[:8] == ref[0].outputs[0].token_ids for c in out.outputs)
     assert engine.get_stats().kv_cache_used == 0
+
+
+# ------------------------------------------------------------------------------------------ host tier, side stream
+def _stall(host, kind):
+    """Keeps the stream a copy must wait for busy: the compute stream before an offload (its gather), the side
+    stream before a load (its host-to-device transfer)."""
+    from paged_hf.kv.copies import CopyKind  # noqa: PLC0415
+
+    stream = host.side_stream(CUDA).stream if kind is CopyKind.LOAD else torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_host_tier_offload_then_immediate_reuse_is_exact_on_the_side_stream(kv_format):
+    from paged_hf.kv.host_tier import HostTier  # noqa: PLC0415
+    from test_host_copies import offload_reuse_load  # noqa: PLC0415
+
+    host = offload_reuse_load(kv_format, CUDA, HostTier.side_factory, stall=_stall)
+    assert host.side_stream(CUDA) is not None
+    assert all(t.is_pinned() for t in host.space.storage(0, 0).tensors().values())
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_host_tier_hit_on_cuda_equals_pool_hit(kv_cache_dtype):
+    from test_prefix_tiers import host_run  # noqa: PLC0415
+
+    from models import token_logprobs  # noqa: PLC0415
+
+    model = tiny_model("llama").to(CUDA)
+    pool_hit, _ = host_run(model, kv_cache_dtype, tiered=False)
+    host_hit, stats = host_run(model, kv_cache_dtype, tiered=True)
+    assert stats["prefix_cache_host_hits"] > 0
+    assert host_hit.outputs[0].token_ids == pool_hit.outputs[0].token_ids
+    assert token_logprobs(host_hit.outputs[0]) == token_logprobs(pool_hit.outputs[0])

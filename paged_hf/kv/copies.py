@@ -5,6 +5,15 @@ fork's or a rollback's tail row, a cached block evicted to the host tier or load
 the forward that needs it, in recorded order: every tensor-parallel rank runs the same list. Each ``CopyKind``
 names where its sources and its destinations live, so ``src`` and ``dst`` always mean the same: ``dst[i] <- src[i]``,
 in every layer of the copy's group.
+
+On CUDA the host tier's copies (``OFFLOAD`` / ``LOAD``) are asynchronous: its host blocks live in pinned memory and
+the transfers run on a ``SideStream``. Every access to a device block stays on the compute stream (the current one)
+and every access to a host block on the side stream, each in recorded order, so the two streams meet only at the
+staging copies: an offload gathers its device blocks on the compute stream (a later write of a reused block is
+queued after that read) and the side stream waits for the gather before the device-to-host transfer; a load's
+host-to-device transfer fills a staging tensor on the side stream and the compute stream waits for it before the
+scatter into the device blocks (so the next forward reads the loaded bytes). The host thread waits for neither,
+except before a host storage grows (the grow copies it on the CPU). Everywhere else copies run inline.
 """
 
 from __future__ import annotations
@@ -94,8 +103,48 @@ class SwapStorages(Protocol):
     def storage(self, group: int, layer_idx: int) -> KVStorage: ...
 
 
+class HostStorages(SwapStorages, Protocol):
+    """The CPU side of the host tier's copies (``kv.host_tier.HostTier``): also the side stream they run on."""
+
+    def side_stream(self, device: torch.device) -> SideStream | None: ...
+
+
+class SideStream:
+    """A CUDA stream beside the compute stream (the current stream of ``device`` where a copy is issued).
+
+    ``waits_for_compute`` / ``compute_waits``: one stream waits for the work queued so far on the other (an event,
+    on the device: the host does not wait). ``lend``: a tensor made on one stream is used by the other, so the
+    caching allocator keeps its memory until that use is done."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def waits_for_compute(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def compute_waits(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def active(self):
+        """A context in which kernels and copies are queued on the side stream."""
+        return torch.cuda.stream(self.stream)
+
+    def lend(self, tensor: torch.Tensor, to_side: bool) -> None:
+        tensor.record_stream(self.stream if to_side else torch.cuda.current_stream(self.device))
+
+    def synchronize(self) -> None:
+        """The host waits for every copy queued on the side stream."""
+        self.stream.synchronize()
+
+
+def cuda_side_stream(device: torch.device) -> SideStream | None:
+    """A side stream for copies between ``device`` and host memory; None off CUDA (copies run inline there)."""
+    return SideStream(device) if device.type == "cuda" else None
+
+
 def apply_copy(copy: BlockCopy, storages: dict[int, KVStorage], swap: SwapStorages,
-               host: SwapStorages | None = None) -> None:
+               host: HostStorages | None = None) -> None:
     """Runs ``copy`` in every layer of ``storages`` (its group's; the id tensors are made once); the CPU side is
     ``host`` (the host tier) for ``OFFLOAD`` / ``LOAD``, else ``swap``."""
     if not storages:
@@ -103,6 +152,10 @@ def apply_copy(copy: BlockCopy, storages: dict[int, KVStorage], swap: SwapStorag
     kind, device = copy.kind, next(iter(storages.values())).device
     if Place.HOST_BLOCKS in (kind.src, kind.dst):
         swap = host
+        side = host.side_stream(device)
+        if side is not None:
+            (_offload_on_side if kind is CopyKind.OFFLOAD else _load_on_side)(copy, storages, host, side)
+            return
     src = torch.tensor(copy.src, dtype=torch.long, device="cpu" if kind.src.on_cpu else device)
     dst = torch.tensor(copy.dst, dtype=torch.long, device="cpu" if kind.dst.on_cpu else device)
     for idx, storage in storages.items():
@@ -117,3 +170,67 @@ def apply_copy(copy: BlockCopy, storages: dict[int, KVStorage], swap: SwapStorag
             copy_blocks_between(storage, cpu, src, dst, tails=kind.dst.tails)
         else:  # swap in
             copy_blocks_between(swap.storage(copy.group, idx), storage, src, dst, tails=kind.src.tails)
+
+
+def id_runs(ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """``(first id, first position in ids, length)`` of each run of consecutive ids: one slice copy moves a run
+    between host memory and a staging tensor."""
+    runs: list[tuple[int, int, int]] = []
+    for at, block_id in enumerate(ids):
+        if runs and runs[-1][0] + runs[-1][2] == block_id:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((block_id, at, 1))
+    return runs
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or its bytes for float8 (which index ops do not take)."""
+    return tensor.view(torch.uint8) if tensor.dtype.is_floating_point and tensor.element_size() == 1 else tensor
+
+
+def _device_ids(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``ids`` on ``device`` without a host wait (a blocking copy would wait for the whole compute stream)."""
+    ids = torch.tensor(ids, dtype=torch.long)
+    return ids.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ids
+
+
+def _offload_on_side(copy: BlockCopy, storages: dict[int, KVStorage], host: HostStorages, side: SideStream) -> None:
+    """``OFFLOAD``: gathers the device blocks on the compute stream, then moves them into the host blocks on
+    ``side``. A staging tensor per pool tensor: ``[len(src), *block shape]``."""
+    device = next(iter(storages.values())).device
+    src = _device_ids(copy.src, device)
+    staged = {idx: {name: _raw(t).index_select(0, src) for name, t in storage.tensors().items()}
+              for idx, storage in storages.items()}
+    side.waits_for_compute()
+    runs = id_runs(copy.dst)
+    with side.active():
+        for idx, storage in storages.items():
+            targets = host.storage_to_write(copy.group, idx, storage, max(copy.dst) + 1, False).tensors()
+            for name, part in staged[idx].items():
+                side.lend(part, to_side=True)
+                target = _raw(targets[name])
+                for first, at, n in runs:
+                    target[first : first + n].copy_(part[at : at + n], non_blocking=True)
+
+
+def _load_on_side(copy: BlockCopy, storages: dict[int, KVStorage], host: HostStorages, side: SideStream) -> None:
+    """``LOAD``: moves the host blocks into staging tensors on ``side``, then scatters them into the device blocks
+    on the compute stream once it has waited for them."""
+    device = next(iter(storages.values())).device
+    runs, staged = id_runs(copy.src), {}
+    with side.active():
+        for idx in storages:
+            for name, source in host.storage(copy.group, idx).tensors().items():
+                source = _raw(source)
+                part = torch.empty((len(copy.src), *source.shape[1:]), dtype=source.dtype, device=device)
+                for first, at, n in runs:
+                    part[at : at + n].copy_(source[first : first + n], non_blocking=True)
+                staged[idx, name] = part
+    side.compute_waits()
+    dst = _device_ids(copy.dst, device)
+    for idx, storage in storages.items():
+        for name, target in storage.tensors().items():
+            part = staged[idx, name]
+            side.lend(part, to_side=False)
+            _raw(target).index_copy_(0, dst, part)

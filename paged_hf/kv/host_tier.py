@@ -8,26 +8,34 @@ swap space) and evicted least recently used first. A prefix lookup that misses t
 copied back into a new device block (``CopyKind.LOAD``) before the forward and registered in the pool again.
 
 The host storages are those of a ``SwapSpace`` of the same size (made and grown by the copies as they are used), so a
-tensor-parallel follower, which replays the leader's copies without its bookkeeping, grows its own alike.
+tensor-parallel follower, which replays the leader's copies without its bookkeeping, grows its own alike. On CUDA
+they are pinned and the copies run asynchronously on a side stream (``copies.SideStream``, made at the first copy;
+``side_factory`` makes it, a test may give a fake); before a host storage grows the host waits for that stream.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+import torch
+
 from ..block_pool import KVBlock
 from ..storage import KVStorage
-from .copies import CopyKind, CopyLog
+from .copies import CopyKind, CopyLog, SideStream, cuda_side_stream
 from .swap import SwapSpace
 
 
 class HostTier:
     """``num_blocks`` host blocks per group for evicted cached blocks; their copies go to ``log``."""
 
+    side_factory = staticmethod(cuda_side_stream)  # device -> the side stream of the copies, or None (inline copies)
+
     def __init__(self, num_blocks: int, num_groups: int, kv_format: str, head_dim: int, log: CopyLog) -> None:
         self.num_blocks = num_blocks
-        self.space = SwapSpace(num_blocks, num_groups, kv_format, head_dim)
+        self.space = SwapSpace(num_blocks, num_groups, kv_format, head_dim, pin_memory=True)
         self.log = log
+        self._side: SideStream | None = None
+        self._side_made = False
         # per group: block hash -> (host block, token ids), least recently used first
         self._entries: list[OrderedDict[int, tuple[KVBlock, tuple[int, ...]]]] = [OrderedDict()
                                                                                   for _ in range(num_groups)]
@@ -96,10 +104,17 @@ class HostTier:
             self.log.record(group, copies, CopyKind.LOAD)
             self.num_loaded += len(copies)
 
-    # the ``SwapStorages`` protocol of ``copies.apply_copy``
+    # the ``HostStorages`` protocol of ``copies.apply_copy``
+    def side_stream(self, device: torch.device) -> SideStream | None:
+        """The stream the copies to and from ``device`` run on (the pool's device: one per tier), or None."""
+        if not self._side_made:
+            self._side, self._side_made = self.side_factory(device), True
+        return self._side
+
     def storage_to_write(self, group: int, layer_idx: int, device_storage: KVStorage, num_ids: int,
                          tails: bool) -> KVStorage:
-        return self.space.storage_to_write(group, layer_idx, device_storage, num_ids, tails)
+        wait = self._side.synchronize if self._side is not None else None  # a grow reads the storage on the CPU
+        return self.space.storage_to_write(group, layer_idx, device_storage, num_ids, tails, before_grow=wait)
 
     def storage(self, group: int, layer_idx: int) -> KVStorage:
         return self.space.storage(group, layer_idx)

@@ -8,6 +8,8 @@ grows its storages alike.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..block_pool import BlockPool
 from ..quant import make_storage
 from ..storage import KVStorage
@@ -19,8 +21,10 @@ from .sequence import SequenceKV, SwappedGroup
 class SwapSpace:
     """``num_blocks`` CPU blocks per group (0: no swap) for a ``kv_format`` with ``head_dim``."""
 
-    def __init__(self, num_blocks: int, num_groups: int, kv_format: str, head_dim: int) -> None:
+    def __init__(self, num_blocks: int, num_groups: int, kv_format: str, head_dim: int,
+                 pin_memory: bool = False) -> None:
         self.num_blocks = num_blocks
+        self.pin_memory = pin_memory  # CPU storages in pinned memory where the device is CUDA (async copies)
         self.num_groups = num_groups
         self.kv_format = kv_format
         self.head_dim = head_dim
@@ -88,22 +92,30 @@ class SwapSpace:
         return self._num_tails - 1
 
     def storage_to_write(self, group: int, layer_idx: int, device_storage: KVStorage, num_ids: int,
-                         tails: bool) -> KVStorage:
+                         tails: bool, before_grow: Callable[[], None] | None = None) -> KVStorage:
         """Layer ``layer_idx``'s CPU storage of ``group``, made on first use and grown (by a quarter at least) to
-        cover ``num_ids`` block ids (``tails``: tail rows)."""
+        cover ``num_ids`` block ids (``tails``: tail rows); ``before_grow`` runs before an existing storage grows.
+        With ``pin_memory`` and a CUDA ``device_storage`` its tensors are pinned."""
         if self._storages is None:
             self._storages = [{} for _ in range(self.num_groups)]
         storages = self._storages[group]
         storage = storages.get(layer_idx)
-        if storage is None:
+        changed = storage is None  # made or grown: tensors that may not be pinned yet
+        if changed:
             _, block_size, heads, _ = device_storage.key_cache.shape
             storage = storages[layer_idx] = make_storage(self.kv_format, 0, block_size, heads, self.head_dim,
                                                          device_storage.dtype, "cpu")
-        if tails:
+        if tails:  # swap only (the host tier holds full blocks)
             storage.ensure_tail_rows(num_ids)
+            changed = True
         elif storage.num_blocks < num_ids:
+            if before_grow is not None and storage.num_blocks:
+                before_grow()
             storage.grow(min(self.num_blocks, max(num_ids, storage.num_blocks + -(-storage.num_blocks // 4)))
                          - storage.num_blocks)
+            changed = True
+        if changed and self.pin_memory and device_storage.device.type == "cuda":
+            _pin(storage)
         return storage
 
     def storage(self, group: int, layer_idx: int) -> KVStorage:
@@ -118,3 +130,10 @@ class SwapSpace:
     def check_invariants(self) -> None:
         for pool in self._pools or []:
             pool.check_invariants()
+
+
+def _pin(storage: KVStorage) -> None:
+    """Moves ``storage``'s CPU tensors (blocks and tail rows) to pinned memory, those not there yet (made or grown)."""
+    for name, tensor in {**storage.tensors(), **storage.tail_tensors()}.items():
+        if not tensor.is_pinned():
+            setattr(storage, name, tensor.pin_memory())
