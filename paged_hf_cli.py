@@ -265,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The CPUs this process could run on before OpenMP pinned its threads (read by paged_hf.engine.threads).
+START_AFFINITY_ENV = "PAGED_HF_START_AFFINITY"
+
+
 def _pin_openmp(spec: str) -> None:
     """Before torch starts its OpenMP runtime: one thread per CPU of ``spec``, each pinned to its CPU, idle threads
     asleep rather than spinning (a spinning thread takes the core another process's work needs). Variables the
@@ -279,6 +283,8 @@ def _pin_openmp(spec: str) -> None:
             return
     if not cpus:
         return
+    if hasattr(os, "sched_getaffinity"):  # OpenMP pins this thread to one CPU at start: the engine checks the list
+        os.environ.setdefault(START_AFFINITY_ENV, ",".join(map(str, sorted(os.sched_getaffinity(0)))))
     for name, value in (("OMP_NUM_THREADS", str(len(cpus))), ("OMP_PROC_BIND", "close"),
                         ("OMP_WAIT_POLICY", "PASSIVE"), ("OMP_PLACES", ",".join(f"{{{c}}}" for c in cpus))):
         os.environ.setdefault(name, value)

@@ -275,3 +275,19 @@ def test_serve_pins_openmp_before_torch_starts_and_passes_the_engine_options(mon
     assert {k: v for k, v in cli._engine_options(args).items() if k in ("enforce_eager", "cpu_threads_bind")} == \
         {"enforce_eager": True, "cpu_threads_bind": "0"}
     assert "enforce_eager" not in cli._engine_options(paged_hf_cli.build_parser().parse_args(["serve"]))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs this process may run on")
+def test_a_cpu_list_binds_after_openmp_pinned_the_main_thread():
+    """``paged-hf serve --cpu-threads-bind A-B``: OpenMP (pinned before torch loads) binds the main thread to CPU A;
+    the engine's check must still accept the list (it once refused B as a CPU the process may not run on)."""
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    code = (f"import paged_hf_cli; paged_hf_cli._pin_openmp('{first},{second}')\n"
+            "import torch; torch.ones(1 << 16).sum()\n"  # starts the OpenMP runtime, which pins this thread
+            "from paged_hf.engine.threads import bind_cpu_threads\n"
+            f"print(bind_cpu_threads('{first},{second}', 'cpu'))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_") and k != "PAGED_HF_START_AFFINITY"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == str([first, second])

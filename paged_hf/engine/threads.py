@@ -22,6 +22,7 @@ import torch
 
 logger = logging.getLogger("paged_hf")
 KEYWORDS = ("auto", "nobind")
+START_AFFINITY_ENV = "PAGED_HF_START_AFFINITY"  # set by paged_hf_cli._pin_openmp
 
 
 def parse_cpu_list(spec: str, name: str = "cpu_threads_bind") -> list[int]:
@@ -50,13 +51,22 @@ def check_cpu_threads_bind(spec) -> None:
 
 def _listed_cpus(spec: str) -> list[int]:
     """The CPUs a CPU-list ``spec`` names; ValueError for CPUs this process may not run on."""
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+    allowed = _allowed_cpus()
     cpus = parse_cpu_list(spec)
     outside = [c for c in cpus if c not in allowed]
     if outside:
         raise ValueError(f"cpu_threads_bind={spec!r} names CPUs {outside} this process may not run on "
                          f"(allowed: {allowed})")
     return cpus
+
+
+def _allowed_cpus() -> list[int]:
+    """The CPUs this process may run on: as it started where ``paged-hf`` pinned OpenMP before torch loaded (the
+    runtime then binds this thread to one CPU of the list), else this thread's affinity."""
+    started = os.environ.get(START_AFFINITY_ENV)
+    if started:
+        return parse_cpu_list(started, START_AFFINITY_ENV)
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
 
 
 def bind_cpu_threads(spec: str, device) -> list[int] | None:
@@ -68,8 +78,8 @@ def bind_cpu_threads(spec: str, device) -> list[int] | None:
                     torch.get_num_threads(), spec)
         return None
     cpus = _listed_cpus(spec)
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cpus)
+    if hasattr(os, "sched_setaffinity") and not os.sched_getaffinity(0) <= set(cpus):
+        os.sched_setaffinity(0, cpus)  # (a thread OpenMP already pinned to one of them stays there)
     if torch.get_num_threads() != len(cpus):
         torch.set_num_threads(len(cpus))
     logger.info("PagedEngine: %d intra-op threads bound to CPUs %s (cpu_threads_bind=%r)", len(cpus), cpus, spec)
