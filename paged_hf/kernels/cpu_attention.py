@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 
+from .cpu_ext import decode_kernel
 from .kv_format import kv_format as _kv_format
 from .kv_quant import dequantize_block_values_ref, dequantize_channels_ref, dequantize_kv_ref
 from .pool_tensors import PoolTensors
@@ -54,6 +55,10 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 def paged_decode_attention_cpu(query, pools: PoolTensors, block_tables, seq_lens, scale, sliding_window=None,
                                softcap=None, sinks=None, tail_rows=None, fresh_key=None, fresh_value=None):
     """``paged_decode_attention_ref``'s contract (``query [S, heads, D]`` at position ``seq_lens - 1``), batched."""
+    kernel = _in_place_decode(query, pools, tail_rows)
+    if kernel is not None:
+        return kernel(query, pools.key_cache, pools.value_cache, block_tables, seq_lens, scale,
+                      sliding_window or 0, softcap or 0.0, sinks)
     pools = _Pools(*pools)
     out = torch.empty_like(query)
     for a, b in _groups(seq_lens, pools):
@@ -80,6 +85,19 @@ def paged_prefill_attention_cpu(query, pools: PoolTensors, block_tables, seq_len
         out[first:last] = _prefill(query[first:last], pools, block_tables[a:b], seq_lens[a:b],
                                    cu_query_lens[a : b + 1] - first, scale, sliding_window, softcap, sinks, rows, fresh)
     return out
+
+
+def _in_place_decode(query, pools: PoolTensors, tail_rows):
+    """The C++ decode kernel (``cpu_ext``) where it serves this call: pools in the query's dtype (float32 or
+    bfloat16, no codes, no tail), built on this machine; else None (the torch path below)."""
+    if (tail_rows is not None or pools.kv_format != "auto" or query.dtype not in _IN_PLACE_DTYPES
+            or pools.key_cache.dtype != query.dtype or query.stride(-1) != 1
+            or not (pools.key_cache.is_contiguous() and pools.value_cache.is_contiguous())):
+        return None
+    return decode_kernel()
+
+
+_IN_PLACE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class _Pools:
