@@ -27,8 +27,10 @@ step alone (the sequence groups, the block ids to gather, the masks, a tail form
 the first layer and reused by the others (``_StepPlans``: the kernels' signatures carry tensors, not the step's
 metadata object, so the plans are found by the step tensors' memory).
 
-No C++ extension: in a profile of decode (32 sequences x 1024 tokens, 1 thread) the block gather is 52-57% and the
-flash call the rest, so a kernel reading the blocks in place could at most about halve decode attention; not built.
+Decode over unquantized pools (float32, bfloat16: the "auto" format) goes to the C++ kernel of ``cpu_ext`` where it
+could be built: it reads each sequence's blocks where they lie (no gathered copy, no padding to the longest
+sequence), so its cost is one pass over the K/V bytes. The torch path below serves every other call (quantized and
+tail formats, float16, prefill) and decode where no compiler is present; both equal the oracle.
 """
 
 from __future__ import annotations
