@@ -24,7 +24,9 @@ BLOCK_SIZE, NUM_KV_HEADS, GROUP, HEAD_DIM = 8, 2, 3, 16
 DECODE_LENGTHS = (1, 8, 9, 30, 47)
 PREFILL_CHUNKS = {"prefill": ((13, 13), (40, 17), (9, 8), (64, 24)),  # (seq_len, chunk): first chunks and later ones
                   "mixed": ((30, 1), (5, 0), (47, 12), (16, 1), (23, 8), (8, 8)),  # decode-like rows, an empty one
-                  "equal": ((20, 8), (33, 8), (8, 8))}  # chunks of one length: the packed rows are the padded ones
+                  "equal": ((20, 8), (33, 8), (8, 8)),  # chunks of one length: the packed rows are the padded ones
+                  # every chunk its sequence's first (the causal plan, no mask), and so short no window cuts them
+                  "first": ((13, 13), (9, 9), (30, 30), (1, 1)), "first_short": ((5, 5), (6, 6), (3, 3))}
 
 
 def assert_matches_oracle(got, want, dtype):

@@ -276,7 +276,7 @@ class _PrefillPlan(NamedTuple):
     same_lengths: bool  # every chunk as long: the packed rows are the padded ones
     seq_of: torch.Tensor  # [T]: the chunk of each packed query
     offset: torch.Tensor  # [T]: its row in its chunk
-    mask: torch.Tensor  # [S, 1, W, L (+ bs + W with a tail)] additive, in the compute dtype
+    mask: torch.Tensor | None  # [S, 1, W, L (+ bs + W with a tail)] additive, in the compute dtype; None: causal
     tail_rows: torch.Tensor | None  # [S] int64 (tail formats)
 
 
@@ -289,6 +289,12 @@ def _prefill_plan(block_tables, seq_lens, cu_query_lens, num_queries, bs, window
     seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens, output_size=num_queries)
     offset = torch.arange(num_queries, device=device) - cu_query_lens.long().to(device)[seq_of]
     ctx = seq_lens - query_lens  # the first new position of each sequence
+    if tail_rows is None and not bool(ctx.any()) and (window is None or int(seq_lens.max()) <= window):
+        # every chunk is its sequence's first and no window cuts it: gathered key j is position j, so the kernel's
+        # own causal rule (query row i sees keys 0..i) is the mask, and it skips the key tiles above the diagonal
+        ids, _ = _columns(block_tables, ctx, seq_lens - 1, bs, None)
+        return _PrefillPlan(ids.reshape(-1).long(), ids.shape[1], width, num_queries == num_seqs * width, seq_of,
+                            offset, None, None)
     columns = torch.arange(width, device=device)
     positions = ctx[:, None] + columns[None, :]  # [S, W]; columns >= query_lens are padding rows
     ids, key_start = _columns(block_tables, ctx, seq_lens - 1, bs, window)
@@ -345,11 +351,19 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _attend(query, k, v, mask, scale, softcap, sinks) -> torch.Tensor:
     """``query [S, heads, n, D]`` over ``k``, ``v`` ``[S, L, kv_heads, D]`` under the additive ``mask [S, 1, n, L]``
-    (``_additive``); returns ``[S, heads, n, D]`` in the query's dtype (rows that see no key: 0)."""
+    (``_additive``; None: causal from the top left, query row i sees keys 0..i); returns ``[S, heads, n, D]`` in the
+    query's dtype (rows that see no key: 0)."""
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     if softcap is not None:
+        if mask is None:
+            rows, keys = torch.arange(query.shape[2]), torch.arange(k.shape[2])
+            visible = (keys[None, :] <= rows[:, None]).to(query.device)
+            mask = _additive(visible, query.dtype).expand(query.shape[0], 1, -1, -1)
         return _explicit_attention(query, k, v, mask == 0, scale, softcap, sinks)
-    out, lse = _flash(query, k, v, attn_mask=mask, scale=scale)
+    if mask is None:
+        out, lse = _flash(query, k, v, is_causal=True, scale=scale)
+    else:
+        out, lse = _flash(query, k, v, attn_mask=mask, scale=scale)
     if sinks is not None:  # the sink joins the denominator: exp(lse) / (exp(lse) + exp(sink))
         weight = torch.sigmoid(lse - sinks.float().view(1, -1, 1))
         out = (out.float() * weight.unsqueeze(-1)).to(query.dtype)
