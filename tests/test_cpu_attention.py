@@ -24,7 +24,9 @@ BLOCK_SIZE, NUM_KV_HEADS, GROUP, HEAD_DIM = 8, 2, 3, 16
 DECODE_LENGTHS = (1, 8, 9, 30, 47)
 PREFILL_CHUNKS = {"prefill": ((13, 13), (40, 17), (9, 8), (64, 24)),  # (seq_len, chunk): first chunks and later ones
                   "mixed": ((30, 1), (5, 0), (47, 12), (16, 1), (23, 8), (8, 8)),  # decode-like rows, an empty one
-                  "equal": ((20, 8), (33, 8), (8, 8))}  # chunks of one length: the packed rows are the padded ones
+                  "equal": ((20, 8), (33, 8), (8, 8)),  # chunks of one length: the packed rows are the padded ones
+                  # every chunk its sequence's first (the causal plan, no mask), and so short no window cuts them
+                  "first": ((13, 13), (9, 9), (30, 30), (1, 1)), "first_short": ((5, 5), (6, 6), (3, 3))}
 
 
 def assert_matches_oracle(got, want, dtype):
@@ -57,10 +59,22 @@ def _fresh(pools, rows, dtype, gen):
             for which in ("key", "value")}
 
 
+@pytest.fixture(params=["in_place", "torch"])
+def decode_path(request, monkeypatch):
+    """Decode through the C++ kernel that reads the pools in place (where it serves the call) or the torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_attention, "decode_kernel", lambda: None)
+    elif cpu_attention.decode_kernel() is None:
+        pytest.skip("the C++ decode kernel cannot be built here")
+    return request.param
+
+
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kv_format", FORMATS)
-def test_decode_matches_oracle(kv_format, dtype, feature):
+def test_decode_matches_oracle(kv_format, dtype, feature, decode_path):
+    if decode_path == "in_place" and kv_format != "auto":
+        pytest.skip("the in-place kernel serves the unquantized pools only (the torch path is the other case)")
     pools, tables, gen = _pools(kv_format, dtype, DECODE_LENGTHS, seed=1)
     query = torch.randn(len(DECODE_LENGTHS), NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen).to(dtype)
     operands = dict(block_tables=tables, seq_lens=torch.tensor(DECODE_LENGTHS), **kernel_args(pools), **_fresh(pools,
@@ -87,7 +101,9 @@ def test_prefill_matches_oracle(kv_format, dtype, feature, mode):
 
 @pytest.mark.parametrize("kv_format", ["auto", "int4"])
 def test_groups_of_sequences_equal_one_call(kv_format, monkeypatch):
-    """A batch past the gather bound goes in groups of sequences: the same rows as one call, decode and prefill."""
+    """A batch past the gather bound goes in groups of sequences: the same rows as one call, decode and prefill
+    (the torch path: the in-place kernel gathers nothing)."""
+    monkeypatch.setattr(cpu_attention, "decode_kernel", lambda: None)
     lengths, chunks = (30, 9, 47, 16, 1), (5, 9, 12, 1, 1)
     pools, tables, gen = _pools(kv_format, torch.float32, lengths, seed=3)
     query = torch.randn(len(lengths), NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen)
@@ -111,7 +127,9 @@ def test_groups_of_sequences_equal_one_call(kv_format, monkeypatch):
 
 
 def test_bfloat16_pool_is_never_upcast(monkeypatch):
-    """A bfloat16 pool is gathered and attended in bfloat16: no float32 tensor as large as the gathered K/V."""
+    """A bfloat16 pool is gathered and attended in bfloat16 on the torch path: no float32 tensor as large as the
+    gathered K/V (the in-place kernel reads the pool as it is and gathers nothing)."""
+    monkeypatch.setattr(cpu_attention, "decode_kernel", lambda: None)
     lengths = (64, 64)
     pools, tables, gen = _pools("auto", torch.bfloat16, lengths, seed=4)
     query = torch.randn(2, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen).to(torch.bfloat16)

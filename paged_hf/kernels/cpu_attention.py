@@ -27,8 +27,10 @@ step alone (the sequence groups, the block ids to gather, the masks, a tail form
 the first layer and reused by the others (``_StepPlans``: the kernels' signatures carry tensors, not the step's
 metadata object, so the plans are found by the step tensors' memory).
 
-No C++ extension: in a profile of decode (32 sequences x 1024 tokens, 1 thread) the block gather is 52-57% and the
-flash call the rest, so a kernel reading the blocks in place could at most about halve decode attention; not built.
+Decode over unquantized pools (float32, bfloat16: the "auto" format) goes to the C++ kernel of ``cpu_ext`` where it
+could be built: it reads each sequence's blocks where they lie (no gathered copy, no padding to the longest
+sequence), so its cost is one pass over the K/V bytes. The torch path below serves every other call (quantized and
+tail formats, float16, prefill) and decode where no compiler is present; both equal the oracle.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import NamedTuple
 
 import torch
 
+from .cpu_ext import decode_kernel
 from .kv_format import kv_format as _kv_format
 from .kv_quant import dequantize_block_values_ref, dequantize_channels_ref, dequantize_kv_ref
 from .pool_tensors import PoolTensors
@@ -54,6 +57,10 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 def paged_decode_attention_cpu(query, pools: PoolTensors, block_tables, seq_lens, scale, sliding_window=None,
                                softcap=None, sinks=None, tail_rows=None, fresh_key=None, fresh_value=None):
     """``paged_decode_attention_ref``'s contract (``query [S, heads, D]`` at position ``seq_lens - 1``), batched."""
+    kernel = _in_place_decode(query, pools, tail_rows)
+    if kernel is not None:
+        return kernel(query, pools.key_cache, pools.value_cache, block_tables, seq_lens, scale,
+                      sliding_window or 0, softcap or 0.0, sinks)
     pools = _Pools(*pools)
     out = torch.empty_like(query)
     for a, b in _groups(seq_lens, pools):
@@ -80,6 +87,19 @@ def paged_prefill_attention_cpu(query, pools: PoolTensors, block_tables, seq_len
         out[first:last] = _prefill(query[first:last], pools, block_tables[a:b], seq_lens[a:b],
                                    cu_query_lens[a : b + 1] - first, scale, sliding_window, softcap, sinks, rows, fresh)
     return out
+
+
+def _in_place_decode(query, pools: PoolTensors, tail_rows):
+    """The C++ decode kernel (``cpu_ext``) where it serves this call: pools in the query's dtype (float32 or
+    bfloat16, no codes, no tail), built on this machine; else None (the torch path below)."""
+    if (tail_rows is not None or pools.kv_format != "auto" or query.dtype not in _IN_PLACE_DTYPES
+            or pools.key_cache.dtype != query.dtype or query.stride(-1) != 1
+            or not (pools.key_cache.is_contiguous() and pools.value_cache.is_contiguous())):
+        return None
+    return decode_kernel()
+
+
+_IN_PLACE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class _Pools:
@@ -256,7 +276,7 @@ class _PrefillPlan(NamedTuple):
     same_lengths: bool  # every chunk as long: the packed rows are the padded ones
     seq_of: torch.Tensor  # [T]: the chunk of each packed query
     offset: torch.Tensor  # [T]: its row in its chunk
-    mask: torch.Tensor  # [S, 1, W, L (+ bs + W with a tail)] additive, in the compute dtype
+    mask: torch.Tensor | None  # [S, 1, W, L (+ bs + W with a tail)] additive, in the compute dtype; None: causal
     tail_rows: torch.Tensor | None  # [S] int64 (tail formats)
 
 
@@ -269,6 +289,12 @@ def _prefill_plan(block_tables, seq_lens, cu_query_lens, num_queries, bs, window
     seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens, output_size=num_queries)
     offset = torch.arange(num_queries, device=device) - cu_query_lens.long().to(device)[seq_of]
     ctx = seq_lens - query_lens  # the first new position of each sequence
+    if tail_rows is None and not bool(ctx.any()) and (window is None or int(seq_lens.max()) <= window):
+        # every chunk is its sequence's first and no window cuts it: gathered key j is position j, so the kernel's
+        # own causal rule (query row i sees keys 0..i) is the mask, and it skips the key tiles above the diagonal
+        ids, _ = _columns(block_tables, ctx, seq_lens - 1, bs, None)
+        return _PrefillPlan(ids.reshape(-1).long(), ids.shape[1], width, num_queries == num_seqs * width, seq_of,
+                            offset, None, None)
     columns = torch.arange(width, device=device)
     positions = ctx[:, None] + columns[None, :]  # [S, W]; columns >= query_lens are padding rows
     ids, key_start = _columns(block_tables, ctx, seq_lens - 1, bs, window)
@@ -325,11 +351,19 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _attend(query, k, v, mask, scale, softcap, sinks) -> torch.Tensor:
     """``query [S, heads, n, D]`` over ``k``, ``v`` ``[S, L, kv_heads, D]`` under the additive ``mask [S, 1, n, L]``
-    (``_additive``); returns ``[S, heads, n, D]`` in the query's dtype (rows that see no key: 0)."""
+    (``_additive``; None: causal from the top left, query row i sees keys 0..i); returns ``[S, heads, n, D]`` in the
+    query's dtype (rows that see no key: 0)."""
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     if softcap is not None:
+        if mask is None:
+            rows, keys = torch.arange(query.shape[2]), torch.arange(k.shape[2])
+            visible = (keys[None, :] <= rows[:, None]).to(query.device)
+            mask = _additive(visible, query.dtype).expand(query.shape[0], 1, -1, -1)
         return _explicit_attention(query, k, v, mask == 0, scale, softcap, sinks)
-    out, lse = _flash(query, k, v, attn_mask=mask, scale=scale)
+    if mask is None:
+        out, lse = _flash(query, k, v, is_causal=True, scale=scale)
+    else:
+        out, lse = _flash(query, k, v, attn_mask=mask, scale=scale)
     if sinks is not None:  # the sink joins the denominator: exp(lse) / (exp(lse) + exp(sink))
         weight = torch.sigmoid(lse - sinks.float().view(1, -1, 1))
         out = (out.float() * weight.unsqueeze(-1)).to(query.dtype)

@@ -1,0 +1,262 @@
+// The CPU paged decode attention, reading K/V where they lie in the block pools (no gathered copy).
+//
+// paged_hf_cpu::paged_decode(query [S, H, D], key_cache [N, B, KH, D], value_cache [N, B, KH, D],
+//                            block_tables [S, W] (int32 or int64), seq_lens [S] (int32 or int64), scale,
+//                            window (<= 0: none), softcap (<= 0: none), sinks [H] float32 or None) -> [S, H, D]
+//
+// Query and pools in one dtype (float32 or bfloat16), the query's last position seq_lens[s] - 1 (its K/V already
+// stored). One work item per (sequence, KV head): its H / KH query heads read each key and value once. Scores, the
+// softmax and the output accumulate in float32; the output is rounded to the query's dtype once. Two passes over
+// the keys: the scores (kept in a per-thread buffer), then the values weighted by exp(score - max). Items are spread
+// over torch's intra-op threads (at::parallel_for), so torch.set_num_threads governs this kernel as every other op.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// 16 floats: GCC/Clang vector extensions, lowered to the widest SIMD the compiler targets (-march=native here), so
+// one source serves AVX-512, AVX2 or plain SSE machines.
+typedef float f16v __attribute__((vector_size(64)));
+typedef uint16_t u16v __attribute__((vector_size(32)));
+typedef uint32_t u32v __attribute__((vector_size(64)));
+constexpr int64_t LANES = 16;
+
+inline f16v load16(const float* p) {
+  f16v v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline f16v load16(const c10::BFloat16* p) {
+  u16v raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  u32v wide = __builtin_convertvector(raw, u32v) << 16;
+  f16v v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+
+inline float reduce16(f16v v) {
+  typedef float f8v __attribute__((vector_size(32)));
+  typedef float f4v __attribute__((vector_size(16)));
+  f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp(x) for 16 lanes, x <= 0 (scores minus their maximum): 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, and
+// 2^f by its degree-6 Taylor polynomial in f ln 2 (relative error below 2e-7, float32's own rounding); x below
+// -87 gives 2^-126, which the sums ignore as they would exp(x).
+typedef int32_t i32v __attribute__((vector_size(64)));
+inline f16v exp16(f16v x) {
+  const f16v low = f16v{} - 87.f;
+  x = x < low ? low : x;
+  const f16v t = x * 1.44269504088896341f;
+  const f16v magic = f16v{} + 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const f16v n = (t + magic) - magic;
+  const f16v r = (t - n) * 0.693147180559945309f;
+  f16v p = f16v{} + (1.f / 720.f);
+  p = p * r + (1.f / 120.f);
+  p = p * r + (1.f / 24.f);
+  p = p * r + (1.f / 6.f);
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const i32v bits = (__builtin_convertvector(n, i32v) + 127) << 23;
+  f16v scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// One row of D values as floats in `dst` (D a multiple of LANES: whole vectors; else element by element).
+template <typename T>
+inline void load_row(const T* __restrict src, float* __restrict dst, int64_t D) {
+  int64_t d = 0;
+  for (; d + LANES <= D; d += LANES) {
+    f16v v = load16(src + d);
+    std::memcpy(dst + d, &v, sizeof(v));
+  }
+  for (; d < D; ++d) dst[d] = to_float(src[d]);
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
+  f16v acc = {};
+  int64_t d = 0;
+  for (; d + LANES <= D; d += LANES) acc += load16(a + d) * load16(b + d);
+  float out = reduce16(acc);
+  for (; d < D; ++d) out += a[d] * b[d];
+  return out;
+}
+
+// Asks for the next block's row of token `t` while this block's row `t` is read: the blocks of a sequence lie
+// anywhere in the pool, so the hardware prefetcher cannot run ahead across them.
+template <typename T>
+inline void prefetch_row(const T* row_start, int64_t row_elems) {
+  const char* p = reinterpret_cast<const char*>(row_start);
+  for (int64_t b = 0; b < row_elems * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 1);
+}
+
+inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t D) {
+  int64_t d = 0;
+  for (; d + LANES <= D; d += LANES) {
+    f16v v = load16(y + d) + w * load16(x + d);
+    std::memcpy(y + d, &v, sizeof(v));
+  }
+  for (; d < D; ++d) y[d] += w * x[d];
+}
+
+// One work item per sequence: its blocks are read front to back, each token's row of every KV head at once
+// (contiguous memory), and each KV head's row serves its H / KH query heads.
+template <typename T, typename I, typename L>
+void decode_kernel(const T* query, const T* key_cache, const T* value_cache, const I* block_tables,
+                   const L* seq_lens, const float* sinks, T* out, int64_t S, int64_t H, int64_t KH, int64_t D,
+                   int64_t B, int64_t q_stride_s, int64_t q_stride_h, int64_t bt_stride, float scale,
+                   int64_t window, float softcap) {
+  const int64_t G = H / KH;            // query heads per KV head
+  const int64_t row = KH * D;          // elements of one token's row (every KV head)
+  const int64_t block_elems = B * row; // elements of one block
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(H * D), kv(row), acc(H * D), total(H), scores;
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t len = static_cast<int64_t>(seq_lens[s]);
+      T* o = out + s * H * D;
+      if (len <= 0) {
+        for (int64_t i = 0; i < H * D; ++i) o[i] = T(0.f);
+        continue;
+      }
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      for (int64_t h = 0; h < H; ++h) {
+        load_row(query + s * q_stride_s + h * q_stride_h, q.data() + h * D, D);
+        for (int64_t d = 0; d < D; ++d) q[h * D + d] *= scale;
+      }
+      scores.resize(H * n);
+      const I* table = block_tables + s * bt_stride;
+      for (int64_t p = first; p < len;) {  // pass 1: scores[h * n + t] for the keys first..len-1
+        const int64_t stop = std::min(len, (p / B + 1) * B);
+        const T* base = key_cache + static_cast<int64_t>(table[p / B]) * block_elems;
+        const T* next = stop < len ? key_cache + static_cast<int64_t>(table[stop / B]) * block_elems : nullptr;
+        for (; p < stop; ++p) {
+          if (next) prefetch_row(next + (p % B) * row, row);
+          load_row(base + (p % B) * row, kv.data(), row);
+          for (int64_t h = 0; h < H; ++h) {
+            float x = dot(q.data() + h * D, kv.data() + (h / G) * D, D);
+            if (softcap > 0.f) x = std::tanh(x / softcap) * softcap;
+            scores[h * n + (p - first)] = x;
+          }
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {  // softmax per query head; a sink joins the denominator only
+        float* sc = scores.data() + h * n;
+        float peak = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) peak = std::max(peak, sc[t]);
+        const float sink = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
+        peak = std::max(peak, sink);
+        float sum = sinks ? std::exp(sink - peak) : 0.f;
+        f16v sums = {};
+        int64_t t = 0;
+        for (; t + LANES <= n; t += LANES) {
+          const f16v e = exp16(load16(sc + t) - peak);
+          std::memcpy(sc + t, &e, sizeof(e));
+          sums += e;
+        }
+        for (; t < n; ++t) {
+          sc[t] = std::exp(sc[t] - peak);
+          sum += sc[t];
+        }
+        total[h] = sum + reduce16(sums);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = first; p < len;) {  // pass 2: acc[h] = sum_t p[h, t] * v_t
+        const int64_t stop = std::min(len, (p / B + 1) * B);
+        const T* base = value_cache + static_cast<int64_t>(table[p / B]) * block_elems;
+        const T* next = stop < len ? value_cache + static_cast<int64_t>(table[stop / B]) * block_elems : nullptr;
+        for (; p < stop; ++p) {
+          if (next) prefetch_row(next + (p % B) * row, row);
+          load_row(base + (p % B) * row, kv.data(), row);
+          for (int64_t h = 0; h < H; ++h) axpy(scores[h * n + (p - first)], kv.data() + (h / G) * D, acc.data() + h * D, D);
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const float inv = 1.f / total[h];
+        for (int64_t d = 0; d < D; ++d) o[h * D + d] = T(acc[h * D + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_indices(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const float* sinks, at::Tensor& out,
+                      float scale, int64_t window, float softcap) {
+  const int64_t S = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t B = key_cache.size(1), KH = key_cache.size(2);
+  auto run = [&](auto* tables, auto* lens) {
+    decode_kernel<T>(query.const_data_ptr<T>(), key_cache.const_data_ptr<T>(), value_cache.const_data_ptr<T>(),
+                     tables, lens, sinks, out.mutable_data_ptr<T>(), S, H, KH, D, B, query.stride(0),
+                     query.stride(1), block_tables.stride(0), scale, window, softcap);
+  };
+  auto with_lens = [&](auto* tables) {
+    if (seq_lens.scalar_type() == at::kInt) run(tables, seq_lens.const_data_ptr<int32_t>());
+    else run(tables, seq_lens.const_data_ptr<int64_t>());
+  };
+  if (block_tables.scalar_type() == at::kInt) with_lens(block_tables.const_data_ptr<int32_t>());
+  else with_lens(block_tables.const_data_ptr<int64_t>());
+}
+
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                        double softcap, const std::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "paged_decode: query [S, H, D], "
+              "pools [N, B, KH, D]");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "paged_decode: query and pools must share one dtype");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_decode: pools must be contiguous");
+  TORCH_CHECK(query.stride(2) == 1, "paged_decode: query's last dimension must be contiguous");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && seq_lens.is_contiguous(),
+              "paged_decode: block_tables [S, W] row-major, seq_lens [S] contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt || block_tables.scalar_type() == at::kLong,
+              "paged_decode: block_tables int32 or int64");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt || seq_lens.scalar_type() == at::kLong,
+              "paged_decode: seq_lens int32 or int64");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0 && query.size(2) == key_cache.size(3),
+              "paged_decode: heads must be a multiple of KV heads, head dims equal");
+  at::Tensor sink_values;
+  if (sinks.has_value() && sinks->defined()) {
+    sink_values = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sink_values.numel() == query.size(1), "paged_decode: sinks [H]");
+  }
+  const float* sink_ptr = sink_values.defined() ? sink_values.const_data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      dispatch_indices<float>(query, key_cache, value_cache, block_tables, seq_lens, sink_ptr, out, sc, window, cap);
+      break;
+    case at::kBFloat16:
+      dispatch_indices<c10::BFloat16>(query, key_cache, value_cache, block_tables, seq_lens, sink_ptr, out, sc,
+                                      window, cap);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode: float32 or bfloat16, not ", query.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(paged_hf_cpu, m) {
+  m.def("paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
+        "float scale, int window, float softcap, Tensor? sinks) -> Tensor");
+  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+}
