@@ -6,7 +6,8 @@ For each batch size ``B`` (``--batches``), ``B`` prompts of ``--prompt-len`` ran
 each engine: with ``max_tokens=1`` (the prefill alone) and ``--new-tokens`` greedy tokens (EOS ignored). The decode
 throughput is ``B * (new_tokens - 1) / (t_full - t_prefill)`` generated tokens per second (the best of
 ``--repeats``), and a decode step's time is its inverse times ``B``. Engines are built one after the other on one
-model (a fixed ``num_blocks``), their start-up seconds reported (compile warm-up, and the capture for graphs).
+model (a fixed ``num_blocks``), their start-up seconds reported (compile warm-up, and the capture for graphs: the
+first compiled engine pays for the compile, later ones on the same model reuse its graph).
 Greedy tokens of each mode are compared with the first mode's (bfloat16: a padded batch runs its GEMMs at another
 row count, so near-ties of a random model may differ; float32 should agree).
 
