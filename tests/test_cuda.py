@@ -13,7 +13,7 @@ Skipped without CUDA (CI has none). A GPU session runs it with ``python -m pytes
   engine's greedy tokens (its decode-only steps replayed from CUDA graphs, the default).
 - CUDA graphs (``engine/cuda_graphs.py``): every bucket captured at start without a failure (a host sync inside the
   captured region fails it), replayed for the decode-only steps, with the tokens of ``cudagraph_mode="NONE"`` in
-  every format (int4: captured again when its tail pools grow); ``enforce_eager=True`` turns graphs off with
+  every format (int4: captured again when its tail pools move); ``enforce_eager=True`` turns graphs off with
   compile. ``benchmarks/gpu_session.sh`` step 5 runs these alone (``-k cuda_graphs``) and times decode on and off.
 """
 
@@ -152,8 +152,7 @@ def _tokens_and_logprobs(engine, prompts, params):
 @pytest.mark.parametrize("kv_format", ["auto", "int8", "int4"])
 def test_cuda_graphs_replay_decode_steps_with_the_tokens_of_the_engine_without_them(kv_format, monkeypatch, caplog):
     """Captured at start (the log line names the buckets), with no capture failure (a host sync inside the region
-    would fail it), replayed for every decode-only step, the tokens of ``cudagraph_mode="NONE"``; int4's tail pools
-    grow as sequences take rows, and the graphs are captured again (a stale graph would write the old tails)."""
+    would fail it), replayed for every decode-only step, the tokens of ``cudagraph_mode="NONE"``."""
     tok = stories_tokenizer()
     prompts, params = _graph_requests()
     options = dict(GRAPH_OPTIONS, kv_cache_dtype=kv_format)
@@ -171,8 +170,25 @@ def test_cuda_graphs_replay_decode_steps_with_the_tokens_of_the_engine_without_t
     for got, ref in zip(logprobs, ref_logprobs):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), atol=1e-4, rtol=0)
     assert len(replays) >= 20  # decode-only steps of 12..1 sequences
-    if kv_format == "int4":
-        assert "capturing the decode graphs again" in caplog.text
+
+
+def test_cuda_graphs_are_captured_again_when_int4_tail_pools_move(monkeypatch, caplog):
+    """A graph holds the addresses of the tail pools it read: when they grow (more sequence rows than the largest
+    bucket), the next decode step captures again, and the tokens stay those of the engine without graphs."""
+    tok = stories_tokenizer()
+    prompts, params = _graph_requests()
+    options = dict(GRAPH_OPTIONS, kv_cache_dtype="int4")
+    off = PagedEngine(stories_model("paged").to(CUDA), tok, cudagraph_mode="NONE", **options)
+    ref = _tokens_and_logprobs(off, prompts, params)[0]
+    on = PagedEngine(stories_model("paged").to(CUDA), tok, **options)
+    assert _tokens_and_logprobs(on, prompts, params)[0] == ref
+    for group in on.kv.groups:  # what more rows than the largest bucket do
+        for storage in group.storages.values():
+            storage.ensure_tail_rows(4 * GRAPH_OPTIONS["max_num_seqs"])
+    with caplog.at_level(logging.INFO, logger="paged_hf"):
+        replays = _replays(monkeypatch)
+        assert _tokens_and_logprobs(on, prompts, params)[0] == ref
+    assert "capturing the decode graphs again" in caplog.text and replays
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])

@@ -10,9 +10,10 @@ What the captured region runs is capture-safe: the compiled (or eager) model ove
 the paged attention ops on their Triton path, with no host sync inside: the decode kernel takes its partition count
 from the table width, the store skips slot -1 on the device, and the one host value the attention op reads (the
 decode count, a ``[1]`` CPU tensor) is the bucket's constant ``B`` (a bucket is decode-only by construction).
-The pools are baked into the graphs: a tail format's tail pools grow with the sequence rows (``ensure_tail_rows``),
-and the graphs are captured again when they moved. A capture that fails logs a warning and the engine runs those
-steps without graphs: never a crash.
+The pools are baked into the graphs: a tail format's tail pools grow with the sequence rows (``ensure_tail_rows``;
+the capture makes rows for the largest bucket first), and the graphs are captured again when they moved. A capture
+that fails logs a warning and the engine runs those steps as any other, unpadded and without graphs: never a
+crash.
 
 ``PAGED_HF_STATIC_DECODE=1`` (read at engine start) runs decode-only steps through the padded static buffers
 without capturing, on any device: the CPU tests prove the padding with it.
@@ -79,6 +80,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output, overwritten by every replay
         self._pools: tuple = ()
+        self.static_only = not options.capture  # the padded path without graphs (PAGED_HF_STATIC_DECODE=1)
         if options.capture:
             self.capture()
 
@@ -90,13 +92,16 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, metadata: AttentionMetadata, keep: torch.Tensor) -> torch.Tensor | None:
         """The kept logits ``[R, vocab]`` of a decode-only step (``input_ids [S]`` and ``metadata`` on the device;
-        ``keep``: rows among ``0 .. S - 1``), or None when no bucket fits it (the caller runs it as usual)."""
+        ``keep``: rows among ``0 .. S - 1``), or None when no bucket fits it or no graph could be captured (the
+        caller runs it as usual)."""
         bucket = self.bucket(metadata)
         if bucket is None:
             return None
         if self.graphs and self._pools != self._pool_pointers():
             logger.info("PagedEngine: the KV tail pools moved (they grew); capturing the decode graphs again")
             self.capture()
+        if not self.graphs and not self.static_only:  # the capture failed: padding would only cost
+            return None
         bucket.load(input_ids, metadata)
         graph = self.graphs.get(bucket.size)
         if graph is None:
@@ -112,10 +117,10 @@ class DecodeGraphs:
         began = time.perf_counter()
         self.graphs.clear()
         self.logits.clear()
-        if self.kv.has_tail:  # padding reads tail row 0: it must exist before anything holds a row
+        if self.kv.has_tail:  # padding reads tail row 0; rows for the largest bucket now, so they seldom move later
             for group in self.kv.groups:
                 for storage in group.storages.values():
-                    storage.ensure_tail_rows(1)
+                    storage.ensure_tail_rows(self.buckets[-1].size)
         try:
             pool = torch.cuda.graph_pool_handle()
             stream = torch.cuda.Stream(self.device)
