@@ -9,8 +9,9 @@
 #           (the default grid compiled, not PAGED_HF_SLOW's sweep: ~35 float32-heavy variants, 1-5 s each)
 #   step 3  benchmarks/kernels.py --quick                      wall 120 s (mostly compiles: ~25 variants)
 #   step 4  $BENCH_EXTRA (a slot for throughput / decode)       wall $BENCH_EXTRA_WALL s (default 60), if set
-#   step 5  CUDA graphs: tests/test_cuda.py -k cuda_graphs      wall $WALL_GRAPHS s (default 150) for both parts:
-#           (only when step 1 did not run: step 1 runs them)   the tests, then benchmarks/cuda_graphs.py
+#   step 5  CUDA graphs: tests/test_static_decode_triton.py,    wall $WALL_GRAPHS s (default 150) for both parts:
+#           tests/test_cuda.py -k cuda_graphs (when step 1     the tests, then benchmarks/cuda_graphs.py
+#           did not run them)
 #           + benchmarks/cuda_graphs.py --batches 1,8,32,128    (decode tok/s, graphs on vs cudagraph_mode="NONE",
 #             --new-tokens 48 --repeats 1                        a SmolLM2-shaped random Llama in bf16: ~2 compiles)
 #   whole run: at most 20 + 120 + 90 + 120 + 150 = 500 s without step 4 (each step gets SIGINT at its wall, so
@@ -147,9 +148,11 @@ for step in $STEPS; do
       fi ;;
     5)  # the graph tests (unless step 1 ran them), then decode on and off in what is left of the wall
       graphs_start=$SECONDS
-      if [[ " $STEPS " != *" 1 "* ]]; then  # shellcheck disable=SC2046
-        run_step "5a cuda graph tests" "$((WALL_GRAPHS * 2 / 5))" python3 -m pytest tests/test_cuda.py -k cuda_graphs $(pytest_opts graphs 60)
-      fi
+      graph_tests=(tests/test_static_decode_triton.py)  # the padded path on the compiled kernels, without graphs
+      # step 1 runs tests/test_cuda.py whole; without it, its graph tests run here (the -k keeps the file above)
+      [[ " $STEPS " != *" 1 "* ]] && graph_tests+=(tests/test_cuda.py -k "cuda_graphs or padded_path")
+      # shellcheck disable=SC2046
+      run_step "5a cuda graph tests" "$((WALL_GRAPHS * 2 / 5))" python3 -m pytest "${graph_tests[@]}" $(pytest_opts graphs 60)
       if [ "$CUDA" = 1 ]; then
         run_step "5b cuda graphs benchmark" "$((WALL_GRAPHS - SECONDS + graphs_start))" env OUT="$OUT" \
           python3 benchmarks/cuda_graphs.py --batches 1,8,32,128 --new-tokens 48 --repeats 1

@@ -1,15 +1,16 @@
-"""The padded static decode path on the Triton kernels that CUDA graphs capture (``PAGED_HF_KERNELS=triton``; on a
-CPU under triton's interpreter): the store skips the padded rows' work on the device only where the scratch block
-says so, int4's fill kernel quantizes the padded fills into the scratch block, and the tokens equal those of the
-same kernels unpadded. ``tests/test_cuda.py`` runs the graphs themselves."""
+"""The padded static decode path on the Triton kernels that CUDA graphs capture (``PAGED_HF_KERNELS=triton``: on a
+CPU under triton's interpreter, on CUDA compiled, without graphs): padded rows store into the scratch block only,
+int4's fill kernel quantizes the padded fills into it, and the tokens and logprobs equal those of the same kernels
+unpadded. ``tests/test_cuda.py`` runs the graphs themselves."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from triton_kernels import require_triton_kernels
 
-require_triton_kernels()
+DEVICE = torch.device("cuda" if require_triton_kernels() else "cpu")
 
 from paged_hf import PagedEngine, SamplingParams  # noqa: E402 - after the interpreter is set up
 from paged_hf.engine.cuda_graphs import STATIC_DECODE_ENV  # noqa: E402
@@ -27,7 +28,7 @@ def test_the_padded_path_on_the_triton_kernels_equals_them_unpadded(monkeypatch,
     monkeypatch.setenv(ENV_VAR, "triton")
     options = dict(block_size=4, num_blocks=32, max_num_batched_tokens=8, max_num_seqs=4, kv_cache_dtype=kv_format,
                    enforce_eager=True)
-    model = lambda: tiny_model("llama", num_hidden_layers=1)  # noqa: E731
+    model = lambda: tiny_model("llama", num_hidden_layers=1).to(DEVICE)  # noqa: E731
     monkeypatch.delenv(STATIC_DECODE_ENV, raising=False)
     normal_engine = PagedEngine(model(), None, **options)
     assert normal_engine.kv.groups[0].storages[0].kernels.triton
