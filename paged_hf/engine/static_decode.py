@@ -122,11 +122,11 @@ class StaticDecode:
             static.block_tables[:s, : group.block_tables.shape[1]].copy_(group.block_tables, non_blocking=True)
             static.slot_mapping[:s].copy_(group.slot_mapping, non_blocking=True)
             if static.store_plan is not None:
-                _load_plan(static.store_plan, group.store_plan, s, block, self.block_size)
-        self.filled = max(self.filled, s)
+                _load_plan(static.store_plan, group.store_plan, s, block)
+        self.filled = s
 
 
-def _load_plan(static: StorePlan, plan: StorePlan, num_seqs: int, scratch: int, block_size: int) -> None:
+def _load_plan(static: StorePlan, plan: StorePlan, num_seqs: int, scratch: int) -> None:
     """A decode's ``StorePlan`` into the bucket's: its ``F`` fills first, then ``B - F`` fills of the scratch block
     (from the step's first tokens: they read, and write the scratch block only)."""
     static.tail_slots[:num_seqs].copy_(plan.tail_slots, non_blocking=True)
