@@ -8,6 +8,7 @@ and preemption, and for random batches (hypothesis); the pool keeps its size and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -19,7 +20,8 @@ from torch._dynamo.utils import counters
 from paged_hf import LLM, PagedEngine, SamplingParams
 from paged_hf.config import EngineConfig
 from paged_hf.engine import engine as engine_module
-from paged_hf.engine.cuda_graphs import STATIC_DECODE_ENV, GraphOptions, graph_options
+from paged_hf.engine.cuda_graphs import STATIC_DECODE_ENV, DecodeGraphs, GraphOptions, graph_options
+from paged_hf.engine.runner import ModelRunner
 from paged_hf.engine.static_decode import StaticDecode, capture_sizes
 from models import stories_model, stories_tokenizer, story_openings, tiny_model
 from test_engine_families import prompts
@@ -172,6 +174,80 @@ def test_a_capture_that_fails_warns_and_the_steps_run_as_usual(monkeypatch, capl
     loads = Loads(monkeypatch)
     assert_same(reference, outputs(engine, prompts()))
     assert not loads.steps
+
+
+class StandInCuda:
+    """``torch.cuda``'s graph API played on the CPU: a "graph" keeps the forward run inside its capture and replays
+    it by running it again into the captured output. What it checks is the engine's side: capture after the warm-up,
+    one graph per bucket, the step loaded before the replay, the output read from the captured tensor, capturing
+    again (mid-serving) when the tail pools move."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.capturing = None
+        self.replays = 0
+        stand_in = self
+
+        class Graph:
+            def replay(self):
+                stand_in.replays += 1
+                run, bucket, out = self.captured
+                out.copy_(run(bucket))
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+        @contextlib.contextmanager
+        def graph(captured, pool=None, stream=None):
+            stand_in.capturing = captured
+            try:
+                yield
+            finally:
+                stand_in.capturing = None
+
+        for name, value in dict(CUDAGraph=Graph, graph=graph, graph_pool_handle=lambda: None,
+                                Stream=lambda device=None: Stream(), stream=lambda s: contextlib.nullcontext(),
+                                current_stream=lambda device=None: Stream(), synchronize=lambda device=None: None).items():
+            monkeypatch.setattr(torch.cuda, name, value)
+        forward = ModelRunner._static_forward
+
+        def static_forward(runner, bucket):
+            out = forward(runner, bucket)
+            if stand_in.capturing is not None:
+                stand_in.capturing.captured = (lambda b: forward(runner, b), bucket, out)
+            return out
+
+        monkeypatch.setattr(ModelRunner, "_static_forward", static_forward)
+
+
+@pytest.mark.parametrize("kv_format", ["auto", "int4"])
+def test_capture_and_replay_on_a_stand_in_for_cuda(monkeypatch, caplog, kv_format):
+    """int4: the tail pools grow in the middle of the run, so the graphs are captured again between two decode
+    steps of live sequences (whose K/V the capture's warm-up forwards must not touch)."""
+    monkeypatch.delenv(STATIC_DECODE_ENV, raising=False)
+    options = dict(SMALL, kv_cache_dtype=kv_format, enforce_eager=True)
+    reference = outputs(PagedEngine(tiny_model("llama"), None, **options), prompts())
+    stand_in = StandInCuda(monkeypatch)
+    monkeypatch.setattr(engine_module, "graph_options", lambda config, device, max_model_len: GraphOptions(
+        capture_sizes(config.max_num_seqs), max_model_len, capture=True))
+    with caplog.at_level(logging.INFO, logger="paged_hf"):
+        engine = PagedEngine(tiny_model("llama"), None, **options)
+        assert "captured CUDA graphs of decode steps at batch sizes [1, 2, 4, 8]" in caplog.text
+        assert sorted(engine.runner.graphs.graphs) == [1, 2, 4, 8]
+        run, calls = DecodeGraphs.run, []
+
+        def growing(graphs, *args):
+            calls.append(len(calls))
+            if len(calls) == 16 and kv_format == "int4":  # decode-only steps of live sequences around it
+                for group in engine.kv.groups:
+                    for storage in group.storages.values():
+                        storage.ensure_tail_rows(64)
+            return run(graphs, *args)
+
+        monkeypatch.setattr(DecodeGraphs, "run", growing)
+        assert_same(reference, outputs(engine, prompts()))
+    assert stand_in.replays >= 8
+    assert ("capturing the decode graphs again" in caplog.text) == (kv_format == "int4")
 
 
 def test_the_switches(monkeypatch):

@@ -96,8 +96,12 @@ class StaticDecode:
         for group, block in zip(meta.groups, self.scratch):
             group.block_tables[rows, 0] = block
             group.slot_mapping[rows] = block * self.block_size
-            if group.store_plan is not None:
-                group.store_plan.tail_slots[rows] = -1
+            if group.store_plan is not None:  # and a decode's fills sit in its first entries: scratch ones from here
+                plan = group.store_plan
+                plan.tail_slots[rows] = -1
+                plan.fill_blocks[start:] = block
+                for entries in (plan.fill_rows, plan.fill_first, plan.fill_tail):
+                    entries[start:] = 0
         self.filled = start
 
     def fits(self, metadata: AttentionMetadata) -> bool:
@@ -127,14 +131,13 @@ class StaticDecode:
 
 
 def _load_plan(static: StorePlan, plan: StorePlan, num_seqs: int, scratch: int) -> None:
-    """A decode's ``StorePlan`` into the bucket's: its ``F`` fills first, then ``B - F`` fills of the scratch block
-    (from the step's first tokens: they read, and write the scratch block only)."""
+    """A decode's ``StorePlan`` into the bucket's: its ``F <= S`` fills first; the entries after them stay (or
+    become) fills of the scratch block (from the step's first tokens: they read, and write the scratch block only)."""
     static.tail_slots[:num_seqs].copy_(plan.tail_slots, non_blocking=True)
     fills = plan.num_fills
     for name in ("fill_blocks", "fill_rows", "fill_first", "fill_tail"):
         getattr(static, name)[:fills].copy_(getattr(plan, name), non_blocking=True)
-    rest = slice(fills, static.fill_blocks.shape[0])
+    rest = slice(fills, num_seqs)  # pad(num_seqs) made the entries from num_seqs on scratch fills
     static.fill_blocks[rest] = scratch
-    static.fill_rows[rest] = 0
-    static.fill_first[rest] = 0
-    static.fill_tail[rest] = 0
+    for name in ("fill_rows", "fill_first", "fill_tail"):
+        getattr(static, name)[rest] = 0
