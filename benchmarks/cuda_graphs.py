@@ -8,11 +8,12 @@ throughput is ``B * (new_tokens - 1) / (t_full - t_prefill)`` generated tokens p
 ``--repeats``), and a decode step's time is its inverse times ``B``. Engines are built one after the other on one
 model (a fixed ``num_blocks``), their start-up seconds reported (compile warm-up, and the capture for graphs: the
 first compiled engine pays for the compile, later ones on the same model reuse its graph).
-Greedy tokens of each mode are compared with the first mode's (bfloat16: a padded batch runs its GEMMs at another
+Modes run in the order given (by default graphs first: any advantage of caches warmed by an earlier engine goes to
+the baseline). Greedy tokens of each mode are compared with the first mode's (bfloat16: a padded batch runs its GEMMs at another
 row count, so near-ties of a random model may differ; float32 should agree).
 
 The default model is a randomly initialised Llama shaped like SmolLM2-135M (30 layers, hidden 576, 9 heads, 3 KV
-heads; no download needed): a launch-bound decode, which is what graphs fix. ``--model stories260K`` uses the real
+heads; no download needed; ``--layers`` shortens it): a launch-bound decode, which is what graphs fix. ``--model stories260K`` uses the real
 tiny model (``../shared``). ``--quick`` is a dry run for a CPU machine (``benchmarks/gpu_session.sh``): a 2-layer
 model, batches 1 and 4, and, without CUDA, the padded static path (``PAGED_HF_STATIC_DECODE=1``, mode ``static``)
 instead of graphs.
@@ -53,12 +54,13 @@ TINY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hid
                   num_key_value_heads=2, max_position_embeddings=256)
 
 
-def build_model(name: str, dtype: torch.dtype, device: torch.device):
+def build_model(name: str, dtype: torch.dtype, device: torch.device, layers: int | None = None):
     if name == "stories260K":
         model, _ = load_model("stories260K", "paged")
     else:
         torch.manual_seed(0)
-        shape = SMOLLM2_SHAPE if name == "smollm2-shape" else TINY_SHAPE
+        shape = dict(SMOLLM2_SHAPE if name == "smollm2-shape" else TINY_SHAPE)
+        shape["num_hidden_layers"] = layers or shape["num_hidden_layers"]
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, attn_implementation="paged")).eval()
     return model.to(device, dtype)
 
@@ -98,6 +100,7 @@ def measure(model, mode: str, args, batches: list[int]) -> tuple[float, dict]:
         prefill, _ = timed(engine, prompts, first, args.repeats)
         total, tokens = timed(engine, prompts, full, args.repeats)
         results[batch] = (batch * (args.new_tokens - 1) / max(total - prefill, 1e-9), tokens)
+        print(f"{mode}, batch {batch}: {results[batch][0]:.0f} decode tok/s", flush=True)  # kept if cut short
     del engine
     gc.collect()
     if model.device.type == "cuda":
@@ -115,6 +118,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=None, help="the random models' layer count (default: 30 / 2)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                         help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--quick", action="store_true", help="a dry run: tiny model, batches 1,4, 8 new tokens")
@@ -129,7 +133,7 @@ def main() -> None:
     print(machine())
     print(f"model {args.model} ({dtype}, {device}), prompts of {args.prompt_len} tokens, {args.new_tokens} new "
           f"tokens; modes {modes}")
-    model = build_model(args.model, dtype, device)
+    model = build_model(args.model, dtype, device, args.layers)
     runs = {}
     for mode in modes:
         runs[mode] = measure(model, mode, args, batches)

@@ -12,8 +12,9 @@
 #   step 5  CUDA graphs: tests/test_static_decode_triton.py,    wall $WALL_GRAPHS s (default 150) for both parts:
 #           tests/test_cuda.py -k cuda_graphs (when step 1     the tests, then benchmarks/cuda_graphs.py
 #           did not run them)
-#           + benchmarks/cuda_graphs.py --batches 1,8,32,128    (decode tok/s, graphs on vs cudagraph_mode="NONE",
-#             --new-tokens 48 --repeats 1                        a SmolLM2-shaped random Llama in bf16: ~2 compiles)
+#           + benchmarks/cuda_graphs.py --layers 12             (decode tok/s, graphs on vs cudagraph_mode="NONE",
+#             --batches 1,8,64 --new-tokens 32 --repeats 1       a SmolLM2-shaped random Llama of 12 layers in bf16:
+#                                                                one compile; each row printed as it is measured)
 #   whole run: at most 20 + 120 + 90 + 120 + 150 = 500 s without step 4 (each step gets SIGINT at its wall, so
 #   pytest writes its summary and JUnit XML, and SIGKILL 10 s later: 550 s at the very worst). With ~2 min of
 #   machine start-up and the transfers, ~11 of the 15 minutes: a rerun of one or two steps (STEPS=...) still fits,
@@ -155,7 +156,7 @@ for step in $STEPS; do
       run_step "5a cuda graph tests" "$((WALL_GRAPHS * 2 / 5))" python3 -m pytest "${graph_tests[@]}" $(pytest_opts graphs 60)
       if [ "$CUDA" = 1 ]; then
         run_step "5b cuda graphs benchmark" "$((WALL_GRAPHS - SECONDS + graphs_start))" env OUT="$OUT" \
-          python3 benchmarks/cuda_graphs.py --batches 1,8,32,128 --new-tokens 48 --repeats 1
+          python3 benchmarks/cuda_graphs.py --layers 12 --batches 1,8,64 --new-tokens 32 --repeats 1
       else  # a CPU dry run: the padded static path instead of graphs, at the smallest size
         run_step "5b cuda graphs benchmark (no CUDA: --quick)" "$((WALL_GRAPHS - SECONDS + graphs_start))" \
           env OUT="$OUT" python3 benchmarks/cuda_graphs.py --quick
