@@ -85,7 +85,8 @@ class LLM:
         **options: ``PagedEngine`` options (``EngineConfig``: ``max_num_seqs``, ``kv_cache_dtype``,
             ``enable_prefix_caching``, ``gpu_memory_utilization``, ``max_model_len``, ``block_size``,
             ``swap_space``, ...), vLLM's ``num_gpu_blocks_override`` (= ``num_blocks``) and
-            ``kv_cache_memory_bytes``, and the vLLM keywords of ``VLLM_KEYWORDS``.
+            ``kv_cache_memory_bytes``, vLLM's ``compilation_config`` (its ``COMPILATION_KEYS`` only:
+            ``{"cudagraph_mode": "NONE"}`` turns CUDA graphs off), and the vLLM keywords of ``VLLM_KEYWORDS``.
     """
 
     def __init__(self, model, tokenizer=None, *, tokenizer_mode: str = "auto", skip_tokenizer_init: bool = False,
