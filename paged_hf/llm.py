@@ -231,7 +231,11 @@ def _engine_options(options: dict) -> dict:
         value = options.pop("kv_cache_memory_bytes")
         if value is not None:
             engine.setdefault("kv_cache_memory", value / GIB)
-    engine.update(_compilation_options(options.pop("compilation_config", None)))
+    compilation = _compilation_options(options.pop("compilation_config", None))
+    twice = sorted(set(compilation) & set(engine))
+    if twice:
+        raise ValueError(f"{twice} given both as options and in compilation_config: give each once")
+    engine.update(compilation)
     for name, allowed in VLLM_KEYWORDS.items():
         if name in options:
             value = options.pop(name)

@@ -300,3 +300,5 @@ def test_llm_takes_vllms_compilation_config_for_graphs(tmp_path):
         LLM(str(tmp_path), compilation_config={"level": 3})
     with pytest.raises(ValueError, match="cudagraph_mode"):
         LLM(str(tmp_path), compilation_config={"cudagraph_mode": "PIECEWISE"})
+    with pytest.raises(ValueError, match=r"\['cudagraph_mode'\] given both"):
+        LLM(str(tmp_path), cudagraph_mode="NONE", compilation_config={"cudagraph_mode": "NONE"})
