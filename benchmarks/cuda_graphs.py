@@ -7,16 +7,16 @@ each engine: with ``max_tokens=1`` (the prefill alone) and ``--new-tokens`` gree
 throughput is ``B * (new_tokens - 1) / (t_full - t_prefill)`` generated tokens per second (the best of
 ``--repeats``), and a decode step's time is its inverse times ``B``. Engines are built one after the other on one
 model (a fixed ``num_blocks``), their start-up seconds reported (compile warm-up, and the capture for graphs: the
-first compiled engine pays for the compile, later ones on the same model reuse its graph).
-Modes run in the order given (by default graphs first: any advantage of caches warmed by an earlier engine goes to
-the baseline). Greedy tokens of each mode are compared with the first mode's (bfloat16: a padded batch runs its GEMMs at another
-row count, so near-ties of a random model may differ; float32 should agree).
+first compiled engine pays for the compile, later ones on the same model reuse its graph). Modes run in the order
+given (by default graphs first: any advantage of caches warmed by an earlier engine goes to the baseline). Greedy
+tokens of each mode are compared with the first mode's (bfloat16: a padded batch runs its GEMMs at another row
+count, so near-ties of a random model may differ; float32 should agree).
 
 The default model is a randomly initialised Llama shaped like SmolLM2-135M (30 layers, hidden 576, 9 heads, 3 KV
-heads; no download needed; ``--layers`` shortens it): a launch-bound decode, which is what graphs fix. ``--model stories260K`` uses the real
-tiny model (``../shared``). ``--quick`` is a dry run for a CPU machine (``benchmarks/gpu_session.sh``): a 2-layer
-model, batches 1 and 4, and, without CUDA, the padded static path (``PAGED_HF_STATIC_DECODE=1``, mode ``static``)
-instead of graphs.
+heads; no download needed; ``--layers`` shortens it): a launch-bound decode, which is what graphs fix.
+``--model stories260K`` uses the real tiny model (``../shared``). ``--quick`` is a dry run for a CPU machine
+(``benchmarks/gpu_session.sh``): a 2-layer model, batches 1 and 4, and, without CUDA, the padded static path
+(``PAGED_HF_STATIC_DECODE=1``, mode ``static``) instead of graphs.
 
     PYTHONPATH=. python benchmarks/cuda_graphs.py                         # on a GPU: bf16, batches 1,8,32,128
     PYTHONPATH=. python benchmarks/cuda_graphs.py --modes graphs none eager --batches 1,64

@@ -30,11 +30,12 @@
 #   mkdir -p .gpu_shared/models && cp -r ../shared/models/stories260K .gpu_shared/models/ && cp -r ../shared/data .gpu_shared/
 # Then one call of the device tool:
 #   run(command="bash benchmarks/gpu_session.sh", carry=[".whl", ".gpu_shared"], timeout_s=590)
-# (590 s: the 550 s worst case plus margin, under the 600 s a call may take; the tool's limit counts the command only, not the start-up).
+# (590 s: the 550 s worst case plus margin, under the 600 s a call may take; the tool's limit counts the command
+# only, not the start-up).
 # and, to rerun only some steps on the still-warm machine (it stays warm 30 s after a call): command=
 # "STEPS='1' bash benchmarks/gpu_session.sh". Variables: STEPS (default "1 2 3 4 5"), JOBS (xdist workers, 8),
-# WALL_CUDA / WALL_KERNELS / WALL_BENCH / WALL_GRAPHS (120 / 90 / 120 / 150 s), BENCH_EXTRA (e.g. "benchmarks/throughput.py
-# --batches 1,8,32") with BENCH_EXTRA_WALL (60 s).
+# WALL_CUDA / WALL_KERNELS / WALL_BENCH / WALL_GRAPHS (120 / 90 / 120 / 150 s), BENCH_EXTRA (e.g.
+# "benchmarks/throughput.py --batches 1,8,32") with BENCH_EXTRA_WALL (60 s).
 # What comes back (the tool returns at most 8 files): session.txt (everything printed, with the per-step status
 # and times), cuda.xml, kernels.xml (JUnit), kernels.md (the benchmark's report), graphs.xml and cuda_graphs.md
 # (step 5), plus what BENCH_EXTRA writes.
@@ -47,7 +48,8 @@ STEPS=${STEPS:-1 2 3 4 5}
 JOBS=${JOBS:-8}
 BENCH_EXTRA=${BENCH_EXTRA:-}
 BENCH_EXTRA_WALL=${BENCH_EXTRA_WALL:-60}
-WALL_CUDA=${WALL_CUDA:-120} WALL_KERNELS=${WALL_KERNELS:-90} WALL_BENCH=${WALL_BENCH:-120} WALL_GRAPHS=${WALL_GRAPHS:-150}
+WALL_CUDA=${WALL_CUDA:-120} WALL_KERNELS=${WALL_KERNELS:-90} WALL_BENCH=${WALL_BENCH:-120}
+WALL_GRAPHS=${WALL_GRAPHS:-150}
 SITE=/tmp/paged_hf_site
 mkdir -p "$OUT" "$SITE"
 LOG="$OUT/session.txt"
@@ -153,7 +155,8 @@ for step in $STEPS; do
       # step 1 runs tests/test_cuda.py whole; without it, its graph tests run here (the -k keeps the file above)
       [[ " $STEPS " != *" 1 "* ]] && graph_tests+=(tests/test_cuda.py -k "cuda_graphs or padded_path")
       # shellcheck disable=SC2046
-      run_step "5a cuda graph tests" "$((WALL_GRAPHS * 2 / 5))" python3 -m pytest "${graph_tests[@]}" $(pytest_opts graphs 60)
+      run_step "5a cuda graph tests" "$((WALL_GRAPHS * 2 / 5))" \
+        python3 -m pytest "${graph_tests[@]}" $(pytest_opts graphs 60)
       if [ "$CUDA" = 1 ]; then
         run_step "5b cuda graphs benchmark" "$((WALL_GRAPHS - SECONDS + graphs_start))" env OUT="$OUT" \
           python3 benchmarks/cuda_graphs.py --layers 12 --batches 1,8,64 --new-tokens 32 --repeats 1

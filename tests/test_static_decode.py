@@ -208,9 +208,10 @@ class StandInCuda:
             finally:
                 stand_in.capturing = None
 
-        for name, value in dict(CUDAGraph=Graph, graph=graph, graph_pool_handle=lambda: None,
-                                Stream=lambda device=None: Stream(), stream=lambda s: contextlib.nullcontext(),
-                                current_stream=lambda device=None: Stream(), synchronize=lambda device=None: None).items():
+        api = dict(CUDAGraph=Graph, graph=graph, graph_pool_handle=lambda: None, Stream=lambda device=None: Stream(),
+                   stream=lambda s: contextlib.nullcontext(), current_stream=lambda device=None: Stream(),
+                   synchronize=lambda device=None: None)
+        for name, value in api.items():
             monkeypatch.setattr(torch.cuda, name, value)
         forward = ModelRunner._static_forward
 
