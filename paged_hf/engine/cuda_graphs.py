@@ -9,8 +9,8 @@ steps (prefill, mixed, speculative verification, images) run the compiled forwar
 What the captured region runs is capture-safe: the compiled (or eager) model over static tensors, the KV store and
 the paged attention ops on their Triton path, with no host sync inside: the decode kernel takes its partition count
 from the table width, int4's fill and tail kernels take fixed-size plans (padded fills, tail slots of -1 skipped on
-the device), and the one host value the attention op reads (the
-decode count, a ``[1]`` CPU tensor) is the bucket's constant ``B`` (a bucket is decode-only by construction).
+the device), and the one host value the attention op reads (the decode count, a ``[1]`` CPU tensor) is the
+bucket's constant ``B`` (a bucket is decode-only by construction).
 The pools are baked into the graphs: a tail format's tail pools grow with the sequence rows (``ensure_tail_rows``;
 the capture makes rows for the largest bucket first), and the graphs are captured again when they moved. A capture
 that fails logs a warning and the engine runs those steps as any other, unpadded and without graphs: never a
