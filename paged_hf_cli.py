@@ -30,6 +30,7 @@ from collections.abc import Sequence
 # The values of paged_hf.quant.KV_CACHE_DTYPES, written out so that parsing needs no torch; tests/test_cli.py
 # checks that the two agree.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
+CUDAGRAPH_MODES = ("FULL_DECODE_ONLY", "NONE")  # paged_hf.config.CUDAGRAPH_MODES, likewise
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 # benchmarks/ of a source checkout: every NAME.py there (but _common.py) is a `paged-hf bench NAME`.
 BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks")
@@ -68,6 +69,14 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def _positive_ints(text: str) -> list[int]:
+    """A comma-separated list of positive ints (``--cudagraph-capture-sizes 1,2,4,8``)."""
+    try:
+        return [_positive_int(part) for part in text.split(",")]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {text!r}") from error
 
 
 def _json_object(text: str) -> dict:
@@ -153,6 +162,11 @@ def _add_model_and_engine_options(parser) -> None:
     engine.add_argument("--max-stop-strings", type=int, help="the most stop strings of one request")
     engine.add_argument("--enforce-eager", action="store_true", default=None,
                         help="run the model's forward eagerly (default: compiled with torch.compile at start)")
+    engine.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES,
+                        help="CUDA: capture decode-only steps as CUDA graphs at start (FULL_DECODE_ONLY, the default) "
+                             "or not (NONE; the forward stays compiled)")
+    engine.add_argument("--cudagraph-capture-sizes", type=_positive_ints, metavar="N,N,...",
+                        help="the batch sizes captured (default: 1,2,4,... up to --max-num-seqs)")
     engine.add_argument("--cpu-threads-bind", metavar="CPUS",
                         help="the CPUs the forward runs on, one pinned thread each: 'auto' (the CPUs this process may "
                              "use), 'nobind', or a list such as '0-3' (vLLM's VLLM_CPU_OMP_THREADS_BIND)")

@@ -9,9 +9,16 @@
 #           (the default grid compiled, not PAGED_HF_SLOW's sweep: ~35 float32-heavy variants, 1-5 s each)
 #   step 3  benchmarks/kernels.py --quick                      wall 120 s (mostly compiles: ~25 variants)
 #   step 4  $BENCH_EXTRA (a slot for throughput / decode)       wall $BENCH_EXTRA_WALL s (default 60), if set
-#   whole run: at most 20 + 120 + 90 + 120 = 350 s without step 4 (each step gets SIGINT at its wall, so pytest
-#   writes its summary and JUnit XML, and SIGKILL 10 s later: 380 s at the very worst). With ~2 min of machine
-#   start-up and the transfers, ~8 of the 15 minutes: a second run (all steps, or STEPS=...) still fits.
+#   step 5  CUDA graphs: tests/test_static_decode_triton.py,    wall $WALL_GRAPHS s (default 150) for both parts:
+#           tests/test_cuda.py -k cuda_graphs (when step 1     the tests, then benchmarks/cuda_graphs.py
+#           did not run them)
+#           + benchmarks/cuda_graphs.py --layers 12             (decode tok/s, graphs on vs cudagraph_mode="NONE",
+#             --batches 1,8,64 --new-tokens 32 --repeats 1       a SmolLM2-shaped random Llama of 12 layers in bf16:
+#                                                                one compile; each row printed as it is measured)
+#   whole run: at most 20 + 120 + 90 + 120 + 150 = 500 s without step 4 (each step gets SIGINT at its wall, so
+#   pytest writes its summary and JUnit XML, and SIGKILL 10 s later: 550 s at the very worst). With ~2 min of
+#   machine start-up and the transfers, ~11 of the 15 minutes: a rerun of one or two steps (STEPS=...) still fits,
+#   not of all of them. STEPS='5' alone (graph tests + benchmark): ~150 s.
 #
 # Prepare here, once per session, in the root of the checkout the session runs from (both folders are
 # git-ignored; they travel only through `carry`; together ~15 MiB of the 64 MiB a call may carry):
@@ -22,24 +29,27 @@
 #   $W -d .whl/deps regex==2025.11.3          # installed only if transformers 5.24 fails to import without it
 #   mkdir -p .gpu_shared/models && cp -r ../shared/models/stories260K .gpu_shared/models/ && cp -r ../shared/data .gpu_shared/
 # Then one call of the device tool:
-#   run(command="bash benchmarks/gpu_session.sh", carry=[".whl", ".gpu_shared"], timeout_s=420)
-# (420 s: the 380 s worst case plus margin; the tool's limit counts the command only, not the start-up).
+#   run(command="bash benchmarks/gpu_session.sh", carry=[".whl", ".gpu_shared"], timeout_s=590)
+# (590 s: the 550 s worst case plus margin, under the 600 s a call may take; the tool's limit counts the command
+# only, not the start-up).
 # and, to rerun only some steps on the still-warm machine (it stays warm 30 s after a call): command=
-# "STEPS='1' bash benchmarks/gpu_session.sh". Variables: STEPS (default "1 2 3 4"), JOBS (xdist workers, 8),
-# WALL_CUDA / WALL_KERNELS / WALL_BENCH (120 / 90 / 120 s), BENCH_EXTRA (e.g. "benchmarks/throughput.py
-# --batches 1,8,32") with BENCH_EXTRA_WALL (60 s).
+# "STEPS='1' bash benchmarks/gpu_session.sh". Variables: STEPS (default "1 2 3 4 5"), JOBS (xdist workers, 8),
+# WALL_CUDA / WALL_KERNELS / WALL_BENCH / WALL_GRAPHS (120 / 90 / 120 / 150 s), BENCH_EXTRA (e.g.
+# "benchmarks/throughput.py --batches 1,8,32") with BENCH_EXTRA_WALL (60 s).
 # What comes back (the tool returns at most 8 files): session.txt (everything printed, with the per-step status
-# and times), cuda.xml, kernels.xml (JUnit), kernels.md (the benchmark's report), plus what BENCH_EXTRA writes.
+# and times), cuda.xml, kernels.xml (JUnit), kernels.md (the benchmark's report), graphs.xml and cuda_graphs.md
+# (step 5), plus what BENCH_EXTRA writes.
 #
 # Dry run on a CPU machine (CUDA steps skipped; proves the paths, the plugins and the carried files):
 #   OUT=/tmp/dry bash benchmarks/gpu_session.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-STEPS=${STEPS:-1 2 3 4}
+STEPS=${STEPS:-1 2 3 4 5}
 JOBS=${JOBS:-8}
 BENCH_EXTRA=${BENCH_EXTRA:-}
 BENCH_EXTRA_WALL=${BENCH_EXTRA_WALL:-60}
 WALL_CUDA=${WALL_CUDA:-120} WALL_KERNELS=${WALL_KERNELS:-90} WALL_BENCH=${WALL_BENCH:-120}
+WALL_GRAPHS=${WALL_GRAPHS:-150}
 SITE=/tmp/paged_hf_site
 mkdir -p "$OUT" "$SITE"
 LOG="$OUT/session.txt"
@@ -139,9 +149,24 @@ for step in $STEPS; do
       else
         SUMMARY+=("step 4: no BENCH_EXTRA set, skipped")
       fi ;;
+    5)  # the graph tests (unless step 1 ran them), then decode on and off in what is left of the wall
+      graphs_start=$SECONDS
+      graph_tests=(tests/test_static_decode_triton.py)  # the padded path on the compiled kernels, without graphs
+      # step 1 runs tests/test_cuda.py whole; without it, its graph tests run here (the -k keeps the file above)
+      [[ " $STEPS " != *" 1 "* ]] && graph_tests+=(tests/test_cuda.py -k "cuda_graphs or padded_path")
+      # shellcheck disable=SC2046
+      run_step "5a cuda graph tests" "$((WALL_GRAPHS * 2 / 5))" \
+        python3 -m pytest "${graph_tests[@]}" $(pytest_opts graphs 60)
+      if [ "$CUDA" = 1 ]; then
+        run_step "5b cuda graphs benchmark" "$((WALL_GRAPHS - SECONDS + graphs_start))" env OUT="$OUT" \
+          python3 benchmarks/cuda_graphs.py --layers 12 --batches 1,8,64 --new-tokens 32 --repeats 1
+      else  # a CPU dry run: the padded static path instead of graphs, at the smallest size
+        run_step "5b cuda graphs benchmark (no CUDA: --quick)" "$((WALL_GRAPHS - SECONDS + graphs_start))" \
+          env OUT="$OUT" python3 benchmarks/cuda_graphs.py --quick
+      fi ;;
   esac
 done
 
-say "=== summary (${SECONDS} s in all; planned at most 350 s, 380 s with every SIGKILL grace) ==="
+say "=== summary (${SECONDS} s in all; planned at most 500 s, 550 s with every SIGKILL grace) ==="
 for line in "${SUMMARY[@]}"; do say "$line"; done
 ls -la "$OUT" | tee -a "$LOG"

@@ -27,7 +27,8 @@ def _run_demo(args) -> int:
 ENGINE_OPTIONS = ("block_size", "num_blocks", "kv_cache_dtype", "kv_cache_memory", "gpu_memory_utilization",
                   "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "swap_space",
                   "kv_offloading_size", "preemption_mode", "scheduling_policy", "max_logprobs", "max_n",
-                  "max_stop_strings", "enforce_eager", "cpu_threads_bind", "limit_mm_per_prompt",
+                  "max_stop_strings", "enforce_eager", "cudagraph_mode", "cudagraph_capture_sizes", "cpu_threads_bind",
+                  "limit_mm_per_prompt",
                   "max_num_encoder_input_tokens", "speculative_config")
 
 

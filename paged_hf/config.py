@@ -119,6 +119,20 @@ def _check_bool(name: str, value) -> None:
         raise ParameterError(name, f"{name} must be a bool, got {value!r}")
 
 
+CUDAGRAPH_MODES = ("FULL_DECODE_ONLY", "NONE")  # vLLM's cudagraph_mode values this engine has
+
+
+def _capture_sizes(sizes) -> tuple[int, ...] | None:
+    """``cudagraph_capture_sizes`` as a sorted tuple of distinct ints >= 1, or None."""
+    if sizes is None:
+        return None
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, (list, tuple)) or not sizes or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ParameterError("cudagraph_capture_sizes", f"cudagraph_capture_sizes must be None or a non-empty list "
+                             f"of ints >= 1, got {sizes!r}")
+    return tuple(sorted(set(sizes)))
+
+
 GIB = 1 << 30  # bytes
 DEFAULT_CPU_KV_CACHE_GIB = 4.0  # the KV pool of an auto-sized engine on CPU (vLLM's CPU default too)
 
@@ -149,6 +163,12 @@ class EngineConfig:
             ``VLLM_CPU_OMP_THREADS_BIND``); see ``paged_hf.engine.threads``.
         enforce_eager: run the model's forward eagerly (vLLM's switch); False (the default) compiles it with
             torch.compile at engine start (``engine/compile.py``; a model that does not compile runs eagerly).
+            True turns CUDA graphs off too.
+        cudagraph_mode: on CUDA, "FULL_DECODE_ONLY" (the default; vLLM's name) captures decode-only steps as CUDA
+            graphs at engine start, one per size of ``cudagraph_capture_sizes``; "NONE" runs them without graphs
+            (still compiled). Other steps never use graphs (``engine/cuda_graphs.py``). Ignored on CPU.
+        cudagraph_capture_sizes: the batch sizes captured (vLLM's name); a decode-only step of S sequences runs in
+            the smallest size >= S, padded. None: 1, 2, 4, 8, ... below ``max_num_seqs``, and ``max_num_seqs``.
         speculative_config: vLLM's dict (``{"method": "ngram", "num_speculative_tokens": 4, ...}``), checked into a
             ``SpeculativeConfig`` (``engine/spec/config.py``); None: no speculative decoding.
 
@@ -180,6 +200,8 @@ class EngineConfig:
     max_stop_strings: int = 32
     cpu_threads_bind: str = "auto"
     enforce_eager: bool = False
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
     limit_mm_per_prompt: Mapping[str, int] | None = None
     max_num_encoder_input_tokens: int | None = None
     speculative_config: Any = None  # a SpeculativeConfig after __post_init__ (or None)
@@ -215,6 +237,9 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
+        object.__setattr__(self, "cudagraph_capture_sizes", _capture_sizes(self.cudagraph_capture_sizes))
         _check_int("max_logprobs", self.max_logprobs, 0)
         _check_int("max_n", self.max_n, 1)
         _check_int("max_stop_strings", self.max_stop_strings, 0)

@@ -38,7 +38,7 @@ ENGINE_OPTIONS = tuple(f.name for f in fields(EngineConfig))
 # vLLM keyword -> the value(s) this class can honour (None: any value; it tunes machinery that does not exist here).
 VLLM_KEYWORDS: dict[str, tuple | None] = {
     "pipeline_parallel_size": (1,), "quantization": (None,), "cpu_offload_gb": (0,),
-    "enable_chunked_prefill": (True, None), "compilation_config": (None,),
+    "enable_chunked_prefill": (True, None),
     "max_seq_len_to_capture": None, "disable_custom_all_reduce": None,
     "disable_log_stats": None,
 }
@@ -48,8 +48,10 @@ WHY_NOT = {
                     "or quantize the KV blocks with kv_cache_dtype",
     "cpu_offload_gb": "weight offloading is not supported",
     "enable_chunked_prefill": "the engine always chunks prefills within max_num_batched_tokens",
-    "compilation_config": "the engine compiles its forward its own way (enforce_eager=True runs it eagerly)",
 }
+# The compilation_config entries LLM honours (as the engine options of the same names); the engine compiles its
+# forward its own way, so any other entry is refused by name.
+COMPILATION_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes")
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt", "multi_modal_data")
 # generation_config.json field -> SamplingParams field, as vLLM reads a model's defaults.
 GENERATION_DEFAULTS = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
@@ -83,7 +85,8 @@ class LLM:
         **options: ``PagedEngine`` options (``EngineConfig``: ``max_num_seqs``, ``kv_cache_dtype``,
             ``enable_prefix_caching``, ``gpu_memory_utilization``, ``max_model_len``, ``block_size``,
             ``swap_space``, ...), vLLM's ``num_gpu_blocks_override`` (= ``num_blocks``) and
-            ``kv_cache_memory_bytes``, and the vLLM keywords of ``VLLM_KEYWORDS``.
+            ``kv_cache_memory_bytes``, vLLM's ``compilation_config`` (its ``COMPILATION_KEYS`` only:
+            ``{"cudagraph_mode": "NONE"}`` turns CUDA graphs off), and the vLLM keywords of ``VLLM_KEYWORDS``.
     """
 
     def __init__(self, model, tokenizer=None, *, tokenizer_mode: str = "auto", skip_tokenizer_init: bool = False,
@@ -228,15 +231,36 @@ def _engine_options(options: dict) -> dict:
         value = options.pop("kv_cache_memory_bytes")
         if value is not None:
             engine.setdefault("kv_cache_memory", value / GIB)
+    compilation = _compilation_options(options.pop("compilation_config", None))
+    twice = sorted(set(compilation) & set(engine))
+    if twice:
+        raise ValueError(f"{twice} given both as options and in compilation_config: give each once")
+    engine.update(compilation)
     for name, allowed in VLLM_KEYWORDS.items():
         if name in options:
             value = options.pop(name)
             if allowed is not None and value not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)} here ({WHY_NOT[name]}), got {value!r}")
     check_known("LLM", "keyword", options,
-                [*ENGINE_OPTIONS, "num_gpu_blocks_override", "kv_cache_memory_bytes", *VLLM_KEYWORDS])
+                [*ENGINE_OPTIONS, "num_gpu_blocks_override", "kv_cache_memory_bytes", "compilation_config",
+                 *VLLM_KEYWORDS])
     EngineConfig(**engine)  # bad values raise here, naming the field, before the model loads
     return engine
+
+
+def _compilation_options(config) -> dict:
+    """vLLM's ``compilation_config`` (None or a dict) as engine options: ``COMPILATION_KEYS`` only (e.g.
+    ``{"cudagraph_mode": "NONE"}`` turns CUDA graphs off); another entry raises ``ValueError`` naming it."""
+    if config is None:
+        return {}
+    if not isinstance(config, Mapping):
+        raise ValueError(f"compilation_config must be None or a dict with keys from {list(COMPILATION_KEYS)}, got "
+                         f"{config!r}")
+    unknown = sorted(set(config) - set(COMPILATION_KEYS))
+    if unknown:
+        raise ValueError(f"compilation_config keys {unknown} are not supported: the engine compiles its forward its "
+                         f"own way (enforce_eager=True runs it eagerly); it honours {list(COMPILATION_KEYS)}")
+    return dict(config)
 
 
 def _torch_dtype(dtype):

@@ -22,6 +22,7 @@ from models import require_stories
 SMOKE = {
     "compile_report": (["--dtypes", "bfloat16", "--head-dims", "64", "--formats", "auto", "--kernels", "store"],
                        "store"),
+    "cuda_graphs": (["--quick"], "decode tok/s"),  # on CPU: the padded static path against no graphs
     "cpu_attention": (["--threads", "1", "--repeats", "1", "--formats", "auto"], "prefill"),
     "decode": (["--models", "stories260K", "--batches", "1", "--new-tokens", "3", "--repeats", "1", "--min-len", "4",
                 "--max-len", "8", "--threads", "1"], "DynamicCache"),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from paged_hf import cli, demo
-from paged_hf.config import KV_CACHE_DTYPES
+from paged_hf.config import CUDAGRAPH_MODES, KV_CACHE_DTYPES, EngineConfig
 from models import require_stories, smollm2_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -275,6 +275,12 @@ def test_serve_pins_openmp_before_torch_starts_and_passes_the_engine_options(mon
     assert {k: v for k, v in cli._engine_options(args).items() if k in ("enforce_eager", "cpu_threads_bind")} == \
         {"enforce_eager": True, "cpu_threads_bind": "0"}
     assert "enforce_eager" not in cli._engine_options(paged_hf_cli.build_parser().parse_args(["serve"]))
+    args = paged_hf_cli.build_parser().parse_args(["serve", "--cudagraph-mode", "NONE", "--cudagraph-capture-sizes",
+                                                   "1,2,8"])
+    assert {k: v for k, v in cli._engine_options(args).items() if k.startswith("cudagraph")} == \
+        {"cudagraph_mode": "NONE", "cudagraph_capture_sizes": [1, 2, 8]}
+    assert EngineConfig(**cli._engine_options(args)).cudagraph_capture_sizes == (1, 2, 8)
+    assert paged_hf_cli.CUDAGRAPH_MODES == CUDAGRAPH_MODES  # the parser imports no torch, so it repeats them
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,

@@ -10,13 +10,19 @@ Skipped without CUDA (CI has none). A GPU session runs it with ``python -m pytes
   ``BF16_ERROR_FACTOR`` x that of CUDA bf16 sdpa + DynamicCache (stock transformers): the paged path adds no
   error beyond bf16 itself. With int8 the kernels take bf16 queries too (the rotated query returns to bf16).
 - The engine on CUDA (mixed decode + chunked prefill steps, prefix hits, copy-on-write for n > 1) gives the CPU
-  engine's greedy tokens.
+  engine's greedy tokens (its decode-only steps replayed from CUDA graphs, the default).
 - The host tier's copies on a side stream, host blocks pinned: an offload, the device blocks' immediate reuse and a
   load give back the original bytes in every format, with a stream kept busy before each copy (a missing wait
   copies stale bytes); a host-tier hit on CUDA gives the tokens and logprobs of a device-pool hit.
+- CUDA graphs (``engine/cuda_graphs.py``): every bucket captured at start without a failure (a host sync inside the
+  captured region fails it), replayed for the decode-only steps, with the tokens of ``cudagraph_mode="NONE"`` in
+  every format (int4: captured again when its tail pools move); ``enforce_eager=True`` turns graphs off with
+  compile. ``benchmarks/gpu_session.sh`` step 5 runs these alone (``-k cuda_graphs``) and times decode on and off.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -25,6 +31,7 @@ from transformers import DynamicCache
 import paged_hf
 from paged_hf import PagedEngine, SamplingParams
 from models import FAMILIES, stories_model, stories_tokenizer, story_openings, tiny_model
+from test_engine_families import prompts as family_prompts
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the compiled Triton path is tested on GPU sessions only", allow_module_level=True)
@@ -148,3 +155,94 @@ def test_host_tier_hit_on_cuda_equals_pool_hit(kv_cache_dtype):
     assert stats["prefix_cache_host_hits"] > 0
     assert host_hit.outputs[0].token_ids == pool_hit.outputs[0].token_ids
     assert token_logprobs(host_hit.outputs[0]) == token_logprobs(pool_hit.outputs[0])
+
+
+# ------------------------------------------------------------------------------------------ CUDA graphs
+GRAPH_OPTIONS = dict(block_size=16, max_num_batched_tokens=64, num_blocks=256, max_num_seqs=16)
+
+
+def _graph_requests():
+    prompts = [story_openings()[i % 5] + " " * (i // 5) for i in range(12)]
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0, ignore_eos=True, logprobs=0) for i in range(12)]
+    return prompts, params  # the batch shrinks one request at a time: every bucket, padded, is used
+
+
+def _replays(monkeypatch) -> list:
+    calls = []
+    replay = torch.cuda.CUDAGraph.replay
+
+    def counting(graph):
+        calls.append(graph)
+        return replay(graph)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counting)
+    return calls
+
+
+def _tokens_and_logprobs(engine, prompts, params):
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    engine.check_invariants()
+    assert engine.get_stats().kv_cache_used == 0
+    return ([o.outputs[0].token_ids for o in outs],
+            [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs])
+
+
+@pytest.mark.parametrize("kv_format", ["auto", "int8", "int4"])
+def test_cuda_graphs_replay_decode_steps_with_the_tokens_of_the_engine_without_them(kv_format, monkeypatch, caplog):
+    """Captured at start (the log line names the buckets), with no capture failure (a host sync inside the region
+    would fail it), replayed for every decode-only step, the tokens of ``cudagraph_mode="NONE"``."""
+    tok = stories_tokenizer()
+    prompts, params = _graph_requests()
+    options = dict(GRAPH_OPTIONS, kv_cache_dtype=kv_format)
+    off = PagedEngine(stories_model("paged").to(CUDA), tok, cudagraph_mode="NONE", **options)
+    assert off.runner.graphs is None and off.runner.compiled is not None
+    ref_tokens, ref_logprobs = _tokens_and_logprobs(off, prompts, params)
+    with caplog.at_level(logging.INFO, logger="paged_hf"):
+        on = PagedEngine(stories_model("paged").to(CUDA), tok, **options)
+        assert "captured CUDA graphs of decode steps at batch sizes [1, 2, 4, 8, 16]" in caplog.text
+        assert "failed" not in caplog.text
+        assert sorted(on.runner.graphs.graphs) == [1, 2, 4, 8, 16]
+        replays = _replays(monkeypatch)
+        tokens, logprobs = _tokens_and_logprobs(on, prompts, params)
+    assert tokens == ref_tokens
+    for got, ref in zip(logprobs, ref_logprobs):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), atol=1e-4, rtol=0)
+    assert len(replays) >= 20  # decode-only steps of 12..1 sequences
+
+
+def test_cuda_graphs_are_captured_again_when_int4_tail_pools_move(monkeypatch, caplog):
+    """A graph holds the addresses of the tail pools it read: when they grow (more sequence rows than the largest
+    bucket), the next decode step captures again, and the tokens stay those of the engine without graphs."""
+    tok = stories_tokenizer()
+    prompts, params = _graph_requests()
+    options = dict(GRAPH_OPTIONS, kv_cache_dtype="int4")
+    off = PagedEngine(stories_model("paged").to(CUDA), tok, cudagraph_mode="NONE", **options)
+    ref = _tokens_and_logprobs(off, prompts, params)[0]
+    on = PagedEngine(stories_model("paged").to(CUDA), tok, **options)
+    assert _tokens_and_logprobs(on, prompts, params)[0] == ref
+    for group in on.kv.groups:  # what more rows than the largest bucket do
+        for storage in group.storages.values():
+            storage.ensure_tail_rows(4 * GRAPH_OPTIONS["max_num_seqs"])
+    with caplog.at_level(logging.INFO, logger="paged_hf"):
+        replays = _replays(monkeypatch)
+        assert _tokens_and_logprobs(on, prompts, params)[0] == ref
+    assert "capturing the decode graphs again" in caplog.text and replays
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_cuda_graphs_on_tiny_families_equal_no_graphs(family):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    options = dict(block_size=4, num_blocks=128, max_num_batched_tokens=9, max_num_seqs=8)
+    off = PagedEngine(tiny_model(family).to(CUDA), None, cudagraph_mode="NONE", **options)
+    on = PagedEngine(tiny_model(family).to(CUDA), None, **options)
+    assert sorted(on.runner.graphs.graphs) == [1, 2, 4, 8]
+    ref = [o.outputs[0].token_ids for o in off.generate(family_prompts(), params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in on.generate(family_prompts(), params, use_tqdm=False)] == ref
+    on.check_invariants()
+
+
+def test_enforce_eager_turns_cuda_graphs_off_with_compile():
+    engine = PagedEngine(tiny_model("llama").to(CUDA), None, enforce_eager=True, num_blocks=16)
+    assert engine.runner.graphs is None and engine.runner.compiled is None
+    engine = PagedEngine(tiny_model("llama").to(CUDA), None, cudagraph_mode="NONE", num_blocks=16)
+    assert engine.runner.graphs is None and engine.runner.compiled is not None

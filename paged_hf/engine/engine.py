@@ -26,6 +26,7 @@ from ..kv_stats import EngineStats
 from ..model_source import load_tokenizer
 from ..structured.compiler import GrammarCompilerCache, logits_width
 from . import multimodal, parallel
+from .cuda_graphs import graph_options
 from .output import OutputStage
 from .request import Request, RequestOutput, RequestOutputKind
 from .runner import ModelRunner
@@ -70,7 +71,9 @@ class PagedEngine:
             logger.info("PagedEngine: tensor parallelism runs the forward eagerly on every rank (enforce_eager)")
         self.runner = ModelRunner(model, self.kv, self.group, _executor, self.eos_token_ids,
                                   self.output.token_text if tokenizer is not None else None,
-                                  compile=not self.config.enforce_eager and self.group is None)
+                                  compile=not self.config.enforce_eager and self.group is None,
+                                  graphs=None if self.group is not None else
+                                  graph_options(self.config, model.device, self.max_model_len))
         self._ids = itertools.count()
         self._busy_seconds = 0.0
         # The model, tokenizer and transformers' modules are hundreds of thousands of objects that live as long as

@@ -23,6 +23,7 @@ from ..distributed.group import TensorParallelError
 from ..kv.manager import KVManager
 from ..metadata import AttentionMetadata, build_metadata, long_tensor
 from .compile import CompiledForward, CompileFailed
+from .cuda_graphs import DecodeGraphs, GraphOptions
 from .forward_cache import EngineCache
 from .isolation import isolate
 from .model_output import ModelOutput
@@ -86,11 +87,13 @@ class ModelRunner:
     leader plans (the runner broadcasts each ``StepInput`` before running it); None on one process."""
 
     def __init__(self, model, kv: KVManager, group=None, executor=None, eos_token_ids=frozenset(),
-                 token_text=None, compile: bool = False) -> None:
+                 token_text=None, compile: bool = False, graphs: GraphOptions | None = None) -> None:
         """``executor``: the follower processes this process started (``PagedEngine.from_pretrained``), checked
         before each broadcast; ``eos_token_ids``: what ``min_tokens`` holds back; ``token_text(id) -> str``: names
         logprob entries (None: no names); ``compile``: run the forward compiled (``engine.compile``), warmed up
-        here; a model that does not compile runs eagerly, with a warning."""
+        here; a model that does not compile runs eagerly, with a warning; ``graphs``: run decode-only steps at
+        bucketed sizes through static buffers (``engine.cuda_graphs``), captured as CUDA graphs after the warm-up
+        when ``graphs.capture``."""
         self.model = model
         self.kv = kv
         self.cache = EngineCache(kv)
@@ -103,6 +106,10 @@ class ModelRunner:
         self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self.last_broadcast = time.monotonic()
         self.compiled: CompiledForward | None = self._compile() if compile else None
+        self.graphs: DecodeGraphs | None = None
+        if graphs is not None:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(kv, self._static_forward, graphs, self.device)
         self.images = ImageEncoder(model) if image_token_id(model) is not None else None
 
     def _compile(self) -> CompiledForward | None:
@@ -298,16 +305,20 @@ class ModelRunner:
             logger.warning("the engine's model was switched to attn_implementation=%r; switching it back to 'paged' "
                            "for the engine's forward", attention)
             self.model.set_attn_implementation("paged")
-        self.cache.metadata = metadata
-        kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
+        eager = step.inputs_embeds is not None or step.position_ids is not None
         if step.inputs_embeds is None:
             tokens = dict(input_ids=step.input_ids.to(self.device, non_blocking=True).unsqueeze(0))
+            if self.graphs is not None and not eager:  # a decode-only step that fits a bucket runs there
+                logits = self.graphs.run(tokens["input_ids"][0], metadata, keep)
+                if logits is not None:
+                    return logits
         else:
             tokens = dict(inputs_embeds=step.inputs_embeds.unsqueeze(0))
+        self.cache.metadata = metadata
+        kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
         positions = metadata.positions.unsqueeze(0) if step.position_ids is None else step.position_ids.unsqueeze(1)
         inputs = dict(**tokens, position_ids=positions, cache=self.cache, attention_mask=self.no_mask, use_cache=True,
                       **kwargs)
-        eager = step.inputs_embeds is not None or step.position_ids is not None
         try:
             out = self.model(**inputs) if eager else self._forward(metadata, inputs)
         except Exception as error:
@@ -316,6 +327,18 @@ class ModelRunner:
         finally:
             self.cache.metadata = None
         return out.logits[0] if self.keeps_logits else out.logits[0, keep]
+
+    def _static_forward(self, bucket) -> torch.Tensor:
+        """The forward of a ``StaticDecode`` bucket's inputs (``DecodeGraphs`` runs or captures it): logits ``[B,
+        vocab]``, one per row."""
+        self.cache.metadata = bucket.metadata
+        kwargs = {"logits_to_keep": bucket.keep} if self.keeps_logits else {}
+        inputs = dict(input_ids=bucket.input_ids, position_ids=bucket.position_ids, cache=self.cache,
+                      attention_mask=self.no_mask, use_cache=True, **kwargs)
+        try:
+            return self._forward(bucket.metadata, inputs).logits[0]
+        finally:
+            self.cache.metadata = None
 
     def _forward(self, metadata: AttentionMetadata, inputs: dict):
         if self.compiled is not None:
