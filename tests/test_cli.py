@@ -297,3 +297,28 @@ def test_a_cpu_list_binds_after_openmp_pinned_the_main_thread():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == str([first, second])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs this process may run on")
+def test_a_cpu_list_pins_each_intra_op_thread_to_its_cpu():
+    """``cpu_threads_bind="A,B"`` in a process whose OpenMP already runs (``LLM`` in a user's program): one
+    intra-op thread on A, one on B (read from /proc: each thread's own CPU mask), not two threads free on A-B."""
+    from paged_hf.kernels import cpu_ext
+
+    if cpu_ext.pin_threads() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    code = ("import glob, torch; torch.set_num_threads(3); torch.ones(1 << 20).sum()\n"
+            "from paged_hf.engine.threads import bind_cpu_threads\n"
+            f"bind_cpu_threads('{first},{second}', 'cpu'); torch.ones(1 << 20).sum()\n"
+            "masks = []\n"
+            "for status in glob.glob('/proc/self/task/*/status'):\n"
+            "    line = [x for x in open(status) if x.startswith('Cpus_allowed_list')][0]\n"
+            "    masks.append(line.split()[-1])\n"
+            "print(sorted(masks))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_") and k != "PAGED_HF_START_AFFINITY"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    masks = eval(result.stdout.strip().splitlines()[-1])  # noqa: S307 - our own output
+    assert str(first) in masks and str(second) in masks, masks

@@ -99,7 +99,7 @@ def test_production_decode_uses_the_kernel_for_unquantized_pools_only(kernel, mo
 
 def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv(cpu_ext.ENV_VAR, "0")
-    assert cpu_ext._load() is None
+    assert cpu_ext._load() is False
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

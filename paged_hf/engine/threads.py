@@ -4,7 +4,8 @@
 - ``"auto"`` (default): in a process that already runs torch (``PagedEngine``, ``LLM``), its threads are left as
   the program set them (``OMP_NUM_THREADS``, ``torch.set_num_threads``), never changed behind its back; a process
   that starts for the engine (``paged-hf serve``) gets one pinned thread per CPU it may run on (its affinity mask);
-- a CPU list, ``"0-3"`` or ``"0,2,4-5"``: those CPUs only, one intra-op thread each, the process bound to them;
+- a CPU list, ``"0-3"`` or ``"0,2,4-5"``: those CPUs only, one intra-op thread each, each thread pinned to its own
+  CPU (``kernels/cpu_ext.pin_threads``, where the CPU kernels build; else the process bound to the list);
 - ``"nobind"``: torch's threads and the process's affinity are left as they are, everywhere.
 
 In a process that has not started torch's OpenMP runtime yet (``paged-hf serve --cpu-threads-bind``, before it
@@ -19,6 +20,8 @@ import logging
 import os
 
 import torch
+
+from ..kernels.cpu_ext import pin_threads
 
 logger = logging.getLogger("paged_hf")
 KEYWORDS = ("auto", "nobind")
@@ -82,5 +85,8 @@ def bind_cpu_threads(spec: str, device) -> list[int] | None:
         os.sched_setaffinity(0, cpus)  # (a thread OpenMP already pinned to one of them stays there)
     if torch.get_num_threads() != len(cpus):
         torch.set_num_threads(len(cpus))
-    logger.info("PagedEngine: %d intra-op threads bound to CPUs %s (cpu_threads_bind=%r)", len(cpus), cpus, spec)
+    pin = pin_threads()  # each intra-op thread on its own CPU (the process's mask leaves them free to move)
+    pinned = pin(cpus) if pin is not None else None
+    logger.info("PagedEngine: %d intra-op threads bound to CPUs %s%s (cpu_threads_bind=%r)", len(cpus), cpus,
+                ", one thread per CPU" if pinned == cpus else "", spec)
     return cpus

@@ -1,14 +1,15 @@
-"""The CPU paged-attention kernels in C++ (``csrc/paged_decode.cpp``), built on first use and loaded as torch ops.
+"""The CPU kernels in C++ (``csrc/*.cpp``), built on first use into one library and loaded as ``paged_hf_cpu`` ops.
 
-The decode kernel reads each sequence's K/V where they lie in the block pools (no gathered copy), in the pools' dtype
+``paged_decode`` (``csrc/paged_decode.cpp``) reads each sequence's K/V where they lie in the block pools (no gathered copy), in the pools' dtype
 (float32 or bfloat16), accumulating in float32. It is compiled once per machine with the system's C++ compiler
 (``$CXX`` or ``c++``) against the installed torch, ``-O3 -march=native``, into ``$PAGED_HF_CACHE`` (default
 ``~/.cache/paged_hf``)``/cpu_kernels/<hash>/``; the hash covers the source, torch's version, the compiler and the
 CPU's flags, so a changed kernel, torch or machine builds anew. Concurrent processes (test workers, tensor-parallel
 ranks) build under one file lock, and the library appears under its final name only once complete.
 
-No compiler, a failed build or ``PAGED_HF_CPU_KERNELS=0``: ``decode_kernel()`` returns None, once logged, and the
-CPU attention keeps its torch path (``cpu_attention``), which computes the same attention.
+No compiler, a failed build or ``PAGED_HF_CPU_KERNELS=0``: ``decode_kernel()`` and ``pin_threads()`` return None,
+once logged; the CPU attention keeps its torch path (``cpu_attention``), which computes the same attention, and the
+threads stay unpinned.
 """
 
 from __future__ import annotations
@@ -31,45 +32,53 @@ import torch
 logger = logging.getLogger("paged_hf")
 
 ENV_VAR = "PAGED_HF_CPU_KERNELS"
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++20", "-w")
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "pin_threads.cpp"))
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w")
 
 _lock = threading.Lock()
-_state: dict = {}  # "op": the loaded op, or None once a build failed / was refused
+_state: dict = {}  # "loaded": whether the library is loaded (False once a build failed or was refused)
 
 
 def decode_kernel():
-    """``torch.ops.paged_hf_cpu.paged_decode`` (built and loaded on the first call), or None where it cannot be."""
-    if "op" in _state:
-        return _state["op"]
-    with _lock:
-        if "op" not in _state:
-            _state["op"] = _load()
-    return _state["op"]
+    """``torch.ops.paged_hf_cpu.paged_decode`` (the library built and loaded on the first call), or None."""
+    return torch.ops.paged_hf_cpu.paged_decode if _loaded() else None
 
 
-def _load():
+def pin_threads():
+    """``torch.ops.paged_hf_cpu.pin_threads`` (``cpus: list[int] -> list[int]``), or None."""
+    return torch.ops.paged_hf_cpu.pin_threads if _loaded() else None
+
+
+def _loaded() -> bool:
+    if "loaded" not in _state:
+        with _lock:
+            if "loaded" not in _state:
+                _state["loaded"] = _load()
+    return _state["loaded"]
+
+
+def _load() -> bool:
     if os.environ.get(ENV_VAR, "").strip().lower() in ("0", "false", "no", "off"):
         logger.info("paged_hf: %s=0, the CPU attention uses its torch path", ENV_VAR)
-        return None
+        return False
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         logger.warning("paged_hf: no C++ compiler (set CXX or install g++): the CPU paged attention uses its torch "
                        "path, slower at decode")
-        return None
+        return False
     try:
         library = _build(compiler)
         torch.ops.load_library(str(library))
-        return torch.ops.paged_hf_cpu.paged_decode
+        return True
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         logger.warning("paged_hf: building the CPU paged-attention kernel failed (%s); the CPU attention uses its "
                        "torch path", str(error).strip().splitlines()[-1][:300] if str(error).strip() else error)
-        return None
+        return False
 
 
 def _build(compiler: str) -> Path:
     """The library for this source, torch, compiler and CPU: built now unless already in the cache."""
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), compiler.encode(), " ".join(FLAGS).encode(),
@@ -86,19 +95,19 @@ def _build(compiler: str) -> Path:
         from torch.utils.cpp_extension import include_paths  # noqa: PLC0415 - only when building
 
         begin = time.perf_counter()
-        logger.info("paged_hf: building the CPU paged-attention kernel (once per machine, into %s)", folder)
+        logger.info("paged_hf: building the CPU kernels (once per machine, into %s)", folder)
         with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as partial:
             pass
         command = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
                    *(f"-I{path}" for path in include_paths()), f"-I{sysconfig.get_paths()['include']}",
-                   str(SOURCE), "-o", partial.name, f"-L{torch_lib}", "-ltorch_cpu", "-lc10",
+                   *map(str, SOURCES), "-o", partial.name, f"-L{torch_lib}", "-ltorch_cpu", "-lc10",
                    f"-Wl,-rpath,{torch_lib}"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             os.unlink(partial.name)
             raise RuntimeError(f"{Path(compiler).name} exited {result.returncode}: {result.stderr[-2000:]}")
         os.replace(partial.name, library)
-        logger.info("paged_hf: built the CPU paged-attention kernel in %.1f s", time.perf_counter() - begin)
+        logger.info("paged_hf: built the CPU kernels in %.1f s", time.perf_counter() - begin)
     return library
 
 

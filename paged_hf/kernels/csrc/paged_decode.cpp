@@ -255,7 +255,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key_cache, co
 
 }  // namespace
 
-TORCH_LIBRARY(paged_hf_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(paged_hf_cpu, m) {
   m.def("paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale, int window, float softcap, Tensor? sinks) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
