@@ -115,81 +115,121 @@ inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_
   for (; d < D; ++d) y[d] += w * x[d];
 }
 
-// One work item per sequence: its blocks are read front to back, each token's row of every KV head at once
-// (contiguous memory), and each KV head's row serves its H / KH query heads.
+// The decode of one work item: sequence `s`, KV heads [k0, k1) and their query heads. Its blocks are read front to
+// back, each token's row of those KV heads at once (contiguous memory), each KV head's row serving its H / KH query
+// heads. `scratch` is the calling thread's: q, kv, acc, total, scores.
+struct Scratch {
+  std::vector<float> q, kv, acc, total, scores;
+};
+
+template <typename T, typename I, typename L>
+void decode_item(int64_t s, int64_t k0, int64_t k1, const T* query, const T* key_cache, const T* value_cache,
+                 const I* block_tables, const L* seq_lens, const float* sinks, T* out, int64_t H, int64_t KH,
+                 int64_t D, int64_t B, int64_t q_stride_s, int64_t q_stride_h, int64_t bt_stride, float scale,
+                 int64_t window, float softcap, Scratch& scratch) {
+  const int64_t G = H / KH, h0 = k0 * G, heads = (k1 - k0) * G;  // query heads h0 .. h0 + heads - 1
+  const int64_t row = KH * D, width = (k1 - k0) * D;  // a token's row; the part of it this item reads
+  const int64_t block_elems = B * row;
+  const int64_t len = static_cast<int64_t>(seq_lens[s]);
+  T* o = out + (s * H + h0) * D;
+  if (len <= 0) {
+    for (int64_t i = 0; i < heads * D; ++i) o[i] = T(0.f);
+    return;
+  }
+  const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+  const int64_t n = len - first;
+  scratch.q.resize(heads * D);
+  scratch.kv.resize(width);
+  scratch.acc.assign(heads * D, 0.f);
+  scratch.total.resize(heads);
+  scratch.scores.resize(heads * n);
+  float *q = scratch.q.data(), *kv = scratch.kv.data(), *acc = scratch.acc.data(), *scores = scratch.scores.data();
+  for (int64_t h = 0; h < heads; ++h) {
+    load_row(query + s * q_stride_s + (h0 + h) * q_stride_h, q + h * D, D);
+    for (int64_t d = 0; d < D; ++d) q[h * D + d] *= scale;
+  }
+  const I* table = block_tables + s * bt_stride;
+  for (int64_t p = first; p < len;) {  // pass 1: scores[h * n + t] for the keys first..len-1
+    const int64_t stop = std::min(len, (p / B + 1) * B);
+    const T* base = key_cache + static_cast<int64_t>(table[p / B]) * block_elems + k0 * D;
+    const T* next = stop < len ? key_cache + static_cast<int64_t>(table[stop / B]) * block_elems + k0 * D : nullptr;
+    for (; p < stop; ++p) {
+      if (next) prefetch_row(next + (p % B) * row, width);
+      load_row(base + (p % B) * row, kv, width);
+      for (int64_t h = 0; h < heads; ++h) {
+        float x = dot(q + h * D, kv + (h / G) * D, D);
+        if (softcap > 0.f) x = std::tanh(x / softcap) * softcap;
+        scores[h * n + (p - first)] = x;
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {  // softmax per query head; a sink joins the denominator only
+    float* sc = scores + h * n;
+    float peak = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) peak = std::max(peak, sc[t]);
+    const float sink = sinks ? sinks[h0 + h] : -std::numeric_limits<float>::infinity();
+    peak = std::max(peak, sink);
+    float sum = sinks ? std::exp(sink - peak) : 0.f;
+    f16v sums = {};
+    int64_t t = 0;
+    for (; t + LANES <= n; t += LANES) {
+      const f16v e = exp16(load16(sc + t) - peak);
+      std::memcpy(sc + t, &e, sizeof(e));
+      sums += e;
+    }
+    for (; t < n; ++t) {
+      sc[t] = std::exp(sc[t] - peak);
+      sum += sc[t];
+    }
+    scratch.total[h] = sum + reduce16(sums);
+  }
+  for (int64_t p = first; p < len;) {  // pass 2: acc[h] = sum_t p[h, t] * v_t
+    const int64_t stop = std::min(len, (p / B + 1) * B);
+    const T* base = value_cache + static_cast<int64_t>(table[p / B]) * block_elems + k0 * D;
+    const T* next = stop < len ? value_cache + static_cast<int64_t>(table[stop / B]) * block_elems + k0 * D : nullptr;
+    for (; p < stop; ++p) {
+      if (next) prefetch_row(next + (p % B) * row, width);
+      load_row(base + (p % B) * row, kv, width);
+      for (int64_t h = 0; h < heads; ++h) axpy(scores[h * n + (p - first)], kv + (h / G) * D, acc + h * D, D);
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = 1.f / scratch.total[h];
+    for (int64_t d = 0; d < D; ++d) o[h * D + d] = T(acc[h * D + d] * inv);
+  }
+}
+
+// The work: one item per sequence (all its KV heads: whole rows read) when there are enough of them to keep every
+// thread busy, else one per (sequence, KV head); the items are cut into one contiguous range per thread of about
+// equal cost (keys read x KV heads), so a batch of unequal lengths does not wait on its longest thread.
 template <typename T, typename I, typename L>
 void decode_kernel(const T* query, const T* key_cache, const T* value_cache, const I* block_tables,
                    const L* seq_lens, const float* sinks, T* out, int64_t S, int64_t H, int64_t KH, int64_t D,
                    int64_t B, int64_t q_stride_s, int64_t q_stride_h, int64_t bt_stride, float scale,
                    int64_t window, float softcap) {
-  const int64_t G = H / KH;            // query heads per KV head
-  const int64_t row = KH * D;          // elements of one token's row (every KV head)
-  const int64_t block_elems = B * row; // elements of one block
-  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(H * D), kv(row), acc(H * D), total(H), scores;
-    for (int64_t s = begin; s < end; ++s) {
-      const int64_t len = static_cast<int64_t>(seq_lens[s]);
-      T* o = out + s * H * D;
-      if (len <= 0) {
-        for (int64_t i = 0; i < H * D; ++i) o[i] = T(0.f);
-        continue;
-      }
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
-      for (int64_t h = 0; h < H; ++h) {
-        load_row(query + s * q_stride_s + h * q_stride_h, q.data() + h * D, D);
-        for (int64_t d = 0; d < D; ++d) q[h * D + d] *= scale;
-      }
-      scores.resize(H * n);
-      const I* table = block_tables + s * bt_stride;
-      for (int64_t p = first; p < len;) {  // pass 1: scores[h * n + t] for the keys first..len-1
-        const int64_t stop = std::min(len, (p / B + 1) * B);
-        const T* base = key_cache + static_cast<int64_t>(table[p / B]) * block_elems;
-        const T* next = stop < len ? key_cache + static_cast<int64_t>(table[stop / B]) * block_elems : nullptr;
-        for (; p < stop; ++p) {
-          if (next) prefetch_row(next + (p % B) * row, row);
-          load_row(base + (p % B) * row, kv.data(), row);
-          for (int64_t h = 0; h < H; ++h) {
-            float x = dot(q.data() + h * D, kv.data() + (h / G) * D, D);
-            if (softcap > 0.f) x = std::tanh(x / softcap) * softcap;
-            scores[h * n + (p - first)] = x;
-          }
-        }
-      }
-      for (int64_t h = 0; h < H; ++h) {  // softmax per query head; a sink joins the denominator only
-        float* sc = scores.data() + h * n;
-        float peak = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) peak = std::max(peak, sc[t]);
-        const float sink = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
-        peak = std::max(peak, sink);
-        float sum = sinks ? std::exp(sink - peak) : 0.f;
-        f16v sums = {};
-        int64_t t = 0;
-        for (; t + LANES <= n; t += LANES) {
-          const f16v e = exp16(load16(sc + t) - peak);
-          std::memcpy(sc + t, &e, sizeof(e));
-          sums += e;
-        }
-        for (; t < n; ++t) {
-          sc[t] = std::exp(sc[t] - peak);
-          sum += sc[t];
-        }
-        total[h] = sum + reduce16(sums);
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = first; p < len;) {  // pass 2: acc[h] = sum_t p[h, t] * v_t
-        const int64_t stop = std::min(len, (p / B + 1) * B);
-        const T* base = value_cache + static_cast<int64_t>(table[p / B]) * block_elems;
-        const T* next = stop < len ? value_cache + static_cast<int64_t>(table[stop / B]) * block_elems : nullptr;
-        for (; p < stop; ++p) {
-          if (next) prefetch_row(next + (p % B) * row, row);
-          load_row(base + (p % B) * row, kv.data(), row);
-          for (int64_t h = 0; h < H; ++h) axpy(scores[h * n + (p - first)], kv.data() + (h / G) * D, acc.data() + h * D, D);
-        }
-      }
-      for (int64_t h = 0; h < H; ++h) {
-        const float inv = 1.f / total[h];
-        for (int64_t d = 0; d < D; ++d) o[h * D + d] = T(acc[h * D + d] * inv);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t split = S >= 2 * threads ? 1 : KH;  // items per sequence
+  std::vector<double> cost(S * split + 1, 0.0);  // prefix sums of the items' costs
+  for (int64_t i = 0; i < S * split; ++i) {
+    const int64_t len = static_cast<int64_t>(seq_lens[i / split]);
+    const int64_t keys = window > 0 ? std::min(len, window) : len;
+    cost[i + 1] = cost[i] + static_cast<double>(std::max<int64_t>(keys, 1)) * (KH / split);
+  }
+  const int64_t parts = std::min(threads, S * split);
+  std::vector<int64_t> cuts(parts + 1, S * split);
+  cuts[0] = 0;
+  for (int64_t t = 1; t < parts; ++t) {
+    const double target = cost.back() * static_cast<double>(t) / static_cast<double>(parts);
+    cuts[t] = std::lower_bound(cost.begin(), cost.end(), target) - cost.begin();
+    cuts[t] = std::max(cuts[t], cuts[t - 1]);
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t part = begin; part < end; ++part) {
+      for (int64_t i = cuts[part]; i < cuts[part + 1]; ++i) {
+        const int64_t s = i / split, k0 = (i % split) * (KH / split);
+        decode_item<T, I, L>(s, k0, k0 + KH / split, query, key_cache, value_cache, block_tables, seq_lens, sinks,
+                             out, H, KH, D, B, q_stride_s, q_stride_h, bt_stride, scale, window, softcap, scratch);
       }
     }
   });
