@@ -1,7 +1,8 @@
-"""``Speculator``: what the scheduler asks about speculation. It proposes a decoding sequence's drafts (n-gram
-lookup, or a draft model's greedy tokens computed for the step's decoding sequences at once by ``begin_step``,
-within the room the step and the request leave), records how many the target accepted and keeps the
-statistics (vLLM's counters: drafts, draft tokens, accepted tokens, accepted tokens per position)."""
+"""``Speculator``: what the scheduler asks about speculation. It proposes the step's drafts once, for every decoding
+sequence at the step's start (``begin_step``: n-gram lookups, or a draft model's greedy tokens computed for them at
+once), hands each sequence its drafts within the room the step and the request leave (``propose``), records how
+many the target accepted and keeps the statistics (vLLM's counters: drafts, draft tokens, accepted tokens, accepted
+tokens per position). A step where nothing is proposed schedules as one without speculation."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class Speculator:
         self.config = config
         self.tail_block_size = tail_block_size
         self.drafter = None
-        self._proposals: dict[int, tuple[int, ...]] = {}  # this step's draft-model proposals, by id(seq)
+        self._proposals: dict[int, tuple[int, ...]] = {}  # this step's proposals, by id(seq)
         self.switch = ThroughputSwitch() if config.auto_disable else None
         self.num_drafts = 0  # verified runs that had drafts
         self.num_draft_tokens = 0
@@ -67,18 +68,28 @@ class Speculator:
             seq.spec_gate = AcceptanceGate()
         return limit if seq.spec_gate.is_open(num_output) else 0
 
-    def begin_step(self, running: list[Sequence], max_model_len: int) -> None:
-        """A speculating step starts: the draft model proposes for every running sequence that decodes (one new
-        token) and may propose, as many drafts as its limit allows (the step's room may cut them)."""
-        if self.drafter is None:
-            return
+    def begin_step(self, running: list[Sequence], max_model_len: int) -> bool:
+        """A speculating step starts: proposes for every running sequence that decodes (one new token) and may
+        propose, as many drafts as its limit allows (the step's room may cut them later); returns whether any
+        sequence has drafts (if not, the step schedules as one without speculation)."""
         wanted = []
         for seq in running:
             if seq.num_computed_tokens == len(seq.token_ids) - 1:
                 limit = self._limit(seq, self.config.num_speculative_tokens, max_model_len)
                 if limit:
                     wanted.append((seq, limit))
-        self._proposals = self.drafter.propose(wanted) if wanted else {}
+        if not wanted:
+            self._proposals = {}
+        elif self.drafter is not None:
+            self._proposals = self.drafter.propose(wanted)
+        else:
+            c = self.config
+            self._proposals = {}
+            for seq, limit in wanted:
+                drafts = propose_ngram(seq.token_ids, limit, c.prompt_lookup_max, c.prompt_lookup_min)
+                if drafts:
+                    self._proposals[id(seq)] = tuple(drafts)
+        return bool(self._proposals)
 
     def release(self, seq: Sequence) -> None:
         """``seq`` finished or lost its K/V (preempted by recompute): its draft K/V, if any, is freed."""
@@ -86,13 +97,14 @@ class Speculator:
             self.drafter.release(seq)
 
     def propose(self, seq: Sequence, room: int, max_model_len: int) -> tuple[int, ...]:
-        """Drafts for ``seq`` (a sequence decoding its output) within ``_limit``; () when it proposes none."""
-        limit = self._limit(seq, room, max_model_len)
-        if limit < 1:
+        """``seq``'s drafts of this step (``begin_step``) within ``_limit``; () when it proposes none."""
+        drafts = self._proposals.get(id(seq), ())
+        if not drafts:
             return ()
-        if self.drafter is not None:
-            return self._proposals.get(id(seq), ())[:limit]
-        c = self.config
+        limit = self._limit(seq, room, max_model_len)
+        if limit >= len(drafts) or self.drafter is not None:
+            return drafts[:limit]
+        c = self.config  # fewer n-gram drafts may continue another match (the latest one with room to continue)
         return tuple(propose_ngram(seq.token_ids, limit, c.prompt_lookup_max, c.prompt_lookup_min))
 
     def stats(self) -> dict:
