@@ -260,7 +260,7 @@ def test_throughput_switch_follows_the_faster_mode():
 
     def cycle(rate_on: float, rate_off: float) -> list[bool]:
         modes = []
-        for _ in range(CYCLE_STEPS):
+        for _ in range(switch.cycle_steps):
             mode = switch.speculating()
             modes.append(mode)
             switch.record(mode, 1.0, int(rate_on if mode else rate_off))
@@ -270,8 +270,33 @@ def test_throughput_switch_follows_the_faster_mode():
     assert first == [False] * PROBE_STEPS + [True] * (CYCLE_STEPS - PROBE_STEPS)  # probes off, then on
     assert not switch.winner
     assert cycle(rate_on=80, rate_off=100) == [True] * PROBE_STEPS + [False] * (CYCLE_STEPS - PROBE_STEPS)
+    assert switch.cycle_steps == 2 * CYCLE_STEPS  # the winner held: the next cycle is twice as long
     cycle(rate_on=150, rate_off=100)  # its probes of speculation measure it faster
     assert switch.winner and switch.speculating() is False  # the next cycle opens with a probe of "off"
+    assert switch.cycle_steps == CYCLE_STEPS  # a new winner: short cycles again
+
+
+def test_throughput_switch_probes_less_while_the_winner_holds():
+    """Where one mode keeps winning, its cycles double up to MAX_CYCLE_STEPS: the losing mode's probes take
+    PROBE_STEPS of every MAX_CYCLE_STEPS steps in the end."""
+    from paged_hf.engine.spec.switch import CYCLE_STEPS, MAX_CYCLE_STEPS, PROBE_STEPS, ThroughputSwitch
+
+    switch = ThroughputSwitch()
+    lengths, probes = [], 0
+    while len(lengths) < 7:
+        start = switch.num_steps
+        while True:
+            mode = switch.speculating()
+            probes += mode
+            switch.record(mode, 1.0, 80 if mode else 100)
+            if switch.num_steps - start == switch.cycle_steps or switch.num_steps - start > MAX_CYCLE_STEPS:
+                break
+            if switch._step_in_cycle == 0:
+                break
+        lengths.append(switch.num_steps - start)
+    assert lengths == [CYCLE_STEPS, CYCLE_STEPS, 2 * CYCLE_STEPS, 4 * CYCLE_STEPS] + [MAX_CYCLE_STEPS] * 3
+    assert not switch.winner
+    assert probes == (CYCLE_STEPS - PROBE_STEPS) + PROBE_STEPS * 6  # the first cycle ran on, then probes only
 
 
 def test_auto_disable_speculates_less_where_it_is_slower(monkeypatch):
@@ -290,6 +315,8 @@ def test_auto_disable_speculates_less_where_it_is_slower(monkeypatch):
     base = PagedEngine(model, None, enforce_eager=True, block_size=4, num_blocks=400)
     drafted = {}
     for auto in (False, True):
+        monkeypatch.setattr(switch_module, "CYCLE_STEPS", 16)  # cycles of 2 probes and 14 steps
+        monkeypatch.setattr(switch_module, "PROBE_STEPS", 2)
         spec = PagedEngine(model, None, enforce_eager=True, block_size=4, num_blocks=400,
                            speculative_config={**NGRAM, "auto_disable": auto})
         clock = [0.0]
@@ -299,8 +326,6 @@ def test_auto_disable_speculates_less_where_it_is_slower(monkeypatch):
             return clock[0]
 
         expected = run(base, prompts, params)
-        monkeypatch.setattr(switch_module, "CYCLE_STEPS", 16)  # cycles of 2 probes and 14 steps
-        monkeypatch.setattr(switch_module, "PROBE_STEPS", 2)
         clocked = SimpleNamespace(perf_counter=charged, monotonic=time.monotonic)
         monkeypatch.setattr(scheduler_module, "time", clocked)  # the step starts in one, ends in the other
         monkeypatch.setattr(step_update_module, "time", clocked)
