@@ -15,11 +15,16 @@ Each engine gets a warm-up call first; the engines take turns request group by r
 best of ``--repeats``. On a shared machine the ratio of CPU seconds (this process, one thread) is the steadier one,
 and the goals are judged on it. ``--method draft_model`` proposes with a draft model (``--draft``, by default the
 target itself loaded again: acceptance near 1, so the row measures what the draft's ``k`` forwards a step cost
-against the target forwards they save); the goals are the n-gram method's and are not judged for it.
+against the target forwards they save); ``--draft-dtype bfloat16`` loads it in bfloat16 (the target's own weights,
+cheaper per forward on a CPU with bfloat16 units), ``--draft-layers N`` cuts it after its first ``N`` decoder layers
+(``early_exit_draft``: the target's layers, norm and head, shared). The goals are the n-gram method's and are not
+judged for drafts.
 
     PYTHONPATH=. python benchmarks/spec_decode.py                              # stories260K, batches 1 and 16
     PYTHONPATH=. python benchmarks/spec_decode.py --model smollm2 --requests 4 --max-tokens 64
     PYTHONPATH=. python benchmarks/spec_decode.py --method draft_model --requests 4 --batches 1,4
+    PYTHONPATH=. python benchmarks/spec_decode.py --model smollm2 --method draft_model --draft-dtype bfloat16 --k 2
+    PYTHONPATH=. python benchmarks/spec_decode.py --model smollm2 --method draft_model --draft-layers 24
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 
 import paged_hf  # noqa: F401 - registers the "paged" attention
 from paged_hf import PagedEngine, SamplingParams
+from paged_hf.engine.spec import early_exit_draft
 
 from _common import STORIES_TEXT, ModelUnavailable, load_model, machine, markdown_table
 
@@ -91,6 +97,10 @@ def main(argv=None) -> int:
     parser.add_argument("--method", default="ngram", choices=["ngram", "draft_model"])
     parser.add_argument("--draft", default=None, choices=["stories260K", "smollm2"],
                         help="draft_model: the draft (default: the target, loaded again)")
+    parser.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"],
+                        help="draft_model: the draft's dtype (default: the target's)")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="draft_model: the draft cut after its first N decoder layers (early_exit_draft)")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup", default="4,2", help="prompt_lookup_max,prompt_lookup_min")
     parser.add_argument("--repeats", type=int, default=2)
@@ -110,7 +120,14 @@ def main(argv=None) -> int:
                 "prompt_lookup_min": lookup_min}
     else:
         draft_name = args.draft or name
-        spec = {"method": "draft_model", "model": load_model(draft_name)[0], "num_speculative_tokens": args.k}
+        draft = load_model(draft_name)[0]
+        if args.draft_dtype is not None:
+            draft = draft.to(getattr(torch, args.draft_dtype))
+            draft_name += f" in {args.draft_dtype}"
+        if args.draft_layers is not None:
+            draft = early_exit_draft(draft, args.draft_layers)
+            draft_name += f", its first {args.draft_layers} layers"
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k}
     options = dict(block_size=16, num_blocks=max(256, args.requests * 64), enforce_eager=not args.compile,
                    cpu_threads_bind="nobind", max_num_seqs=max(int(b) for b in args.batches.split(",")))
     base = PagedEngine(model, tokenizer, **options)

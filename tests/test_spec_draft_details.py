@@ -124,3 +124,18 @@ def test_a_speculating_step_with_nothing_proposed_schedules_as_without(stories, 
     same(expected, spec.generate(prompts, GREEDY, use_tqdm=False))
     spec.check_invariants()
     assert not asked and spec.get_stats()["spec_decode_num_drafts"] == 0
+
+
+def test_a_bfloat16_draft_of_the_targets_weights_speculates_exactly(stories, prompts):
+    """The target's own weights in bfloat16 drafting for it in float32: its pool is bfloat16, its drafts are
+    mostly accepted, and the output is the float32 engine's."""
+    model, tok = stories
+    options = dict(enforce_eager=True, block_size=4, num_blocks=512)
+    base = PagedEngine(model, tok, **options)
+    spec = PagedEngine(model, tok, speculative_config=draft_config(stories_model("sdpa").to(torch.bfloat16)),
+                       **options)
+    same(run(base, prompts, GREEDY), run(spec, prompts, GREEDY))
+    stats = spec.get_stats()
+    assert stats["spec_decode_num_accepted_tokens"] > stats["spec_decode_num_draft_tokens"] / 2
+    storages = [storage for group in drafter(spec).kv.groups for storage in group.storages.values()]
+    assert storages and all(storage.key_cache.dtype == torch.bfloat16 for storage in storages)
