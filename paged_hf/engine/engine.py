@@ -85,9 +85,11 @@ class PagedEngine:
                     self.kv.stats().kv_cache_bytes / GIB, model.device, self.max_model_len)
 
     def _attach_draft_model(self) -> None:
-        """Method "draft_model": the draft model on its own pool of as many blocks as the target's, compiled as the
-        target is."""
+        """Speculation's step clock (CPU seconds on a CPU); method "draft_model": the draft model on its own pool of
+        as many blocks as the target's, compiled as the target is."""
         spec = self.config.speculative_config
+        if spec is not None and self.model.device.type == "cpu":
+            self.scheduler.speculator.clock = time.process_time
         if spec is None or spec.method != "draft_model":
             return
         check_tensor_parallel(spec, self.group.size if self.group is not None else 1)

@@ -70,7 +70,6 @@ class Scheduler(StepUpdate):
         self.speculator = Speculator(spec, kv.block_size if kv.has_tail else None) if spec is not None else None
         self._speculating = False  # this step's mode (the speculator's switch)
         self._drafting = False  # whether this step has drafts (speculating, and something was proposed)
-        self._step_started = 0.0
         self._ends: dict[str, RequestEnds] = {}  # per request id not finished
 
     def _order(self, seq: Sequence) -> tuple:
@@ -192,7 +191,6 @@ class Scheduler(StepUpdate):
         kv = self.kv
         if self.speculator is not None:
             self._speculating = self.speculator.speculating()
-            self._step_started = time.perf_counter()
             self._drafting = self._speculating and self.speculator.begin_step(self.running, self.max_model_len)
 
         # 1. running sequences, oldest / most important first; decodes take one token

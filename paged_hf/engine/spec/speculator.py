@@ -6,6 +6,8 @@ tokens per position). A step where nothing is proposed schedules as one without 
 
 from __future__ import annotations
 
+import time
+
 from ..request import Sequence
 from .config import SpeculativeConfig
 from .gate import AcceptanceGate
@@ -22,12 +24,16 @@ class Speculator:
     there the newest token and its drafts stay inside one block without filling it: rollback only rewinds the tail
     row, and the output equals that of the engine without speculation.
 
-    ``drafter``: method "draft_model"'s ``DraftModelProposer`` (attached by the engine, which holds the models)."""
+    ``drafter``: method "draft_model"'s ``DraftModelProposer`` (attached by the engine, which holds the models).
+    ``clock``: what the switch times steps by: the process's CPU seconds where the model runs on a CPU (wall time on
+    a machine shared with other work counts that work too, and decides the switch by it), else wall time."""
 
     def __init__(self, config: SpeculativeConfig, tail_block_size: int | None = None) -> None:
         self.config = config
         self.tail_block_size = tail_block_size
         self.drafter = None
+        self.clock = time.perf_counter
+        self._step_started = 0.0
         self._proposals: dict[int, tuple[int, ...]] = {}  # this step's proposals, by id(seq)
         self.switch = ThroughputSwitch() if config.auto_disable else None
         self.num_drafts = 0  # verified runs that had drafts
@@ -36,13 +42,14 @@ class Speculator:
         self.num_accepted_per_pos = [0] * config.num_speculative_tokens  # [k]: runs whose draft j was accepted
 
     def speculating(self) -> bool:
-        """Whether this step proposes drafts (the engine-wide switch's choice)."""
+        """Whether this step proposes drafts (the engine-wide switch's choice); the step's clock starts."""
+        self._step_started = self.clock()
         return self.switch is None or self.switch.speculating()
 
-    def end_step(self, speculated: bool, seconds: float, num_tokens: int) -> None:
-        """A decoding step's time and generated tokens, for the switch."""
+    def end_step(self, speculated: bool, num_tokens: int) -> None:
+        """A decoding step ended, having generated ``num_tokens``: its time since ``speculating``, for the switch."""
         if self.switch is not None:
-            self.switch.record(speculated, seconds, num_tokens)
+            self.switch.record(speculated, self.clock() - self._step_started, num_tokens)
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:

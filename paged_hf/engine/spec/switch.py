@@ -3,20 +3,24 @@
 The per-sequence gate (``gate.py``) stops drafts that are seldom accepted, but whether accepted drafts pay depends
 on the machine and the batch: a verification forward of ``1 + k`` tokens per sequence costs little more than one
 token when a step is bound by overhead or weight reads, and nearly ``1 + k`` times as much when it is bound by
-compute (large batches on a CPU). So the engine measures both: in every cycle of decoding steps, the
-first ``PROBE_STEPS`` run in the mode that is losing (off while speculation wins, on while it loses) and the rest in
-the winning one; the generated tokens per second of each mode are compared at the end of each phase. A cycle lasts
-``CYCLE_STEPS`` steps, and twice as long as the one before each time the winner holds (up to ``MAX_CYCLE_STEPS``):
-where one mode keeps winning, the loser's probes cost at most ``PROBE_STEPS / MAX_CYCLE_STEPS`` of its slowdown,
-and a change of the winner starts short cycles again. Steps that compute prompt tokens are not measured (their time
-says nothing about decoding).
+compute (large batches on a CPU). So the engine measures both, side by side: every cycle of decoding steps opens with a probe of ``2 PROBE_STEPS``
+steps that alternate between the two modes, step by step, so that both see the same batch (the same sequences, at
+nearly the same lengths) and the same load on the machine; the generated tokens per second of each mode over the
+probe decide the mode of the rest of the cycle. A cycle lasts ``CYCLE_STEPS`` steps, and twice as long as the one
+before each time the winner holds (up to ``MAX_CYCLE_STEPS``): where one mode keeps winning, the loser costs
+``PROBE_STEPS`` steps of every ``MAX_CYCLE_STEPS``, and a change of the winner starts short cycles again.
+Speculation wins only when it measures ``MARGIN`` faster: part of its cost is not in its steps' rate (sequences that
+accept drafts finish earlier than the others, and the batch runs smaller until the last one ends), so a tie in the
+steps' rate is a loss for the batch. Steps that compute prompt tokens are not measured (their time says nothing
+about decoding).
 """
 
 from __future__ import annotations
 
-PROBE_STEPS = 8
+PROBE_STEPS = 8  # steps of each mode in a probe
 CYCLE_STEPS = 64
 MAX_CYCLE_STEPS = 512
+MARGIN = 1.05  # speculation's tokens/s over those without it, to win
 
 
 class ThroughputSwitch:
@@ -26,31 +30,34 @@ class ThroughputSwitch:
         self.num_steps = 0  # decoding steps measured
         self.cycle_steps = CYCLE_STEPS  # the length of the current cycle
         self.winner = True  # speculation, until measured slower
-        self.rates: dict[bool, float | None] = {True: None, False: None}  # tokens/s of each mode's last phase
+        self.rates: dict[bool, float | None] = {True: None, False: None}  # tokens/s of each mode in the last probe
         self._step_in_cycle = 0
-        self._phase_tokens = 0
-        self._phase_seconds = 0.0
+        self._probe = {True: [0, 0.0], False: [0, 0.0]}  # mode -> [tokens, seconds] of this cycle's probe
 
     def speculating(self) -> bool:
-        probing = self._step_in_cycle < PROBE_STEPS
-        return self.winner != probing
+        if self._step_in_cycle < 2 * PROBE_STEPS:
+            return self._step_in_cycle % 2 == 0
+        return self.winner
 
     def record(self, speculated: bool, seconds: float, num_tokens: int) -> None:
         """Counts one decoding step that ran in mode ``speculated``, took ``seconds`` and generated
-        ``num_tokens``; at the end of a phase, the faster mode wins the next cycle."""
-        self._phase_tokens += num_tokens
-        self._phase_seconds += seconds
+        ``num_tokens``; at the end of a probe, the faster mode wins the rest of the cycle."""
         self.num_steps += 1
+        if self._step_in_cycle < 2 * PROBE_STEPS:
+            measured = self._probe[speculated]
+            measured[0] += num_tokens
+            measured[1] += seconds
         self._step_in_cycle += 1
-        if self._step_in_cycle not in (self.cycle_steps, PROBE_STEPS):
-            return
-        if self._phase_seconds > 0:
-            self.rates[speculated] = self._phase_tokens / self._phase_seconds
-        self._phase_tokens, self._phase_seconds = 0, 0.0
-        if self._step_in_cycle < self.cycle_steps:
-            return
-        self._step_in_cycle = 0
+        if self._step_in_cycle == 2 * PROBE_STEPS:
+            self._decide()
+        if self._step_in_cycle >= self.cycle_steps:
+            self._step_in_cycle = 0
+
+    def _decide(self) -> None:
+        for mode, (tokens, seconds) in self._probe.items():
+            self.rates[mode] = tokens / seconds if seconds > 0 else None
+            self._probe[mode] = [0, 0.0]
         on, off = self.rates[True], self.rates[False]
-        winner = on >= off if on is not None and off is not None else self.winner
+        winner = on >= MARGIN * off if on is not None and off is not None else self.winner
         self.cycle_steps = min(2 * self.cycle_steps, MAX_CYCLE_STEPS) if winner == self.winner else CYCLE_STEPS
         self.winner = winner
