@@ -113,6 +113,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="draft_model: the draft cut after its first N decoder layers (early_exit_draft)")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--always", action="store_true",
+                        help="auto_disable=False: speculate at every step (what the pairing itself costs or saves)")
     parser.add_argument("--lookup", default="4,2", help="prompt_lookup_max,prompt_lookup_min")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
@@ -142,6 +144,8 @@ def main(argv=None) -> int:
             draft = early_exit_draft(draft, args.draft_layers)
             draft_name += f", its first {args.draft_layers} layers"
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k}
+    if args.always:
+        spec["auto_disable"] = False
     options = dict(block_size=16, num_blocks=max(256, args.requests * 64), enforce_eager=not args.compile,
                    cpu_threads_bind="nobind", max_num_seqs=max(int(b) for b in args.batches.split(",")))
     base = PagedEngine(model, tokenizer, **options)
