@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import time
 
-from ..request import Sequence
+from typing import TYPE_CHECKING
+
+from ..request import Sequence, SequenceStatus
 from .config import SpeculativeConfig
 from .gate import AcceptanceGate
 from .ngram import propose_ngram
 from .switch import ThroughputSwitch
+
+if TYPE_CHECKING:
+    from ..scheduled import ScheduledSequence
+    from .verify import VerifiedRun
 
 
 class Speculator:
@@ -46,10 +52,20 @@ class Speculator:
         self._step_started = self.clock()
         return self.switch is None or self.switch.speculating()
 
-    def end_step(self, speculated: bool, num_tokens: int) -> None:
-        """A decoding step ended, having generated ``num_tokens``: its time since ``speculating``, for the switch."""
-        if self.switch is not None:
-            self.switch.record(speculated, self.clock() - self._step_started, num_tokens)
+    def end_step(self, speculated: bool, num_tokens: int, scheduled: "list[ScheduledSequence]",
+                 verified: "list[VerifiedRun]", nothing_waits: bool) -> None:
+        """A decoding step of ``scheduled`` ended, having generated ``num_tokens`` (``verified``: its runs with
+        drafts): its time since ``speculating`` and its gain, for the switch. While requests wait, the gain is the
+        tokens: a sequence that ends sooner lets one of them in. Where nothing waits, the batch ends with its
+        longest sequence, and tokens that others gained ahead of it save no step: the gain is the step's sequences
+        times the tokens its end came closer by (``batch_progress``), which is the tokens for a step without
+        drafts."""
+        if self.switch is None:
+            return
+        seconds = self.clock() - self._step_started
+        if nothing_waits and scheduled:
+            num_tokens = len(scheduled) * batch_progress(scheduled, verified)
+        self.switch.record(speculated, seconds, num_tokens)
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -130,3 +146,17 @@ class Speculator:
         c = self.config
         seq.spec_gate.record(num_drafts, num_accepted, seq.num_output_tokens, 2 * c.num_speculative_tokens,
                              c.min_acceptance_rate)
+
+
+def batch_progress(scheduled: "list[ScheduledSequence]", verified: "list[VerifiedRun]") -> int:
+    """By how many tokens a decoding step shortened the longest budget left among its sequences (``max_tokens``
+    less their output tokens; none once finished): 1 for a step without drafts, more only where every sequence
+    with the longest budget had drafts accepted."""
+    emitted = {id(run.seq): len(run.token_ids) for run in verified}
+    before = after = 0
+    for item in scheduled:
+        seq = item.seq
+        left = seq.request.params.max_tokens - seq.num_output_tokens
+        before = max(before, left + emitted.get(id(seq), 1))
+        after = max(after, 0 if seq.status is SequenceStatus.FINISHED else left)
+    return before - after
