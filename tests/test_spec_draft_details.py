@@ -139,3 +139,48 @@ def test_a_bfloat16_draft_of_the_targets_weights_speculates_exactly(stories, pro
     assert stats["spec_decode_num_accepted_tokens"] > stats["spec_decode_num_draft_tokens"] / 2
     storages = [storage for group in drafter(spec).kv.groups for storage in group.storages.values()]
     assert storages and all(storage.key_cache.dtype == torch.bfloat16 for storage in storages)
+
+
+def test_batch_progress_is_the_longest_budgets_step():
+    """Where nothing waits the switch counts a step by how much closer the batch's end came: the tokens of the
+    sequence with the longest budget left, not those of sequences ahead of it."""
+    from types import SimpleNamespace
+
+    from paged_hf.engine.request import SequenceStatus
+    from paged_hf.engine.spec.speculator import batch_progress
+
+    def seq(max_tokens, num_output, finished=False):
+        status = SequenceStatus.FINISHED if finished else SequenceStatus.RUNNING
+        return SimpleNamespace(request=SimpleNamespace(params=SimpleNamespace(max_tokens=max_tokens)),
+                               num_output_tokens=num_output, status=status)
+
+    def step(seqs, emitted):  # emitted[i]: tokens seqs[i] gained (its output counts include them); 1: no drafts
+        runs = [SimpleNamespace(seq=s, token_ids=[0] * e) for s, e in zip(seqs, emitted) if e > 1]
+        return batch_progress([SimpleNamespace(seq=s) for s in seqs], runs)
+
+    lagging, ahead = seq(100, 10), seq(100, 30)
+    assert step([lagging, ahead], [1, 1]) == 1  # no drafts: one token closer
+    assert step([lagging, ahead], [1, 5]) == 1  # the one ahead gained 5: the end came no closer
+    assert step([lagging, ahead], [3, 5]) == 3
+    assert step([seq(100, 12), seq(100, 11)], [3, 2]) == 2  # both 9 tokens in before: the slower one counts
+    assert step([seq(100, 99, finished=True)], [4]) == 5  # it finished (EOS): its whole budget is gone
+
+
+def test_the_switch_counts_a_closed_batch_by_its_end(stories, monkeypatch):
+    """A closed batch where drafts run ahead only for sequences other than the last: with nothing waiting, the
+    switch is handed each step's progress of the batch's end, not its tokens."""
+    import paged_hf.engine.spec.speculator as speculator_module
+
+    model, tok = stories
+    spec = PagedEngine(model, tok, enforce_eager=True, block_size=4, num_blocks=512,
+                       speculative_config={"method": "ngram", "auto_disable": True, "min_acceptance_rate": 0.0})
+    handed = []
+    record = spec.scheduler.speculator.switch.record
+    monkeypatch.setattr(spec.scheduler.speculator.switch, "record",
+                        lambda mode, seconds, tokens: handed.append(tokens) or record(mode, seconds, tokens))
+    counted = []
+    progress = speculator_module.batch_progress
+    monkeypatch.setattr(speculator_module, "batch_progress", lambda s, v: counted.append(len(s) * progress(s, v))
+                        or progress(s, v))
+    spec.generate([f"{s[:300]} {s[:60]}" for s in sample_stories()[:4]], GREEDY, use_tqdm=False)
+    assert handed and handed == counted  # every measured step: sequences x progress, nothing waiting
