@@ -6,12 +6,12 @@ token when a step is bound by overhead or weight reads, and nearly ``1 + k`` tim
 compute (large batches on a CPU). So the engine measures both, side by side: every cycle of decoding steps opens with a probe of ``2 PROBE_STEPS``
 steps that alternate between the two modes, step by step, so that both see the same batch (the same sequences, at
 nearly the same lengths) and the same load on the machine; the generated tokens per second of each mode over the
-probe decide the mode of the rest of the cycle. A cycle lasts ``CYCLE_STEPS`` steps, and twice as long as the one
+probe decide the mode of the rest of the cycle (the tokens as ``Speculator.end_step`` counts them: where no request
+waits, only those that bring the batch's last sequence closer to its end). A cycle lasts ``CYCLE_STEPS`` steps, and twice as long as the one
 before each time the winner holds (up to ``MAX_CYCLE_STEPS``): where one mode keeps winning, the loser costs
 ``PROBE_STEPS`` steps of every ``MAX_CYCLE_STEPS``, and a change of the winner starts short cycles again.
-Speculation wins only when it measures ``MARGIN`` faster: part of its cost is not in its steps' rate (sequences that
-accept drafts finish earlier than the others, and the batch runs smaller until the last one ends), so a tie in the
-steps' rate is a loss for the batch. Steps that compute prompt tokens are not measured (their time says nothing
+Speculation wins only when it measures ``MARGIN`` faster: a tie in the steps' rate is a loss for the batch (its
+verification rows cost the machine more than its steps' time shows, and the measurement is noisy). Steps that compute prompt tokens are not measured (their time says nothing
 about decoding).
 """
 
