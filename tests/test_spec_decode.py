@@ -266,7 +266,7 @@ def test_throughput_switch_follows_the_faster_mode():
         while True:
             mode = switch.speculating()
             modes.append(mode)
-            switch.record(mode, 1.0, int(rate_on if mode else rate_off))
+            switch.record(mode, 1.0, int(rate_on if mode else rate_off), 4)
             if switch._step_in_cycle == 0:
                 return modes
 
@@ -280,6 +280,23 @@ def test_throughput_switch_follows_the_faster_mode():
     assert cycle(rate_on=tie, rate_off=100) == probe + [False] * (CYCLE_STEPS - 2 * PROBE_STEPS)
 
 
+def test_throughput_switch_probes_again_when_the_batch_changes():
+    """A decision holds for the batch size it was measured at: 4 sequences probed, then 9 or 1 decoding, a new
+    probe starts at the next step (and short cycles again); 2 to 8 keep it."""
+    from paged_hf.engine.spec.switch import CYCLE_STEPS, PROBE_STEPS, ThroughputSwitch
+
+    for size, probes_again in ((8, False), (2, False), (9, True), (1, True)):
+        switch = ThroughputSwitch()
+        for _ in range(2 * PROBE_STEPS):
+            mode = switch.speculating()
+            switch.record(mode, 1.0, 80 if mode else 100, 4)
+        for _ in range(CYCLE_STEPS - 2 * PROBE_STEPS - 2):  # the cycle has 2 steps left
+            switch.record(switch.speculating(), 1.0, 100, 4)
+        assert switch.speculating() is False and switch.cycle_steps == CYCLE_STEPS
+        switch.record(False, 1.0, 100, size)
+        assert switch.speculating() is probes_again, size  # a probe opens with a speculating step
+
+
 def test_throughput_switch_probes_less_while_the_winner_holds():
     """Where one mode keeps winning, its cycles double up to MAX_CYCLE_STEPS: the losing mode runs PROBE_STEPS of
     every MAX_CYCLE_STEPS steps in the end."""
@@ -290,7 +307,7 @@ def test_throughput_switch_probes_less_while_the_winner_holds():
     while len(lengths) < 7:
         mode = switch.speculating()
         probes += mode
-        switch.record(mode, 1.0, 80 if mode else 100)
+        switch.record(mode, 1.0, 80 if mode else 100, 4)
         steps += 1
         if switch._step_in_cycle == 0:
             lengths.append(steps)

@@ -65,7 +65,7 @@ class Speculator:
         seconds = self.clock() - self._step_started
         if nothing_waits and scheduled:
             num_tokens = len(scheduled) * batch_progress(scheduled, verified)
-        self.switch.record(speculated, seconds, num_tokens)
+        self.switch.record(speculated, seconds, num_tokens, len(scheduled))
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
