@@ -124,7 +124,8 @@ def test_proposals_are_the_draft_models_greedy_continuation():
     the rest, and holds no more than its tokens and drafts."""
     paged = tiny_model("llama", vocab_size=64, seed=2)
     dense = tiny_model("llama", attn_implementation="sdpa", vocab_size=64, seed=2)
-    proposer = DraftModelProposer(load_draft_model(paged, dense), num_blocks=64, block_size=4, max_num_batched_tokens=2048)
+    proposer = DraftModelProposer(load_draft_model(paged, dense), num_blocks=64, block_size=4,
+                                  max_num_batched_tokens=2048)
     rng = torch.Generator().manual_seed(0)
     seqs = [FakeSequence(torch.randint(0, 64, (n,), generator=rng).tolist()) for n in (1, 5, 9)]
 

@@ -177,7 +177,8 @@ def test_the_switch_counts_a_closed_batch_by_its_end(stories, monkeypatch):
     handed = []
     record = spec.scheduler.speculator.switch.record
     monkeypatch.setattr(spec.scheduler.speculator.switch, "record",
-                        lambda mode, seconds, tokens: handed.append(tokens) or record(mode, seconds, tokens))
+                        lambda mode, seconds, tokens, seqs: handed.append(tokens) or record(mode, seconds, tokens,
+                                                                                            seqs))
     counted = []
     progress = speculator_module.batch_progress
     monkeypatch.setattr(speculator_module, "batch_progress", lambda s, v: counted.append(len(s) * progress(s, v))

@@ -3,17 +3,18 @@
 The per-sequence gate (``gate.py``) stops drafts that are seldom accepted, but whether accepted drafts pay depends
 on the machine and the batch: a verification forward of ``1 + k`` tokens per sequence costs little more than one
 token when a step is bound by overhead or weight reads, and nearly ``1 + k`` times as much when it is bound by
-compute (large batches on a CPU). So the engine measures both, side by side: every cycle of decoding steps opens with a probe of ``2 PROBE_STEPS``
-steps that alternate between the two modes, step by step, so that both see the same batch (the same sequences, at
-nearly the same lengths) and the same load on the machine; the generated tokens per second of each mode over the
-probe decide the mode of the rest of the cycle (the tokens as ``Speculator.end_step`` counts them: where no request
-waits, only those that bring the batch's last sequence closer to its end). A cycle lasts ``CYCLE_STEPS`` steps, and twice as long as the one
-before each time the winner holds (up to ``MAX_CYCLE_STEPS``): where one mode keeps winning, the loser costs
-``PROBE_STEPS`` steps of every ``MAX_CYCLE_STEPS``, and a change of the winner starts short cycles again. A decision holds for the batch it was measured on: when the
-number of decoding sequences has doubled or halved since, a new probe starts at once.
+compute (large batches on a CPU). So the engine measures both, side by side: every cycle of decoding steps opens
+with a probe of ``2 PROBE_STEPS`` steps that alternate between the two modes, step by step, so that both see the
+same batch (the same sequences, at nearly the same lengths) and the same load on the machine; the generated tokens
+per second of each mode over the probe decide the mode of the rest of the cycle (the tokens as
+``Speculator.end_step`` counts them: where no request waits, only those that bring the batch's last sequence closer
+to its end). A cycle lasts ``CYCLE_STEPS`` steps, and twice as long as the one before each time the winner holds (up
+to ``MAX_CYCLE_STEPS``): where one mode keeps winning, the loser costs ``PROBE_STEPS`` steps of every
+``MAX_CYCLE_STEPS``, and a change of the winner starts short cycles again. A decision holds for the batch it was
+measured on: when the number of decoding sequences has doubled or halved since, a new probe starts at once.
 Speculation wins only when it measures ``MARGIN`` faster: a tie in the steps' rate is a loss for the batch (its
-verification rows cost the machine more than its steps' time shows, and the measurement is noisy). Steps that compute prompt tokens are not measured (their time says nothing
-about decoding).
+verification rows cost the machine more than its steps' time shows, and the measurement is noisy). Steps that
+compute prompt tokens are not measured (their time says nothing about decoding).
 """
 
 from __future__ import annotations
