@@ -15,11 +15,17 @@ Each engine gets a warm-up call first; the engines take turns request group by r
 best of ``--repeats``. On a shared machine the ratio of CPU seconds (this process, one thread) is the steadier one,
 and the goals are judged on it. ``--method draft_model`` proposes with a draft model (``--draft``, by default the
 target itself loaded again: acceptance near 1, so the row measures what the draft's ``k`` forwards a step cost
-against the target forwards they save); the goals are the n-gram method's and are not judged for it.
+against the target forwards they save); ``--draft-dtype bfloat16`` loads it in bfloat16 and ``--draft-dtype int8``
+quantizes its linears to int8 (torch's dynamic quantization: int8 weights, activations quantized per call), the
+target's own weights made cheaper per forward; ``--draft-layers N`` cuts it after its first ``N`` decoder layers
+(``early_exit_draft``: the target's layers, norm and head, shared). The goals are the n-gram method's and are not
+judged for drafts.
 
     PYTHONPATH=. python benchmarks/spec_decode.py                              # stories260K, batches 1 and 16
     PYTHONPATH=. python benchmarks/spec_decode.py --model smollm2 --requests 4 --max-tokens 64
     PYTHONPATH=. python benchmarks/spec_decode.py --method draft_model --requests 4 --batches 1,4
+    PYTHONPATH=. python benchmarks/spec_decode.py --model smollm2 --method draft_model --draft-dtype int8 --k 2
+    PYTHONPATH=. python benchmarks/spec_decode.py --model smollm2 --method draft_model --draft-layers 24
 """
 
 from __future__ import annotations
@@ -28,11 +34,13 @@ import argparse
 import os
 import sys
 import time
+import warnings
 
 import torch
 
 import paged_hf  # noqa: F401 - registers the "paged" attention
 from paged_hf import PagedEngine, SamplingParams
+from paged_hf.engine.spec import early_exit_draft
 
 from _common import STORIES_TEXT, ModelUnavailable, load_model, machine, markdown_table
 
@@ -57,6 +65,14 @@ def prompts_for(workload: str, model_name: str, tokenizer, count: int, story_cha
             [{"role": "user", "content": f"Repeat the following text word for word.\n\n{s}"}],
             add_generation_prompt=True, tokenize=True, return_dict=False) for s in texts]
     return [tokenizer(f"{s} {s[:40]}")["input_ids"] for s in texts]
+
+
+def quantized_int8(model):
+    """``model`` with every ``nn.Linear`` dynamically quantized to int8 (fbgemm's int8 GEMMs on x86: several times
+    faster per token than float32 on a CPU); torch.ao's API, deprecated in favour of torchao, silenced here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def timed(engines: tuple[PagedEngine, PagedEngine], prompts: list[list[int]], params: SamplingParams, batch: int,
@@ -91,7 +107,14 @@ def main(argv=None) -> int:
     parser.add_argument("--method", default="ngram", choices=["ngram", "draft_model"])
     parser.add_argument("--draft", default=None, choices=["stories260K", "smollm2"],
                         help="draft_model: the draft (default: the target, loaded again)")
+    parser.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "int8"],
+                        help="draft_model: the draft's dtype (default: the target's; int8: its linears dynamically "
+                             "quantized)")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="draft_model: the draft cut after its first N decoder layers (early_exit_draft)")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--always", action="store_true",
+                        help="auto_disable=False: speculate at every step (what the pairing itself costs or saves)")
     parser.add_argument("--lookup", default="4,2", help="prompt_lookup_max,prompt_lookup_min")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
@@ -110,7 +133,19 @@ def main(argv=None) -> int:
                 "prompt_lookup_min": lookup_min}
     else:
         draft_name = args.draft or name
-        spec = {"method": "draft_model", "model": load_model(draft_name)[0], "num_speculative_tokens": args.k}
+        draft = load_model(draft_name)[0]
+        if args.draft_dtype == "int8":
+            draft = quantized_int8(draft)
+        elif args.draft_dtype is not None:
+            draft = draft.to(getattr(torch, args.draft_dtype))
+        if args.draft_dtype is not None:
+            draft_name += f" in {args.draft_dtype}"
+        if args.draft_layers is not None:
+            draft = early_exit_draft(draft, args.draft_layers)
+            draft_name += f", its first {args.draft_layers} layers"
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k}
+    if args.always:
+        spec["auto_disable"] = False
     options = dict(block_size=16, num_blocks=max(256, args.requests * 64), enforce_eager=not args.compile,
                    cpu_threads_bind="nobind", max_num_seqs=max(int(b) for b in args.batches.split(",")))
     base = PagedEngine(model, tokenizer, **options)

@@ -9,6 +9,8 @@ target's distribution is ``test_spec_decode_distribution.py``.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -253,57 +255,91 @@ def test_one_lookup_bound_alone_keeps_the_other_in_range():
 
 
 def test_throughput_switch_follows_the_faster_mode():
-    """Decoding steps measured: speculation slower -> off, but for short probes; faster again -> back on."""
-    from paged_hf.engine.spec.switch import CYCLE_STEPS, PROBE_STEPS, ThroughputSwitch
+    """Each cycle opens with a probe alternating the two modes step by step; the faster one (speculation by
+    MARGIN) runs the rest of the cycle."""
+    from paged_hf.engine.spec.switch import CYCLE_STEPS, MARGIN, PROBE_STEPS, ThroughputSwitch
 
     switch = ThroughputSwitch()
 
     def cycle(rate_on: float, rate_off: float) -> list[bool]:
         modes = []
-        for _ in range(CYCLE_STEPS):
+        while True:
             mode = switch.speculating()
             modes.append(mode)
-            switch.record(mode, 1.0, int(rate_on if mode else rate_off))
-        return modes
+            switch.record(mode, 1.0, int(rate_on if mode else rate_off), 4)
+            if switch._step_in_cycle == 0:
+                return modes
 
-    first = cycle(rate_on=80, rate_off=100)
-    assert first == [False] * PROBE_STEPS + [True] * (CYCLE_STEPS - PROBE_STEPS)  # probes off, then on
-    assert not switch.winner
-    assert cycle(rate_on=80, rate_off=100) == [True] * PROBE_STEPS + [False] * (CYCLE_STEPS - PROBE_STEPS)
-    cycle(rate_on=150, rate_off=100)  # its probes of speculation measure it faster
-    assert switch.winner and switch.speculating() is False  # the next cycle opens with a probe of "off"
+    probe = [True, False] * PROBE_STEPS
+    assert cycle(rate_on=80, rate_off=100) == probe + [False] * (CYCLE_STEPS - 2 * PROBE_STEPS)
+    assert not switch.winner and switch.rates == {True: 80.0, False: 100.0}
+    assert cycle(rate_on=80, rate_off=100) == probe + [False] * (2 * CYCLE_STEPS - 2 * PROBE_STEPS)  # it held
+    assert cycle(rate_on=150, rate_off=100) == probe + [True] * (CYCLE_STEPS - 2 * PROBE_STEPS)  # faster: on
+    assert switch.winner and switch.cycle_steps == CYCLE_STEPS  # a new winner: short cycles again
+    tie = int(100 * MARGIN) - 1  # faster, but by less than MARGIN: off
+    assert cycle(rate_on=tie, rate_off=100) == probe + [False] * (CYCLE_STEPS - 2 * PROBE_STEPS)
+
+
+def test_throughput_switch_probes_again_when_the_batch_changes():
+    """A decision holds for the batch size it was measured at: 4 sequences probed, then 9 or 1 decoding, a new
+    probe starts at the next step (and short cycles again); 2 to 8 keep it."""
+    from paged_hf.engine.spec.switch import CYCLE_STEPS, PROBE_STEPS, ThroughputSwitch
+
+    for size, probes_again in ((8, False), (2, False), (9, True), (1, True)):
+        switch = ThroughputSwitch()
+        for _ in range(2 * PROBE_STEPS):
+            mode = switch.speculating()
+            switch.record(mode, 1.0, 80 if mode else 100, 4)
+        for _ in range(CYCLE_STEPS - 2 * PROBE_STEPS - 2):  # the cycle has 2 steps left
+            switch.record(switch.speculating(), 1.0, 100, 4)
+        assert switch.speculating() is False and switch.cycle_steps == CYCLE_STEPS
+        switch.record(False, 1.0, 100, size)
+        assert switch.speculating() is probes_again, size  # a probe opens with a speculating step
+
+
+def test_throughput_switch_probes_less_while_the_winner_holds():
+    """Where one mode keeps winning, its cycles double up to MAX_CYCLE_STEPS: the losing mode runs PROBE_STEPS of
+    every MAX_CYCLE_STEPS steps in the end."""
+    from paged_hf.engine.spec.switch import CYCLE_STEPS, MAX_CYCLE_STEPS, PROBE_STEPS, ThroughputSwitch
+
+    switch = ThroughputSwitch()
+    lengths, probes, steps = [], 0, 0
+    while len(lengths) < 7:
+        mode = switch.speculating()
+        probes += mode
+        switch.record(mode, 1.0, 80 if mode else 100, 4)
+        steps += 1
+        if switch._step_in_cycle == 0:
+            lengths.append(steps)
+            steps = 0
+    assert lengths == [CYCLE_STEPS, 2 * CYCLE_STEPS, 4 * CYCLE_STEPS] + [MAX_CYCLE_STEPS] * 4
+    assert not switch.winner and probes == 7 * PROBE_STEPS
 
 
 def test_auto_disable_speculates_less_where_it_is_slower(monkeypatch):
     """With the switch on and speculation measured slower (a clock that charges each draft), the engine spends most
     decoding steps without drafts; the tokens stay the same."""
-    import time
-    from types import SimpleNamespace
-
-    import paged_hf.engine.scheduler as scheduler_module
-    import paged_hf.engine.step_update as step_update_module
     import paged_hf.engine.spec.switch as switch_module
 
     model = tiny_model("llama", attn_implementation="sdpa")
     prompts = [[1, 10 + i, 20 + i, 10 + i, 20 + i] for i in range(4)]
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     base = PagedEngine(model, None, enforce_eager=True, block_size=4, num_blocks=400)
+    expected = run(base, prompts, params)
     drafted = {}
     for auto in (False, True):
+        monkeypatch.setattr(switch_module, "CYCLE_STEPS", 16)  # cycles of a 4-step probe and 12 steps
+        monkeypatch.setattr(switch_module, "PROBE_STEPS", 2)
         spec = PagedEngine(model, None, enforce_eager=True, block_size=4, num_blocks=400,
                            speculative_config={**NGRAM, "auto_disable": auto})
+        assert spec.scheduler.speculator.clock is time.process_time  # a CPU engine times steps in CPU seconds
         clock = [0.0]
 
         def charged():  # each call 1 s, 11 s in a step that speculates: its tokens per second are fewer
             clock[0] += 1.0 + 10.0 * spec.scheduler._speculating
             return clock[0]
 
-        expected = run(base, prompts, params)
-        monkeypatch.setattr(switch_module, "CYCLE_STEPS", 16)  # cycles of 2 probes and 14 steps
-        monkeypatch.setattr(switch_module, "PROBE_STEPS", 2)
-        clocked = SimpleNamespace(perf_counter=charged, monotonic=time.monotonic)
-        monkeypatch.setattr(scheduler_module, "time", clocked)  # the step starts in one, ends in the other
-        monkeypatch.setattr(step_update_module, "time", clocked)
+        spec.scheduler.speculator.clock = charged  # the step starts at one call, ends at the next
         got = run(spec, prompts, params)
         monkeypatch.undo()
         same(expected, got)

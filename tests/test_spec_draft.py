@@ -124,7 +124,8 @@ def test_proposals_are_the_draft_models_greedy_continuation():
     the rest, and holds no more than its tokens and drafts."""
     paged = tiny_model("llama", vocab_size=64, seed=2)
     dense = tiny_model("llama", attn_implementation="sdpa", vocab_size=64, seed=2)
-    proposer = DraftModelProposer(load_draft_model(paged, dense), num_blocks=64, block_size=4)
+    proposer = DraftModelProposer(load_draft_model(paged, dense), num_blocks=64, block_size=4,
+                                  max_num_batched_tokens=2048)
     rng = torch.Generator().manual_seed(0)
     seqs = [FakeSequence(torch.randint(0, 64, (n,), generator=rng).tolist()) for n in (1, 5, 9)]
 
@@ -157,7 +158,8 @@ def test_a_proposal_without_room_leaves_the_draft_kv_consistent():
     its next proposal (with room) is still the draft's greedy continuation."""
     paged = tiny_model("llama", vocab_size=64, seed=2)
     dense = tiny_model("llama", attn_implementation="sdpa", vocab_size=64, seed=2)
-    proposer = DraftModelProposer(load_draft_model(paged, dense), num_blocks=3, block_size=4)
+    proposer = DraftModelProposer(load_draft_model(paged, dense), num_blocks=3, block_size=4,
+                                  max_num_batched_tokens=2048)
     seq = FakeSequence([3, 14, 15, 9, 26])
     seq.token_ids += list(proposer.propose([(seq, 3)])[id(seq)][:2])  # its K/V holds 5 tokens and these 2 drafts
     assert proposer.propose([(seq, 7)]) == {}  # 6 + 7 tokens: more than the 12 of the pool
@@ -177,7 +179,8 @@ def test_a_full_draft_pool_proposes_nothing_and_fails_no_request(stories, drafts
     expected = run(PagedEngine(model, tok, enforce_eager=True, block_size=4, num_blocks=256), prompts, params)
     spec = PagedEngine(model, tok, enforce_eager=True, block_size=4, num_blocks=256,
                        speculative_config=draft_config(drafts["self"]))
-    spec.scheduler.speculator.drafter = DraftModelProposer(drafts["self"], num_blocks=3, block_size=4)
+    spec.scheduler.speculator.drafter = DraftModelProposer(drafts["self"], num_blocks=3, block_size=4,
+                                                                 max_num_batched_tokens=2048)
     same(expected, run(spec, prompts, params))
     assert 0 < spec.get_stats()["spec_decode_num_draft_tokens"] < 30
 

@@ -31,6 +31,7 @@ from .output import OutputStage
 from .request import Request, RequestOutput, RequestOutputKind
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from .spec.config import check_tensor_parallel
 from .threads import bind_cpu_threads
 from .validation import check_params, check_prompt_ids, prompt_ids, vocab_size
 from .worker import build_kv, follow, max_model_len_of, prepare_model
@@ -87,17 +88,20 @@ class PagedEngine:
                     self.kv.stats().kv_cache_bytes / GIB, model.device, self.max_model_len)
 
     def _attach_draft_model(self) -> None:
-        """Method "draft_model": the draft model on its own pool of as many blocks as the target's."""
+        """Speculation's step clock (CPU seconds on a CPU); method "draft_model": the draft model on its own pool of
+        as many blocks as the target's, compiled as the target is."""
         spec = self.config.speculative_config
+        if spec is not None and self.model.device.type == "cpu":
+            self.scheduler.speculator.clock = time.process_time
         if spec is None or spec.method != "draft_model":
             return
-        if self.group is not None:
-            raise ValueError("speculative_config['method'] 'draft_model' runs on one process, not under tensor "
-                             "parallelism; use 'ngram'")
+        check_tensor_parallel(spec, self.group.size if self.group is not None else 1)
         from .spec.draft_model import DraftModelProposer, load_draft_model  # noqa: PLC0415 - only this method
 
         draft = load_draft_model(spec.model, self.model)
-        self.scheduler.speculator.drafter = DraftModelProposer(draft, self.kv.num_total_blocks, self.config.block_size)
+        self.scheduler.speculator.drafter = DraftModelProposer(
+            draft, self.kv.num_total_blocks, self.config.block_size, self.config.max_num_batched_tokens,
+            compile=not self.config.enforce_eager)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
@@ -284,7 +288,8 @@ class PagedEngine:
             from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
             return cls(AutoModelForCausalLM.from_pretrained(model, **model_kwargs).eval(), tokenizer, **options)
-        EngineConfig.from_options("PagedEngine", options)  # bad options fail here, before any process starts
+        config = EngineConfig.from_options("PagedEngine", options)  # bad options fail here, before any process starts
+        check_tensor_parallel(config.speculative_config, tensor_parallel_size)
         loaded, executor = parallel.start_tensor_parallel(model, tensor_parallel_size, distributed_executor_backend,
                                                           model_kwargs, options, distributed_timeout)
         try:

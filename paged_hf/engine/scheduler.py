@@ -69,7 +69,7 @@ class Scheduler(StepUpdate):
         spec = config.speculative_config
         self.speculator = Speculator(spec, kv.block_size if kv.has_tail else None) if spec is not None else None
         self._speculating = False  # this step's mode (the speculator's switch)
-        self._step_started = 0.0
+        self._drafting = False  # whether this step has drafts (speculating, and something was proposed)
         self._ends: dict[str, RequestEnds] = {}  # per request id not finished
 
     def _order(self, seq: Sequence) -> tuple:
@@ -191,14 +191,12 @@ class Scheduler(StepUpdate):
         kv = self.kv
         if self.speculator is not None:
             self._speculating = self.speculator.speculating()
-            self._step_started = time.perf_counter()
-            if self._speculating:
-                self.speculator.begin_step(self.running, self.max_model_len)
+            self._drafting = self._speculating and self.speculator.begin_step(self.running, self.max_model_len)
 
         # 1. running sequences, oldest / most important first; decodes take one token
         index = 0
         while index < len(self.running) and budget > 0:
-            if not self._has_windows and not self._speculating:  # most of them: decodes that have room (drafts
+            if not self._has_windows and not self._drafting:  # most of them: decodes that have room (drafts
                 # and sliding windows take the loop below)
                 taken = self._schedule_decodes(index, budget, decodes)
                 index, budget = index + taken, budget - taken
@@ -329,7 +327,7 @@ class Scheduler(StepUpdate):
     def _drafts(self, seq: Sequence, room: int) -> tuple[int, ...]:
         """Speculative drafts for decoding ``seq`` (at most ``room``) with their slots allocated, or () (none
         proposed, or no free blocks for them: speculation never preempts)."""
-        if not self._speculating or room < 1:
+        if not self._drafting or room < 1:
             return ()
         drafts = self.speculator.propose(seq, room, self.max_model_len)
         if drafts and not self.kv.try_append(seq.kv, 1 + len(drafts)):

@@ -78,8 +78,9 @@ class StepUpdate:
                 touched[run.seq.request.request_id] = run.seq.request
         self.kv.end_step(failed=result.retried)
         if self.speculator is not None and all(i.num_tokens == 1 + len(i.draft_token_ids) for i in output.scheduled):
-            self.speculator.end_step(self._speculating, time.perf_counter() - self._step_started,
-                                          len(result.token_ids) + sum(len(r.token_ids) for r in result.verified))
+            self.speculator.end_step(self._speculating,
+                                     len(result.token_ids) + sum(len(r.token_ids) for r in result.verified),
+                                     output.scheduled, result.verified, not (self.waiting or self.swapped))
         return list(touched.values())
 
     def _emit(self, seq: Sequence, token: int, entry, now: float, stop_string) -> None:

@@ -2,6 +2,7 @@
 acceptance rule."""
 
 from .config import SPECULATIVE_METHODS, SpeculativeConfig
+from .early_exit import early_exit_draft
 from .speculator import Speculator
 
-__all__ = ["SPECULATIVE_METHODS", "SpeculativeConfig", "Speculator"]
+__all__ = ["SPECULATIVE_METHODS", "SpeculativeConfig", "Speculator", "early_exit_draft"]

@@ -108,3 +108,11 @@ class SpeculativeConfig:
             options["prompt_lookup_min"] = min(options["prompt_lookup_max"], cls.prompt_lookup_min) \
                 if isinstance(options["prompt_lookup_max"], int) else options["prompt_lookup_max"]
         return cls(**options)
+
+
+def check_tensor_parallel(config: "SpeculativeConfig | None", tensor_parallel_size: int) -> None:
+    """ValueError naming ``speculative_config['method']`` for a draft model under tensor parallelism (its pool and
+    forwards live on one process; n-gram lookup runs on the leader and works at any size)."""
+    if config is not None and config.method == "draft_model" and tensor_parallel_size > 1:
+        raise ValueError(f"speculative_config['method'] 'draft_model' runs on one process, not under tensor "
+                         f"parallelism (tensor_parallel_size={tensor_parallel_size}); use 'ngram'")

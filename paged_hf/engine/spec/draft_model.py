@@ -7,6 +7,10 @@ ones, or a resampled token equal to a draft) stay, the rest is rolled back (``KV
 after that are computed as one chunk (a catch-up prefill whose last row gives draft 0), then ``k - 1`` one-token
 forwards give drafts ``1 .. k - 1``: ``k`` forwards a step, each over every proposing sequence. Greedy drafts are a
 point mass, so the engine's acceptance rule (``rejection.py``) keeps the target's distribution as for n-gram drafts.
+The catch-up chunks of a step hold at most ``max_num_batched_tokens`` tokens together, as the target's steps do: a
+sequence whose catch-up does not fit (its whole prompt, at its first proposal) computes what fits and proposes from
+a later step on. The draft runs compiled where the engine compiles its target (``ModelRunner``'s compiled forward,
+on the draft's own pool), else eagerly.
 
 A sequence whose tokens do not fit the draft's pool proposes nothing (its request never fails for it); its draft
 KV is freed when it finishes or is preempted by recompute (``release``), and computed again from its start.
@@ -61,14 +65,17 @@ def load_draft_model(model, target):
 
 class DraftModelProposer:
     """Greedy proposals of ``model`` (prepared by ``load_draft_model``) over a pool of ``num_blocks`` blocks of
-    ``block_size`` tokens (full precision, no prefix cache)."""
+    ``block_size`` tokens (full precision, no prefix cache); catch-up chunks of at most ``max_num_batched_tokens``
+    tokens a step; the forward compiled if ``compile``."""
 
-    def __init__(self, model, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model, num_blocks: int, block_size: int, max_num_batched_tokens: int,
+                 compile: bool = False) -> None:
         self.model = model
         self.device = model.device
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = KVManager(model.config.get_text_config(decoder=True), block_size, "auto", num_blocks)
         allocate_all(self.kv, model.dtype, self.device)
-        self.runner = ModelRunner(model, self.kv)  # eager: the engine's forward over the draft's own pool
+        self.runner = ModelRunner(model, self.kv, compile=compile)  # the engine's forward over the draft's own pool
         self.states: dict[int, tuple[Sequence, DraftKV]] = {}  # by id(seq); the seq is held so the id stays its own
 
     def release(self, seq: Sequence) -> None:
@@ -79,22 +86,37 @@ class DraftModelProposer:
 
     def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[int, tuple[int, ...]]:
         """``wanted[i] = (seq, n)``: up to ``n >= 1`` drafts continuing ``seq.token_ids``; returns them by
-        ``id(seq)`` (sequences whose tokens do not fit the pool are left out)."""
+        ``id(seq)`` (sequences whose tokens do not fit the pool, or whose catch-up does not fit the step's tokens,
+        are left out)."""
         runs: list[tuple[Sequence, DraftKV, int, int]] = []  # (seq, state, first new position, drafts wanted)
-        for seq, n in wanted:
+        partial: list[tuple[Sequence, DraftKV, int, int]] = []  # (seq, state, start, tokens): catch-up only
+        budget = self.max_num_batched_tokens
+        for seq, n in sorted(wanted, key=lambda w: len(w[0].token_ids) - self._state(w[0]).num_valid):
             state = self._state(seq)
             start = self._roll_back(seq, state)
-            if self.kv.try_append(state.kv, len(seq.token_ids) - start + n - 1):
+            need = len(seq.token_ids) - start
+            if need > budget:  # computes what fits (if anything) now, proposes from a later step on
+                if budget > 0 and self.kv.try_append(state.kv, budget):
+                    partial.append((seq, state, start, budget))
+                    budget = 0
+                state.num_valid, state.drafts = start, ()
+            elif self.kv.try_append(state.kv, need + n - 1):
                 runs.append((seq, state, start, n))
+                budget -= need
             else:  # no room: it holds its first ``start`` tokens, and proposes nothing this step
                 state.num_valid, state.drafts = start, ()
-        if not runs:
+        if not runs and not partial:
             return {}
         runs.sort(key=lambda r: len(r[0].token_ids) - r[2] > 1)  # one-token catch-ups first (the decode path)
-        counts = [len(seq.token_ids) - start for seq, _, start, _ in runs]
+        counts = [len(seq.token_ids) - start for seq, _, start, _ in runs] + [p[3] for p in partial]
         tokens = [t for (seq, _, start, _) in runs for t in seq.token_ids[start:]]
-        drafts = [[d] for d in self._forward([s.kv for _, s, _, _ in runs], [r[2] for r in runs], counts, tokens)]
-        for j in range(1, max(n for *_, n in runs)):
+        tokens += [t for (seq, _, start, count) in partial for t in seq.token_ids[start : start + count]]
+        kvs = [s.kv for _, s, _, _ in runs] + [p[1].kv for p in partial]
+        firsts = self._forward(kvs, [r[2] for r in runs] + [p[2] for p in partial], counts, tokens)
+        for _, state, start, count in partial:
+            state.num_valid = start + count
+        drafts = [[d] for d in firsts[: len(runs)]]
+        for j in range(1, max((n for *_, n in runs), default=0)):
             active = [i for i, r in enumerate(runs) if r[3] > j]
             kvs = [runs[i][1].kv for i in active]
             starts = [len(runs[i][0].token_ids) + j - 1 for i in active]
@@ -127,7 +149,7 @@ class DraftModelProposer:
 
     def _forward(self, kvs: list[SequenceKV], starts: list[int], counts: list[int], tokens: list[int]) -> list[int]:
         """One forward of the draft model (slots allocated); the argmax token after each sequence's last new one."""
-        num_decodes = sum(1 for c in counts if c == 1)
+        num_decodes = next((i for i, c in enumerate(counts) if c != 1), len(counts))  # the leading one-token runs
         metadata = build_metadata(self.kv, kvs, starts, counts, num_decodes, self.device)
         keep = metadata.query_start_loc[1:] - 1
         logits = self.runner.run(StepInput(long_tensor(tokens), metadata, keep))

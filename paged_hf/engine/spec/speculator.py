@@ -1,15 +1,24 @@
-"""``Speculator``: what the scheduler asks about speculation. It proposes a decoding sequence's drafts (n-gram
-lookup, or a draft model's greedy tokens computed for the step's decoding sequences at once by ``begin_step``,
-within the room the step and the request leave), records how many the target accepted and keeps the
-statistics (vLLM's counters: drafts, draft tokens, accepted tokens, accepted tokens per position)."""
+"""``Speculator``: what the scheduler asks about speculation. It proposes the step's drafts once, for every decoding
+sequence at the step's start (``begin_step``: n-gram lookups, or a draft model's greedy tokens computed for them at
+once), hands each sequence its drafts within the room the step and the request leave (``propose``), records how
+many the target accepted and keeps the statistics (vLLM's counters: drafts, draft tokens, accepted tokens, accepted
+tokens per position). A step where nothing is proposed schedules as one without speculation."""
 
 from __future__ import annotations
 
-from ..request import Sequence
+import time
+
+from typing import TYPE_CHECKING
+
+from ..request import Sequence, SequenceStatus
 from .config import SpeculativeConfig
 from .gate import AcceptanceGate
 from .ngram import propose_ngram
 from .switch import ThroughputSwitch
+
+if TYPE_CHECKING:
+    from ..scheduled import ScheduledSequence
+    from .verify import VerifiedRun
 
 
 class Speculator:
@@ -21,13 +30,17 @@ class Speculator:
     there the newest token and its drafts stay inside one block without filling it: rollback only rewinds the tail
     row, and the output equals that of the engine without speculation.
 
-    ``drafter``: method "draft_model"'s ``DraftModelProposer`` (attached by the engine, which holds the models)."""
+    ``drafter``: method "draft_model"'s ``DraftModelProposer`` (attached by the engine, which holds the models).
+    ``clock``: what the switch times steps by: the process's CPU seconds where the model runs on a CPU (wall time on
+    a machine shared with other work counts that work too, and decides the switch by it), else wall time."""
 
     def __init__(self, config: SpeculativeConfig, tail_block_size: int | None = None) -> None:
         self.config = config
         self.tail_block_size = tail_block_size
         self.drafter = None
-        self._proposals: dict[int, tuple[int, ...]] = {}  # this step's draft-model proposals, by id(seq)
+        self.clock = time.perf_counter
+        self._step_started = 0.0
+        self._proposals: dict[int, tuple[int, ...]] = {}  # this step's proposals, by id(seq)
         self.switch = ThroughputSwitch() if config.auto_disable else None
         self.num_drafts = 0  # verified runs that had drafts
         self.num_draft_tokens = 0
@@ -35,13 +48,24 @@ class Speculator:
         self.num_accepted_per_pos = [0] * config.num_speculative_tokens  # [k]: runs whose draft j was accepted
 
     def speculating(self) -> bool:
-        """Whether this step proposes drafts (the engine-wide switch's choice)."""
+        """Whether this step proposes drafts (the engine-wide switch's choice); the step's clock starts."""
+        self._step_started = self.clock()
         return self.switch is None or self.switch.speculating()
 
-    def end_step(self, speculated: bool, seconds: float, num_tokens: int) -> None:
-        """A decoding step's time and generated tokens, for the switch."""
-        if self.switch is not None:
-            self.switch.record(speculated, seconds, num_tokens)
+    def end_step(self, speculated: bool, num_tokens: int, scheduled: "list[ScheduledSequence]",
+                 verified: "list[VerifiedRun]", nothing_waits: bool) -> None:
+        """A decoding step of ``scheduled`` ended, having generated ``num_tokens`` (``verified``: its runs with
+        drafts): its time since ``speculating`` and its gain, for the switch. While requests wait, the gain is the
+        tokens: a sequence that ends sooner lets one of them in. Where nothing waits, the batch ends with its
+        longest sequence, and tokens that others gained ahead of it save no step: the gain is the step's sequences
+        times the tokens its end came closer by (``batch_progress``), which is the tokens for a step without
+        drafts."""
+        if self.switch is None:
+            return
+        seconds = self.clock() - self._step_started
+        if nothing_waits and scheduled:
+            num_tokens = len(scheduled) * batch_progress(scheduled, verified)
+        self.switch.record(speculated, seconds, num_tokens, len(scheduled))
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -67,18 +91,28 @@ class Speculator:
             seq.spec_gate = AcceptanceGate()
         return limit if seq.spec_gate.is_open(num_output) else 0
 
-    def begin_step(self, running: list[Sequence], max_model_len: int) -> None:
-        """A speculating step starts: the draft model proposes for every running sequence that decodes (one new
-        token) and may propose, as many drafts as its limit allows (the step's room may cut them)."""
-        if self.drafter is None:
-            return
+    def begin_step(self, running: list[Sequence], max_model_len: int) -> bool:
+        """A speculating step starts: proposes for every running sequence that decodes (one new token) and may
+        propose, as many drafts as its limit allows (the step's room may cut them later); returns whether any
+        sequence has drafts (if not, the step schedules as one without speculation)."""
         wanted = []
         for seq in running:
             if seq.num_computed_tokens == len(seq.token_ids) - 1:
                 limit = self._limit(seq, self.config.num_speculative_tokens, max_model_len)
                 if limit:
                     wanted.append((seq, limit))
-        self._proposals = self.drafter.propose(wanted) if wanted else {}
+        if not wanted:
+            self._proposals = {}
+        elif self.drafter is not None:
+            self._proposals = self.drafter.propose(wanted)
+        else:
+            c = self.config
+            self._proposals = {}
+            for seq, limit in wanted:
+                drafts = propose_ngram(seq.token_ids, limit, c.prompt_lookup_max, c.prompt_lookup_min)
+                if drafts:
+                    self._proposals[id(seq)] = tuple(drafts)
+        return bool(self._proposals)
 
     def release(self, seq: Sequence) -> None:
         """``seq`` finished or lost its K/V (preempted by recompute): its draft K/V, if any, is freed."""
@@ -86,13 +120,14 @@ class Speculator:
             self.drafter.release(seq)
 
     def propose(self, seq: Sequence, room: int, max_model_len: int) -> tuple[int, ...]:
-        """Drafts for ``seq`` (a sequence decoding its output) within ``_limit``; () when it proposes none."""
-        limit = self._limit(seq, room, max_model_len)
-        if limit < 1:
+        """``seq``'s drafts of this step (``begin_step``) within ``_limit``; () when it proposes none."""
+        drafts = self._proposals.get(id(seq), ())
+        if not drafts:
             return ()
-        if self.drafter is not None:
-            return self._proposals.get(id(seq), ())[:limit]
-        c = self.config
+        limit = self._limit(seq, room, max_model_len)
+        if limit >= len(drafts) or self.drafter is not None:
+            return drafts[:limit]
+        c = self.config  # fewer n-gram drafts may continue another match (the latest one with room to continue)
         return tuple(propose_ngram(seq.token_ids, limit, c.prompt_lookup_max, c.prompt_lookup_min))
 
     def stats(self) -> dict:
@@ -111,3 +146,17 @@ class Speculator:
         c = self.config
         seq.spec_gate.record(num_drafts, num_accepted, seq.num_output_tokens, 2 * c.num_speculative_tokens,
                              c.min_acceptance_rate)
+
+
+def batch_progress(scheduled: "list[ScheduledSequence]", verified: "list[VerifiedRun]") -> int:
+    """By how many tokens a decoding step shortened the longest budget left among its sequences (``max_tokens``
+    less their output tokens; none once finished): 1 for a step without drafts, more only where every sequence
+    with the longest budget had drafts accepted."""
+    emitted = {id(run.seq): len(run.token_ids) for run in verified}
+    before = after = 0
+    for item in scheduled:
+        seq = item.seq
+        left = seq.request.params.max_tokens - seq.num_output_tokens
+        before = max(before, left + emitted.get(id(seq), 1))
+        after = max(after, 0 if seq.status is SequenceStatus.FINISHED else left)
+    return before - after
