@@ -4,7 +4,9 @@ forward, kernel choice made once, pools that cannot fit, and the shared statisti
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -330,3 +332,45 @@ def test_cpu_threads_bind_pins_the_engine_and_is_checked(stories):
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
         model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs this process may run on")
+def test_auto_pins_one_thread_per_cpu_while_stepping_and_restores_the_callers_mask():
+    """``cpu_threads_bind="auto"`` with 2 intra-op threads: during a step the stepping thread is on the first CPU
+    and a worker on the second; after it the caller's mask is what it was (the program's later threads inherit it).
+    Runs in a subprocess: pinning this test process's OpenMP team would outlive the test."""
+    import subprocess
+    import sys
+
+    from paged_hf.kernels import cpu_ext
+
+    if cpu_ext.pin_threads() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    code = """
+import glob, os, torch
+torch.set_num_threads(2)
+from models import stories_model, stories_tokenizer
+from paged_hf import PagedEngine, SamplingParams
+engine = PagedEngine(stories_model(), stories_tokenizer(), enforce_eager=True)
+before = os.sched_getaffinity(0)
+seen = []
+real = engine.runner.execute
+def execute(output):
+    seen.append(os.sched_getaffinity(0))
+    return real(output)
+engine.runner.execute = execute
+engine.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+masks = [[x for x in open(f) if x.startswith("Cpus_allowed_list")][0].split()[-1]
+         for f in glob.glob("/proc/self/task/*/status")]
+print(repr((sorted(before), [sorted(m) for m in seen], sorted(os.sched_getaffinity(0)), masks)))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_") and k != "PAGED_HF_START_AFFINITY"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    before, during, after, masks = eval(result.stdout.strip().splitlines()[-1])  # noqa: S307 - our own output
+    assert during and all(mask == [cpus[0]] for mask in during)
+    assert after == before
+    assert str(cpus[1]) in masks

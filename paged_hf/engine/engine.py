@@ -32,7 +32,7 @@ from .request import Request, RequestOutput, RequestOutputKind
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .spec.config import check_tensor_parallel
-from .threads import bind_cpu_threads
+from .threads import StepPinning, bind_cpu_threads
 from .validation import check_params, check_prompt_ids, prompt_ids, vocab_size
 from .worker import build_kv, follow, max_model_len_of, prepare_model
 
@@ -59,6 +59,7 @@ class PagedEngine:
         self._timeout_s = DEFAULT_TIMEOUT_S
         self.model = prepare_model(model)
         self.cpu_threads = bind_cpu_threads(self.config.cpu_threads_bind, model.device)
+        self._pinning = StepPinning.for_engine(self.config.cpu_threads_bind, model.device, self.cpu_threads)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len_of(self.config, model)
         self.vocab_size = vocab_size(model, model.config.get_text_config(decoder=True))
@@ -185,14 +186,15 @@ class PagedEngine:
         ``output_kind``)."""
         self._require_leader("step")
         started = time.perf_counter()
-        changed: list[Request] = self.scheduler.admit_compiled()  # structured outputs whose grammar failed
-        output = self.scheduler.schedule()
-        if output.scheduled:
-            result = self.runner.execute(output)
-            if result.broken:
-                logger.error("the engine cannot run any more: %s", result.step_error)
-                self._broken = result.step_error
-            changed += self.scheduler.update_from_output(output, result, self.output.stop_string)
+        with self._pinning.during_step():
+            changed: list[Request] = self.scheduler.admit_compiled()  # structured outputs whose grammar failed
+            output = self.scheduler.schedule()
+            if output.scheduled:
+                result = self.runner.execute(output)
+                if result.broken:
+                    logger.error("the engine cannot run any more: %s", result.step_error)
+                    self._broken = result.step_error
+                changed += self.scheduler.update_from_output(output, result, self.output.stop_string)
         self._busy_seconds += time.perf_counter() - started
         return self.output.outputs(changed)
 

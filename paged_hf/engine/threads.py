@@ -1,12 +1,19 @@
 """The CPU threads an engine's forward runs on (the meaning of vLLM's ``VLLM_CPU_OMP_THREADS_BIND``).
 
 ``cpu_threads_bind`` (``EngineConfig``):
-- ``"auto"`` (default): in a process that already runs torch (``PagedEngine``, ``LLM``), its threads are left as
-  the program set them (``OMP_NUM_THREADS``, ``torch.set_num_threads``), never changed behind its back; a process
-  that starts for the engine (``paged-hf serve``) gets one pinned thread per CPU it may run on (its affinity mask);
+- ``"auto"`` (default): in a process that already runs torch (``PagedEngine``, ``LLM``), the thread count stays as
+  the program set it (``OMP_NUM_THREADS``, ``torch.set_num_threads``); with two or more, each is pinned to its own
+  CPU of the process's mask while the engine steps (``StepPinning``): the thread calling ``step`` only during the
+  step (its mask is restored after, so what the program starts later inherits its own), its OpenMP workers from
+  the first step on. A process that starts for the engine (``paged-hf serve``) gets one pinned thread per CPU it may
+  run on (its affinity mask) before torch loads;
 - a CPU list, ``"0-3"`` or ``"0,2,4-5"``: those CPUs only, one intra-op thread each, each thread pinned to its own
   CPU (``kernels/cpu_ext.pin_threads``, where the CPU kernels build; else the process bound to the list);
 - ``"nobind"``: torch's threads and the process's affinity are left as they are, everywhere.
+
+Why pin: on a machine other processes share, unpinned intra-op threads were 4-5x slower than pinned ones in the same
+run (SmolLM2 bf16, 2 threads on 2 busy cores: 13 vs 59 tok/s, 65 vs 18 CPU-seconds), as vLLM found (it pins). A
+thread the scheduler moves onto the other thread's core makes every parallel region wait for it.
 
 In a process that has not started torch's OpenMP runtime yet (``paged-hf serve --cpu-threads-bind``, before it
 imports torch), ``paged_hf_cli`` also pins each OpenMP thread to its own CPU (``OMP_PROC_BIND`` / ``OMP_PLACES``) and
@@ -16,8 +23,10 @@ thread takes the core another process's work needs, and every parallel region th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 
 import torch
 
@@ -90,3 +99,46 @@ def bind_cpu_threads(spec: str, device) -> list[int] | None:
     logger.info("PagedEngine: %d intra-op threads bound to CPUs %s%s (cpu_threads_bind=%r)", len(cpus), cpus,
                 ", one thread per CPU" if pinned == cpus else "", spec)
     return cpus
+
+
+class StepPinning:
+    """One thread per CPU of ``cpus`` while the engine steps: the thread calling ``step`` on ``cpus[0]`` for the
+    step's duration (its own mask restored after), its OpenMP team's workers on the others from its first step on
+    (``cpu_ext.pin_threads``, once per stepping thread: each thread that starts parallel work has its own team)."""
+
+    def __init__(self, cpus: list[int] | None) -> None:
+        self.cpus = cpus
+        self._pinned = threading.local()
+
+    @classmethod
+    def for_engine(cls, spec: str, device, bound: list[int] | None) -> StepPinning:
+        """The pinning of an engine built with ``cpu_threads_bind=spec``: the CPUs ``bind_cpu_threads`` bound
+        (``bound``), or for ``"auto"`` the first ``torch.get_num_threads()`` of the process's CPUs (none with one
+        thread, under ``paged-hf serve``, which pinned OpenMP itself, or where the CPU kernels cannot be built)."""
+        if bound is not None:
+            return cls(bound)
+        if (spec != "auto" or torch.device(device).type != "cpu" or os.environ.get(START_AFFINITY_ENV)
+                or not hasattr(os, "sched_setaffinity") or torch.get_num_threads() < 2 or pin_threads() is None):
+            return cls(None)
+        cpus = _allowed_cpus()[: torch.get_num_threads()]
+        if len(cpus) < 2:
+            return cls(None)
+        logger.info("PagedEngine: %d intra-op threads, each pinned to its own CPU of %s while the engine steps "
+                    "(cpu_threads_bind='auto'; 'nobind' leaves them free)", len(cpus), cpus)
+        return cls(cpus)
+
+    @contextlib.contextmanager
+    def during_step(self):
+        if self.cpus is None:
+            yield
+            return
+        mask = os.sched_getaffinity(0)
+        if getattr(self._pinned, "team", None) != self.cpus:
+            pin_threads()(self.cpus)  # this thread on cpus[0], its team's workers on the others
+            self._pinned.team = self.cpus
+        else:
+            os.sched_setaffinity(0, (self.cpus[0],))
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, mask)
