@@ -26,10 +26,9 @@ class RequestEnds(NamedTuple):
                    min(len(request.prompt_token_ids) + params.max_tokens, max_model_len), eos, max_model_len)
 
     def reached(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
-        """``(finish_reason, stop_reason)`` if ``token``, just appended to ``seq``, ends it; else None. Most tokens
-        are ruled out by one set lookup and one length test."""
-        if token not in self.token_ids and len(seq.token_ids) < self.max_len:
-            return None
+        """``(finish_reason, stop_reason)`` if ``token``, just appended to ``seq``, ends it; else None. Only a token in
+        ``token_ids`` or a sequence at ``max_len`` tokens can end (the scheduler asks only then: most tokens are ruled
+        out by that set lookup and length test, before any call)."""
         params = seq.request.params
         num_output = len(seq.token_ids) - len(seq.request.prompt_token_ids)
         held_back = num_output <= params.min_tokens  # the sampler masks stops until min_tokens are out

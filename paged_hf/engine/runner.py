@@ -21,8 +21,9 @@ from torch._dynamo.utils import counters
 
 from ..distributed.group import TensorParallelError
 from ..kv.manager import KVManager
-from ..metadata import AttentionMetadata, build_metadata, long_tensor
+from ..metadata import AttentionMetadata, build_metadata, decode_metadata, long_tensor
 from .compile import CompiledForward, CompileFailed
+from .decode_batch import DecodeBatch
 from .forward_cache import EngineCache
 from .isolation import isolate
 from .model_output import ModelOutput
@@ -104,6 +105,7 @@ class ModelRunner:
         self.last_broadcast = time.monotonic()
         self.compiled: CompiledForward | None = self._compile() if compile else None
         self.images = ImageEncoder(model) if image_token_id(model) is not None else None
+        self.batch: DecodeBatch | None = None  # the last step's, when it was a steady decode step
 
     def _compile(self) -> CompiledForward | None:
         compiled = CompiledForward(self.model)
@@ -120,11 +122,16 @@ class ModelRunner:
                     counters["stats"]["unique_graphs"] - graphs)
         return compiled
 
-    def plan(self, output: SchedulerOutput, copies: list) -> tuple[StepInput, list[int], dict[int, tuple[int, int]],
-                                                                   dict[int, tuple[int, int]]]:
+    def plan(self, output: SchedulerOutput, copies: list, persistent: bool = False) -> tuple[
+            StepInput, list[int], dict[int, tuple[int, int]], dict[int, tuple[int, int]]]:
         """The ``StepInput`` of ``output``'s forward (host work only), and where its logits go: the rows of the
         sampling sequences, in scheduled order, per prompt-logprob sequence ``(first row, count)``, and per
-        sequence with speculative drafts ``(first row, 1 + k)``."""
+        sequence with speculative drafts ``(first row, 1 + k)``. ``persistent``: the step is the engine's (not a
+        part of one, as isolation runs): it uses and sets ``self.batch`` (a steady decode step reads its tensors)."""
+        if persistent:
+            if self.batch is not None and self.batch.matches(output):
+                return self._plan_batch(self.batch, copies)
+            self.batch = DecodeBatch.of(output)
         scheduled = output.scheduled
         d = output.num_decodes
         input_ids = [item.seq.token_ids[item.start] for item in scheduled[:d]]
@@ -166,18 +173,28 @@ class ModelRunner:
         step = StepInput(long_tensor(input_ids), metadata, keep, copies, self.kv.num_rows)
         return step, list(range(len(sample_index))), prompt_rows, draft_rows
 
+    def _plan_batch(self, batch: DecodeBatch, copies: list):
+        """``plan`` of a steady decode step, from the persistent batch's tensors (no pass over the sequences)."""
+        device = "cpu" if self.group is not None else self.device
+        metadata = decode_metadata(self.kv, batch.rows, batch.positions, batch.longest, device)
+        keep = metadata.token_seqs  # [S]: row s is sequence s's only token
+        return StepInput(batch.token_ids, metadata, keep, copies, self.kv.num_rows), list(range(len(batch.seqs))), {}, {}
+
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """Runs the step's block copies, then its forward, and samples every row at once."""
         try:
-            model_output = self._run_planned(output, output.copies)
+            model_output = self._run_planned(output, output.copies, persistent=True)
         except TensorParallelError as error:  # no forward can run any more
+            self.batch = None
             return RunnerOutput(step_error=error, broken=True)
         except BlockCopyError as error:  # every sequence of the step may hold wrong K/V
+            self.batch = None
             return RunnerOutput(step_error=error)
         except Exception as error:  # noqa: BLE001 - the forward raised: the sequences that cause it fail alone
+            self.batch = None
             return self._isolate(output, error)
-        return self._sample(output, model_output)
+        return self._sample(output, model_output, self.batch)
 
     def _isolate(self, output: SchedulerOutput, error: BaseException) -> RunnerOutput:
         logger.warning("a forward of %d sequences raised %s: %s; running them in parts to find the cause",
@@ -198,9 +215,17 @@ class ModelRunner:
         result.requeue, result.retried = requeue, True
         return result
 
-    def _sample(self, output: SchedulerOutput, model_output: ModelOutput) -> RunnerOutput:
+    def _sample(self, output: SchedulerOutput, model_output: ModelOutput, batch: DecodeBatch | None = None
+                ) -> RunnerOutput:
         """Draws the next token of every sampling sequence (and of the samples joining a completed prompt) from
-        their rows, and scores the prompt positions of the sequences that asked for prompt logprobs."""
+        their rows, and scores the prompt positions of the sequences that asked for prompt logprobs. ``batch``:
+        the step's persistent decode batch (its rows are every kept row, in order), advanced here."""
+        if batch is not None:
+            drawn = sample(model_output.logits, batch.seqs, self.token_text, self.eos_token_ids, batch.summary)
+            if not drawn.errors:
+                batch.advance(drawn.token_ids)
+                return RunnerOutput(batch.seqs, drawn.token_ids, drawn.logprobs)
+            self.batch = None  # the rows that failed leave: the next step rebuilds it
         result = RunnerOutput()
         logits = model_output.logits
         for index, (first, count) in model_output.prompt_rows.items():
@@ -250,8 +275,8 @@ class ModelRunner:
         """The forward of ``output``'s sequences (its block copies must have run); the logits the step needs."""
         return self._run_planned(output, [])
 
-    def _run_planned(self, output: SchedulerOutput, copies: list) -> ModelOutput:
-        step, sample_rows, prompt_rows, draft_rows = self.plan(output, copies)
+    def _run_planned(self, output: SchedulerOutput, copies: list, persistent: bool = False) -> ModelOutput:
+        step, sample_rows, prompt_rows, draft_rows = self.plan(output, copies, persistent)
         if self.images is not None:  # the vision tower runs here, for the images this step's tokens need
             step.inputs_embeds = self.images.inputs_embeds(output.scheduled, step.input_ids,
                                                            step.metadata.query_start_loc)

@@ -71,6 +71,7 @@ class Scheduler(StepUpdate):
         self._speculating = False  # this step's mode (the speculator's switch)
         self._step_started = 0.0
         self._ends: dict[str, RequestEnds] = {}  # per request id not finished
+        self.epoch = 0  # bumped by every change to ``running`` but a sequence's next token (``SchedulerOutput.epoch``)
 
     def _order(self, seq: Sequence) -> tuple:
         """Sort key: who runs first (and, reversed, who is preempted first)."""
@@ -125,6 +126,7 @@ class Scheduler(StepUpdate):
         """Ends ``seq``: out of every queue, its blocks freed; its request leaves when its last sample ends."""
         if seq.status is SequenceStatus.FINISHED:
             return
+        self.epoch += 1
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
@@ -145,6 +147,7 @@ class Scheduler(StepUpdate):
 
     # ------------------------------------------------------------------------------ preemption
     def _preempt(self, victim: Sequence) -> None:
+        self.epoch += 1
         self.running.remove(victim)
         victim.request.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -163,6 +166,7 @@ class Scheduler(StepUpdate):
 
     def _recompute(self, seq: Sequence) -> None:
         """Drops ``seq``'s KV; it waits at the head of the queue to compute its tokens again."""
+        self.epoch += 1
         self.kv.free(seq.kv)
         if self.speculator is not None:
             self.speculator.release(seq)
@@ -188,6 +192,7 @@ class Scheduler(StepUpdate):
         if not self._running_sorted:
             self.running.sort(key=self._order)
             self._running_sorted = True
+            self.epoch += 1
         kv = self.kv
         if self.speculator is not None:
             self._speculating = self.speculator.speculating()
@@ -271,7 +276,7 @@ class Scheduler(StepUpdate):
             kv.append(seq.kv, count)  # admission_blocks checked the room
             self._schedule(seq, count, decodes if count == 1 else prefills)
             budget -= count
-        return SchedulerOutput(decodes + prefills, len(decodes), kv.take_copies())
+        return SchedulerOutput(decodes + prefills, len(decodes), kv.take_copies(), self.epoch)
 
     def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
         """The tokens ``seq`` computes this step from position ``start``: the rest of it within ``budget``, and, with
@@ -322,6 +327,7 @@ class Scheduler(StepUpdate):
         return count
 
     def _join_running(self, seq: Sequence) -> None:
+        self.epoch += 1
         if self.running and self._order(seq) < self._order(self.running[-1]):
             self._running_sorted = False
         self.running.append(seq)

@@ -49,6 +49,8 @@ class StepUpdate:
             seq = item.seq
             if seq.status is running:
                 seq.num_computed_tokens += item.num_tokens
+                if item.forks:  # its prompt completed: the other samples share its blocks, before it gets a token
+                    self._join_forks(seq, item.forks)  # (which may end it and free them)
         for item, entries in result.prompt_logprobs:
             request = item.seq.request
             if item.seq.status is SequenceStatus.RUNNING and request.prompt_logprobs is not None:
@@ -58,17 +60,6 @@ class StepUpdate:
         now = time.monotonic()
         for seq, token, entry in zip(result.seqs, result.token_ids, result.logprobs):
             if seq.status is not running:
-                if seq.status is not SequenceStatus.FORK_PENDING:
-                    continue
-                # its prompt completed this step: share sample 0's blocks
-                leader = seq.request.sequences[0]
-                if leader.status is not running:
-                    continue
-                seq.kv = self.kv.fork(leader.kv)
-                seq.num_computed_tokens = leader.num_computed_tokens
-                seq.status = running
-                self._join_running(seq)
-            if seq.status is not SequenceStatus.RUNNING:
                 continue
             self._emit(seq, token, entry, now, stop_string)
             touched[seq.request.request_id] = seq.request
@@ -82,17 +73,44 @@ class StepUpdate:
                                           len(result.token_ids) + sum(len(r.token_ids) for r in result.verified))
         return list(touched.values())
 
+    def _join_forks(self, leader: Sequence, forks: tuple[Sequence, ...]) -> None:
+        """The samples of ``leader``'s request still waiting for its prompt (``FORK_PENDING``) run from now on, on
+        its blocks (their first tokens were drawn from its logits this step)."""
+        for seq in forks:
+            if seq.status is SequenceStatus.FORK_PENDING:
+                seq.kv = self.kv.fork(leader.kv)
+                seq.num_computed_tokens = leader.num_computed_tokens
+                seq.status = SequenceStatus.RUNNING
+                self._join_running(seq)
+
     def _emit(self, seq: Sequence, token: int, entry, now: float, stop_string) -> None:
-        """Appends one sampled token (advancing ``seq``'s grammar first: a token it rejects fails the request), then
-        finishes ``seq`` if its grammar reached its end or its text now ends in a stop string."""
-        if seq.grammar is not None:
+        """Appends one sampled token (advancing ``seq``'s grammar first: a token it rejects fails the request) and its
+        logprobs, then finishes ``seq`` on a stop token, EOS or a length (``RequestEnds``), if its grammar reached
+        its end, or if its text now ends in a stop string. Run once per sampled token: the common case (no grammar,
+        no logprobs, no end) is a few attribute reads and one set lookup."""
+        grammar = seq.grammar
+        if grammar is not None:
             try:
-                seq.grammar.accept(token)
+                grammar.accept(token)
             except GrammarRejected as error:
                 self.fail(seq.request, error)
                 return
-        self._append(seq, token, entry, now)
-        if seq.grammar is not None and seq.grammar.terminated and seq.status is SequenceStatus.RUNNING:
+        token_ids = seq.token_ids
+        token_ids.append(token)
+        self.num_generated_tokens += 1
+        request = seq.request
+        metrics = request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        if entry is not None:
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += entry[token].logprob
+        ends = self._ends[request.request_id]
+        if token in ends.token_ids or len(token_ids) >= ends.max_len:  # else nothing can end it (``reached``)
+            end = ends.reached(seq, token)
+            if end is not None:
+                self.finish(seq, *end)
+        if grammar is not None and grammar.terminated and seq.status is SequenceStatus.RUNNING:
             self.finish(seq, "stop")  # the grammar took an end token that ignore_eos does not stop on
         stop = stop_string(seq)
         if stop is not None:
@@ -114,19 +132,3 @@ class StepUpdate:
         self.speculator.record(seq, run.num_drafts, run.num_accepted)
         if seq.status is SequenceStatus.RUNNING and seq.kv.num_tokens > seq.num_computed_tokens:
             self.kv.truncate(seq.kv, seq.num_computed_tokens)
-
-    def _append(self, seq: Sequence, token: int, entry, now: float) -> None:
-        """Appends a sampled token (and its logprobs) and finishes ``seq`` on a stop token, EOS or a length."""
-        token_ids = seq.token_ids
-        token_ids.append(token)
-        self.num_generated_tokens += 1
-        request = seq.request
-        metrics = request.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        if entry is not None:
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += entry[token].logprob
-        end = self._ends[request.request_id].reached(seq, token)
-        if end is not None:
-            self.finish(seq, *end)
