@@ -11,9 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from unittest import mock
+
 from models import tiny_model
 from paged_hf import PagedEngine, SamplingParams
 from paged_hf.engine.decode_batch import DecodeBatch
+from paged_hf.engine.request import RequestOutputKind
+
+KINDS = [RequestOutputKind.FINAL_ONLY, RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE,
+         RequestOutputKind.DELTA]
 
 ENGINES = {
     "recompute, prefix caching": dict(preemption_mode="recompute", enable_prefix_caching=True),
@@ -27,7 +33,7 @@ def model():
 
 
 _add = st.tuples(st.just("add"), st.integers(1, 14), st.integers(1, 16), st.sampled_from([1, 1, 2]),
-                 st.sampled_from(["greedy", "greedy", "seeded", "logprobs", "min_tokens"]))
+                 st.sampled_from(["greedy", "greedy", "seeded", "logprobs", "min_tokens", "stops"]), st.sampled_from(KINDS))
 _events = st.lists(st.one_of(_add, st.tuples(st.just("abort"), st.integers(0, 50)), st.just(("step",)),
                              st.just(("step",)), st.just(("step",))), min_size=4, max_size=40)
 
@@ -40,33 +46,35 @@ def _params(kind: str, max_tokens: int, n: int, index: int) -> SamplingParams:
     if kind == "min_tokens":
         return SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0, min_tokens=max_tokens // 2,
                               stop_token_ids=[5, 6, 7])
+    if kind == "stops":  # a third of the vocabulary ends it, once 3 tokens are out: mostly in a steady decode step
+        return SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0, min_tokens=min(3, max_tokens),
+                              stop_token_ids=list(range(8, 512, 3)))
     return SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0, stop_token_ids=[3])
 
 
 def _run(model, options: dict, events, reuse: bool) -> tuple[list, int, int]:
     """Every step's outputs as ``(request id, [token ids per sample], finished)``, the steps the batch ran and the
-    preemptions."""
+    preemptions. ``reuse=False``: no step has a persistent batch (the runner and the scheduler's general paths)."""
+    if not reuse:
+        with mock.patch.object(DecodeBatch, "of", return_value=None):
+            return _run(model, options, events, reuse=True)
     engine = PagedEngine(model, None, block_size=4, num_blocks=14, max_num_seqs=6, max_num_batched_tokens=24,
                          max_model_len=64, enforce_eager=True, **options)
     ran = []
     plan_batch = engine.runner._plan_batch
     engine.runner._plan_batch = lambda *args: (ran.append(1), plan_batch(*args))[1]
-    if not reuse:
-        engine.runner.batch = None
     added, log = [], []
 
     def step():
-        if not reuse:
-            engine.runner.batch = None  # every step planned from the sequences
         for out in engine.step():
             log.append((out.request_id, [o.token_ids for o in out.outputs], out.finished))
         engine.check_invariants()
 
     for index, event in enumerate(events):
         if event[0] == "add":
-            _, length, max_tokens, n, kind = event
+            _, length, max_tokens, n, kind, output_kind = event
             prompt = [1] + [(7 * index + j) % 5 + 8 if j < 8 else (index + j) % 90 + 8 for j in range(length)]
-            added.append(engine.add_request(prompt, _params(kind, max_tokens, n, index)))
+            added.append(engine.add_request(prompt, _params(kind, max_tokens, n, index), output_kind=output_kind))
         elif event[0] == "abort" and added:
             engine.abort(added[event[1] % len(added)])
             engine.check_invariants()
@@ -94,7 +102,10 @@ def test_batch_equals_a_rebuild_at_every_step(model, options, events):
 def test_steady_decodes_run_from_the_batch(model, options):
     """Four greedy requests decoding together in a pool too small for all of them: most decode steps run from the
     batch, and the preemptions, finishes and the abort in between make the next step rebuild it."""
-    events = [("add", 6, 12, 1, "greedy")] * 4 + [("step",)] * 14 + [("abort", 1)] + [("step",)] * 3
+    events = [("add", 6, 12, 1, "greedy", RequestOutputKind.FINAL_ONLY)] * 3 + \
+        [("add", 6, 12, 1, "min_tokens", RequestOutputKind.FINAL_ONLY)] + \
+        [("add", 5, 12, 1, "stops", RequestOutputKind.FINAL_ONLY)] * 2 + [("step",)] * 14 + [("abort", 1)] + \
+        [("step",)] * 3
     reused, ran, preempted = _run(model, options, events, reuse=True)
     rebuilt, _, again = _run(model, options, events, reuse=False)
     assert reused == rebuilt and preempted == again

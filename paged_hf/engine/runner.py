@@ -43,6 +43,7 @@ class RunnerOutput:
     when its request asked for them; the samples of an ``n > 1`` request whose prompt completed are among them);
     ``prompt_logprobs``: per scheduled sequence that asked, the entries of its chunk's prompt positions;
     ``verified``: the sequences that ran speculative drafts, with the tokens they emit (not in ``seqs``).
+    ``batch``: the step ran from the persistent decode batch (advanced: its ``token_ids`` are the ones drawn).
     ``errors``: requests that fail alone (their forward or their sampling raised); ``requeue``: sequences whose
     prefix a failed sequence of the step was to write (they compute their prompt again); ``retried``: the forward
     raised and ran again in parts. ``step_error``: nothing of the step ran (its block copies failed, or, with
@@ -58,6 +59,7 @@ class RunnerOutput:
     retried: bool = False
     step_error: BaseException | None = None
     broken: bool = False
+    batch: DecodeBatch | None = None  # the step ran from the persistent decode batch: ``seqs`` are its rows
 
 
 class BlockCopyError(RuntimeError):
@@ -223,8 +225,9 @@ class ModelRunner:
         if batch is not None:
             drawn = sample(model_output.logits, batch.seqs, self.token_text, self.eos_token_ids, batch.summary)
             if not drawn.errors:
+                ran = batch.token_ids is not None  # it ran the step (else it was built from the sequences)
                 batch.advance(drawn.token_ids)
-                return RunnerOutput(batch.seqs, drawn.token_ids, drawn.logprobs)
+                return RunnerOutput(batch.seqs, drawn.token_ids, drawn.logprobs, batch=batch if ran else None)
             self.batch = None  # the rows that failed leave: the next step rebuilds it
         result = RunnerOutput()
         logits = model_output.logits

@@ -72,6 +72,7 @@ class Scheduler(StepUpdate):
         self._step_started = 0.0
         self._ends: dict[str, RequestEnds] = {}  # per request id not finished
         self.epoch = 0  # bumped by every change to ``running`` but a sequence's next token (``SchedulerOutput.epoch``)
+        self._batch_ends = None  # (the runner's persistent decode batch, its BatchEnds), built at its first step
 
     def _order(self, seq: Sequence) -> tuple:
         """Sort key: who runs first (and, reversed, who is preempted first)."""

@@ -15,10 +15,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..structured.matcher import GrammarRejected
+from .ends import BatchEnds
 from .request import Request, Sequence, SequenceStatus
 from .scheduled import SchedulerOutput
 
 if TYPE_CHECKING:  # the runner imports the scheduler
+    from .decode_batch import DecodeBatch
     from .runner import RunnerOutput
     from .spec.verify import VerifiedRun
 
@@ -27,7 +29,8 @@ class StepUpdate:
     def update_from_output(self, output: SchedulerOutput, result: "RunnerOutput",
                            stop_string: Callable[[Sequence], str | None]) -> list[Request]:
         """Applies one step's ``result`` to its sequences; returns the requests it changed (a token, prompt
-        logprobs, a failure, an end), in order. ``stop_string(seq)``: the output stage's verdict on a sequence that
+        logprobs, a failure, an end), in order (a step of quiet decodes, ``_apply_quiet_decodes``, leaves out the
+        ``FINAL_ONLY`` requests that did not end: they have no output to give). ``stop_string(seq)``: the output stage's verdict on a sequence that
         just got a token (the stop string its text now ends with, or None)."""
         touched: dict[str, Request] = {}
         if result.step_error is not None:  # nothing of the step ran: its requests (every request: a broken group) fail
@@ -37,6 +40,9 @@ class StepUpdate:
                 self.fail(request, result.step_error)
                 touched[request.request_id] = request
             self.kv.end_step(failed=True)
+            return list(touched.values())
+        if result.batch is not None and self._apply_quiet_decodes(result.batch, result.token_ids, touched):
+            self._end_step(output, result)
             return list(touched.values())
         for request, error in result.errors:
             self.fail(request, error)
@@ -67,11 +73,35 @@ class StepUpdate:
             if run.seq.status is SequenceStatus.RUNNING:
                 self._apply_verified(run, now, stop_string)
                 touched[run.seq.request.request_id] = run.seq.request
+        self._end_step(output, result)
+        return list(touched.values())
+
+    def _end_step(self, output: SchedulerOutput, result: "RunnerOutput") -> None:
         self.kv.end_step(failed=result.retried)
         if self.speculator is not None and all(i.num_tokens == 1 + len(i.draft_token_ids) for i in output.scheduled):
             self.speculator.end_step(self._speculating, time.perf_counter() - self._step_started,
                                           len(result.token_ids) + sum(len(r.token_ids) for r in result.verified))
-        return list(touched.values())
+
+    def _apply_quiet_decodes(self, batch: "DecodeBatch", token_ids: list[int], touched: dict[str, Request]) -> bool:
+        """A step that ran from the persistent decode batch, in one pass, when its rows are quiet (``BatchEnds``):
+        each row computed its token and appends the one it drew; only the rows that may end (one vector test) go
+        through ``RequestEnds.reached``. Returns False, changing nothing, for a batch that is not quiet."""
+        if self._batch_ends is None or self._batch_ends[0] is not batch:
+            self._batch_ends = (batch, BatchEnds.of(batch.seqs, self._ends))
+        ends = self._batch_ends[1]
+        if not ends.quiet:
+            return False
+        for seq, token in zip(batch.seqs, token_ids):
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(token)
+        self.num_generated_tokens += len(token_ids)
+        for row in ends.ending_rows(batch.positions + 1, batch.token_ids):  # advanced: positions are lengths - 1
+            seq = batch.seqs[row]
+            end = self._ends[seq.request.request_id].reached(seq, token_ids[row])
+            if end is not None:
+                self.finish(seq, *end)
+                touched[seq.request.request_id] = seq.request
+        return True
 
     def _join_forks(self, leader: Sequence, forks: tuple[Sequence, ...]) -> None:
         """The samples of ``leader``'s request still waiting for its prompt (``FORK_PENDING``) run from now on, on
