@@ -126,3 +126,15 @@ def test_a_stale_batch_is_caught(model):
     batch.positions = batch.positions - 1
     with pytest.raises(AssertionError, match="stale"):
         engine.check_invariants()
+
+
+def test_a_prompt_its_last_chunk_completes_as_a_decode_forks(model):
+    """An ``n = 2`` prompt of 24 tokens beside a decode under a budget of 24: its last prompt token is a one-token
+    chunk, scheduled with the running decodes, and its other sample forks from it then (the decodes' fast path must see it)."""
+    events = [("add", 6, 8, 1, "greedy", RequestOutputKind.FINAL_ONLY), ("step",), ("step",),
+              ("add", 23, 4, 2, "greedy", RequestOutputKind.FINAL_ONLY)]
+    reused, _, _ = _run(model, ENGINES["swap"], events, reuse=True)
+    rebuilt, _, _ = _run(model, ENGINES["swap"], events, reuse=False)
+    assert reused == rebuilt
+    finals = {request_id: samples for request_id, samples, finished in reused if finished}
+    assert [len(tokens) for tokens in finals["1"]] == [4, 4], finals

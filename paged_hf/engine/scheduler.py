@@ -73,6 +73,7 @@ class Scheduler(StepUpdate):
         self._ends: dict[str, RequestEnds] = {}  # per request id not finished
         self.epoch = 0  # bumped by every change to ``running`` but a sequence's next token (``SchedulerOutput.epoch``)
         self._batch_ends = None  # (the runner's persistent decode batch, its BatchEnds), built at its first step
+        self._forking: set[str] = set()  # requests of n > 1 whose other samples wait for the prompt (FORK_PENDING)
 
     def _order(self, seq: Sequence) -> tuple:
         """Sort key: who runs first (and, reversed, who is preempted first)."""
@@ -88,6 +89,8 @@ class Scheduler(StepUpdate):
             raise ValueError(f"request_id {request.request_id!r} is already running")
         self.requests[request.request_id] = request
         self._ends[request.request_id] = RequestEnds.of(request, self.eos_token_ids, self.max_model_len)
+        if request.params.n > 1:
+            self._forking.add(request.request_id)
         if not self.compiling.hold(request):  # compiling, or failed: admit_compiled queues or fails it
             self._enqueue(request)
 
@@ -145,6 +148,7 @@ class Scheduler(StepUpdate):
             seq.request.metrics.finished_time = time.monotonic()
             self.requests.pop(seq.request.request_id, None)
             self._ends.pop(seq.request.request_id, None)
+            self._forking.discard(seq.request.request_id)
 
     # ------------------------------------------------------------------------------ preemption
     def _preempt(self, victim: Sequence) -> None:
@@ -306,17 +310,23 @@ class Scheduler(StepUpdate):
         one (a prompt chunk) or finds no room (preemption is the caller's); returns how many. What the caller's loop
         does with ``try_append`` and ``_schedule``, one decode at a time, in fewer passes: every decode step's steady
         state."""
-        run = []
+        run, kvs = [], []
         for seq in islice(self.running, index, index + budget):
             if len(seq.token_ids) - seq.num_computed_tokens != 1:
                 break
             run.append(seq)
+            kvs.append(seq.kv)
         kv = self.kv
         # with prefix caching, a decode that takes a block (it may evict a cached one) goes after the registrations
         # of those before it: the caller's loop does it, in order
-        count = kv.append_decodes([seq.kv for seq in run], grow=not kv.prefix_caching)
+        count = kv.append_decodes(kvs, grow=not kv.prefix_caching)
+        if count < len(run):
+            del run[count:]
+        if not kv.prefix_caching and not self._forking:  # the steady state: one object per decode, nothing else
+            out.extend([ScheduledSequence(seq, seq.num_computed_tokens, 1, True) for seq in run])
+            return count
         block_size = kv.block_size if kv.prefix_caching else 0
-        for seq in run[:count]:
+        for seq in run:
             start = seq.num_computed_tokens
             if block_size and (start + 1) // block_size > seq.kv.num_cached_blocks:  # a block fills: register it
                 kv.cache_full_blocks(seq.kv, seq.token_ids, start + 1, seq.request.cache_salt)

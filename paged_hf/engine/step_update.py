@@ -4,8 +4,8 @@ logprobs, verified speculative drafts, grammar matchers, finishing on EOS / stop
 stop strings, failures, the prefix cache's step).
 
 ``StepUpdate`` is a base of ``Scheduler`` and never made alone: the state it changes (``requests``, ``running``,
-``kv``, ``speculator``, ``_ends``) is the scheduler's, declared in ``Scheduler.__init__``; this file only keeps the
-scheduler's file to one half of the step.
+``kv``, ``speculator``, ``_ends``, ``_forking``, ``_batch_ends``) is the scheduler's, declared in
+``Scheduler.__init__``; this file only keeps the scheduler's file to one half of the step.
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ class StepUpdate:
                 seq.num_computed_tokens = leader.num_computed_tokens
                 seq.status = SequenceStatus.RUNNING
                 self._join_running(seq)
+        self._forking.discard(leader.request.request_id)
 
     def _emit(self, seq: Sequence, token: int, entry, now: float, stop_string) -> None:
         """Appends one sampled token (advancing ``seq``'s grammar first: a token it rejects fails the request) and its
