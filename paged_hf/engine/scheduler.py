@@ -74,6 +74,9 @@ class Scheduler(StepUpdate):
         self.epoch = 0  # bumped by every change to ``running`` but a sequence's next token (``SchedulerOutput.epoch``)
         self._batch_ends = None  # (the runner's persistent decode batch, its BatchEnds), built at its first step
         self._forking: set[str] = set()  # requests of n > 1 whose other samples wait for the prompt (FORK_PENDING)
+        # (epoch, the running sequences, their kv) when the last step's decodes were all of them, in order: at the
+        # same epoch each of them is a decode again (it got its token and nothing else changed ``running``)
+        self._decode_run: tuple | None = None
 
     def _order(self, seq: Sequence) -> tuple:
         """Sort key: who runs first (and, reversed, who is preempted first)."""
@@ -190,6 +193,7 @@ class Scheduler(StepUpdate):
     # -------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        last_run, self._decode_run = self._decode_run, None  # only the step right after it may reuse it
         images = ImageChunks(self.config.max_num_encoder_input_tokens)
         decodes: list[ScheduledSequence] = []
         prefills: list[ScheduledSequence] = []
@@ -210,7 +214,7 @@ class Scheduler(StepUpdate):
         while index < len(self.running) and budget > 0:
             if not self._has_windows and not self._speculating:  # most of them: decodes that have room (drafts
                 # and sliding windows take the loop below)
-                taken = self._schedule_decodes(index, budget, decodes)
+                taken = self._schedule_decodes(index, budget, decodes, last_run)
                 index, budget = index + taken, budget - taken
                 if index == len(self.running) or budget <= 0:
                     break
@@ -305,18 +309,23 @@ class Scheduler(StepUpdate):
             seq.kv = self.kv.new_sequence()
         return self._prefix_hit(seq).num_tokens
 
-    def _schedule_decodes(self, index: int, budget: int, out: list[ScheduledSequence]) -> int:
+    def _schedule_decodes(self, index: int, budget: int, out: list[ScheduledSequence], last=None) -> int:
         """Schedules the running decodes from ``running[index]`` on (at most ``budget``) up to the first that is not
         one (a prompt chunk) or finds no room (preemption is the caller's); returns how many. What the caller's loop
         does with ``try_append`` and ``_schedule``, one decode at a time, in fewer passes: every decode step's steady
         state."""
-        run, kvs = [], []
-        for seq in islice(self.running, index, index + budget):
-            if len(seq.token_ids) - seq.num_computed_tokens != 1:
-                break
-            run.append(seq)
-            kvs.append(seq.kv)
+        if index == 0 and last is not None and last[0] == self.epoch and len(last[1]) <= budget:
+            run, kvs = list(last[1]), last[2]  # the same sequences as the last step, each one token further
+        else:
+            run, kvs = [], []
+            for seq in islice(self.running, index, index + budget):
+                if len(seq.token_ids) - seq.num_computed_tokens != 1:
+                    break
+                run.append(seq)
+                kvs.append(seq.kv)
         kv = self.kv
+        if index == 0 and len(run) == len(self.running):  # every running sequence decodes: the next step's run
+            self._decode_run = (self.epoch, tuple(run), kvs)
         # with prefix caching, a decode that takes a block (it may evict a cached one) goes after the registrations
         # of those before it: the caller's loop does it, in order
         count = kv.append_decodes(kvs, grow=not kv.prefix_caching)
