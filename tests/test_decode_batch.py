@@ -3,7 +3,7 @@
 Random interleavings of admissions (some with ``n > 1``, logprobs, seeded sampling, shared prefixes), aborts, steps,
 a small pool (preemption by recompute or swap) and chunked prefill: after every step the batch that may run the next
 step equals a rebuild from the sequences (``check_invariants`` runs ``DecodeBatch.check``), and every step's outputs
-equal those of the same engine with the batch never reused (every step built from the sequences)."""
+equal those of the same engine without any persistent batch (every step on the general paths)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def model():
 
 
 _add = st.tuples(st.just("add"), st.integers(1, 14), st.integers(1, 16), st.sampled_from([1, 1, 2]),
-                 st.sampled_from(["greedy", "greedy", "seeded", "logprobs", "min_tokens", "stops"]), st.sampled_from(KINDS))
+                 st.sampled_from(["greedy", "greedy", "seeded", "logprobs", "min_tokens", "stops"]),
+                 st.sampled_from(KINDS))
 _events = st.lists(st.one_of(_add, st.tuples(st.just("abort"), st.integers(0, 50)), st.just(("step",)),
                              st.just(("step",)), st.just(("step",))), min_size=4, max_size=40)
 
@@ -130,7 +131,8 @@ def test_a_stale_batch_is_caught(model):
 
 def test_a_prompt_its_last_chunk_completes_as_a_decode_forks(model):
     """An ``n = 2`` prompt of 24 tokens beside a decode under a budget of 24: its last prompt token is a one-token
-    chunk, scheduled with the running decodes, and its other sample forks from it then (the decodes' fast path must see it)."""
+    chunk, scheduled with the running decodes, and its other sample forks from it then (the decodes' fast path must
+    see it)."""
     events = [("add", 6, 8, 1, "greedy", RequestOutputKind.FINAL_ONLY), ("step",), ("step",),
               ("add", 23, 4, 2, "greedy", RequestOutputKind.FINAL_ONLY)]
     reused, _, _ = _run(model, ENGINES["swap"], events, reuse=True)

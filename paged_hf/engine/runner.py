@@ -175,12 +175,13 @@ class ModelRunner:
         step = StepInput(long_tensor(input_ids), metadata, keep, copies, self.kv.num_rows)
         return step, list(range(len(sample_index))), prompt_rows, draft_rows
 
-    def _plan_batch(self, batch: DecodeBatch, copies: list):
+    def _plan_batch(self, batch: DecodeBatch, copies: list) -> tuple[StepInput, list[int], dict, dict]:
         """``plan`` of a steady decode step, from the persistent batch's tensors (no pass over the sequences)."""
         device = "cpu" if self.group is not None else self.device
         metadata = decode_metadata(self.kv, batch.rows, batch.positions, batch.longest, device)
         keep = metadata.token_seqs  # [S]: row s is sequence s's only token
-        return StepInput(batch.token_ids, metadata, keep, copies, self.kv.num_rows), list(range(len(batch.seqs))), {}, {}
+        step = StepInput(batch.token_ids, metadata, keep, copies, self.kv.num_rows)
+        return step, list(range(len(batch.seqs))), {}, {}
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:

@@ -309,11 +309,12 @@ class Scheduler(StepUpdate):
             seq.kv = self.kv.new_sequence()
         return self._prefix_hit(seq).num_tokens
 
-    def _schedule_decodes(self, index: int, budget: int, out: list[ScheduledSequence], last=None) -> int:
+    def _schedule_decodes(self, index: int, budget: int, out: list[ScheduledSequence],
+                          last: tuple | None = None) -> int:
         """Schedules the running decodes from ``running[index]`` on (at most ``budget``) up to the first that is not
         one (a prompt chunk) or finds no room (preemption is the caller's); returns how many. What the caller's loop
         does with ``try_append`` and ``_schedule``, one decode at a time, in fewer passes: every decode step's steady
-        state."""
+        state. ``last``: the previous step's ``_decode_run``."""
         if index == 0 and last is not None and last[0] == self.epoch and len(last[1]) <= budget:
             run, kvs = list(last[1]), last[2]  # the same sequences as the last step, each one token further
         else:

@@ -30,8 +30,8 @@ class StepUpdate:
                            stop_string: Callable[[Sequence], str | None]) -> list[Request]:
         """Applies one step's ``result`` to its sequences; returns the requests it changed (a token, prompt
         logprobs, a failure, an end), in order (a step of quiet decodes, ``_apply_quiet_decodes``, leaves out the
-        ``FINAL_ONLY`` requests that did not end: they have no output to give). ``stop_string(seq)``: the output stage's verdict on a sequence that
-        just got a token (the stop string its text now ends with, or None)."""
+        ``FINAL_ONLY`` requests that did not end: they have no output to give). ``stop_string(seq)``: the output
+        stage's verdict on a sequence that just got a token (the stop string its text now ends with, or None)."""
         touched: dict[str, Request] = {}
         if result.step_error is not None:  # nothing of the step ran: its requests (every request: a broken group) fail
             failing = list(self.requests.values()) if result.broken else \
