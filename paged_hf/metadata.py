@@ -129,25 +129,43 @@ def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], cou
     ``min_width``: the narrowest block tables to build (a caller that knows its longest sequence keeps one shape).
     """
     num_seqs = len(seqs)
-    decode_only = num_decodes == num_seqs
+    rows = long_tensor([seq.row for seq in seqs])
     starts_t = long_tensor(starts)
-    if decode_only:  # one token per sequence: no expansion
-        counts_t = torch.ones(num_seqs, dtype=torch.long)
-        query_start_loc = torch.arange(num_seqs + 1)
-        num_tokens = num_seqs
-        token_seq, positions = torch.arange(num_seqs), starts_t
-        longest = max(starts, default=0) + 1
-    else:
-        counts_t = long_tensor(counts)
-        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.long)
-        torch.cumsum(counts_t, 0, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        token_seq = torch.repeat_interleave(torch.arange(num_seqs), counts_t)
-        positions = torch.arange(num_tokens) - query_start_loc[token_seq] + starts_t[token_seq]
-        longest = max(map(operator.add, starts, counts), default=1)
+    if num_decodes == num_seqs:  # one token per sequence: no expansion
+        return decode_metadata(kv, rows, starts_t, max(starts, default=0) + 1, device, token_index, batch_size,
+                               query_len, min_width)
+    counts_t = long_tensor(counts)
+    query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.long)
+    torch.cumsum(counts_t, 0, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    token_seq = torch.repeat_interleave(torch.arange(num_seqs), counts_t)
+    positions = torch.arange(num_tokens) - query_start_loc[token_seq] + starts_t[token_seq]
+    longest = max(map(operator.add, starts, counts), default=1)
+    return _assemble(kv, rows, starts_t, counts_t, query_start_loc, token_seq, positions, longest, num_decodes,
+                     max(counts, default=0), device, token_index, batch_size, query_len, min_width)
+
+
+def decode_metadata(kv: KVManager, rows: torch.Tensor, starts: torch.Tensor, longest: int, device,
+                    token_index: torch.Tensor | None = None, batch_size: int = 1, query_len: int | None = None,
+                    min_width: int = 1) -> AttentionMetadata:
+    """Metadata of a decode-only forward from tensors: sequence ``s`` holds block-table row ``rows[s]`` and adds one
+    token at position ``starts[s]`` (``[S]`` int64 host tensors); ``longest``: ``max(starts) + 1``. A few tensor
+    ops, whatever ``S`` (the runner's persistent decode batch calls it without any list)."""
+    num_seqs = rows.shape[0]
+    seq_index = torch.arange(num_seqs)
+    return _assemble(kv, rows, starts, torch.ones(num_seqs, dtype=torch.long), torch.arange(num_seqs + 1),
+                     seq_index, starts, longest, num_seqs, 1 if num_seqs else 0, device, token_index, batch_size,
+                     query_len, min_width)
+
+
+def _assemble(kv: KVManager, rows, starts_t, counts_t, query_start_loc, token_seq, positions, longest: int,
+              num_decodes: int, max_query_len: int, device, token_index, batch_size: int, query_len: int | None,
+              min_width: int) -> AttentionMetadata:
+    """The ``AttentionMetadata`` of a forward laid out by ``build_metadata`` / ``decode_metadata`` (host tensors)."""
+    num_seqs, num_tokens = rows.shape[0], positions.shape[0]
+    decode_only = num_decodes == num_seqs
     seq_lens = starts_t + counts_t
     width = max(min_width, table_width(-(-longest // kv.block_size)))
-    rows = long_tensor([seq.row for seq in seqs])
     tails = _tail_plan(kv.block_size, rows, starts_t, counts_t, query_start_loc, token_seq, positions) \
         if kv.has_tail else None
     groups = []
@@ -165,7 +183,7 @@ def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], cou
     if 0 < num_decodes < num_seqs:
         prefill_loc = (query_start_loc[num_decodes:] - num_decodes).to(device, non_blocking=True)
     return AttentionMetadata(
-        num_seqs=num_seqs, num_decodes=num_decodes, num_tokens=num_tokens, max_query_len=max(counts, default=0),
+        num_seqs=num_seqs, num_decodes=num_decodes, num_tokens=num_tokens, max_query_len=max_query_len,
         seq_lens=seq_lens.to(device, non_blocking=True), query_start_loc=query_start_loc.to(device, non_blocking=True),
         prefill_query_start_loc=prefill_loc, positions=positions.to(device, non_blocking=True),
         token_seqs=token_seq.to(device, non_blocking=True), groups=groups,

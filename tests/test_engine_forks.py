@@ -97,3 +97,23 @@ def test_seeded_n3_equals_three_n1_runs(stories, prompt, references, options):
         assert stats["num_swapped_out"] > 0 and stats["num_swapped_in"] == stats["num_swapped_out"]
     engine.check_invariants()
     assert engine.get_stats()["kv_cache_used"] == 0
+
+
+@pytest.mark.parametrize("max_tokens, stop", [(1, None), (4, "first")])
+def test_samples_fork_when_sample_0_ends_on_its_first_token(stories, prompt, max_tokens, stop):
+    """Sample 0 of an ``n = 3`` request ending on its first token (``max_tokens=1``, or its first token a stop
+    token) freed its blocks before the other samples forked from them: they waited forever. Each sample gets its own
+    first token, and the request finishes."""
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=BLOCK_SIZE, num_blocks=64, enable_prefix_caching=False)
+    first = engine.generate(prompt, params(1, SEED), use_tqdm=False)[0].outputs[0].token_ids[0]
+    sampled = SamplingParams(n=3, max_tokens=max_tokens, temperature=1.0, seed=SEED, ignore_eos=True,
+                             stop_token_ids=[first] if stop else None)
+    engine.add_request(prompt, sampled)
+    for _ in range(3 * max_tokens + 2):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests(), "the request's other samples never forked"
+    engine.check_invariants()
+    assert engine.get_stats()["kv_cache_used"] == 0

@@ -362,6 +362,9 @@ class PagedEngine:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
+        batch = self.runner.batch
+        if batch is not None and batch.epoch == self.scheduler.epoch:  # it may still run the next step
+            batch.check()
         speculator = self.scheduler.speculator
         if speculator is not None and speculator.drafter is not None:
             speculator.drafter.check_invariants()

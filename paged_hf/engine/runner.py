@@ -21,9 +21,10 @@ from torch._dynamo.utils import counters
 
 from ..distributed.group import TensorParallelError
 from ..kv.manager import KVManager
-from ..metadata import AttentionMetadata, build_metadata, long_tensor
+from ..metadata import AttentionMetadata, build_metadata, decode_metadata, long_tensor
 from .compile import CompiledForward, CompileFailed
 from .cuda_graphs import DecodeGraphs, GraphOptions
+from .decode_batch import DecodeBatch
 from .forward_cache import EngineCache
 from .isolation import isolate
 from .model_output import ModelOutput
@@ -43,6 +44,7 @@ class RunnerOutput:
     when its request asked for them; the samples of an ``n > 1`` request whose prompt completed are among them);
     ``prompt_logprobs``: per scheduled sequence that asked, the entries of its chunk's prompt positions;
     ``verified``: the sequences that ran speculative drafts, with the tokens they emit (not in ``seqs``).
+    ``batch``: the step ran from the persistent decode batch (advanced: its ``token_ids`` are the ones drawn).
     ``errors``: requests that fail alone (their forward or their sampling raised); ``requeue``: sequences whose
     prefix a failed sequence of the step was to write (they compute their prompt again); ``retried``: the forward
     raised and ran again in parts. ``step_error``: nothing of the step ran (its block copies failed, or, with
@@ -58,6 +60,7 @@ class RunnerOutput:
     retried: bool = False
     step_error: BaseException | None = None
     broken: bool = False
+    batch: DecodeBatch | None = None  # the step ran from the persistent decode batch: ``seqs`` are its rows
 
 
 class BlockCopyError(RuntimeError):
@@ -111,6 +114,7 @@ class ModelRunner:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(kv, self._static_forward, graphs, self.device)
         self.images = ImageEncoder(model) if image_token_id(model) is not None else None
+        self.batch: DecodeBatch | None = None  # the last step's, when it was a steady decode step
 
     def _compile(self) -> CompiledForward | None:
         compiled = CompiledForward(self.model)
@@ -127,11 +131,16 @@ class ModelRunner:
                     counters["stats"]["unique_graphs"] - graphs)
         return compiled
 
-    def plan(self, output: SchedulerOutput, copies: list) -> tuple[StepInput, list[int], dict[int, tuple[int, int]],
-                                                                   dict[int, tuple[int, int]]]:
+    def plan(self, output: SchedulerOutput, copies: list, persistent: bool = False) -> tuple[
+            StepInput, list[int], dict[int, tuple[int, int]], dict[int, tuple[int, int]]]:
         """The ``StepInput`` of ``output``'s forward (host work only), and where its logits go: the rows of the
         sampling sequences, in scheduled order, per prompt-logprob sequence ``(first row, count)``, and per
-        sequence with speculative drafts ``(first row, 1 + k)``."""
+        sequence with speculative drafts ``(first row, 1 + k)``. ``persistent``: the step is the engine's (not a
+        part of one, as isolation runs): it uses and sets ``self.batch`` (a steady decode step reads its tensors)."""
+        if persistent:
+            if self.batch is not None and self.batch.matches(output):
+                return self._plan_batch(self.batch, copies)
+            self.batch = DecodeBatch.of(output)
         scheduled = output.scheduled
         d = output.num_decodes
         input_ids = [item.seq.token_ids[item.start] for item in scheduled[:d]]
@@ -173,18 +182,29 @@ class ModelRunner:
         step = StepInput(long_tensor(input_ids), metadata, keep, copies, self.kv.num_rows)
         return step, list(range(len(sample_index))), prompt_rows, draft_rows
 
+    def _plan_batch(self, batch: DecodeBatch, copies: list) -> tuple[StepInput, list[int], dict, dict]:
+        """``plan`` of a steady decode step, from the persistent batch's tensors (no pass over the sequences)."""
+        device = "cpu" if self.group is not None else self.device
+        metadata = decode_metadata(self.kv, batch.rows, batch.positions, batch.longest, device)
+        keep = metadata.token_seqs  # [S]: row s is sequence s's only token
+        step = StepInput(batch.token_ids, metadata, keep, copies, self.kv.num_rows)
+        return step, list(range(len(batch.seqs))), {}, {}
+
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """Runs the step's block copies, then its forward, and samples every row at once."""
         try:
-            model_output = self._run_planned(output, output.copies)
+            model_output = self._run_planned(output, output.copies, persistent=True)
         except TensorParallelError as error:  # no forward can run any more
+            self.batch = None
             return RunnerOutput(step_error=error, broken=True)
         except BlockCopyError as error:  # every sequence of the step may hold wrong K/V
+            self.batch = None
             return RunnerOutput(step_error=error)
         except Exception as error:  # noqa: BLE001 - the forward raised: the sequences that cause it fail alone
+            self.batch = None
             return self._isolate(output, error)
-        return self._sample(output, model_output)
+        return self._sample(output, model_output, self.batch)
 
     def _isolate(self, output: SchedulerOutput, error: BaseException) -> RunnerOutput:
         logger.warning("a forward of %d sequences raised %s: %s; running them in parts to find the cause",
@@ -205,9 +225,18 @@ class ModelRunner:
         result.requeue, result.retried = requeue, True
         return result
 
-    def _sample(self, output: SchedulerOutput, model_output: ModelOutput) -> RunnerOutput:
+    def _sample(self, output: SchedulerOutput, model_output: ModelOutput, batch: DecodeBatch | None = None
+                ) -> RunnerOutput:
         """Draws the next token of every sampling sequence (and of the samples joining a completed prompt) from
-        their rows, and scores the prompt positions of the sequences that asked for prompt logprobs."""
+        their rows, and scores the prompt positions of the sequences that asked for prompt logprobs. ``batch``:
+        the step's persistent decode batch (its rows are every kept row, in order), advanced here."""
+        if batch is not None:
+            drawn = sample(model_output.logits, batch.seqs, self.token_text, self.eos_token_ids, batch.summary)
+            if not drawn.errors:
+                ran = batch.token_ids is not None  # it ran the step (else it was built from the sequences)
+                batch.advance(drawn.token_ids)
+                return RunnerOutput(batch.seqs, drawn.token_ids, drawn.logprobs, batch=batch if ran else None)
+            self.batch = None  # the rows that failed leave: the next step rebuilds it
         result = RunnerOutput()
         logits = model_output.logits
         for index, (first, count) in model_output.prompt_rows.items():
@@ -257,8 +286,8 @@ class ModelRunner:
         """The forward of ``output``'s sequences (its block copies must have run); the logits the step needs."""
         return self._run_planned(output, [])
 
-    def _run_planned(self, output: SchedulerOutput, copies: list) -> ModelOutput:
-        step, sample_rows, prompt_rows, draft_rows = self.plan(output, copies)
+    def _run_planned(self, output: SchedulerOutput, copies: list, persistent: bool = False) -> ModelOutput:
+        step, sample_rows, prompt_rows, draft_rows = self.plan(output, copies, persistent)
         if self.images is not None:  # the vision tower runs here, for the images this step's tokens need
             step.inputs_embeds = self.images.inputs_embeds(output.scheduled, step.input_ids,
                                                            step.metadata.query_start_loc)

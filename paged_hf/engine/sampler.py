@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -32,19 +33,35 @@ class SamplerOutput:
     errors: dict[int, BaseException]
 
 
+class SamplingSummary(NamedTuple):
+    """What a batch of rows needs of the sampler, from one pass over them (``summarize``): ``plain_greedy``: every
+    row is plain greedy without ``min_tokens`` (one argmax does it all); ``grammar``: some row has a grammar. Both
+    are fixed for a sequence's life, so the runner's persistent decode batch keeps its summary across steps."""
+
+    plain_greedy: bool
+    grammar: bool
+
+
+def summarize(seqs: list[Sequence]) -> SamplingSummary:
+    return SamplingSummary(all(seq.request.params.plain_greedy and not seq.request.params.min_tokens for seq in seqs),
+                           any(seq.grammar is not None for seq in seqs))
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
-           eos_token_ids: Collection[int] = ()) -> SamplerOutput:
+           eos_token_ids: Collection[int] = (), summary: SamplingSummary | None = None) -> SamplerOutput:
     """Samples one token per row of ``logits`` ``[R, vocab]`` for ``seqs[r]`` (its request's ``SamplingParams``).
 
     ``decode_token(id) -> str`` names the tokens of logprob entries (None: no text). ``eos_token_ids``: the model's
     end tokens, which a row still short of its ``min_tokens`` may not draw (nor its ``stop_token_ids``), as vLLM's
     and transformers' ``min_new_tokens``: they get -inf after the other processing, greedy rows included.
+    ``summary``: ``summarize(seqs)``, when the caller kept it.
     """
-    if any(seq.grammar is not None for seq in seqs):
+    summary = summary or summarize(seqs)
+    if summary.grammar:
         logits = mask_logits(logits, [seq.grammar for seq in seqs])
-    params = [seq.request.params for seq in seqs]
-    if all(p.plain_greedy and not p.min_tokens for p in params):  # the common fast path: one argmax over the batch
+    if summary.plain_greedy:  # the common fast path: one argmax over the batch
         return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(seqs), {})
+    params = [seq.request.params for seq in seqs]
     held_back = _held_back_stops(seqs, params, eos_token_ids, logits.shape[-1])
     if not held_back and all(p.plain_greedy for p in params):  # min_tokens, all reached
         return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(seqs), {})

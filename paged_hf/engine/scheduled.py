@@ -27,11 +27,15 @@ class ScheduledSequence:
 
 @dataclass
 class SchedulerOutput:
-    """One step's work: the scheduled sequences (decodes first), and the block copies to run before the forward."""
+    """One step's work: the scheduled sequences (decodes first), and the block copies to run before the forward.
+    ``epoch``: the scheduler's count of changes to its running sequences (admissions, finishes, preemptions, swaps,
+    reorders) when it was made: two outputs of the same epoch run the same sequences, in the same order (-1: an
+    output the scheduler did not make)."""
 
     scheduled: list[ScheduledSequence]
     num_decodes: int
     copies: list[BlockCopy] = field(default_factory=list)
+    epoch: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -71,6 +71,12 @@ class Scheduler(StepUpdate):
         self._speculating = False  # this step's mode (the speculator's switch)
         self._drafting = False  # whether this step has drafts (speculating, and something was proposed)
         self._ends: dict[str, RequestEnds] = {}  # per request id not finished
+        self.epoch = 0  # bumped by every change to ``running`` but a sequence's next token (``SchedulerOutput.epoch``)
+        self._batch_ends = None  # (the runner's persistent decode batch, its BatchEnds), built at its first step
+        self._forking: set[str] = set()  # requests of n > 1 whose other samples wait for the prompt (FORK_PENDING)
+        # (epoch, the running sequences, their kv) when the last step's decodes were all of them, in order: at the
+        # same epoch each of them is a decode again (it got its token and nothing else changed ``running``)
+        self._decode_run: tuple | None = None
 
     def _order(self, seq: Sequence) -> tuple:
         """Sort key: who runs first (and, reversed, who is preempted first)."""
@@ -86,6 +92,8 @@ class Scheduler(StepUpdate):
             raise ValueError(f"request_id {request.request_id!r} is already running")
         self.requests[request.request_id] = request
         self._ends[request.request_id] = RequestEnds.of(request, self.eos_token_ids, self.max_model_len)
+        if request.params.n > 1:
+            self._forking.add(request.request_id)
         if not self.compiling.hold(request):  # compiling, or failed: admit_compiled queues or fails it
             self._enqueue(request)
 
@@ -125,6 +133,7 @@ class Scheduler(StepUpdate):
         """Ends ``seq``: out of every queue, its blocks freed; its request leaves when its last sample ends."""
         if seq.status is SequenceStatus.FINISHED:
             return
+        self.epoch += 1
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
@@ -142,9 +151,11 @@ class Scheduler(StepUpdate):
             seq.request.metrics.finished_time = time.monotonic()
             self.requests.pop(seq.request.request_id, None)
             self._ends.pop(seq.request.request_id, None)
+            self._forking.discard(seq.request.request_id)
 
     # ------------------------------------------------------------------------------ preemption
     def _preempt(self, victim: Sequence) -> None:
+        self.epoch += 1
         self.running.remove(victim)
         victim.request.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -163,6 +174,7 @@ class Scheduler(StepUpdate):
 
     def _recompute(self, seq: Sequence) -> None:
         """Drops ``seq``'s KV; it waits at the head of the queue to compute its tokens again."""
+        self.epoch += 1
         self.kv.free(seq.kv)
         if self.speculator is not None:
             self.speculator.release(seq)
@@ -181,6 +193,7 @@ class Scheduler(StepUpdate):
     # -------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        last_run, self._decode_run = self._decode_run, None  # only the step right after it may reuse it
         images = ImageChunks(self.config.max_num_encoder_input_tokens)
         decodes: list[ScheduledSequence] = []
         prefills: list[ScheduledSequence] = []
@@ -188,6 +201,7 @@ class Scheduler(StepUpdate):
         if not self._running_sorted:
             self.running.sort(key=self._order)
             self._running_sorted = True
+            self.epoch += 1
         kv = self.kv
         if self.speculator is not None:
             self._speculating = self.speculator.speculating()
@@ -198,7 +212,7 @@ class Scheduler(StepUpdate):
         while index < len(self.running) and budget > 0:
             if not self._has_windows and not self._drafting:  # most of them: decodes that have room (drafts
                 # and sliding windows take the loop below)
-                taken = self._schedule_decodes(index, budget, decodes)
+                taken = self._schedule_decodes(index, budget, decodes, last_run)
                 index, budget = index + taken, budget - taken
                 if index == len(self.running) or budget <= 0:
                     break
@@ -269,7 +283,7 @@ class Scheduler(StepUpdate):
             kv.append(seq.kv, count)  # admission_blocks checked the room
             self._schedule(seq, count, decodes if count == 1 else prefills)
             budget -= count
-        return SchedulerOutput(decodes + prefills, len(decodes), kv.take_copies())
+        return SchedulerOutput(decodes + prefills, len(decodes), kv.take_copies(), self.epoch)
 
     def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
         """The tokens ``seq`` computes this step from position ``start``: the rest of it within ``budget``, and, with
@@ -293,22 +307,34 @@ class Scheduler(StepUpdate):
             seq.kv = self.kv.new_sequence()
         return self._prefix_hit(seq).num_tokens
 
-    def _schedule_decodes(self, index: int, budget: int, out: list[ScheduledSequence]) -> int:
+    def _schedule_decodes(self, index: int, budget: int, out: list[ScheduledSequence],
+                          last: tuple | None = None) -> int:
         """Schedules the running decodes from ``running[index]`` on (at most ``budget``) up to the first that is not
         one (a prompt chunk) or finds no room (preemption is the caller's); returns how many. What the caller's loop
         does with ``try_append`` and ``_schedule``, one decode at a time, in fewer passes: every decode step's steady
-        state."""
-        run = []
-        for seq in islice(self.running, index, index + budget):
-            if len(seq.token_ids) - seq.num_computed_tokens != 1:
-                break
-            run.append(seq)
+        state. ``last``: the previous step's ``_decode_run``."""
+        if index == 0 and last is not None and last[0] == self.epoch and len(last[1]) <= budget:
+            run, kvs = list(last[1]), last[2]  # the same sequences as the last step, each one token further
+        else:
+            run, kvs = [], []
+            for seq in islice(self.running, index, index + budget):
+                if len(seq.token_ids) - seq.num_computed_tokens != 1:
+                    break
+                run.append(seq)
+                kvs.append(seq.kv)
         kv = self.kv
+        if index == 0 and len(run) == len(self.running):  # every running sequence decodes: the next step's run
+            self._decode_run = (self.epoch, tuple(run), kvs)
         # with prefix caching, a decode that takes a block (it may evict a cached one) goes after the registrations
         # of those before it: the caller's loop does it, in order
-        count = kv.append_decodes([seq.kv for seq in run], grow=not kv.prefix_caching)
+        count = kv.append_decodes(kvs, grow=not kv.prefix_caching)
+        if count < len(run):
+            del run[count:]
+        if not kv.prefix_caching and not self._forking:  # the steady state: one object per decode, nothing else
+            out.extend([ScheduledSequence(seq, seq.num_computed_tokens, 1, True) for seq in run])
+            return count
         block_size = kv.block_size if kv.prefix_caching else 0
-        for seq in run[:count]:
+        for seq in run:
             start = seq.num_computed_tokens
             if block_size and (start + 1) // block_size > seq.kv.num_cached_blocks:  # a block fills: register it
                 kv.cache_full_blocks(seq.kv, seq.token_ids, start + 1, seq.request.cache_salt)
@@ -320,6 +346,7 @@ class Scheduler(StepUpdate):
         return count
 
     def _join_running(self, seq: Sequence) -> None:
+        self.epoch += 1
         if self.running and self._order(seq) < self._order(self.running[-1]):
             self._running_sorted = False
         self.running.append(seq)
