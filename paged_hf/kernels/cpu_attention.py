@@ -91,8 +91,10 @@ def paged_prefill_attention_cpu(query, pools: PoolTensors, block_tables, seq_len
 
 def _in_place_decode(query, pools: PoolTensors, tail_rows):
     """The C++ decode kernel (``cpu_ext``) where it serves this call: pools in the query's dtype (float32 or
-    bfloat16, no codes, no tail), built on this machine; else None (the torch path below)."""
-    if (tail_rows is not None or pools.kv_format != "auto" or query.dtype not in _IN_PLACE_DTYPES
+    bfloat16, no codes, no tail), built on this machine; else None (the torch path below). Never while dynamo
+    traces (``generate`` compiled over the paged attention): the torch path traces, and a graph must not depend on
+    whether the library was built yet."""
+    if (torch.compiler.is_compiling() or tail_rows is not None or pools.kv_format != "auto" or query.dtype not in _IN_PLACE_DTYPES
             or pools.key_cache.dtype != query.dtype or query.stride(-1) != 1
             or not (pools.key_cache.is_contiguous() and pools.value_cache.is_contiguous())):
         return None
