@@ -1,3 +1,4 @@
+import logging
 import os
 import sys
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 # slower (spin-waiting for a core): -n 2 took 15 min with two threads per worker, 4 min with one.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -24,3 +26,15 @@ def pytest_report_header(config):
     policy = "skip" if ALLOW_MISSING_MODELS else "fail (PAGED_HF_ALLOW_MISSING_MODELS=1 skips)"
     return (f"real models: stories260K {found[STORIES.is_dir()]} ({STORIES}), sample text "
             f"{found[STORIES_TEXT.is_file()]}, SmolLM2 {found[smollm2]}; tests needing a missing one {policy}")
+
+
+@pytest.fixture(autouse=True)
+def _paged_hf_logger_restored():
+    """A test that runs ``paged-hf serve``/``generate`` in-process configures the ``paged_hf`` logger (its own
+    handler, ``propagate=False``): later tests' ``caplog`` would see nothing. Each test gets it back as it was."""
+    logger = logging.getLogger("paged_hf")
+    level, handlers, propagate = logger.level, list(logger.handlers), logger.propagate
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+    logger.propagate = propagate
