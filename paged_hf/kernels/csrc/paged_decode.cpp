@@ -5,7 +5,8 @@
 //                            window (<= 0: none), softcap (<= 0: none), sinks [H] float32 or None) -> [S, H, D]
 //
 // Query and pools in one dtype (float32 or bfloat16), the query's last position seq_lens[s] - 1 (its K/V already
-// stored). One work item per (sequence, KV head): its H / KH query heads read each key and value once. Scores, the
+// stored). A work item is a sequence, or a (sequence, KV head) when sequences are fewer than twice the threads
+// (decode_kernel); each KV head's row serves its H / KH query heads, so every key and value is read once. Scores, the
 // softmax and the output accumulate in float32; the output is rounded to the query's dtype once. Two passes over
 // the keys: the scores (kept in a per-thread buffer), then the values weighted by exp(score - max). Items are spread
 // over torch's intra-op threads (at::parallel_for), so torch.set_num_threads governs this kernel as every other op.
@@ -98,12 +99,19 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t D
   return out;
 }
 
-// Asks for the next block's row of token `t` while this block's row `t` is read: the blocks of a sequence lie
-// anywhere in the pool, so the hardware prefetcher cannot run ahead across them.
-template <typename T>
-inline void prefetch_row(const T* row_start, int64_t row_elems) {
-  const char* p = reinterpret_cast<const char*>(row_start);
-  for (int64_t b = 0; b < row_elems * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 1);
+// Calls `visit(t)` for the keys first..len-1 of one sequence (t = position - first), the part [offset, offset + width)
+// of each key's row in `cache` first loaded into `buf` as floats. Block by block: a block's rows are contiguous.
+template <typename T, typename I, typename F>
+inline void for_each_row(const T* cache, const I* table, int64_t first, int64_t len, int64_t B, int64_t row,
+                         int64_t offset, int64_t width, float* buf, F&& visit) {
+  for (int64_t p = first; p < len;) {
+    const int64_t stop = std::min(len, (p / B + 1) * B);
+    const T* base = cache + static_cast<int64_t>(table[p / B]) * B * row + offset;
+    for (; p < stop; ++p) {
+      load_row(base + (p % B) * row, buf, width);
+      visit(p - first);
+    }
+  }
 }
 
 inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t D) {
@@ -129,7 +137,6 @@ void decode_item(int64_t s, int64_t k0, int64_t k1, const T* query, const T* key
                  int64_t window, float softcap, Scratch& scratch) {
   const int64_t G = H / KH, h0 = k0 * G, heads = (k1 - k0) * G;  // query heads h0 .. h0 + heads - 1
   const int64_t row = KH * D, width = (k1 - k0) * D;  // a token's row; the part of it this item reads
-  const int64_t block_elems = B * row;
   const int64_t len = static_cast<int64_t>(seq_lens[s]);
   T* o = out + (s * H + h0) * D;
   if (len <= 0) {
@@ -149,20 +156,13 @@ void decode_item(int64_t s, int64_t k0, int64_t k1, const T* query, const T* key
     for (int64_t d = 0; d < D; ++d) q[h * D + d] *= scale;
   }
   const I* table = block_tables + s * bt_stride;
-  for (int64_t p = first; p < len;) {  // pass 1: scores[h * n + t] for the keys first..len-1
-    const int64_t stop = std::min(len, (p / B + 1) * B);
-    const T* base = key_cache + static_cast<int64_t>(table[p / B]) * block_elems + k0 * D;
-    const T* next = stop < len ? key_cache + static_cast<int64_t>(table[stop / B]) * block_elems + k0 * D : nullptr;
-    for (; p < stop; ++p) {
-      if (next) prefetch_row(next + (p % B) * row, width);
-      load_row(base + (p % B) * row, kv, width);
-      for (int64_t h = 0; h < heads; ++h) {
-        float x = dot(q + h * D, kv + (h / G) * D, D);
-        if (softcap > 0.f) x = std::tanh(x / softcap) * softcap;
-        scores[h * n + (p - first)] = x;
-      }
+  for_each_row(key_cache, table, first, len, B, row, k0 * D, width, kv, [&](int64_t t) {  // pass 1: the scores
+    for (int64_t h = 0; h < heads; ++h) {
+      float x = dot(q + h * D, kv + (h / G) * D, D);
+      if (softcap > 0.f) x = std::tanh(x / softcap) * softcap;
+      scores[h * n + t] = x;
     }
-  }
+  });
   for (int64_t h = 0; h < heads; ++h) {  // softmax per query head; a sink joins the denominator only
     float* sc = scores + h * n;
     float peak = -std::numeric_limits<float>::infinity();
@@ -183,16 +183,9 @@ void decode_item(int64_t s, int64_t k0, int64_t k1, const T* query, const T* key
     }
     scratch.total[h] = sum + reduce16(sums);
   }
-  for (int64_t p = first; p < len;) {  // pass 2: acc[h] = sum_t p[h, t] * v_t
-    const int64_t stop = std::min(len, (p / B + 1) * B);
-    const T* base = value_cache + static_cast<int64_t>(table[p / B]) * block_elems + k0 * D;
-    const T* next = stop < len ? value_cache + static_cast<int64_t>(table[stop / B]) * block_elems + k0 * D : nullptr;
-    for (; p < stop; ++p) {
-      if (next) prefetch_row(next + (p % B) * row, width);
-      load_row(base + (p % B) * row, kv, width);
-      for (int64_t h = 0; h < heads; ++h) axpy(scores[h * n + (p - first)], kv + (h / G) * D, acc + h * D, D);
-    }
-  }
+  for_each_row(value_cache, table, first, len, B, row, k0 * D, width, kv, [&](int64_t t) {  // pass 2: acc[h]
+    for (int64_t h = 0; h < heads; ++h) axpy(scores[h * n + t], kv + (h / G) * D, acc + h * D, D);
+  });
   for (int64_t h = 0; h < heads; ++h) {
     const float inv = 1.f / scratch.total[h];
     for (int64_t d = 0; d < D; ++d) o[h * D + d] = T(acc[h * D + d] * inv);
