@@ -94,8 +94,8 @@ def _in_place_decode(query, pools: PoolTensors, tail_rows):
     bfloat16, no codes, no tail), built on this machine; else None (the torch path below). Never while dynamo
     traces (``generate`` compiled over the paged attention): the torch path traces, and a graph must not depend on
     whether the library was built yet."""
-    if (torch.compiler.is_compiling() or tail_rows is not None or pools.kv_format != "auto" or query.dtype not in _IN_PLACE_DTYPES
-            or pools.key_cache.dtype != query.dtype or query.stride(-1) != 1
+    if (torch.compiler.is_compiling() or tail_rows is not None or pools.kv_format != "auto"
+            or query.dtype not in _IN_PLACE_DTYPES or pools.key_cache.dtype != query.dtype or query.stride(-1) != 1
             or not (pools.key_cache.is_contiguous() and pools.value_cache.is_contiguous())):
         return None
     return decode_kernel()
@@ -283,7 +283,8 @@ class _PrefillPlan(NamedTuple):
 
 
 def _prefill_plan(block_tables, seq_lens, cu_query_lens, num_queries, bs, window, dtype, device, tail_rows,
-                  ) -> _PrefillPlan:
+                  softcap: bool) -> _PrefillPlan:
+    """``softcap``: the call softcaps its scores (``_explicit_attention`` takes a mask: no causal plan)."""
     num_seqs = seq_lens.shape[0]
     seq_lens = seq_lens.long().to(device)
     query_lens = (cu_query_lens[1:] - cu_query_lens[:-1]).long().to(device)
@@ -291,7 +292,7 @@ def _prefill_plan(block_tables, seq_lens, cu_query_lens, num_queries, bs, window
     seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens, output_size=num_queries)
     offset = torch.arange(num_queries, device=device) - cu_query_lens.long().to(device)[seq_of]
     ctx = seq_lens - query_lens  # the first new position of each sequence
-    if tail_rows is None and not bool(ctx.any()) and (window is None or int(seq_lens.max()) <= window):
+    if not softcap and tail_rows is None and not bool(ctx.any()) and (window is None or int(seq_lens.max()) <= window):
         # every chunk is its sequence's first and no window cuts it: gathered key j is position j, so the kernel's
         # own causal rule (query row i sees keys 0..i) is the mask, and it skips the key tiles above the diagonal
         ids, _ = _columns(block_tables, ctx, seq_lens - 1, bs, None)
@@ -323,9 +324,11 @@ def _prefill_plan(block_tables, seq_lens, cu_query_lens, num_queries, bs, window
 def _prefill(query, pools, block_tables, seq_lens, cu_query_lens, scale, window, softcap, sinks, tail_rows, fresh):
     """One group of prefill chunks: packed ``query [T, heads, D]`` of sequences ``cu_query_lens`` (from 0)."""
     num_seqs, dtype, bs = seq_lens.shape[0], query.dtype, pools.block_size
-    plan = _STEP.get(("prefill", window, dtype, bs, query.shape[0]), (block_tables, seq_lens, cu_query_lens, tail_rows),
+    capped = softcap is not None
+    plan = _STEP.get(("prefill", window, dtype, bs, query.shape[0], capped),
+                     (block_tables, seq_lens, cu_query_lens, tail_rows),
                      lambda: _prefill_plan(block_tables, seq_lens, cu_query_lens, query.shape[0], bs, window, dtype,
-                                           query.device, tail_rows))
+                                           query.device, tail_rows, capped))
     width, seq_of, offset = plan.width, plan.seq_of, plan.offset
     if plan.same_lengths:
         padded = query.view(num_seqs, width, *query.shape[1:])
@@ -353,14 +356,10 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _attend(query, k, v, mask, scale, softcap, sinks) -> torch.Tensor:
     """``query [S, heads, n, D]`` over ``k``, ``v`` ``[S, L, kv_heads, D]`` under the additive ``mask [S, 1, n, L]``
-    (``_additive``; None: causal from the top left, query row i sees keys 0..i); returns ``[S, heads, n, D]`` in the
-    query's dtype (rows that see no key: 0)."""
+    (``_additive``; None: causal from the top left, query row i sees keys 0..i, never with ``softcap``); returns
+    ``[S, heads, n, D]`` in the query's dtype (rows that see no key: 0)."""
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     if softcap is not None:
-        if mask is None:
-            rows, keys = torch.arange(query.shape[2]), torch.arange(k.shape[2])
-            visible = (keys[None, :] <= rows[:, None]).to(query.device)
-            mask = _additive(visible, query.dtype).expand(query.shape[0], 1, -1, -1)
         return _explicit_attention(query, k, v, mask == 0, scale, softcap, sinks)
     if mask is None:
         out, lse = _flash(query, k, v, is_causal=True, scale=scale)

@@ -1,11 +1,14 @@
 """The CPU kernels in C++ (``csrc/*.cpp``), built on first use into one library and loaded as ``paged_hf_cpu`` ops.
 
-``paged_decode`` (``csrc/paged_decode.cpp``) reads each sequence's K/V where they lie in the block pools (no gathered copy), in the pools' dtype
-(float32 or bfloat16), accumulating in float32. It is compiled once per machine with the system's C++ compiler
-(``$CXX`` or ``c++``) against the installed torch, ``-O3 -march=native``, into ``$PAGED_HF_CACHE`` (default
-``~/.cache/paged_hf``)``/cpu_kernels/<hash>/``; the hash covers the source, torch's version, the compiler and the
-CPU's flags, so a changed kernel, torch or machine builds anew. Concurrent processes (test workers, tensor-parallel
-ranks) build under one file lock, and the library appears under its final name only once complete.
+``paged_decode`` (``csrc/paged_decode.cpp``) reads each sequence's K/V where they lie in the block pools (no
+gathered copy), in the pools' dtype (float32 or bfloat16), accumulating in float32; ``pin_threads``
+(``csrc/pin_threads.cpp``) binds each of torch's intra-op threads to its own CPU. The library is compiled once per
+machine with the system's C++ compiler (``$CXX`` or ``c++``) against the installed torch (``FLAGS``: ``-march=native``,
+and ``-fopenmp`` so ``at::parallel_for`` runs on torch's own OpenMP threads: the soname resolves to torch's runtime),
+into ``$PAGED_HF_CACHE`` (default ``~/.cache/paged_hf``)``/cpu_kernels/<hash>/``; the hash covers the sources, torch's
+version, the compiler and the CPU's flags, so a changed kernel, torch or machine builds anew. Concurrent processes
+(test workers, tensor-parallel ranks) build under one file lock, and the library appears under its final name only
+once complete.
 
 No compiler, a failed build or ``PAGED_HF_CPU_KERNELS=0``: ``decode_kernel()`` and ``pin_threads()`` return None,
 once logged; the CPU attention keeps its torch path (``cpu_attention``), which computes the same attention, and the
@@ -21,7 +24,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -71,13 +73,13 @@ def _load() -> bool:
         torch.ops.load_library(str(library))
         return True
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        logger.warning("paged_hf: building the CPU paged-attention kernel failed (%s); the CPU attention uses its "
-                       "torch path", str(error).strip().splitlines()[-1][:300] if str(error).strip() else error)
+        logger.warning("paged_hf: building the CPU kernels failed (%s); the CPU attention uses its torch path "
+                       "and the threads stay unpinned", str(error).strip().splitlines()[-1][:300] if str(error).strip() else error)
         return False
 
 
 def _build(compiler: str) -> Path:
-    """The library for this source, torch, compiler and CPU: built now unless already in the cache."""
+    """The library for these sources, torch, compiler and CPU: built now unless already in the cache."""
     source = b"\0".join(path.read_bytes() for path in SOURCES)
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
@@ -99,7 +101,7 @@ def _build(compiler: str) -> Path:
         with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as partial:
             pass
         command = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                   *(f"-I{path}" for path in include_paths()), f"-I{sysconfig.get_paths()['include']}",
+                   *(f"-I{path}" for path in include_paths()),
                    *map(str, SOURCES), "-o", partial.name, f"-L{torch_lib}", "-ltorch_cpu", "-lc10",
                    f"-Wl,-rpath,{torch_lib}"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=600)
