@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from .cpu_ext import decode_kernel
+from .cpu_ext import decode_kernel, prefill_kernel
 from .kv_format import kv_format as _kv_format
 from .kv_quant import dequantize_block_values_ref, dequantize_channels_ref, dequantize_kv_ref
 from .pool_tensors import PoolTensors
@@ -76,6 +76,9 @@ def paged_prefill_attention_cpu(query, pools: PoolTensors, block_tables, seq_len
                                 fresh_value=None):
     """``paged_prefill_attention_ref``'s contract (packed queries ``[T, heads, D]``, rows ``cu_query_lens[s] :
     cu_query_lens[s + 1]`` the last positions of sequence ``s``), batched."""
+    kernel = _in_place_prefill(query, pools, seq_lens, sliding_window, softcap, tail_rows)
+    if kernel is not None:
+        return kernel(query, pools.key_cache, pools.value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks)
     pools = _Pools(*pools)
     out = torch.empty_like(query)
     for a, b in _groups(seq_lens, pools):
@@ -99,6 +102,16 @@ def _in_place_decode(query, pools: PoolTensors, tail_rows):
             or not (pools.key_cache.is_contiguous() and pools.value_cache.is_contiguous())):
         return None
     return decode_kernel()
+
+
+def _in_place_prefill(query, pools: PoolTensors, seq_lens, window, softcap, tail_rows):
+    """The C++ prefill (``cpu_ext``) where it serves this call: the decode kernel's conditions, no softcap, and no
+    window that cuts a sequence (every key of each sequence visible to its causal rule); else None."""
+    if softcap is not None or _in_place_decode(query, pools, tail_rows) is None:
+        return None
+    if window is not None and seq_lens.numel() and int(seq_lens.max()) > window:
+        return None
+    return prefill_kernel()
 
 
 _IN_PLACE_DTYPES = (torch.float32, torch.bfloat16)

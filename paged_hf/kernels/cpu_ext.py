@@ -1,7 +1,9 @@
 """The CPU kernels in C++ (``csrc/*.cpp``), built on first use into one library and loaded as ``paged_hf_cpu`` ops.
 
 ``paged_decode`` (``csrc/paged_decode.cpp``) reads each sequence's K/V where they lie in the block pools (no
-gathered copy), in the pools' dtype (float32 or bfloat16), accumulating in float32; ``pin_threads``
+gathered copy), in the pools' dtype (float32 or bfloat16), accumulating in float32; ``paged_prefill``
+(``csrc/paged_prefill.cpp``) attends each prefill chunk to its own sequence's blocks through torch's causal flash
+kernel (no padding to the longest chunk, no mask); ``pin_threads``
 (``csrc/pin_threads.cpp``) binds each of torch's intra-op threads to its own CPU. The library is compiled once per
 machine with the system's C++ compiler (``$CXX`` or ``c++``) against the installed torch (``FLAGS``: ``-march=native``,
 and ``-fopenmp`` so ``at::parallel_for`` runs on torch's own OpenMP threads: the soname resolves to torch's runtime),
@@ -10,7 +12,8 @@ version, the compiler and the CPU's flags, so a changed kernel, torch or machine
 (test workers, tensor-parallel ranks) build under one file lock, and the library appears under its final name only
 once complete.
 
-No compiler, a failed build or ``PAGED_HF_CPU_KERNELS=0``: ``decode_kernel()`` and ``pin_threads()`` return None,
+No compiler, a failed build or ``PAGED_HF_CPU_KERNELS=0``: ``decode_kernel()``, ``prefill_kernel()`` and
+``pin_threads()`` return None,
 once logged; the CPU attention keeps its torch path (``cpu_attention``), which computes the same attention, and the
 threads stay unpinned.
 """
@@ -34,7 +37,7 @@ import torch
 logger = logging.getLogger("paged_hf")
 
 ENV_VAR = "PAGED_HF_CPU_KERNELS"
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "pin_threads.cpp"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "pin_threads.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w")
 
 _lock = threading.Lock()
@@ -44,6 +47,11 @@ _state: dict = {}  # "loaded": whether the library is loaded (False once a build
 def decode_kernel():
     """``torch.ops.paged_hf_cpu.paged_decode`` (the library built and loaded on the first call), or None."""
     return torch.ops.paged_hf_cpu.paged_decode if _loaded() else None
+
+
+def prefill_kernel():
+    """``torch.ops.paged_hf_cpu.paged_prefill`` (the library built and loaded on the first call), or None."""
+    return torch.ops.paged_hf_cpu.paged_prefill if _loaded() else None
 
 
 def pin_threads():
