@@ -32,8 +32,8 @@ def kernel():
 @st.composite
 def decode_cases(draw):
     num_kv_heads = draw(st.integers(1, 3))
-    group = draw(st.sampled_from([1, 2, 3, 4]))
-    head_dim = draw(st.sampled_from([8, 16, 24, 64, 80]))
+    group = draw(st.sampled_from([1, 2, 3, 4, 5, 6, 8]))
+    head_dim = draw(st.sampled_from([8, 16, 24, 32, 64, 80, 128]))
     block_size = draw(st.sampled_from([1, 4, 16]))
     lengths = draw(st.lists(st.integers(1, 70), min_size=1, max_size=6))
     feature = dict(

@@ -123,18 +123,128 @@ inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_
   for (; d < D; ++d) y[d] += w * x[d];
 }
 
+// exp(score - max) in place over n scores; returns their sum plus exp(sink - max) (sink = -inf: none), the softmax's
+// denominator.
+inline float softmax_in_place(float* sc, int64_t n, float sink) {
+  float peak = sink;
+  for (int64_t t = 0; t < n; ++t) peak = std::max(peak, sc[t]);
+  float sum = std::isinf(sink) ? 0.f : std::exp(sink - peak);
+  f16v sums = {};
+  int64_t t = 0;
+  for (; t + LANES <= n; t += LANES) {
+    const f16v e = exp16(load16(sc + t) - peak);
+    std::memcpy(sc + t, &e, sizeof(e));
+    sums += e;
+  }
+  for (; t < n; ++t) {
+    sc[t] = std::exp(sc[t] - peak);
+    sum += sc[t];
+  }
+  return sum + reduce16(sums);
+}
+
+
+// The decode of KV heads [0, KHI) of one sequence (head dim D = 16 * DV, G query heads per KV head), block by block
+// so that each block's rows of those heads are read together (the blocks lie anywhere in the pool: reading a whole
+// block at once is what lets the memory system stream it). Within a block, one KV head at a time keeps its G queries
+// (pass 1) or its G output rows (pass 2) in vector registers over the block's rows; between blocks they wait in `q`
+// and `out` ([KHI * G, D] floats, L1-resident). Row t of KV head h lies at blocks[t / B] + (t % B) * row_stride +
+// h * D. decode_item takes this where D is a whole number of vectors and G * DV <= 32 (the registers hold it); the
+// generic loop serves the rest.
+template <typename T, int DV, int G>
+void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int64_t first, int64_t len, int64_t B,
+                  int64_t row_stride, int64_t KHI, const float* q, float softcap, float* scores, float* total,
+                  float* out) {
+  constexpr int64_t D = DV * LANES;
+  const int64_t n = len - first, first_block = first / B, blocks = (len + B - 1) / B;
+  for (int64_t b = first_block; b < blocks; ++b) {  // pass 1: the scores
+    const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
+    for (int64_t h = 0; h < KHI; ++h) {
+      f16v qv[G][DV];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < DV; ++j) qv[g][j] = load16(q + (h * G + g) * D + j * LANES);
+      const T* rows = key_blocks[b] + h * D;
+      float* sc = scores + h * G * n - first;
+      for (int64_t p = start; p < stop; ++p) {
+        const T* k = rows + (p - b * B) * row_stride;
+        f16v kv[DV];
+        for (int j = 0; j < DV; ++j) kv[j] = load16(k + j * LANES);
+        for (int g = 0; g < G; ++g) {
+          f16v acc = qv[g][0] * kv[0];
+          for (int j = 1; j < DV; ++j) acc += qv[g][j] * kv[j];
+          float x = reduce16(acc);
+          if (softcap > 0.f) x = std::tanh(x / softcap) * softcap;
+          sc[g * n + p] = x;
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < KHI * G; ++i) total[i] = softmax_in_place(scores + i * n, n, total[i]);
+  std::memset(out, 0, sizeof(float) * KHI * G * D);
+  for (int64_t b = first_block; b < blocks; ++b) {  // pass 2: the weighted values
+    const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
+    for (int64_t h = 0; h < KHI; ++h) {
+      f16v acc[G][DV];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < DV; ++j) acc[g][j] = load16(out + (h * G + g) * D + j * LANES);
+      const T* rows = value_blocks[b] + h * D;
+      const float* sc = scores + h * G * n - first;
+      for (int64_t p = start; p < stop; ++p) {
+        const T* v = rows + (p - b * B) * row_stride;
+        f16v vv[DV];
+        for (int j = 0; j < DV; ++j) vv[j] = load16(v + j * LANES);
+        for (int g = 0; g < G; ++g) {
+          const float w = sc[g * n + p];
+          for (int j = 0; j < DV; ++j) acc[g][j] += w * vv[j];
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < DV; ++j) std::memcpy(out + (h * G + g) * D + j * LANES, &acc[g][j], sizeof(f16v));
+    }
+  }
+  for (int64_t i = 0; i < KHI * G; ++i) {
+    const float inv = 1.f / total[i];
+    for (int64_t d = 0; d < D; ++d) out[i * D + d] *= inv;
+  }
+}
+
+template <typename T>
+using HeadFn = void (*)(const T* const*, const T* const*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*,
+                        float, float*, float*, float*);
+
+// decode_heads for (D, G), or nullptr where it does not apply.
+template <typename T>
+HeadFn<T> head_kernel(int64_t D, int64_t G) {
+#define PAGED_HF_HEADS(DV)                                                                     \
+  switch (G) {                                                                                 \
+    case 1: return decode_heads<T, DV, 1>;                                                     \
+    case 2: return decode_heads<T, DV, 2>;                                                     \
+    case 3: return DV * 3 <= 32 ? decode_heads<T, DV, (DV * 3 <= 32 ? 3 : 1)> : nullptr;       \
+    case 4: return DV * 4 <= 32 ? decode_heads<T, DV, (DV * 4 <= 32 ? 4 : 1)> : nullptr;       \
+    case 6: return DV * 6 <= 32 ? decode_heads<T, DV, (DV * 6 <= 32 ? 6 : 1)> : nullptr;       \
+    case 8: return DV * 8 <= 32 ? decode_heads<T, DV, (DV * 8 <= 32 ? 8 : 1)> : nullptr;       \
+    default: return nullptr;                                                                   \
+  }
+  if (D == 64) { PAGED_HF_HEADS(4) }
+  if (D == 128) { PAGED_HF_HEADS(8) }
+  if (D == 32) { PAGED_HF_HEADS(2) }
+#undef PAGED_HF_HEADS
+  return nullptr;
+}
+
 // The decode of one work item: sequence `s`, KV heads [k0, k1) and their query heads. Its blocks are read front to
-// back, each token's row of those KV heads at once (contiguous memory), each KV head's row serving its H / KH query
-// heads. `scratch` is the calling thread's: q, kv, acc, total, scores.
+// back: through decode_heads (head_fn) where it applies, else each token's row of those KV heads at once, each KV
+// head's row serving its H / KH query heads. `scratch` is the calling thread's.
 struct Scratch {
   std::vector<float> q, kv, acc, total, scores;
+  std::vector<const void*> key_blocks, value_blocks;
 };
 
 template <typename T, typename I, typename L>
 void decode_item(int64_t s, int64_t k0, int64_t k1, const T* query, const T* key_cache, const T* value_cache,
                  const I* block_tables, const L* seq_lens, const float* sinks, T* out, int64_t H, int64_t KH,
                  int64_t D, int64_t B, int64_t q_stride_s, int64_t q_stride_h, int64_t bt_stride, float scale,
-                 int64_t window, float softcap, Scratch& scratch) {
+                 int64_t window, float softcap, HeadFn<T> head_fn, Scratch& scratch) {
   const int64_t G = H / KH, h0 = k0 * G, heads = (k1 - k0) * G;  // query heads h0 .. h0 + heads - 1
   const int64_t row = KH * D, width = (k1 - k0) * D;  // a token's row; the part of it this item reads
   const int64_t len = static_cast<int64_t>(seq_lens[s]);
@@ -146,51 +256,50 @@ void decode_item(int64_t s, int64_t k0, int64_t k1, const T* query, const T* key
   const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
   const int64_t n = len - first;
   scratch.q.resize(heads * D);
-  scratch.kv.resize(width);
   scratch.acc.assign(heads * D, 0.f);
   scratch.total.resize(heads);
   scratch.scores.resize(heads * n);
-  float *q = scratch.q.data(), *kv = scratch.kv.data(), *acc = scratch.acc.data(), *scores = scratch.scores.data();
+  float *q = scratch.q.data(), *acc = scratch.acc.data(), *scores = scratch.scores.data();
   for (int64_t h = 0; h < heads; ++h) {
     load_row(query + s * q_stride_s + (h0 + h) * q_stride_h, q + h * D, D);
     for (int64_t d = 0; d < D; ++d) q[h * D + d] *= scale;
+    scratch.total[h] = sinks ? sinks[h0 + h] : -std::numeric_limits<float>::infinity();
   }
   const I* table = block_tables + s * bt_stride;
-  for_each_row(key_cache, table, first, len, B, row, k0 * D, width, kv, [&](int64_t t) {  // pass 1: the scores
+  if (head_fn != nullptr) {
+    const int64_t blocks = (len + B - 1) / B;
+    scratch.key_blocks.resize(blocks);
+    scratch.value_blocks.resize(blocks);
+    auto** kb = reinterpret_cast<const T**>(scratch.key_blocks.data());
+    auto** vb = reinterpret_cast<const T**>(scratch.value_blocks.data());
+    for (int64_t b = first / B; b < blocks; ++b) {
+      const int64_t base = static_cast<int64_t>(table[b]) * B * row + k0 * D;
+      kb[b] = key_cache + base;
+      vb[b] = value_cache + base;
+    }
+    head_fn(kb, vb, first, len, B, row, k1 - k0, q, softcap, scores, scratch.total.data(), acc);
+  } else {
+    scratch.kv.resize(width);
+    float* kv = scratch.kv.data();
+    for_each_row(key_cache, table, first, len, B, row, k0 * D, width, kv, [&](int64_t t) {  // pass 1: the scores
+      for (int64_t h = 0; h < heads; ++h) {
+        float x = dot(q + h * D, kv + (h / G) * D, D);
+        if (softcap > 0.f) x = std::tanh(x / softcap) * softcap;
+        scores[h * n + t] = x;
+      }
+    });
+    for (int64_t h = 0; h < heads; ++h) scratch.total[h] = softmax_in_place(scores + h * n, n, scratch.total[h]);
+    for_each_row(value_cache, table, first, len, B, row, k0 * D, width, kv, [&](int64_t t) {  // pass 2: acc[h]
+      for (int64_t h = 0; h < heads; ++h) axpy(scores[h * n + t], kv + (h / G) * D, acc + h * D, D);
+    });
     for (int64_t h = 0; h < heads; ++h) {
-      float x = dot(q + h * D, kv + (h / G) * D, D);
-      if (softcap > 0.f) x = std::tanh(x / softcap) * softcap;
-      scores[h * n + t] = x;
+      const float inv = 1.f / scratch.total[h];
+      for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= inv;
     }
-  });
-  for (int64_t h = 0; h < heads; ++h) {  // softmax per query head; a sink joins the denominator only
-    float* sc = scores + h * n;
-    float peak = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) peak = std::max(peak, sc[t]);
-    const float sink = sinks ? sinks[h0 + h] : -std::numeric_limits<float>::infinity();
-    peak = std::max(peak, sink);
-    float sum = sinks ? std::exp(sink - peak) : 0.f;
-    f16v sums = {};
-    int64_t t = 0;
-    for (; t + LANES <= n; t += LANES) {
-      const f16v e = exp16(load16(sc + t) - peak);
-      std::memcpy(sc + t, &e, sizeof(e));
-      sums += e;
-    }
-    for (; t < n; ++t) {
-      sc[t] = std::exp(sc[t] - peak);
-      sum += sc[t];
-    }
-    scratch.total[h] = sum + reduce16(sums);
   }
-  for_each_row(value_cache, table, first, len, B, row, k0 * D, width, kv, [&](int64_t t) {  // pass 2: acc[h]
-    for (int64_t h = 0; h < heads; ++h) axpy(scores[h * n + t], kv + (h / G) * D, acc + h * D, D);
-  });
-  for (int64_t h = 0; h < heads; ++h) {
-    const float inv = 1.f / scratch.total[h];
-    for (int64_t d = 0; d < D; ++d) o[h * D + d] = T(acc[h * D + d] * inv);
-  }
+  for (int64_t i = 0; i < heads * D; ++i) o[i] = T(acc[i]);
 }
+
 
 // The work: one item per sequence (all its KV heads: whole rows read) when there are enough of them to keep every
 // thread busy, else one per (sequence, KV head); the items are cut into one contiguous range per thread of about
@@ -201,6 +310,7 @@ void decode_kernel(const T* query, const T* key_cache, const T* value_cache, con
                    int64_t B, int64_t q_stride_s, int64_t q_stride_h, int64_t bt_stride, float scale,
                    int64_t window, float softcap) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const HeadFn<T> head_fn = head_kernel<T>(D, H / KH);
   const int64_t split = S >= 2 * threads ? 1 : KH;  // items per sequence
   std::vector<double> cost(S * split + 1, 0.0);  // prefix sums of the items' costs
   for (int64_t i = 0; i < S * split; ++i) {
@@ -222,7 +332,8 @@ void decode_kernel(const T* query, const T* key_cache, const T* value_cache, con
       for (int64_t i = cuts[part]; i < cuts[part + 1]; ++i) {
         const int64_t s = i / split, k0 = (i % split) * (KH / split);
         decode_item<T, I, L>(s, k0, k0 + KH / split, query, key_cache, value_cache, block_tables, seq_lens, sinks,
-                             out, H, KH, D, B, q_stride_s, q_stride_h, bt_stride, scale, window, softcap, scratch);
+                             out, H, KH, D, B, q_stride_s, q_stride_h, bt_stride, scale, window, softcap, head_fn,
+                             scratch);
       }
     }
   });
