@@ -95,7 +95,7 @@ class PagedLayer(CacheLayerMixin):
         group = metadata.groups[self.group.index]
         if kwargs is not None and self.source.num_decodes is not None:  # compiled: the store and attention are ops
             kwargs[METADATA_KEY] = ops.store_layer(metadata, group, self.layer_idx, key_states, value_states,
-                                                   self.source.num_decodes)
+                                                   self.source.num_decodes, self.source.native_ops)
             return key_states, value_states
         storage = self.group.storages[self.layer_idx]
         fresh = write_layer_kv(storage, metadata, group, key_states, value_states)

@@ -33,8 +33,9 @@ from typing import NamedTuple
 
 import torch
 
+from .kernels import cpu_ext
 from .kernels.fill_blocks import StorePlan
-from .storage import FreshKV
+from .storage import FreshKV, KVStorage
 
 _bound = threading.local()  # .storages: {layer index: KVStorage} of the forward running on this thread
 
@@ -46,10 +47,38 @@ def bind(storages: dict):
     same model, whatever its size, and a pool that grows changes nothing in the graph."""
     previous = getattr(_bound, "storages", None)
     _bound.storages = storages
+    native = _bind_native(storages)
     try:
         yield
     finally:
         _bound.storages = previous
+        if native:
+            _bind_native(previous or {})
+
+
+def _native(storage) -> bool:
+    """Whether ``paged_hf_cpu``'s store and attention (``csrc/paged_step.cpp``) serve this layer's storage: unquantized
+    CPU pools ("auto": no rotation, no tail) in float32 or bfloat16, the C++ library built. Decided when dynamo
+    traces (the warm-up's scratch pools have the engine's format, device and dtype)."""
+    return (type(storage) is KVStorage and storage.device.type == "cpu"
+            and storage.dtype in (torch.float32, torch.bfloat16) and cpu_ext.loaded())
+
+
+def _bind_native(storages: dict) -> bool:
+    """Binds ``storages``' C++-served pools for ``paged_hf_cpu`` (by layer index; empty where another path serves);
+    returns whether any was bound."""
+    layers = [layer for layer, storage in storages.items() if _native(storage)]
+    if not layers and not getattr(_bound, "native", False):
+        return False
+    if layers:
+        _register_native_fakes()
+    empty = torch.empty(0)
+    keys, values = [empty] * (max(layers, default=-1) + 1), [empty] * (max(layers, default=-1) + 1)
+    for layer in layers:
+        keys[layer], values[layer] = storages[layer].key_cache, storages[layer].value_cache
+    torch.ops.paged_hf_cpu.bind_pools(keys, values)
+    _bound.native = bool(layers)
+    return True
 
 
 def _storage(layer: int):
@@ -112,6 +141,18 @@ def _paged_attention_fake(query, *args, **kwargs):
     return torch.empty_like(query)
 
 
+def _register_native_fakes() -> None:
+    """The fake implementations of ``paged_hf_cpu::store`` / ``attend`` (once, when the library is loaded)."""
+    if _native_fakes:
+        return
+    torch.library.register_fake("paged_hf_cpu::store")(lambda key, value, slots, layer: key.new_empty((0,)))
+    torch.library.register_fake("paged_hf_cpu::attend")(lambda query, *args: torch.empty_like(query))
+    _native_fakes.append(True)
+
+
+_native_fakes: list = []
+
+
 class OpStep(NamedTuple):
     """What a layer's cache update hands the ``"paged"`` attention in the compiled forward (``METADATA_KEY``):
     the step's tensors and the layer's index; no per-step Python value."""
@@ -126,6 +167,7 @@ class OpStep(NamedTuple):
     plan: tuple  # the StorePlan's five tensors, or five Nones
     layer: int
     window: int | None
+    native: bool = False  # stored by paged_hf_cpu::store (fresh_key, fresh_value: its empty output)
 
 
 _NO_PLAN = (None,) * 5
@@ -137,13 +179,21 @@ def _packed(states: torch.Tensor) -> torch.Tensor:
 
 
 def store_layer(metadata, group, layer: int, key_states: torch.Tensor, value_states: torch.Tensor,
-                num_decodes: torch.Tensor) -> OpStep:
+                num_decodes: torch.Tensor, native: bool = False) -> OpStep:
     """One layer's store through ``store_kv`` (``key_states``: ``[1, kv_heads, n, head_dim]``, the engine's one
-    row) and the ``OpStep`` its attention reads."""
+    row) and the ``OpStep`` its attention reads. ``native``: the format is "auto" and ``paged_hf_cpu`` is built
+    (``EngineCache.native_ops``): a CPU float32 or bfloat16 layer then stores through ``paged_hf_cpu::store``.
+    Decided from the cache's flag and the states' dtype and device alone: the pools are never touched while
+    dynamo traces (their sizes would become guards)."""
     plan = _NO_PLAN if group.store_plan is None else (
         group.store_plan.tail_slots, group.store_plan.fill_blocks, group.store_plan.fill_rows,
         group.store_plan.fill_first, group.store_plan.fill_tail)
     key, value = _packed(key_states), _packed(value_states)
+    if (native and group.store_plan is None and key.device.type == "cpu"
+            and key.dtype in (torch.float32, torch.bfloat16)):
+        stored = torch.ops.paged_hf_cpu.store(key, value, group.slot_mapping, layer)
+        return OpStep(stored, stored, group.block_tables, metadata.seq_lens, metadata.query_start_loc, num_decodes,
+                      metadata.tail_rows, plan, layer, group.window, native=True)
     fresh_key, fresh_value = torch.ops.paged_hf.store_kv(key, value, group.slot_mapping, *plan, layer)
     return OpStep(fresh_key, fresh_value, group.block_tables, metadata.seq_lens, metadata.query_start_loc,
                   num_decodes, metadata.tail_rows, plan, layer, group.window)
@@ -153,6 +203,10 @@ def attend(step: OpStep, query: torch.Tensor, scale: float, softcap: float | Non
            sinks: torch.Tensor | None) -> torch.Tensor:
     """The layer's attention through ``paged_attention``: ``query`` ``[1, heads, n, head_dim]`` -> ``[1, n, heads,
     head_dim]``."""
+    if step.native and step.window is None and softcap is None:  # paged_hf_cpu's decode and prefill kernels
+        packed = torch.ops.paged_hf_cpu.attend(_packed(query), step.fresh_key, step.block_tables, step.seq_lens,
+                                               step.query_start_loc, step.num_decodes, step.layer, scale, sinks)
+        return packed.unsqueeze(0)
     packed = torch.ops.paged_hf.paged_attention(
         _packed(query), step.fresh_key, step.fresh_value, step.block_tables, step.seq_lens,
         step.query_start_loc, step.num_decodes, step.tail_rows, *step.plan, sinks, step.layer, scale,

@@ -29,6 +29,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .kernels import cpu_ext
+
 logger = logging.getLogger("paged_hf")
 
 ENV = "PAGED_HF_PACKED_LINEAR"
@@ -77,12 +79,30 @@ def _(x, weight, bias, key):
 
 
 class PackedLinear(torch.nn.Linear):
-    """An ``nn.Linear`` whose forward is ``paged_hf::packed_linear`` (made by ``pack_linears``, never directly)."""
+    """An ``nn.Linear`` whose forward is ``paged_hf_cpu::packed_linear`` (``_cpp``) or ``paged_hf::packed_linear``
+    (made by ``pack_linears``, never directly)."""
 
     _pack_key: int
+    _cpp: bool
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self._cpp:
+            return torch.ops.paged_hf_cpu.packed_linear(input, self.weight, self.bias, self._pack_key)
         return packed_linear(input, self.weight, self.bias, self._pack_key)
+
+
+def _cpp_ops() -> bool:
+    """Whether the C++ ops are loaded (built on first use), their fake implementation registered once."""
+    if not cpu_ext.loaded():
+        return False
+    if not _cpp_fake:
+        torch.library.register_fake("paged_hf_cpu::packed_linear")(
+            lambda x, weight, bias, key: x.new_empty((*x.shape[:-1], weight.shape[0])))
+        _cpp_fake.append(True)
+    return True
+
+
+_cpp_fake: list = []
 
 
 def enabled() -> bool:
@@ -108,11 +128,16 @@ def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> 
                        "available memory (%.0f MiB); they run through F.linear", len(linears), needed / 2**20,
                        available_bytes / 2**20)
         return 0
+    cpp = bool(linears) and _cpp_ops()
     for module in linears:
         key = next(_keys)
-        _packs[key] = _pack(module.weight)
-        weakref.finalize(module, _packs.pop, key, None)
-        module._pack_key = key
+        if cpp:
+            torch.ops.paged_hf_cpu.pack_linear(module.weight.detach(), key, PACK_BATCH_HINT)
+            weakref.finalize(module, torch.ops.paged_hf_cpu.unpack_linear, key)
+        else:
+            _packs[key] = _pack(module.weight)
+            weakref.finalize(module, _packs.pop, key, None)
+        module._pack_key, module._cpp = key, cpp
         module.__class__ = PackedLinear
     if linears:
         logger.info("packed %d bfloat16 linear weights for oneDNN once (at most %.0f MiB more; %s=0 turns it off)",

@@ -121,3 +121,25 @@ def test_a_packed_bfloat16_engine_never_recompiles_in_steady_serving():
     assert type(model.lm_head) is PackedLinear
     new_graphs, calls, _ = graphs_during(engine)
     assert calls > 5 and new_graphs == 0
+
+
+def test_without_the_cpu_kernels_the_python_op_serves(monkeypatch):
+    """Where the C++ library cannot be built, ``paged_hf::packed_linear`` (Python) runs the same oneDNN product."""
+    monkeypatch.setattr(packed_linear.cpu_ext, "loaded", lambda: False)
+    module = linear(48, 40, True)
+    x = torch.randn(5, 48).to(torch.bfloat16)
+    assert pack_linears(module) == 1 and type(module) is PackedLinear and not module._cpp
+    assert module._pack_key in packed_linear._packs
+    assert torch.equal(module(x), F.linear(x, module.weight, module.bias))
+    with torch.no_grad():
+        module.weight.mul_(3)
+    assert torch.equal(module(x), F.linear(x, module.weight, module.bias))
+
+
+def test_with_the_cpu_kernels_the_cpp_op_serves():
+    if not packed_linear.cpu_ext.loaded():
+        pytest.skip("the CPU kernels could not be built here")
+    module = linear(48, 40, False)
+    assert pack_linears(module) == 1 and module._cpp and module._pack_key not in packed_linear._packs
+    x = torch.randn(2, 3, 48).to(torch.bfloat16)
+    assert torch.equal(module(x), F.linear(x, module.weight))

@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..cache_layer import PagedLayer
+from ..kernels import cpu_ext
 from ..kv.manager import KVManager
 from ..metadata import AttentionMetadata
 
@@ -16,7 +17,10 @@ class EngineCache(Cache):
     """One forward's view of a ``KVManager`` and the ``LayerSource`` of its layers: set ``metadata`` before calling
     the model. ``num_decodes``: None for the eager forward; for the compiled one, the step's
     ``metadata.num_decodes`` as a ``[1]`` CPU tensor: the layers then go through the custom ops of ``paged_hf.ops``
-    (whose arguments are tensors, so no step's count is a graph constant), with this cache's ``storages()`` bound."""
+    (whose arguments are tensors, so no step's count is a graph constant), with this cache's ``storages()`` bound.
+    ``native_ops``: the format is "auto" and ``paged_hf_cpu``'s C++ store and attention are built, so a CPU forward
+    in float32 or bfloat16 takes them (``ops.store_layer``); a plain bool, the same for a warm-up's scratch cache and
+    the engine's, so the graph traced over one serves the other."""
 
     reads_blocks = True  # the engine's model runs the paged attention
 
@@ -25,6 +29,7 @@ class EngineCache(Cache):
         self.metadata: AttentionMetadata | None = None
         self.num_decodes: torch.Tensor | None = None
         self.kv = kv
+        self.native_ops = kv.kv_format == "auto" and cpu_ext.loaded()
 
     def storages(self) -> dict:
         """``{layer index: KVStorage}``: what the ops read (``ops.bind``)."""

@@ -3,7 +3,9 @@
 ``paged_decode`` (``csrc/paged_decode.cpp``) reads each sequence's K/V where they lie in the block pools (no
 gathered copy), in the pools' dtype (float32 or bfloat16), accumulating in float32; ``paged_prefill``
 (``csrc/paged_prefill.cpp``) attends each prefill chunk to its own sequence's blocks through torch's causal flash
-kernel (no padding to the longest chunk, no mask); ``pin_threads``
+kernel (no padding to the longest chunk, no mask); ``store``/``attend`` (``csrc/paged_step.cpp``) are the compiled
+forward's KV store and attention over such pools (``paged_hf.ops``); ``packed_linear`` (``csrc/packed_linear.cpp``) is the bfloat16
+oneDNN linear of ``paged_hf.packed_linear``; ``pin_threads``
 (``csrc/pin_threads.cpp``) binds each of torch's intra-op threads to its own CPU. The library is compiled once per
 machine with the system's C++ compiler (``$CXX`` or ``c++``) against the installed torch (``FLAGS``: ``-march=native``,
 and ``-fopenmp`` so ``at::parallel_for`` runs on torch's own OpenMP threads: the soname resolves to torch's runtime),
@@ -37,7 +39,9 @@ import torch
 logger = logging.getLogger("paged_hf")
 
 ENV_VAR = "PAGED_HF_CPU_KERNELS"
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "pin_threads.cpp"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("paged_decode.cpp", "paged_prefill.cpp", "paged_step.cpp", "packed_linear.cpp",
+                             "pin_threads.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w")
 
 _lock = threading.Lock()
@@ -57,6 +61,11 @@ def prefill_kernel():
 def pin_threads():
     """``torch.ops.paged_hf_cpu.pin_threads`` (``cpus: list[int] -> list[int]``), or None."""
     return torch.ops.paged_hf_cpu.pin_threads if _loaded() else None
+
+
+def loaded() -> bool:
+    """Whether the library is loaded (built on the first call); False where it cannot be (logged once)."""
+    return _loaded()
 
 
 def _loaded() -> bool:
