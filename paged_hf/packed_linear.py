@@ -29,6 +29,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
 from .kernels import cpu_ext
 
 logger = logging.getLogger("paged_hf")
@@ -92,14 +94,53 @@ class PackedLinear(torch.nn.Linear):
 
 
 def _cpp_ops() -> bool:
-    """Whether the C++ ops are loaded (built on first use), their fake implementation registered once."""
+    """Whether the C++ ops are loaded (built on first use), their fake implementations registered once."""
     if not cpu_ext.loaded():
         return False
     if not _cpp_fake:
         torch.library.register_fake("paged_hf_cpu::packed_linear")(
             lambda x, weight, bias, key: x.new_empty((*x.shape[:-1], weight.shape[0])))
+        torch.library.register_fake("paged_hf_cpu::packed_linear_group")(
+            lambda x, weights, biases, keys: x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights))))
         _cpp_fake.append(True)
     return True
+
+
+class FusePackedLinears(CustomGraphPass):
+    """Inductor's post-grad pass of the engine's compiled forward: the ``paged_hf_cpu::packed_linear`` calls on one
+    input (a layer's q/k/v projections, its gate/up) become one ``packed_linear_group`` over their weights
+    concatenated, and each former output a slice of it, as vLLM's fused QKV and gate-up linears: at decode sizes
+    one product of the summed width costs about what its largest part did (SmolLM2, 32 rows: q/k/v 80 -> 40 us,
+    gate/up 121 -> 96 us). Members must agree on having a bias. A graph without packed linears is left as it is."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if not cpu_ext.loaded():
+            return
+        single, group = torch.ops.paged_hf_cpu.packed_linear.default, torch.ops.paged_hf_cpu.packed_linear_group.default
+        by_input: dict = {}
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target is single and not node.kwargs:
+                by_input.setdefault(node.args[0], []).append(node)
+        for x, nodes in by_input.items():
+            if len(nodes) < 2 or len({node.args[2] is None for node in nodes}) > 1:
+                continue
+            first = nodes[0]
+            with graph.inserting_before(first):
+                fused = graph.call_function(group, (x, [n.args[1] for n in nodes], [n.args[2] for n in nodes],
+                                                    [n.args[3] for n in nodes]))
+                fused.meta["val"] = torch.cat([n.meta["val"] for n in nodes], dim=-1)
+                start = 0
+                for node in nodes:
+                    width = node.meta["val"].shape[-1]
+                    part = graph.call_function(torch.ops.aten.slice.Tensor, (fused, -1, start, start + width))
+                    part.meta["val"] = fused.meta["val"][..., start : start + width]
+                    node.replace_all_uses_with(part)
+                    start += width
+            for node in nodes:
+                graph.erase_node(node)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))
 
 
 _cpp_fake: list = []

@@ -48,8 +48,9 @@ def test_cache_from_a_config_of_the_other_attention_is_exact(models, ids, kv_cac
                                                              kv_cache_dtype=kv_cache_dtype))
     torch.testing.assert_close(foreign, own, rtol=0, atol=0)
     if kv_cache_dtype == "auto":
+        # the CPU prefill merges a later chunk's stored-key and own-key parts by their log-sum-exps: float rounding
         dense = chunked_logits(models["sdpa"], ids, DynamicCache())
-        torch.testing.assert_close(foreign, dense, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(foreign, dense, rtol=1e-5, atol=3e-5)
 
 
 @pytest.mark.parametrize("config_attention", ["sdpa", "paged"])
@@ -59,6 +60,6 @@ def test_cache_from_autoconfig_follows_the_model(models, ids, config_attention):
 
     config = AutoConfig.from_pretrained(STORIES, attn_implementation=config_attention)
     dense = chunked_logits(models["sdpa"], ids, DynamicCache())
-    for model in models.values():
+    for model in models.values():  # atol: the CPU prefill's log-sum-exp merge (the test above)
         logits = chunked_logits(model, ids, paged_hf.PagedCache(config, num_blocks=64))
-        torch.testing.assert_close(logits, dense, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, dense, rtol=1e-5, atol=3e-5)

@@ -27,6 +27,7 @@ from .. import ops
 from ..kv.manager import KVManager
 from ..kv.sizing import allocate_all
 from ..metadata import AttentionMetadata, build_metadata
+from ..packed_linear import FusePackedLinears
 from .forward_cache import EngineCache
 
 logger = logging.getLogger("paged_hf")
@@ -56,7 +57,8 @@ class CompiledForward:
     def __init__(self, model, backend: str = "inductor") -> None:
         self.model = model
         self.backend = backend
-        self.compiled = torch.compile(model, fullgraph=True, dynamic=None, backend=backend)
+        options = {"post_grad_custom_pre_pass": FusePackedLinears()} if backend == "inductor" else None
+        self.compiled = torch.compile(model, fullgraph=True, dynamic=None, backend=backend, options=options)
 
     def __call__(self, engine_cache: EngineCache, metadata: AttentionMetadata, **inputs):
         """One forward; ``CompileFailed`` when dynamo or the backend fails (before anything ran)."""

@@ -5,6 +5,13 @@
 // paged_hf_cpu::unpack_linear(int key) -> ()                                 drops it (its module was collected)
 // paged_hf_cpu::packed_linear(Tensor x [..., in], Tensor weight [out, in], Tensor? bias, int key) -> [..., out]
 //
+// paged_hf_cpu::packed_linear_group(Tensor x [..., in], Tensor[] weights [out_i, in], Tensor?[] biases, int[] keys)
+//     -> [..., sum out_i]
+//     the linears of one input at once (a layer's q/k/v, gate/up: what the compiled forward's FusePackedLinears
+//     pass groups), through one packed copy of their weights concatenated (packed on first use, again when any member
+//     changed); the members' own packed copies are dropped meanwhile (packed again if an eager call needs them).
+//     Equal to cat([F.linear(x, w_i, b_i)], -1) up to oneDNN's blocking (bfloat16: one ulp here and there).
+//
 // packed_linear equals F.linear(x, weight, bias) with the packed copy when the copy is still of this weight (same
 // data pointer and version counter), packs it again when the weight was changed in place or replaced by another
 // bfloat16 CPU tensor, and runs F.linear itself when no copy is kept under `key`, x's dtype differs, or the weight
@@ -14,8 +21,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
 #include <mutex>
+#include <vector>
 #include <optional>
 #include <unordered_map>
 
@@ -63,9 +73,14 @@ void pack_linear(const at::Tensor& weight, int64_t key, int64_t batch_hint) {
   packs()[key] = std::move(entry);
 }
 
+void forget_groups(int64_t key);
+
 void unpack_linear(int64_t key) {
-  std::lock_guard<std::mutex> lock(packs_mutex);
-  packs().erase(key);
+  {
+    std::lock_guard<std::mutex> lock(packs_mutex);
+    packs().erase(key);
+  }
+  forget_groups(key);
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -92,12 +107,99 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const st
   return out.view(shape);
 }
 
+struct Group {
+  at::Tensor weight, bias;  // packed concatenation; bias concatenated (or undefined)
+  std::vector<const void*> data;
+  std::vector<uint32_t> versions;
+};
+
+std::map<std::vector<int64_t>, Group>& groups() {
+  static auto* table = new std::map<std::vector<int64_t>, Group>();
+  return *table;
+}
+
+// The weights, then the biases (if any), of a group: what its packed copy was made from.
+std::vector<at::Tensor> members(at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
+                                bool with_biases) {
+  std::vector<at::Tensor> all(weights.begin(), weights.end());
+  for (size_t i = 0; with_biases && i < weights.size(); ++i) all.push_back(*biases.get(i));
+  return all;
+}
+
+bool current(const Group& group, const std::vector<at::Tensor>& made_from) {
+  if (!group.weight.defined() || group.data.size() != made_from.size()) return false;
+  for (size_t i = 0; i < made_from.size(); ++i)
+    if (group.data[i] != made_from[i].const_data_ptr() || group.versions[i] != made_from[i]._version()) return false;
+  return true;
+}
+
+at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
+                               const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef keys) {
+  TORCH_CHECK(!weights.empty() && weights.size() == keys.size() && biases.size() == weights.size(),
+              "packed_linear_group: one key and one bias (or None) per weight");
+  bool all_packable = x.scalar_type() == at::kBFloat16;
+  bool any_bias = false, all_bias = true;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    all_packable = all_packable && packable(weights[i]) && weights[i].scalar_type() == x.scalar_type();
+    const bool has = biases.get(i).has_value() && biases.get(i)->defined();
+    any_bias = any_bias || has;
+    all_bias = all_bias && has;
+  }
+  if (!all_packable || (any_bias && !all_bias)) {  // the members one by one
+    std::vector<at::Tensor> parts;
+    for (size_t i = 0; i < weights.size(); ++i) parts.push_back(packed_linear(x, weights[i], biases.get(i), keys[i]));
+    return at::cat(parts, -1);
+  }
+  at::Tensor packed, bias;
+  {
+    std::lock_guard<std::mutex> lock(packs_mutex);
+    Group& group = groups()[std::vector<int64_t>(keys.begin(), keys.end())];
+    const auto made_from = members(weights, biases, all_bias);
+    if (!current(group, made_from)) {
+      std::vector<at::Tensor> dense(weights.begin(), weights.end());
+      group.weight = reorder(at::cat(dense, 0), 32);
+      std::vector<at::Tensor> bias_parts;
+      for (size_t i = 0; all_bias && i < weights.size(); ++i) bias_parts.push_back(*biases.get(i));
+      group.bias = all_bias ? at::cat(bias_parts, 0) : at::Tensor();
+      group.data.clear();
+      group.versions.clear();
+      for (const auto& t : made_from) {
+        group.data.push_back(t.const_data_ptr());
+        group.versions.push_back(t._version());
+      }
+      for (int64_t key : keys) {  // the members' own copies are not needed while the group serves
+        auto found = packs().find(key);
+        if (found != packs().end()) found->second = Packed{at::Tensor(), nullptr, 0, found->second.batch_hint};
+      }
+    }
+    packed = group.weight;
+    bias = group.bias;
+  }
+  int64_t total = 0;
+  for (const auto& w : weights) total += w.size(0);
+  auto out = linear_pointwise(x.reshape({-1, x.size(-1)}), packed,
+                              bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+  auto shape = x.sizes().vec();
+  shape.back() = total;
+  return out.view(shape);
+}
+
+void forget_groups(int64_t key) {  // a member's module was collected: drop every group it is in
+  std::lock_guard<std::mutex> lock(packs_mutex);
+  for (auto it = groups().begin(); it != groups().end();) {
+    if (std::find(it->first.begin(), it->first.end(), key) != it->first.end()) it = groups().erase(it);
+    else ++it;
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(paged_hf_cpu, m) {
   m.def("pack_linear(Tensor weight, int key, int batch_hint) -> ()");
   m.def("unpack_linear(int key) -> ()");
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, int key) -> Tensor");
+  m.def("packed_linear_group(Tensor x, Tensor[] weights, Tensor?[] biases, int[] keys) -> Tensor");
+  m.impl("packed_linear_group", c10::DispatchKey::CPU, TORCH_FN(packed_linear_group));
   m.impl("pack_linear", c10::DispatchKey::CPU, TORCH_FN(pack_linear));
   m.impl("unpack_linear", TORCH_FN(unpack_linear));
   m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(packed_linear));
