@@ -17,6 +17,10 @@ scale: float, window: int?, softcap: float?) -> out [n, heads, head_dim]``
     format, the tail writes (after the reads, as eager). ``num_decodes`` is a CPU tensor read by the real
     implementation: it changes every step, so it must not be a graph constant.
 
+For unquantized CPU pools in float32 or bfloat16 the graph calls ``paged_hf_cpu::store`` / ``paged_hf_cpu::attend``
+instead (``kernels/csrc/paged_step.cpp``: the same store and kernels in C++, without a Python call per layer);
+``bind`` hands them the pools too. Quantized formats, windows and softcaps keep the ops above.
+
 The pools are the ops' state, not graph values: ``layer`` is the layer index, and the ``KVStorage`` is the one
 ``bind`` set for the forward running (as vLLM's layer names and forward context), so a pool that grows never changes
 the graph, the same graph serves a warm-up's scratch pools and the engine's, and functionalization never copies a
@@ -58,8 +62,10 @@ def bind(storages: dict):
 
 def _native(storage) -> bool:
     """Whether ``paged_hf_cpu``'s store and attention (``csrc/paged_step.cpp``) serve this layer's storage: unquantized
-    CPU pools ("auto": no rotation, no tail) in float32 or bfloat16, the C++ library built. Decided when dynamo
-    traces (the warm-up's scratch pools have the engine's format, device and dtype)."""
+    CPU pools ("auto": no rotation, no tail) in float32 or bfloat16, the C++ library built: what ``store_layer``
+    decided when dynamo traced, from ``EngineCache.native_ops`` and the states' dtype and device (for "auto" pools
+    the compute dtype is the pools'). A layer the graph stores natively but that is not bound here fails its step
+    with "no pools bound", never silently."""
     return (type(storage) is KVStorage and storage.device.type == "cpu"
             and storage.dtype in (torch.float32, torch.bfloat16) and cpu_ext.loaded())
 
