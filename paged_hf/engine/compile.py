@@ -15,11 +15,13 @@ forward with a warning, at warm-up or at any later step: never a crash, never a 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
 import torch
 from torch._dynamo.exc import TorchDynamoException
+from torch._inductor.compile_fx import compile_fx
 from torch.fx.experimental import _config as fx_config
 from tqdm.auto import tqdm
 
@@ -46,6 +48,11 @@ _COMPILE_CONFIG = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False, re
 _SHAPE_CONFIG = fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
 
 
+# Inductor with the linear fusion pass, one object for every engine: dynamo reuses a compiled graph only for the same
+# backend object (a backend made per engine would make every engine compile anew and exhaust the recompile limit).
+_INDUCTOR = functools.partial(compile_fx, config_patches={"post_grad_custom_pre_pass": FusePackedLinears()})
+
+
 class CompileFailed(RuntimeError):
     """torch.compile could not compile the forward (the runner then runs it eagerly)."""
 
@@ -57,8 +64,8 @@ class CompiledForward:
     def __init__(self, model, backend: str = "inductor") -> None:
         self.model = model
         self.backend = backend
-        options = {"post_grad_custom_pre_pass": FusePackedLinears()} if backend == "inductor" else None
-        self.compiled = torch.compile(model, fullgraph=True, dynamic=None, backend=backend, options=options)
+        self.compiled = torch.compile(model, fullgraph=True, dynamic=None,
+                                      backend=_INDUCTOR if backend == "inductor" else backend)
 
     def __call__(self, engine_cache: EngineCache, metadata: AttentionMetadata, **inputs):
         """One forward; ``CompileFailed`` when dynamo or the backend fails (before anything ran)."""
