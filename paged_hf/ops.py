@@ -60,14 +60,17 @@ def bind(storages: dict):
             _bind_native(previous or {})
 
 
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what paged_hf_cpu's store and attention take
+
+
 def _native(storage) -> bool:
     """Whether ``paged_hf_cpu``'s store and attention (``csrc/paged_step.cpp``) serve this layer's storage: unquantized
     CPU pools ("auto": no rotation, no tail) in float32 or bfloat16, the C++ library built: what ``store_layer``
     decided when dynamo traced, from ``EngineCache.native_ops`` and the states' dtype and device (for "auto" pools
     the compute dtype is the pools'). A layer the graph stores natively but that is not bound here fails its step
     with "no pools bound", never silently."""
-    return (type(storage) is KVStorage and storage.device.type == "cpu"
-            and storage.dtype in (torch.float32, torch.bfloat16) and cpu_ext.loaded())
+    return (type(storage) is KVStorage and storage.device.type == "cpu" and storage.dtype in _NATIVE_DTYPES
+            and cpu_ext.loaded())
 
 
 def _bind_native(storages: dict) -> bool:
@@ -76,8 +79,6 @@ def _bind_native(storages: dict) -> bool:
     layers = [layer for layer, storage in storages.items() if _native(storage)]
     if not layers and not getattr(_bound, "native", False):
         return False
-    if layers:
-        _register_native_fakes()
     empty = torch.empty(0)
     keys, values = [empty] * (max(layers, default=-1) + 1), [empty] * (max(layers, default=-1) + 1)
     for layer in layers:
@@ -147,18 +148,6 @@ def _paged_attention_fake(query, *args, **kwargs):
     return torch.empty_like(query)
 
 
-def _register_native_fakes() -> None:
-    """The fake implementations of ``paged_hf_cpu::store`` / ``attend`` (once, when the library is loaded)."""
-    if _native_fakes:
-        return
-    torch.library.register_fake("paged_hf_cpu::store")(lambda key, value, slots, layer: key.new_empty((0,)))
-    torch.library.register_fake("paged_hf_cpu::attend")(lambda query, *args: torch.empty_like(query))
-    _native_fakes.append(True)
-
-
-_native_fakes: list = []
-
-
 class OpStep(NamedTuple):
     """What a layer's cache update hands the ``"paged"`` attention in the compiled forward (``METADATA_KEY``):
     the step's tensors and the layer's index; no per-step Python value."""
@@ -195,8 +184,7 @@ def store_layer(metadata, group, layer: int, key_states: torch.Tensor, value_sta
         group.store_plan.tail_slots, group.store_plan.fill_blocks, group.store_plan.fill_rows,
         group.store_plan.fill_first, group.store_plan.fill_tail)
     key, value = _packed(key_states), _packed(value_states)
-    if (native and group.store_plan is None and key.device.type == "cpu"
-            and key.dtype in (torch.float32, torch.bfloat16)):
+    if native and group.store_plan is None and key.device.type == "cpu" and key.dtype in _NATIVE_DTYPES:
         stored = torch.ops.paged_hf_cpu.store(key, value, group.slot_mapping, layer)
         return OpStep(stored, stored, group.block_tables, metadata.seq_lens, metadata.query_start_loc, num_decodes,
                       metadata.tail_rows, plan, layer, group.window, native=True)

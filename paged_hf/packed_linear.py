@@ -93,19 +93,6 @@ class PackedLinear(torch.nn.Linear):
         return packed_linear(input, self.weight, self.bias, self._pack_key)
 
 
-def _cpp_ops() -> bool:
-    """Whether the C++ ops are loaded (built on first use), their fake implementations registered once."""
-    if not cpu_ext.loaded():
-        return False
-    if not _cpp_fake:
-        torch.library.register_fake("paged_hf_cpu::packed_linear")(
-            lambda x, weight, bias, key: x.new_empty((*x.shape[:-1], weight.shape[0])))
-        torch.library.register_fake("paged_hf_cpu::packed_linear_group")(
-            lambda x, weights, biases, keys: x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights))))
-        _cpp_fake.append(True)
-    return True
-
-
 class FusePackedLinears(CustomGraphPass):
     """Inductor's post-grad pass of the engine's compiled forward: the ``paged_hf_cpu::packed_linear`` calls on one
     input (a layer's q/k/v projections, its gate/up) become one ``packed_linear_group`` over their weights
@@ -143,9 +130,6 @@ class FusePackedLinears(CustomGraphPass):
         return get_hash_for_files((__file__,))
 
 
-_cpp_fake: list = []
-
-
 def enabled() -> bool:
     """``PAGED_HF_PACKED_LINEAR`` is unset or ``1`` (``0`` turns packing off); ValueError for another value."""
     value = os.environ.get(ENV, "1")
@@ -169,7 +153,7 @@ def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> 
                        "available memory (%.0f MiB); they run through F.linear", len(linears), needed / 2**20,
                        available_bytes / 2**20)
         return 0
-    cpp = bool(linears) and _cpp_ops()
+    cpp = bool(linears) and cpu_ext.loaded()
     for module in linears:
         key = next(_keys)
         if cpp:

@@ -88,11 +88,22 @@ def _load() -> bool:
     try:
         library = _build(compiler)
         torch.ops.load_library(str(library))
+        _register_fakes()
         return True
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         logger.warning("paged_hf: building the CPU kernels failed (%s); the CPU attention uses its torch path "
                        "and the threads stay unpinned", str(error).strip().splitlines()[-1][:300] if str(error).strip() else error)
         return False
+
+
+def _register_fakes() -> None:
+    """The fake (shape-only) implementations dynamo traces the library's graph-facing ops with."""
+    fake = torch.library.register_fake
+    fake("paged_hf_cpu::packed_linear")(lambda x, weight, bias, key: x.new_empty((*x.shape[:-1], weight.shape[0])))
+    fake("paged_hf_cpu::packed_linear_group")(
+        lambda x, weights, biases, keys: x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights))))
+    fake("paged_hf_cpu::store")(lambda key, value, slots, layer: key.new_empty((0,)))
+    fake("paged_hf_cpu::attend")(lambda query, *args: torch.empty_like(query))
 
 
 def _build(compiler: str) -> Path:

@@ -156,8 +156,10 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
     Group& group = groups()[std::vector<int64_t>(keys.begin(), keys.end())];
     const auto made_from = members(weights, biases, all_bias);
     if (!current(group, made_from)) {
+      const auto member = packs().find(keys[0]);
+      const int64_t batch_hint = member != packs().end() ? member->second.batch_hint : 32;
       std::vector<at::Tensor> dense(weights.begin(), weights.end());
-      group.weight = reorder(at::cat(dense, 0), 32);
+      group.weight = reorder(at::cat(dense, 0), batch_hint);
       std::vector<at::Tensor> bias_parts;
       for (size_t i = 0; all_bias && i < weights.size(); ++i) bias_parts.push_back(*biases.get(i));
       group.bias = all_bias ? at::cat(bias_parts, 0) : at::Tensor();
