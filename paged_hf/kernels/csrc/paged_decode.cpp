@@ -20,7 +20,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -126,12 +131,18 @@ inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_
 // exp(score - max) in place over n scores; returns their sum plus exp(sink - max) (sink = -inf: none), the softmax's
 // denominator.
 inline float softmax_in_place(float* sc, int64_t n, float sink) {
-  float peak = sink;
-  for (int64_t t = 0; t < n; ++t) peak = std::max(peak, sc[t]);
-  float sum = std::isinf(sink) ? 0.f : std::exp(sink - peak);
-  f16v sums = {};
+  f16v peaks = f16v{} + sink;
   int64_t t = 0;
   for (; t + LANES <= n; t += LANES) {
+    const f16v x = load16(sc + t);
+    peaks = x > peaks ? x : peaks;
+  }
+  float peak = peaks[0];
+  for (int64_t i = 1; i < LANES; ++i) peak = std::max(peak, peaks[i]);
+  for (; t < n; ++t) peak = std::max(peak, sc[t]);
+  float sum = std::isinf(sink) ? 0.f : std::exp(sink - peak);
+  f16v sums = {};
+  for (t = 0; t + LANES <= n; t += LANES) {
     const f16v e = exp16(load16(sc + t) - peak);
     std::memcpy(sc + t, &e, sizeof(e));
     sums += e;
@@ -153,8 +164,8 @@ inline float softmax_in_place(float* sc, int64_t n, float sink) {
 // generic loop serves the rest.
 template <typename T, int DV, int G>
 void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int64_t first, int64_t len, int64_t B,
-                  int64_t row_stride, int64_t KHI, const float* q, float softcap, float* scores, float* total,
-                  float* out) {
+                  int64_t row_stride, int64_t KHI, const float* q, const T* /*q_raw*/, float /*scale*/, float softcap,
+                  float* scores, float* total, float* out) {
   constexpr int64_t D = DV * LANES;
   const int64_t n = len - first, first_block = first / B, blocks = (len + B - 1) / B;
   for (int64_t b = first_block; b < blocks; ++b) {  // pass 1: the scores
@@ -208,13 +219,147 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
   }
 }
 
+#if defined(__AVX512BF16__)
+// Sixteen vectors of partial sums -> one vector of their totals (lane t: the sum of v[t]'s lanes), in 45 operations
+// where sixteen separate reductions take ~130: pairs interleaved within 128-bit lanes, then 64-bit halves, then the
+// four 128-bit lanes twice.
+inline __m512 sum16x16(__m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __m512bh load_bf16x32(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// decode_heads for bfloat16 pools on AVX512-BF16 (head dim D = 32 * DV2): the scores by vdpbf16ps of the bfloat16
+// query (q_raw, unscaled: the score is scaled once, in float32) with each key row, sixteen rows of a block at a time
+// summed by sum16x16; the values widened to float32 by a shift (even elements) and a mask (odd ones) of the same
+// load, so `out` holds each 32-element slice even elements first, put back in order at the end. Products are exact
+// in float32 and sums are float32, as in decode_heads; vdpbf16ps adds two products per step, so the rounding order
+// differs. Same contract as decode_heads.
+template <int DV2, int G>
+void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat16* const* value_blocks, int64_t first,
+                       int64_t len, int64_t B, int64_t row_stride, int64_t KHI, const float* /*q*/,
+                       const c10::BFloat16* q_raw, float scale, float softcap, float* scores, float* total,
+                       float* out) {
+  constexpr int64_t D = DV2 * 32;
+  const int64_t n = len - first, first_block = first / B, blocks = (len + B - 1) / B;
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  alignas(64) __m512 part[G][16];  // a chunk's per-row partial sums, row t of query head g at part[g][t]
+  for (int64_t b = first_block; b < blocks; ++b) {  // pass 1: the scores
+    const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
+    for (int64_t h = 0; h < KHI; ++h) {
+      __m512bh qv[G][DV2];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < DV2; ++j) qv[g][j] = load_bf16x32(q_raw + (h * G + g) * D + j * 32);
+      const c10::BFloat16* rows = key_blocks[b] + h * D;
+      float* sc = scores + h * G * n - first;
+      for (int64_t p = start; p < stop; p += 16) {  // sixteen rows (fewer at a block's end) a chunk
+        const int64_t m = std::min<int64_t>(16, stop - p);
+        const c10::BFloat16* k = rows + (p - b * B) * row_stride;
+        for (int64_t t = 0; t < m; ++t, k += row_stride) {
+          __m512bh kv[DV2];
+          for (int j = 0; j < DV2; ++j) kv[j] = load_bf16x32(k + j * 32);
+          for (int g = 0; g < G; ++g) {
+            __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+            for (int j = 1; j < DV2; ++j) acc = _mm512_dpbf16_ps(acc, qv[g][j], kv[j]);
+            part[g][t] = acc;
+          }
+        }
+        for (int g = 0; g < G; ++g) {
+          for (int64_t t = m; t < 16; ++t) part[g][t] = _mm512_setzero_ps();
+          const __m512 x = _mm512_mul_ps(sum16x16(part[g]), scale_v);
+          if (softcap > 0.f) {
+            alignas(64) float tmp[16];
+            _mm512_store_ps(tmp, x);
+            for (int64_t t = 0; t < m; ++t) sc[g * n + p + t] = std::tanh(tmp[t] / softcap) * softcap;
+          } else {
+            _mm512_mask_storeu_ps(sc + g * n + p, static_cast<__mmask16>((1u << m) - 1u), x);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < KHI * G; ++i) total[i] = softmax_in_place(scores + i * n, n, total[i]);
+  std::memset(out, 0, sizeof(float) * KHI * G * D);
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t b = first_block; b < blocks; ++b) {  // pass 2: the weighted values
+    const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
+    for (int64_t h = 0; h < KHI; ++h) {
+      __m512 acc[G][2 * DV2];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < 2 * DV2; ++j) acc[g][j] = _mm512_loadu_ps(out + (h * G + g) * D + j * 16);
+      const c10::BFloat16* rows = value_blocks[b] + h * D;
+      const float* sc = scores + h * G * n - first;
+      for (int64_t p = start; p < stop; ++p) {
+        const c10::BFloat16* v = rows + (p - b * B) * row_stride;
+        __m512 even[DV2], odd[DV2];
+        for (int j = 0; j < DV2; ++j) {
+          const __m512i raw = _mm512_loadu_si512(v + j * 32);
+          even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+          odd[j] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+        }
+        for (int g = 0; g < G; ++g) {
+          const __m512 w = _mm512_set1_ps(sc[g * n + p]);
+          for (int j = 0; j < DV2; ++j) {
+            acc[g][2 * j] = _mm512_fmadd_ps(w, even[j], acc[g][2 * j]);
+            acc[g][2 * j + 1] = _mm512_fmadd_ps(w, odd[j], acc[g][2 * j + 1]);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < 2 * DV2; ++j) _mm512_storeu_ps(out + (h * G + g) * D + j * 16, acc[g][j]);
+    }
+  }
+  for (int64_t i = 0; i < KHI * G; ++i) {  // normalized, each slice's even and odd elements interleaved again
+    const float inv = 1.f / total[i];
+    float* row = out + i * D;
+    for (int j = 0; j < DV2; ++j) {
+      alignas(64) float slice[32];
+      std::memcpy(slice, row + j * 32, sizeof(slice));
+      for (int e = 0; e < 16; ++e) {
+        row[j * 32 + 2 * e] = slice[e] * inv;
+        row[j * 32 + 2 * e + 1] = slice[16 + e] * inv;
+      }
+    }
+  }
+}
+#endif
+
 template <typename T>
 using HeadFn = void (*)(const T* const*, const T* const*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*,
-                        float, float*, float*, float*);
+                        const T*, float, float, float*, float*, float*);
 
 // decode_heads for (D, G), or nullptr where it does not apply.
 template <typename T>
 HeadFn<T> head_kernel(int64_t D, int64_t G) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#define PAGED_HF_BF16_HEADS(DV2)                                                               \
+    switch (G) {                                                                               \
+      case 1: return decode_heads_bf16<DV2, 1>;                                                \
+      case 2: return decode_heads_bf16<DV2, 2>;                                                \
+      case 3: return DV2 * 6 <= 32 ? decode_heads_bf16<DV2, (DV2 * 6 <= 32 ? 3 : 1)> : nullptr;  \
+      case 4: return DV2 * 8 <= 32 ? decode_heads_bf16<DV2, (DV2 * 8 <= 32 ? 4 : 1)> : nullptr;  \
+      case 6: return DV2 * 12 <= 32 ? decode_heads_bf16<DV2, (DV2 * 12 <= 32 ? 6 : 1)> : nullptr; \
+      case 8: return DV2 * 16 <= 32 ? decode_heads_bf16<DV2, (DV2 * 16 <= 32 ? 8 : 1)> : nullptr; \
+      default: break;                                                                          \
+    }
+    if (D == 64) { PAGED_HF_BF16_HEADS(2) }
+    if (D == 128) { PAGED_HF_BF16_HEADS(4) }
+    if (D == 32) { PAGED_HF_BF16_HEADS(1) }
+#undef PAGED_HF_BF16_HEADS
+  }
+#endif
 #define PAGED_HF_HEADS(DV)                                                                     \
   switch (G) {                                                                                 \
     case 1: return decode_heads<T, DV, 1>;                                                     \
@@ -238,6 +383,7 @@ HeadFn<T> head_kernel(int64_t D, int64_t G) {
 struct Scratch {
   std::vector<float> q, kv, acc, total, scores;
   std::vector<const void*> key_blocks, value_blocks;
+  std::vector<uint16_t> q_raw;  // the item's query rows as given (decode_heads_bf16 reads them)
 };
 
 template <typename T, typename I, typename L>
@@ -277,7 +423,11 @@ void decode_item(int64_t s, int64_t k0, int64_t k1, const T* query, const T* key
       kb[b] = key_cache + base;
       vb[b] = value_cache + base;
     }
-    head_fn(kb, vb, first, len, B, row, k1 - k0, q, softcap, scores, scratch.total.data(), acc);
+    scratch.q_raw.resize(heads * D * sizeof(T) / sizeof(uint16_t) + 1);
+    T* q_raw = reinterpret_cast<T*>(scratch.q_raw.data());
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(q_raw + h * D, query + s * q_stride_s + (h0 + h) * q_stride_h, sizeof(T) * D);
+    head_fn(kb, vb, first, len, B, row, k1 - k0, q, q_raw, scale, softcap, scores, scratch.total.data(), acc);
   } else {
     scratch.kv.resize(width);
     float* kv = scratch.kv.data();
