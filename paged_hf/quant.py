@@ -28,6 +28,7 @@ from .kernels.kv_quant import (
     dequantize_block_values_ref, dequantize_channels_ref, dequantize_kv_ref, unpack_int4, value_scales_ref,
 )
 from .kernels.pool_tensors import PoolTensors
+from .pool_memory import pool_zeros
 from .rotation import kv_rotation, rotate, unrotate
 from .storage import FreshKV, KVStorage
 
@@ -83,12 +84,12 @@ class QuantizedKVStorage(KVStorage):
         self.head_dim = head_dim
         self._dtype = dtype
         data_shape = (num_blocks, block_size, num_kv_heads, fmt.code_dim(head_dim))
-        self.key_cache = torch.zeros(data_shape, dtype=fmt.code_dtype(), device=device)
-        self.value_cache = torch.zeros(data_shape, dtype=fmt.code_dtype(), device=device)
+        self.key_cache = pool_zeros(data_shape, fmt.code_dtype(), device)
+        self.value_cache = pool_zeros(data_shape, fmt.code_dtype(), device)
         side = fmt.side_shapes(num_blocks, block_size, num_kv_heads, head_dim)  # ValueError: int4, odd block_size
         for name in self._POOL_NAMES[2:]:
             shape, side_dtype = side.get(name, (None, None))
-            setattr(self, name, None if shape is None else torch.zeros(shape, dtype=side_dtype, device=device))
+            setattr(self, name, None if shape is None else pool_zeros(shape, side_dtype, device))
         self.has_tail = fmt.tail
         tail_shape = (0, block_size, num_kv_heads, head_dim)
         self.key_tail = torch.zeros(tail_shape, dtype=dtype, device=device) if fmt.tail else None

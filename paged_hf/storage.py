@@ -12,6 +12,7 @@ import torch
 
 from .kernels import dispatch
 from .kernels.pool_tensors import PoolTensors
+from .pool_memory import pool_zeros
 
 
 class FreshKV(NamedTuple):
@@ -42,8 +43,8 @@ class KVStorage:
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
     ) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.key_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.value_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.key_cache = pool_zeros(shape, dtype, device)
+        self.value_cache = pool_zeros(shape, dtype, device)
         self.kernels = dispatch.select(self.key_cache.device)
 
     @property
@@ -122,8 +123,7 @@ class KVStorage:
         """
         for name in list(self.tensors()):
             pool = getattr(self, name)
-            grown = torch.zeros((pool.shape[0] + num_new_blocks, *pool.shape[1:]), dtype=pool.dtype,
-                                device=pool.device)
+            grown = pool_zeros((pool.shape[0] + num_new_blocks, *pool.shape[1:]), pool.dtype, pool.device)
             raw = grown.view(torch.uint8) if _is_float8(pool) else grown
             raw[: pool.shape[0]] = pool.view(torch.uint8) if _is_float8(pool) else pool
             setattr(self, name, grown)
