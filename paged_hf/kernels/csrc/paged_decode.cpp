@@ -155,6 +155,38 @@ inline float softmax_in_place(float* sc, int64_t n, float sink) {
 }
 
 
+// Sixteen vectors of partial sums -> one vector of their totals (lane t: the sum of v[t]'s lanes), in 45 operations
+// where sixteen separate reductions take ~130: pairs interleaved within 128-bit lanes, then 64-bit halves, then the
+// four 128-bit lanes twice.
+inline f16v sum16x16(const f16v* v) {
+  f16v a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+
+// The scores of a chunk's m <= 16 rows from their partial sums (part[m..15] are overwritten with zeros), times
+// scale, through the softcap (<= 0: none), into sc[0..m-1].
+inline void store_scores(f16v* part, int64_t m, float scale, float softcap, float* sc) {
+  for (int64_t t = m; t < LANES; ++t) part[t] = f16v{};
+  const f16v x = sum16x16(part) * scale;
+  if (softcap > 0.f) {
+    for (int64_t t = 0; t < m; ++t) sc[t] = std::tanh(x[t] / softcap) * softcap;
+  } else if (m == LANES) {
+    std::memcpy(sc, &x, sizeof(x));
+  } else {
+    for (int64_t t = 0; t < m; ++t) sc[t] = x[t];
+  }
+}
+
 // The decode of KV heads [0, KHI) of one sequence (head dim D = 16 * DV, G query heads per KV head), block by block
 // so that each block's rows of those heads are read together (the blocks lie anywhere in the pool: reading a whole
 // block at once is what lets the memory system stream it). Within a block, one KV head at a time keeps its G queries
@@ -168,6 +200,7 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
                   float* scores, float* total, float* out) {
   constexpr int64_t D = DV * LANES;
   const int64_t n = len - first, first_block = first / B, blocks = (len + B - 1) / B;
+  f16v part[G][LANES];  // a chunk's per-row partial sums, row t of query head g at part[g][t]
   for (int64_t b = first_block; b < blocks; ++b) {  // pass 1: the scores
     const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
     for (int64_t h = 0; h < KHI; ++h) {
@@ -176,17 +209,19 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
         for (int j = 0; j < DV; ++j) qv[g][j] = load16(q + (h * G + g) * D + j * LANES);
       const T* rows = key_blocks[b] + h * D;
       float* sc = scores + h * G * n - first;
-      for (int64_t p = start; p < stop; ++p) {
+      for (int64_t p = start; p < stop; p += LANES) {  // sixteen rows (fewer at a block's end) a chunk
+        const int64_t m = std::min<int64_t>(LANES, stop - p);
         const T* k = rows + (p - b * B) * row_stride;
-        f16v kv[DV];
-        for (int j = 0; j < DV; ++j) kv[j] = load16(k + j * LANES);
-        for (int g = 0; g < G; ++g) {
-          f16v acc = qv[g][0] * kv[0];
-          for (int j = 1; j < DV; ++j) acc += qv[g][j] * kv[j];
-          float x = reduce16(acc);
-          if (softcap > 0.f) x = std::tanh(x / softcap) * softcap;
-          sc[g * n + p] = x;
+        for (int64_t t = 0; t < m; ++t, k += row_stride) {
+          f16v kv[DV];
+          for (int j = 0; j < DV; ++j) kv[j] = load16(k + j * LANES);
+          for (int g = 0; g < G; ++g) {
+            f16v acc = qv[g][0] * kv[0];
+            for (int j = 1; j < DV; ++j) acc += qv[g][j] * kv[j];
+            part[g][t] = acc;
+          }
         }
+        for (int g = 0; g < G; ++g) store_scores(part[g], m, 1.f, softcap, sc + g * n + p);
       }
     }
   }
@@ -220,29 +255,11 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
 }
 
 #if defined(__AVX512BF16__)
-// Sixteen vectors of partial sums -> one vector of their totals (lane t: the sum of v[t]'s lanes), in 45 operations
-// where sixteen separate reductions take ~130: pairs interleaved within 128-bit lanes, then 64-bit halves, then the
-// four 128-bit lanes twice.
-inline __m512 sum16x16(__m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 inline __m512bh load_bf16x32(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 // decode_heads for bfloat16 pools on AVX512-BF16 (head dim D = 32 * DV2): the scores by vdpbf16ps of the bfloat16
 // query (q_raw, unscaled: the score is scaled once, in float32) with each key row, sixteen rows of a block at a time
-// summed by sum16x16; the values widened to float32 by a shift (even elements) and a mask (odd ones) of the same
+// summed by sum16x16 (as decode_heads); the values widened to float32 by a shift (even elements) and a mask (odd ones) of the same
 // load, so `out` holds each 32-element slice even elements first, put back in order at the end. Products are exact
 // in float32 and sums are float32, as in decode_heads; vdpbf16ps adds two products per step, so the rounding order
 // differs. Same contract as decode_heads.
@@ -253,8 +270,7 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
                        float* out) {
   constexpr int64_t D = DV2 * 32;
   const int64_t n = len - first, first_block = first / B, blocks = (len + B - 1) / B;
-  const __m512 scale_v = _mm512_set1_ps(scale);
-  alignas(64) __m512 part[G][16];  // a chunk's per-row partial sums, row t of query head g at part[g][t]
+  f16v part[G][LANES];  // a chunk's per-row partial sums, row t of query head g at part[g][t]
   for (int64_t b = first_block; b < blocks; ++b) {  // pass 1: the scores
     const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
     for (int64_t h = 0; h < KHI; ++h) {
@@ -275,17 +291,7 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
             part[g][t] = acc;
           }
         }
-        for (int g = 0; g < G; ++g) {
-          for (int64_t t = m; t < 16; ++t) part[g][t] = _mm512_setzero_ps();
-          const __m512 x = _mm512_mul_ps(sum16x16(part[g]), scale_v);
-          if (softcap > 0.f) {
-            alignas(64) float tmp[16];
-            _mm512_store_ps(tmp, x);
-            for (int64_t t = 0; t < m; ++t) sc[g * n + p + t] = std::tanh(tmp[t] / softcap) * softcap;
-          } else {
-            _mm512_mask_storeu_ps(sc + g * n + p, static_cast<__mmask16>((1u << m) - 1u), x);
-          }
-        }
+        for (int g = 0; g < G; ++g) store_scores(part[g], m, scale, softcap, sc + g * n + p);
       }
     }
   }
