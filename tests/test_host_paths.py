@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kv_probe import block_ids
 from models import tiny_model
 from paged_hf.engine.sampler import greedy_tokens
+from paged_hf.kernels import cpu_ext
 from paged_hf.kv.manager import KVManager
 from paged_hf.metadata import long_tensor
 
@@ -34,6 +35,30 @@ def test_greedy_tokens_are_argmax_with_ties_nan_and_inf(dtype, vocab):
         logits[5, 0] = float("inf")
     assert torch.equal(greedy_tokens(logits), torch.argmax(logits, dim=-1))
     assert torch.equal(greedy_tokens(logits[::2]), torch.argmax(logits[::2], dim=-1))  # strided rows
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 70), st.sampled_from([torch.float32, torch.bfloat16]), st.data())
+def test_greedy_kernel_is_argmax_wherever_the_maximum_lies(rows, vocab, dtype, data):
+    """The C++ argmax against torch's: values from a small set (ties, NaN, +-inf) at every position, lane borders
+    (16) and the scalar tail included."""
+    values = st.sampled_from([0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")])
+    logits = torch.tensor(data.draw(st.lists(st.lists(values, min_size=vocab, max_size=vocab), min_size=rows,
+                                             max_size=rows)), dtype=dtype)
+    kernel = cpu_ext.greedy_kernel()
+    assert kernel is not None
+    assert torch.equal(kernel(logits), torch.argmax(logits, dim=-1))
+
+
+def test_greedy_tokens_take_the_cpu_kernel(monkeypatch):
+    calls = []
+    kernel = cpu_ext.greedy_kernel()
+    monkeypatch.setattr(cpu_ext, "greedy_kernel", lambda: lambda logits: calls.append(logits.shape) or kernel(logits))
+    logits = torch.randn(3, 40)
+    assert torch.equal(greedy_tokens(logits), torch.argmax(logits, dim=-1))
+    assert calls == [torch.Size([3, 40])]
+    assert torch.equal(greedy_tokens(logits.half()), torch.argmax(logits.half(), dim=-1))  # float16: torch's max
+    assert len(calls) == 1
 
 
 @settings(max_examples=50, deadline=None)

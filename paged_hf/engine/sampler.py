@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels import cpu_ext
 from ..structured.bitmask import mask_logits
 from .request import Logprob, PositionLogprobs, Sequence
 
@@ -119,9 +120,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``argmax(logits, dim=-1)`` (``[R, vocab]`` -> ``[R]``: the first index of each row's maximum; a NaN counts
-    as the maximum). On a CPU, ``max(dim=-1)`` finds the same index 2.5-4x faster than ``argmax`` (its generic
-    reduction: 28 ms for 256 rows of a 49k vocabulary in float32, 40 ms in bfloat16)."""
+    as the maximum). On a CPU, float32 and bfloat16 rows go through the C++ kernel (``cpu_ext.greedy_kernel``: one
+    pass a row, 2.5-4x faster than ``max(dim=-1)``), other dtypes or no kernels through ``max(dim=-1)``, itself
+    2.5-4x faster than ``argmax`` (its generic reduction: 28 ms for 256 rows of a 49k vocabulary in float32)."""
     if logits.device.type == "cpu":
+        kernel = cpu_ext.greedy_kernel() if logits.dtype in (torch.float32, torch.bfloat16) else None
+        if kernel is not None and logits.dim() == 2:
+            return kernel(logits)
         return torch.max(logits, dim=-1).indices
     return torch.argmax(logits, dim=-1)
 

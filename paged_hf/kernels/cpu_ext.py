@@ -6,7 +6,8 @@ gathered copy), in the pools' dtype (float32 or bfloat16), accumulating in float
 kernel (no padding to the longest chunk, no mask); ``store``/``attend`` (``csrc/paged_step.cpp``) are the compiled
 forward's KV store and attention over such pools (``paged_hf.ops``); ``packed_linear`` (``csrc/packed_linear.cpp``) is the bfloat16
 oneDNN linear of ``paged_hf.packed_linear``; ``pin_threads``
-(``csrc/pin_threads.cpp``) binds each of torch's intra-op threads to its own CPU. The library is compiled once per
+(``csrc/pin_threads.cpp``) binds each of torch's intra-op threads to its own CPU; ``greedy`` (``csrc/greedy.cpp``)
+is the sampler's argmax over a step's logits. The library is compiled once per
 machine with the system's C++ compiler (``$CXX`` or ``c++``) against the installed torch (``FLAGS``: ``-march=native``,
 and ``-fopenmp`` so ``at::parallel_for`` runs on torch's own OpenMP threads: the soname resolves to torch's runtime),
 into ``$PAGED_HF_CACHE`` (default ``~/.cache/paged_hf``)``/cpu_kernels/<hash>/``; the hash covers the sources, torch's
@@ -41,7 +42,7 @@ logger = logging.getLogger("paged_hf")
 ENV_VAR = "PAGED_HF_CPU_KERNELS"
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_decode.cpp", "paged_prefill.cpp", "paged_step.cpp", "packed_linear.cpp",
-                             "pin_threads.cpp"))
+                             "pin_threads.cpp", "greedy.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w")
 
 _lock = threading.Lock()
@@ -56,6 +57,12 @@ def decode_kernel():
 def prefill_kernel():
     """``torch.ops.paged_hf_cpu.paged_prefill`` (the library built and loaded on the first call), or None."""
     return torch.ops.paged_hf_cpu.paged_prefill if _loaded() else None
+
+
+def greedy_kernel():
+    """``torch.ops.paged_hf_cpu.greedy`` (``logits [R, V]`` float32/bfloat16 -> ``[R]`` int64, argmax's index),
+    or None."""
+    return torch.ops.paged_hf_cpu.greedy if _loaded() else None
 
 
 def pin_threads():
