@@ -129,3 +129,24 @@ def test_a_second_engine_over_the_same_config_compiles_no_new_graph():
     second = PagedEngine(tiny_model("llama"), None, **STEADY)
     tokens(second, GREEDY)
     assert counters["stats"]["unique_graphs"] == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_store_writes_each_row_to_its_slot_and_refuses_a_slot_outside_the_pool(dtype):
+    """The C++ store equals ``index_copy_`` into the flattened pools (K/V given in another dtype are converted), and
+    a slot past the pool's end fails naming it, writing nothing out of bounds."""
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.zeros(6, 4, 2, 8, dtype=dtype) for _ in range(2))
+    key, value = (torch.randn(5, 2, 8, generator=generator) for _ in range(2))
+    slots = torch.tensor([3, 0, 23, 9, 17])
+    store, bind = torch.ops.paged_hf_cpu.store, torch.ops.paged_hf_cpu.bind_pools
+    bind([keys], [values])
+    try:
+        store(key, value, slots, 0)
+        for pool, rows in ((keys, key), (values, value)):
+            want = torch.zeros(24, 2, 8, dtype=dtype).index_copy_(0, slots, rows.to(dtype))
+            assert torch.equal(pool.view(24, 2, 8), want)
+        with pytest.raises(RuntimeError, match="slot 24 outside"):
+            store(key[:1], value[:1], torch.tensor([24]), 0)
+    finally:
+        bind([], [])
