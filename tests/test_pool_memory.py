@@ -1,5 +1,5 @@
 """``pool_zeros``: the pools' values are ``torch.zeros``'; on a Linux CPU whose transparent huge pages are not off,
-a large pool's memory is advised onto them (its mapping carries the ``hg`` flag), a small one is left alone."""
+a large pool's memory is advised onto them (its mapping carries the ``hg`` flag)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paged_hf.pool_memory import HUGE_PAGE, pool_zeros
+from paged_hf.pool_memory import pool_zeros
 from paged_hf.storage import KVStorage
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -38,10 +38,8 @@ def test_pool_zeros_equals_torch_zeros(dtype):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
                     reason="no transparent huge pages here")
-def test_a_large_pool_is_advised_onto_huge_pages_and_a_small_one_is_not():
+def test_a_large_pool_is_advised_onto_huge_pages():
     storage = KVStorage(2048, 16, 4, 64, torch.float32, "cpu")  # 32 MiB a pool
     for pool in (storage.key_cache, storage.value_cache):
         middle = pool.data_ptr() + pool.nbytes // 2
         assert "hg" in vm_flags(middle)
-    small = pool_zeros((HUGE_PAGE // 8,), torch.float32, "cpu")  # 1 MiB: under two huge pages
-    assert "hg" not in vm_flags(small.data_ptr())
