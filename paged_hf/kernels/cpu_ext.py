@@ -10,7 +10,7 @@ oneDNN linear of ``paged_hf.packed_linear``; ``pin_threads``
 is the sampler's argmax over a step's logits. The library is compiled once per
 machine with the system's C++ compiler (``$CXX`` or ``c++``) against the installed torch (``FLAGS``: ``-march=native``,
 and ``-fopenmp`` so ``at::parallel_for`` runs on torch's own OpenMP threads: the soname resolves to torch's runtime),
-into ``$PAGED_HF_CACHE`` (default ``~/.cache/paged_hf``)``/cpu_kernels/<hash>/``; the hash covers the sources, torch's
+into ``$PAGED_HF_CACHE`` (default ``~/.cache/paged_hf``)``/cpu_kernels/<hash>/``; the hash covers the sources (and ``csrc/vec16.h``, which they include), torch's
 version, the compiler and the CPU's flags, so a changed kernel, torch or machine builds anew. Concurrent processes
 (test workers, tensor-parallel ranks) build under one file lock, and the library appears under its final name only
 once complete.
@@ -43,6 +43,7 @@ ENV_VAR = "PAGED_HF_CPU_KERNELS"
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_decode.cpp", "paged_prefill.cpp", "paged_step.cpp", "packed_linear.cpp",
                              "pin_threads.cpp", "greedy.cpp"))
+HEADERS = (Path(__file__).with_name("csrc") / "vec16.h",)  # included by the sources: part of the build's hash
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w")
 
 _lock = threading.Lock()
@@ -115,7 +116,7 @@ def _register_fakes() -> None:
 
 def _build(compiler: str) -> Path:
     """The library for these sources, torch, compiler and CPU: built now unless already in the cache."""
-    source = b"\0".join(path.read_bytes() for path in SOURCES)
+    source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), compiler.encode(), " ".join(FLAGS).encode(),

@@ -8,34 +8,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <bit>
+#include "vec16.h"
+
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 namespace {
 
-typedef float f16v __attribute__((vector_size(64)));
-typedef int32_t i16v __attribute__((vector_size(64)));
-typedef uint16_t u16v __attribute__((vector_size(32)));
-typedef uint32_t u32v __attribute__((vector_size(64)));
-constexpr int64_t LANES = 16;
-
-inline f16v load16(const float* p) {
-  f16v v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline f16v load16(const c10::BFloat16* p) {
-  u16v raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  u32v wide = __builtin_convertvector(raw, u32v) << 16;
-  f16v v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
-}
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+using namespace paged_hf_vec;
 
 // Whether value a at index i goes before value b at index j: a NaN before a number, a larger number before a
 // smaller, and between equals (or two NaNs) the smaller index.
@@ -51,12 +31,12 @@ int64_t row_argmax(const T* row, int64_t V) {
   int64_t best_index = -1;
   if (V >= LANES) {
     f16v lane_best = load16(row);
-    const i16v lane_ids = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    i16v lane_index = lane_ids;  // V < 2^31: a vocabulary's size
+    const i32v lane_ids = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    i32v lane_index = lane_ids;  // V < 2^31: a vocabulary's size
     for (v = LANES; v + LANES <= V; v += LANES) {
       const f16v x = load16(row + v);
       // replace where x is larger, or x is a NaN and the lane's best is not (a lane keeps its first NaN)
-      const i16v take = (x > lane_best) | ((x != x) & (lane_best == lane_best));
+      const i32v take = (x > lane_best) | ((x != x) & (lane_best == lane_best));
       lane_best = take ? x : lane_best;
       lane_index = take ? lane_ids + static_cast<int32_t>(v) : lane_index;
     }

@@ -14,8 +14,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec16.h"
+
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -29,28 +30,7 @@
 
 namespace {
 
-// 16 floats: GCC/Clang vector extensions, lowered to the widest SIMD the compiler targets (-march=native here), so
-// one source serves AVX-512, AVX2 or plain SSE machines.
-typedef float f16v __attribute__((vector_size(64)));
-typedef uint16_t u16v __attribute__((vector_size(32)));
-typedef uint32_t u32v __attribute__((vector_size(64)));
-constexpr int64_t LANES = 16;
-
-inline f16v load16(const float* p) {
-  f16v v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline f16v load16(const c10::BFloat16* p) {
-  u16v raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  u32v wide = __builtin_convertvector(raw, u32v) << 16;
-  f16v v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
-}
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+using namespace paged_hf_vec;
 
 inline float reduce16(f16v v) {
   typedef float f8v __attribute__((vector_size(32)));
@@ -63,7 +43,6 @@ inline float reduce16(f16v v) {
 // exp(x) for 16 lanes, x <= 0 (scores minus their maximum): 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, and
 // 2^f by its degree-6 Taylor polynomial in f ln 2 (relative error below 2e-7, float32's own rounding); x below
 // -87 gives 2^-126, which the sums ignore as they would exp(x).
-typedef int32_t i32v __attribute__((vector_size(64)));
 inline f16v exp16(f16v x) {
   const f16v low = f16v{} - 87.f;
   x = x < low ? low : x;
@@ -196,7 +175,8 @@ inline void store_scores(f16v* part, int64_t m, float scale, float softcap, floa
 // generic loop serves the rest.
 template <typename T, int DV, int G>
 void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int64_t first, int64_t len, int64_t B,
-                  int64_t row_stride, int64_t KHI, const float* q, const T* /*q_raw*/, float /*scale*/, float softcap,
+                  int64_t row_stride, int64_t KHI, const float* q, const T* /*q_rows*/, int64_t /*q_row_stride*/,
+                  float /*scale*/, float softcap,
                   float* scores, float* total, float* out) {
   constexpr int64_t D = DV * LANES;
   const int64_t n = len - first, first_block = first / B, blocks = (len + B - 1) / B;
@@ -258,7 +238,7 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
 inline __m512bh load_bf16x32(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 // decode_heads for bfloat16 pools on AVX512-BF16 (head dim D = 32 * DV2): the scores by vdpbf16ps of the bfloat16
-// query (q_raw, unscaled: the score is scaled once, in float32) with each key row, sixteen rows of a block at a time
+// query (q_rows, row h at q_rows + h * q_row_stride, unscaled: the score is scaled once, in float32) with each key row, sixteen rows of a block at a time
 // summed by sum16x16 (as decode_heads); the values widened to float32 by a shift (even elements) and a mask (odd ones) of the same
 // load, so `out` holds each 32-element slice even elements first, put back in order at the end. Products are exact
 // in float32 and sums are float32, as in decode_heads; vdpbf16ps adds two products per step, so the rounding order
@@ -266,8 +246,8 @@ inline __m512bh load_bf16x32(const c10::BFloat16* p) { return (__m512bh)_mm512_l
 template <int DV2, int G>
 void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat16* const* value_blocks, int64_t first,
                        int64_t len, int64_t B, int64_t row_stride, int64_t KHI, const float* /*q*/,
-                       const c10::BFloat16* q_raw, float scale, float softcap, float* scores, float* total,
-                       float* out) {
+                       const c10::BFloat16* q_rows, int64_t q_row_stride, float scale, float softcap, float* scores,
+                       float* total, float* out) {
   constexpr int64_t D = DV2 * 32;
   const int64_t n = len - first, first_block = first / B, blocks = (len + B - 1) / B;
   f16v part[G][LANES];  // a chunk's per-row partial sums, row t of query head g at part[g][t]
@@ -276,11 +256,11 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
     for (int64_t h = 0; h < KHI; ++h) {
       __m512bh qv[G][DV2];
       for (int g = 0; g < G; ++g)
-        for (int j = 0; j < DV2; ++j) qv[g][j] = load_bf16x32(q_raw + (h * G + g) * D + j * 32);
+        for (int j = 0; j < DV2; ++j) qv[g][j] = load_bf16x32(q_rows + (h * G + g) * q_row_stride + j * 32);
       const c10::BFloat16* rows = key_blocks[b] + h * D;
       float* sc = scores + h * G * n - first;
-      for (int64_t p = start; p < stop; p += 16) {  // sixteen rows (fewer at a block's end) a chunk
-        const int64_t m = std::min<int64_t>(16, stop - p);
+      for (int64_t p = start; p < stop; p += LANES) {  // sixteen rows (fewer at a block's end) a chunk
+        const int64_t m = std::min<int64_t>(LANES, stop - p);
         const c10::BFloat16* k = rows + (p - b * B) * row_stride;
         for (int64_t t = 0; t < m; ++t, k += row_stride) {
           __m512bh kv[DV2];
@@ -343,7 +323,7 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
 
 template <typename T>
 using HeadFn = void (*)(const T* const*, const T* const*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*,
-                        const T*, float, float, float*, float*, float*);
+                        const T*, int64_t, float, float, float*, float*, float*);
 
 // decode_heads for (D, G), or nullptr where it does not apply.
 template <typename T>
@@ -389,7 +369,6 @@ HeadFn<T> head_kernel(int64_t D, int64_t G) {
 struct Scratch {
   std::vector<float> q, kv, acc, total, scores;
   std::vector<const void*> key_blocks, value_blocks;
-  std::vector<uint16_t> q_raw;  // the item's query rows as given (decode_heads_bf16 reads them)
 };
 
 template <typename T, typename I, typename L>
@@ -429,11 +408,8 @@ void decode_item(int64_t s, int64_t k0, int64_t k1, const T* query, const T* key
       kb[b] = key_cache + base;
       vb[b] = value_cache + base;
     }
-    scratch.q_raw.resize(heads * D * sizeof(T) / sizeof(uint16_t) + 1);
-    T* q_raw = reinterpret_cast<T*>(scratch.q_raw.data());
-    for (int64_t h = 0; h < heads; ++h)
-      std::memcpy(q_raw + h * D, query + s * q_stride_s + (h0 + h) * q_stride_h, sizeof(T) * D);
-    head_fn(kb, vb, first, len, B, row, k1 - k0, q, q_raw, scale, softcap, scores, scratch.total.data(), acc);
+    head_fn(kb, vb, first, len, B, row, k1 - k0, q, query + s * q_stride_s + h0 * q_stride_h, q_stride_h, scale,
+            softcap, scores, scratch.total.data(), acc);
   } else {
     scratch.kv.resize(width);
     float* kv = scratch.kv.data();
