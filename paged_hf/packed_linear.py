@@ -1,21 +1,35 @@
-"""bfloat16 linears on a CPU through oneDNN with the weight reordered once (AMX where the CPU has it).
+"""CPU linears through oneDNN with the weight reordered once: bfloat16 (AMX or AVX512-BF16 where the CPU has them,
+else a float32 copy) and float32.
 
 Eager ``F.linear`` in bfloat16 already runs oneDNN, but reorders the weight into oneDNN's blocked layout at every
 call: at the engine's token counts (a decode step is ``M`` = the running sequences) that reorder costs more than the
-product (``benchmarks/gemm.py``). ``pack_linears`` reorders each ``nn.Linear`` weight of a bfloat16 CPU model once
-(``torch.ops.mkldnn._reorder_linear_weight``) and switches the module to ``PackedLinear``, whose forward is the custom
-op ``paged_hf::packed_linear(x [..., in], weight [out, in], bias?, key: int) -> [..., out]`` over
+product (``benchmarks/gemm.py``). In float32 ``F.linear`` runs MKL's sgemm, which on an AVX2 AMD EPYC is 1.5-2.5x
+slower than oneDNN's float32 product at decode sizes (SmolLM2's 576 x 49,152 head at 8 rows: 40 against 15 ms)
+and level at prefill sizes; vLLM's CPU build runs oneDNN for both dtypes. ``pack_linears`` reorders each
+``nn.Linear`` weight of a bfloat16 or float32 CPU model once (``torch.ops.mkldnn._reorder_linear_weight``) and
+switches the module to ``PackedLinear``, whose forward is the custom op
+``paged_hf::packed_linear(x [..., in], weight [out, in], bias?, key: 0-d int64) -> [..., out]`` over
 ``torch.ops.mkldnn._linear_pointwise``: opaque to dynamo, so the compiled forward and the eager one run the same
-kernel. The output equals ``F.linear``'s bit for bit at one thread (tested) and at the decode sizes; with two
-threads and 512 rows oneDNN splits the two layouts' work differently and a few outputs differ by one bfloat16 ulp
-(``benchmarks/gemm.py`` prints the difference): bfloat16 engine logits are bounded, not exact (``test_cpu_bf16.py``).
+kernel.
 
-The packed copy is kept beside the model's own weight (a stock model's parameters stay the user's: ``state_dict``,
-tied embeddings, ``.to()``): at most one more copy of the linear weights (SmolLM2-135M, measured: +82 MiB of RSS
-for 256 MiB of linear weights; where oneDNN's layout is the plain one the copy is not made). The op checks that the weight is still
-the one packed (same storage, same version counter, bfloat16 on the CPU): a weight loaded or changed in place is
-packed again at its next call, any other dtype or device runs ``F.linear``: a packed copy is never stale.
-Off with ``PAGED_HF_PACKED_LINEAR=0``. float32 stays on MKL's sgemm (oneDNN's float32 rounds differently).
+- bfloat16 where oneDNN has bfloat16 dot products: the output equals ``F.linear``'s bit for bit at one thread
+  (tested) and at the decode sizes; with two threads and 512 rows oneDNN splits the two layouts' work differently
+  and a few outputs differ by one bfloat16 ulp (``benchmarks/gemm.py`` prints the difference).
+- bfloat16 on a CPU without them (AVX2: oneDNN's and torch's bfloat16 products run 4-5x slower than float32 there):
+  the copy is float32, the input is widened, the product runs in float32 and is rounded to bfloat16 once, which is
+  what a bfloat16 product with float32 sums does, in another summation order (``widens``).
+- float32: oneDNN sums in another order than MKL: per output within ``2 K u sum|x w|`` of ``F.linear`` (tested);
+  on SmolLM2 the logits move by up to 1.2e-4 at magnitude 35 (3.5e-6 relative, greedy argmax unchanged on 200 of
+  200 positions), the size of the distance between the paged attention's and sdpa's sums (``README``).
+  ``PAGED_HF_PACKED_LINEAR=0`` keeps MKL and the bit-exact ``generate`` linears.
+
+bfloat16 engine logits are bounded, not exact (``test_cpu_bf16.py``). The packed copy is kept beside the model's
+own weight (a stock model's parameters stay the user's: ``state_dict``, tied embeddings, ``.to()``): at most one
+more copy of the linear weights, twice their size when widened (SmolLM2-135M, measured on AMX: +82 MiB of RSS for
+256 MiB of bfloat16 linear weights; where oneDNN's layout is the plain one the copy is not made). The op checks
+that the weight is still the one packed (same storage, same version counter, its dtype on the CPU): a weight loaded
+or changed in place is packed again at its next call, any other dtype or device runs ``F.linear``: a packed copy is
+never stale.
 """
 
 from __future__ import annotations
@@ -44,34 +58,51 @@ class _Packed(NamedTuple):
     weight: torch.Tensor  # oneDNN's opaque layout
     data_ptr: int  # the dense weight it was made from, and that weight's version counter then
     version: int
+    widen: bool  # a float32 copy of a bfloat16 weight
 
 
 _packs: dict[int, _Packed] = {}  # key -> the packed weight (dropped with its module)
 _keys = itertools.count()
 
 
-def _pack(weight: torch.Tensor) -> _Packed:
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
-    return _Packed(packed, weight.data_ptr(), weight._version)
+def _pack(weight: torch.Tensor, widen: bool) -> _Packed:
+    dense = weight.detach().float() if widen else weight.detach()
+    packed = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_BATCH_HINT)
+    return _Packed(packed, weight.data_ptr(), weight._version, widen)
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    """A plain 2-d bfloat16 CPU tensor (a tensor subclass, e.g. a tensor-parallel DTensor shard, stays unpacked)."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+    """A plain 2-d bfloat16 or float32 CPU tensor (a tensor subclass, e.g. a tensor-parallel DTensor shard, stays
+    unpacked)."""
+    return (weight.dtype in (torch.bfloat16, torch.float32) and weight.device.type == "cpu" and weight.dim() == 2
             and type(weight.detach()) is torch.Tensor)
 
 
+def widens(dtype: torch.dtype) -> bool | None:
+    """How a CPU linear of ``dtype`` is packed: False (oneDNN in that dtype), True (a bfloat16 weight kept as a
+    float32 copy, the product in float32 and rounded to bfloat16 once: a CPU without bfloat16 dot products, where
+    oneDNN's bfloat16 product is several times slower than its float32 one), None (not packed)."""
+    if dtype == torch.bfloat16:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return False if dtype == torch.float32 else None
+
+
 @torch.library.custom_op("paged_hf::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the weight packed under ``key`` (packed again when ``weight`` changed)."""
-    entry = _packs.get(key)
+    entry = _packs.get(int(key))
     if entry is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     if entry.data_ptr != weight.data_ptr() or entry.version != weight._version:  # the packed weight is not this one
         if not _packable(weight):  # moved to another dtype or device: the plain product
             return F.linear(x, weight, bias)
-        entry = _packs[key] = _pack(weight)
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), entry.weight, bias, "none", [], "")
+        entry = _packs[int(key)] = _pack(weight, entry.widen and weight.dtype == torch.bfloat16)
+    rows = x.reshape(-1, x.shape[-1])
+    if entry.widen:
+        out = torch.ops.mkldnn._linear_pointwise(rows.float(), entry.weight, None if bias is None else bias.float(),
+                                                 "none", [], "").to(x.dtype)
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(rows, entry.weight, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -84,8 +115,8 @@ class PackedLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose forward is ``paged_hf_cpu::packed_linear`` (``_cpp``) or ``paged_hf::packed_linear``
     (made by ``pack_linears``, never directly)."""
 
-    _pack_key: int
-    _cpp: bool
+    _pack_key: torch.Tensor  # 0-d int64, a non-persistent buffer: an int attribute would be a constant of the
+    _cpp: bool  # compiled graph, and each new model's keys would compile it again
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self._cpp:
@@ -139,32 +170,37 @@ def enabled() -> bool:
 
 
 def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> int:
-    """Packs every bfloat16 CPU ``nn.Linear`` of ``model`` (idempotent) where oneDNN runs bfloat16; returns how many
-    were packed now. Nothing where ``PAGED_HF_PACKED_LINEAR=0``, the model is not bfloat16 or not on a CPU, or the
-    packed copy would take more than half of ``available_bytes`` (the memory free now, as the caller measured it;
-    None: no bound), which is logged."""
-    if not enabled() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    """Packs every bfloat16 or float32 CPU ``nn.Linear`` of ``model`` for oneDNN (idempotent; ``widens`` says how);
+    returns how many were packed now. Nothing where ``PAGED_HF_PACKED_LINEAR=0``, or where the packed copies would
+    take more than half of ``available_bytes`` (the memory free now, as the caller measured it; None: no bound),
+    which is logged."""
+    if not enabled():
         return 0
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and _packable(m.weight)]
-    needed = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    linears = [m for m in model.modules()
+               if type(m) is torch.nn.Linear and _packable(m.weight) and widens(m.weight.dtype) is not None]
+    needed = sum(m.weight.numel() * (4 if widens(m.weight.dtype) else m.weight.element_size()) for m in linears)
+    dtypes = "/".join(sorted({str(m.weight.dtype).removeprefix("torch.") for m in linears}))
     # the copy must not crowd out the KV pool the engine sizes next
     if linears and available_bytes is not None and needed > available_bytes // 2:
-        logger.warning("not packing %d bfloat16 linear weights for oneDNN: their copy (%.0f MiB) is over half the "
-                       "available memory (%.0f MiB); they run through F.linear", len(linears), needed / 2**20,
-                       available_bytes / 2**20)
+        logger.warning("not packing %d %s linear weights for oneDNN: their copy (%.0f MiB) is over half the "
+                       "available memory (%.0f MiB); they run through F.linear", len(linears), dtypes,
+                       needed / 2**20, available_bytes / 2**20)
         return 0
     cpp = bool(linears) and cpu_ext.loaded()
     for module in linears:
-        key = next(_keys)
+        key, widen = next(_keys), bool(widens(module.weight.dtype))
         if cpp:
-            torch.ops.paged_hf_cpu.pack_linear(module.weight.detach(), key, PACK_BATCH_HINT)
+            torch.ops.paged_hf_cpu.pack_linear(module.weight.detach(), key, PACK_BATCH_HINT, widen)
             weakref.finalize(module, torch.ops.paged_hf_cpu.unpack_linear, key)
         else:
-            _packs[key] = _pack(module.weight)
+            _packs[key] = _pack(module.weight, widen)
             weakref.finalize(module, _packs.pop, key, None)
-        module._pack_key, module._cpp = key, cpp
+        module.register_buffer("_pack_key", torch.tensor(key, dtype=torch.int64), persistent=False)
+        module._cpp = cpp
         module.__class__ = PackedLinear
     if linears:
-        logger.info("packed %d bfloat16 linear weights for oneDNN once (at most %.0f MiB more; %s=0 turns it off)",
-                    len(linears), needed / 2**20, ENV)
+        how = ("as float32 copies: this CPU has no bfloat16 dot products" if any(widens(m.weight.dtype) for m in linears)
+               else "once")
+        logger.info("packed %d %s linear weights for oneDNN %s (at most %.0f MiB more; %s=0 turns it off)",
+                    len(linears), dtypes, how, needed / 2**20, ENV)
     return len(linears)

@@ -99,23 +99,23 @@ def test_the_fusion_pass_groups_the_linears_of_one_input_and_keeps_their_values(
     weights = [m.weight.detach() for m in (*linears, other)]
     keys = [m._pack_key for m in (*linears, other)]
 
-    def forward(x, y, wq, wk, wv, wo):
+    def forward(x, y, wq, wk, wv, wo, *keys):  # the keys are inputs, as the module buffers they are in the engine
         q, k, v = (torch.ops.paged_hf_cpu.packed_linear(x, w, None, key) for w, key in zip((wq, wk, wv), keys))
         alone = torch.ops.paged_hf_cpu.packed_linear(y, wo, None, keys[3])  # no sibling: left as it is
         return q * 2, k + 1, v, alone
 
     x, y = torch.randn(5, 32).to(torch.bfloat16), torch.randn(5, 24).to(torch.bfloat16)
-    graph = torch.fx.experimental.proxy_tensor.make_fx(forward, tracing_mode="fake")(x, y, *weights)
+    graph = torch.fx.experimental.proxy_tensor.make_fx(forward, tracing_mode="fake")(x, y, *weights, *keys)
     FusePackedLinears()(graph.graph)
     graph.recompile()
     targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
     assert targets.count(torch.ops.paged_hf_cpu.packed_linear_group.default) == 1
     assert targets.count(torch.ops.paged_hf_cpu.packed_linear.default) == 1
     want = (F.linear(x, weights[0]) * 2, F.linear(x, weights[1]) + 1, F.linear(x, weights[2]), F.linear(y, weights[3]))
-    for got, expected in zip(graph(x, y, *weights), want):
+    for got, expected in zip(graph(x, y, *weights, *keys), want):
         assert torch.equal(got, expected)
     weights[1].mul_(-1)  # a member changed in place: the group is packed again
-    assert torch.equal(graph(x, y, *weights)[1], F.linear(x, weights[1]) + 1)
+    assert torch.equal(graph(x, y, *weights, *keys)[1], F.linear(x, weights[1]) + 1)
 
 
 def test_a_second_engine_over_the_same_config_compiles_no_new_graph():

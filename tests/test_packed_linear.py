@@ -1,6 +1,8 @@
-"""bfloat16 CPU linears packed once for oneDNN (``paged_hf.packed_linear``): bit-identical to ``F.linear``, compiled
-and eager; a changed weight is packed again; float32 and ``PAGED_HF_PACKED_LINEAR=0`` stay unpacked; the engine packs
-its bfloat16 model and its greedy tokens equal the unpacked engine's and generate + DynamicCache's."""
+"""CPU linears packed once for oneDNN (``paged_hf.packed_linear``): bfloat16 bit-identical to ``F.linear`` where
+oneDNN has bfloat16 (else a float32 copy, within one rounding of the float32 product), float32 within the summation
+bound of ``F.linear``'s, compiled and eager; a changed weight is packed again; float16 and
+``PAGED_HF_PACKED_LINEAR=0`` stay unpacked; the engine packs its model and its greedy tokens equal the unpacked
+engine's and generate + DynamicCache's."""
 
 from __future__ import annotations
 
@@ -18,25 +20,57 @@ from paged_hf.packed_linear import PackedLinear, pack_linears
 from models import tiny_model
 from test_engine_families import prompts
 
-pytestmark = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                                reason="oneDNN has no bfloat16 on this CPU")
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-def linear(n_in: int, n_out: int, bias: bool, seed: int = 0) -> torch.nn.Linear:
+NATIVE_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def linear(n_in: int, n_out: int, bias: bool, seed: int = 0, dtype=torch.bfloat16) -> torch.nn.Linear:
     torch.manual_seed(seed)
-    return torch.nn.Linear(n_in, n_out, bias=bias).to(torch.bfloat16)
+    return torch.nn.Linear(n_in, n_out, bias=bias).to(dtype)
+
+
+def assert_like_f_linear(got, x, weight, bias):
+    """bfloat16 with oneDNN's bfloat16: F.linear's bits. Otherwise within the float32 product's summation bound
+    (two orders of ``K`` terms: ``2 K u sum|x w|``, u = 2^-24) of F.linear in float32, plus, for bfloat16 (widened),
+    the one rounding of that product to bfloat16 (half an ulp: at most 2^-8 relative)."""
+    if x.dtype == torch.bfloat16 and NATIVE_BF16:
+        assert torch.equal(got, F.linear(x, weight, bias))
+        return
+    wide = [t.float() if t is not None else None for t in (x, weight, bias)]
+    exact = F.linear(*wide)
+    terms = F.linear(wide[0].abs(), wide[1].abs(), None if bias is None else wide[2].abs())
+    bound = 2 * x.shape[-1] * 2**-24 * terms + 1e-30
+    if x.dtype == torch.bfloat16:
+        bound = bound + exact.abs() * 2**-8
+    assert got.dtype == x.dtype
+    excess = (got.float() - exact).abs() - bound
+    assert excess.max() <= 0, f"{excess.max().item()} over the bound"
 
 
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 70), n_in=st.integers(1, 96), n_out=st.integers(1, 96), bias=st.booleans(),
-       lead=st.sampled_from([(), (1,), (2,)]))
-def test_packed_equals_f_linear_bit_for_bit(rows, n_in, n_out, bias, lead):
-    module = linear(n_in, n_out, bias)
-    x = torch.randn(*lead, rows, n_in).to(torch.bfloat16)
-    expected = F.linear(x, module.weight, module.bias)
+       lead=st.sampled_from([(), (1,), (2,)]), dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_packed_equals_f_linear(rows, n_in, n_out, bias, lead, dtype):
+    module = linear(n_in, n_out, bias, dtype=dtype)
+    x = torch.randn(*lead, rows, n_in).to(dtype)
     assert pack_linears(module) == 1 and type(module) is PackedLinear
-    assert torch.equal(module(x), expected)
+    assert_like_f_linear(module(x), x, module.weight, module.bias)
+
+
+def test_float32_products_at_engine_sizes_keep_the_bound():
+    """A decode step's head and a prefill chunk's projections (SmolLM2's widths), where oneDNN blocks the sums."""
+    for rows, n_in, n_out in ((8, 576, 4096), (300, 576, 1536), (33, 1536, 576)):
+        module = linear(n_in, n_out, False, dtype=torch.float32)
+        x = torch.randn(rows, n_in)
+        pack_linears(module)
+        assert_like_f_linear(module(x), x, module.weight, None)
+
+
+def test_widening_is_chosen_where_onednn_has_no_bfloat16():
+    assert packed_linear.widens(torch.bfloat16) is (not NATIVE_BF16)
+    assert packed_linear.widens(torch.float32) is False and packed_linear.widens(torch.float16) is None
 
 
 def test_compiled_packed_linear_equals_eager_over_dynamic_rows():
@@ -46,7 +80,8 @@ def test_compiled_packed_linear_equals_eager_over_dynamic_rows():
     with torch.inference_mode():
         for rows in (1, 7, 33):
             x = torch.randn(rows, 64).to(torch.bfloat16)
-            assert torch.equal(compiled(x), F.linear(x, module.weight, module.bias))
+            assert torch.equal(compiled(x), module(x))
+            assert_like_f_linear(compiled(x), x, module.weight, module.bias)
 
 
 def test_a_weight_changed_after_packing_is_packed_again():
@@ -56,18 +91,21 @@ def test_a_weight_changed_after_packing_is_packed_again():
     module(x)
     with torch.no_grad():
         module.weight.mul_(-2)  # in place: the version counter moves
-    assert torch.equal(module(x), F.linear(x, module.weight))
+    assert_like_f_linear(module(x), x, module.weight, None)
     module.load_state_dict({"weight": torch.randn(16, 32).to(torch.bfloat16)})
-    assert torch.equal(module(x), F.linear(x, module.weight))
+    assert_like_f_linear(module(x), x, module.weight, None)
 
 
-def test_other_dtypes_run_f_linear_and_float32_is_never_packed():
+def test_other_dtypes_run_f_linear_and_float16_is_never_packed():
     module = linear(32, 16, True)
-    assert pack_linears(module.float()) == 0 and type(module) is torch.nn.Linear
+    assert pack_linears(module.half()) == 0 and type(module) is torch.nn.Linear
     pack_linears(module.to(torch.bfloat16))
-    x = torch.randn(3, 32)
-    module.float()  # packed in bfloat16, now float32: the op falls back to F.linear
+    x = torch.randn(3, 32).half()
+    module.half()  # packed in bfloat16, now float16: the op falls back to F.linear
     assert torch.equal(module(x), F.linear(x, module.weight, module.bias))
+    module.float()  # float32 now: packed again, in float32
+    x = torch.randn(3, 32)
+    assert_like_f_linear(module(x), x, module.weight, module.bias)
 
 
 def test_the_env_var_turns_packing_off_and_refuses_other_values(monkeypatch):
@@ -80,19 +118,21 @@ def test_the_env_var_turns_packing_off_and_refuses_other_values(monkeypatch):
 
 def test_a_copy_over_half_the_available_memory_is_not_made(caplog):
     model = torch.nn.Sequential(linear(64, 64, True), linear(64, 32, False))  # 12 KiB of bfloat16 weights
+    copy_kib = 12 if NATIVE_BF16 else 24  # widened: a float32 copy
     with caplog.at_level("WARNING", logger="paged_hf"):
-        assert pack_linears(model, available_bytes=20 * 1024) == 0
+        assert pack_linears(model, available_bytes=(2 * copy_kib - 1) * 1024) == 0
     assert "not packing 2 bfloat16 linear weights" in caplog.text
     assert all(type(m) is torch.nn.Linear for m in model)
-    assert pack_linears(model, available_bytes=40 * 1024) == 2
+    assert pack_linears(model, available_bytes=2 * copy_kib * 1024) == 2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("enforce_eager", [False, True])
-def test_bfloat16_engine_packs_and_keeps_its_greedy_tokens(enforce_eager, monkeypatch):
+def test_engine_packs_and_keeps_its_greedy_tokens(enforce_eager, dtype, monkeypatch):
     """The packed engine's greedy tokens == the unpacked engine's (compiled and eager); and generate + DynamicCache
     (sdpa) over the packed model == over the unpacked one. (The bfloat16 paged attention itself may differ from sdpa
     by rounding: ``test_cpu_bf16.py`` bounds that.)"""
-    model = tiny_model("llama").to(torch.bfloat16)
+    model = tiny_model("llama").to(dtype)
     unpacked_model = copy.deepcopy(model)
     options = dict(block_size=4, num_blocks=128, max_num_batched_tokens=9, enforce_eager=enforce_eager)
     monkeypatch.setenv(packed_linear.ENV, "0")
@@ -129,17 +169,20 @@ def test_without_the_cpu_kernels_the_python_op_serves(monkeypatch):
     module = linear(48, 40, True)
     x = torch.randn(5, 48).to(torch.bfloat16)
     assert pack_linears(module) == 1 and type(module) is PackedLinear and not module._cpp
-    assert module._pack_key in packed_linear._packs
-    assert torch.equal(module(x), F.linear(x, module.weight, module.bias))
+    assert int(module._pack_key) in packed_linear._packs
+    assert_like_f_linear(module(x), x, module.weight, module.bias)
     with torch.no_grad():
         module.weight.mul_(3)
-    assert torch.equal(module(x), F.linear(x, module.weight, module.bias))
+    assert_like_f_linear(module(x), x, module.weight, module.bias)
+    f32 = linear(48, 40, True, dtype=torch.float32)
+    assert pack_linears(f32) == 1 and not f32._cpp
+    assert_like_f_linear(f32(x.float()), x.float(), f32.weight, f32.bias)
 
 
 def test_with_the_cpu_kernels_the_cpp_op_serves():
     if not packed_linear.cpu_ext.loaded():
         pytest.skip("the CPU kernels could not be built here")
     module = linear(48, 40, False)
-    assert pack_linears(module) == 1 and module._cpp and module._pack_key not in packed_linear._packs
+    assert pack_linears(module) == 1 and module._cpp and int(module._pack_key) not in packed_linear._packs
     x = torch.randn(2, 3, 48).to(torch.bfloat16)
-    assert torch.equal(module(x), F.linear(x, module.weight))
+    assert_like_f_linear(module(x), x, module.weight, None)

@@ -1,11 +1,16 @@
-// bfloat16 linears through oneDNN with the weight reordered once: the dispatch of paged_hf.packed_linear in C++, so
-// that a call costs the dispatcher's few microseconds instead of a Python function's.
+// Linears through oneDNN with the weight reordered once: the dispatch of paged_hf.packed_linear in C++, so that a
+// call costs the dispatcher's few microseconds instead of a Python function's.
 //
-// paged_hf_cpu::pack_linear(Tensor weight, int key, int batch_hint) -> ()   reorders `weight` and keeps it under `key`
+// paged_hf_cpu::pack_linear(Tensor weight, int key, int batch_hint, bool widen) -> ()
+//     reorders `weight` (bfloat16 or float32) and keeps it under `key`; `widen` (a bfloat16 weight on a CPU without
+//     bfloat16 dot products) keeps a float32 copy instead and multiplies in float32, the output rounded to bfloat16
+//     once, as oneDNN's bfloat16 product rounds its float32 sums
 // paged_hf_cpu::unpack_linear(int key) -> ()                                 drops it (its module was collected)
-// paged_hf_cpu::packed_linear(Tensor x [..., in], Tensor weight [out, in], Tensor? bias, int key) -> [..., out]
+// paged_hf_cpu::packed_linear(Tensor x [..., in], Tensor weight [out, in], Tensor? bias, Tensor key) -> [..., out]
+//     `key` a 0-d int64 tensor (a module buffer: an int attribute would be a constant of the compiled graph, and
+//     every new model's keys would compile it again)
 //
-// paged_hf_cpu::packed_linear_group(Tensor x [..., in], Tensor[] weights [out_i, in], Tensor?[] biases, int[] keys)
+// paged_hf_cpu::packed_linear_group(Tensor x [..., in], Tensor[] weights [out_i, in], Tensor?[] biases, Tensor[] keys)
 //     -> [..., sum out_i]
 //     the linears of one input at once (a layer's q/k/v, gate/up: what the compiled forward's FusePackedLinears
 //     pass groups), through one packed copy of their weights concatenated (packed on first use, again when any member
@@ -14,8 +19,8 @@
 //
 // packed_linear equals F.linear(x, weight, bias) with the packed copy when the copy is still of this weight (same
 // data pointer and version counter), packs it again when the weight was changed in place or replaced by another
-// bfloat16 CPU tensor, and runs F.linear itself when no copy is kept under `key`, x's dtype differs, or the weight
-// is no longer a bfloat16 CPU tensor. The packed copy is in oneDNN's blocked layout
+// CPU tensor of its dtype, and runs F.linear itself when no copy is kept under `key`, x's dtype differs, or the
+// weight is no longer a bfloat16 or float32 CPU tensor. The packed copy is in oneDNN's blocked layout
 // (mkldnn::_reorder_linear_weight), multiplied by mkldnn::_linear_pointwise (AMX where the CPU has it).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -36,6 +41,7 @@ struct Packed {
   const void* data = nullptr;  // the dense weight it was made from, and that weight's version counter then
   uint32_t version = 0;
   int64_t batch_hint = 32;
+  bool widen = false;  // a float32 copy of a bfloat16 weight: x goes in as float32, the product back to bfloat16
 };
 
 std::mutex packs_mutex;
@@ -44,14 +50,15 @@ std::unordered_map<int64_t, Packed>& packs() {
   return *table;
 }
 
-at::Tensor reorder(const at::Tensor& weight, int64_t batch_hint) {
+at::Tensor reorder(const at::Tensor& weight, int64_t batch_hint, bool widen) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
                        .typed<at::Tensor(const at::Tensor&, std::optional<int64_t>)>();
-  return op.call(weight, batch_hint);
+  return op.call(widen ? weight.to(at::kFloat) : weight, batch_hint);
 }
 
-at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+at::Tensor linear_pointwise_raw(const at::Tensor& x, const at::Tensor& packed,
+                                const std::optional<at::Tensor>& bias) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -60,15 +67,26 @@ at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed, const
   return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
 }
 
-bool packable(const at::Tensor& weight) {
-  return weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu() && weight.dim() == 2 &&
-         weight.layout() == at::kStrided;
+// x [rows, in] times the packed weight; widened: in float32, the result rounded to x's dtype.
+at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                            bool widen) {
+  if (!widen) return linear_pointwise_raw(x, packed, bias);
+  std::optional<at::Tensor> wide_bias;
+  if (bias.has_value() && bias->defined()) wide_bias = bias->to(at::kFloat);
+  return linear_pointwise_raw(x.to(at::kFloat), packed, wide_bias).to(x.scalar_type());
 }
 
-void pack_linear(const at::Tensor& weight, int64_t key, int64_t batch_hint) {
-  TORCH_CHECK(packable(weight), "pack_linear: a 2-d bfloat16 CPU weight, not ", weight.scalar_type(), " ",
+bool packable(const at::Tensor& weight) {
+  return (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) && weight.device().is_cpu() &&
+         weight.dim() == 2 && weight.layout() == at::kStrided;
+}
+
+void pack_linear(const at::Tensor& weight, int64_t key, int64_t batch_hint, bool widen) {
+  TORCH_CHECK(packable(weight), "pack_linear: a 2-d bfloat16 or float32 CPU weight, not ", weight.scalar_type(), " ",
               weight.dim(), "-d on ", weight.device());
-  Packed entry{reorder(weight, batch_hint), weight.const_data_ptr(), weight._version(), batch_hint};
+  TORCH_CHECK(!widen || weight.scalar_type() == at::kBFloat16, "pack_linear: widen is for a bfloat16 weight, not ",
+              weight.scalar_type());
+  Packed entry{reorder(weight, batch_hint, widen), weight.const_data_ptr(), weight._version(), batch_hint, widen};
   std::lock_guard<std::mutex> lock(packs_mutex);
   packs()[key] = std::move(entry);
 }
@@ -83,25 +101,35 @@ void unpack_linear(int64_t key) {
   forget_groups(key);
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                         int64_t key) {
+int64_t key_of(const at::Tensor& key) {
+  TORCH_CHECK(key.numel() == 1 && key.scalar_type() == at::kLong && key.device().is_cpu(),
+              "packed_linear: the key is a one-element int64 CPU tensor");
+  return *key.const_data_ptr<int64_t>();
+}
+
+at::Tensor packed_linear_by_key(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                int64_t key) {
   at::Tensor packed;
+  bool widen = false;
   {
     std::lock_guard<std::mutex> lock(packs_mutex);
     auto found = packs().find(key);
     if (found != packs().end() && x.scalar_type() == weight.scalar_type()) {
       Packed& entry = found->second;
       if (entry.data != weight.const_data_ptr() || entry.version != weight._version()) {
-        if (packable(weight)) entry = Packed{reorder(weight, entry.batch_hint), weight.const_data_ptr(),
-                                             weight._version(), entry.batch_hint};
-        else entry.weight = at::Tensor();  // another dtype or device now: the plain product until packed again
+        // widening stays for a bfloat16 weight only; another dtype or device: the plain product until packed again
+        const bool wide = entry.widen && weight.scalar_type() == at::kBFloat16;
+        if (packable(weight)) entry = Packed{reorder(weight, entry.batch_hint, wide), weight.const_data_ptr(),
+                                             weight._version(), entry.batch_hint, wide};
+        else entry.weight = at::Tensor();
       }
       packed = entry.weight;
+      widen = entry.widen;
     }
   }
   if (!packed.defined()) return at::linear(x, weight, bias);
   const int64_t in = x.size(-1);
-  auto out = linear_pointwise(x.reshape({-1, in}), packed, bias);
+  auto out = linear_pointwise(x.reshape({-1, in}), packed, bias, widen);
   auto shape = x.sizes().vec();
   shape.back() = weight.size(0);
   return out.view(shape);
@@ -109,6 +137,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const st
 
 struct Group {
   at::Tensor weight, bias;  // packed concatenation; bias concatenated (or undefined)
+  bool widen = false;
   std::vector<const void*> data;
   std::vector<uint32_t> versions;
 };
@@ -133,11 +162,18 @@ bool current(const Group& group, const std::vector<at::Tensor>& made_from) {
   return true;
 }
 
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         const at::Tensor& key) {
+  return packed_linear_by_key(x, weight, bias, key_of(key));
+}
+
 at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
-                               const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef keys) {
-  TORCH_CHECK(!weights.empty() && weights.size() == keys.size() && biases.size() == weights.size(),
+                               const c10::List<std::optional<at::Tensor>>& biases, at::TensorList key_tensors) {
+  TORCH_CHECK(!weights.empty() && weights.size() == key_tensors.size() && biases.size() == weights.size(),
               "packed_linear_group: one key and one bias (or None) per weight");
-  bool all_packable = x.scalar_type() == at::kBFloat16;
+  std::vector<int64_t> keys;
+  for (const auto& key : key_tensors) keys.push_back(key_of(key));
+  bool all_packable = true;
   bool any_bias = false, all_bias = true;
   for (size_t i = 0; i < weights.size(); ++i) {
     all_packable = all_packable && packable(weights[i]) && weights[i].scalar_type() == x.scalar_type();
@@ -147,19 +183,31 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
   }
   if (!all_packable || (any_bias && !all_bias)) {  // the members one by one
     std::vector<at::Tensor> parts;
-    for (size_t i = 0; i < weights.size(); ++i) parts.push_back(packed_linear(x, weights[i], biases.get(i), keys[i]));
+    for (size_t i = 0; i < weights.size(); ++i) parts.push_back(packed_linear_by_key(x, weights[i], biases.get(i), keys[i]));
     return at::cat(parts, -1);
   }
   at::Tensor packed, bias;
+  bool widen = false;
   {
     std::lock_guard<std::mutex> lock(packs_mutex);
-    Group& group = groups()[std::vector<int64_t>(keys.begin(), keys.end())];
+    const auto member = packs().find(keys[0]);
+    if (member == packs().end()) all_packable = false;  // not packed by pack_linears: the members one by one
+  }
+  if (!all_packable) {
+    std::vector<at::Tensor> parts;
+    for (size_t i = 0; i < weights.size(); ++i) parts.push_back(packed_linear_by_key(x, weights[i], biases.get(i), keys[i]));
+    return at::cat(parts, -1);
+  }
+  {
+    std::lock_guard<std::mutex> lock(packs_mutex);
+    Group& group = groups()[keys];
     const auto made_from = members(weights, biases, all_bias);
     if (!current(group, made_from)) {
-      const auto member = packs().find(keys[0]);
-      const int64_t batch_hint = member != packs().end() ? member->second.batch_hint : 32;
+      const Packed& first = packs().find(keys[0])->second;
+      const int64_t batch_hint = first.batch_hint;
+      group.widen = first.widen && x.scalar_type() == at::kBFloat16;
       std::vector<at::Tensor> dense(weights.begin(), weights.end());
-      group.weight = reorder(at::cat(dense, 0), batch_hint);
+      group.weight = reorder(at::cat(dense, 0), batch_hint, group.widen);
       std::vector<at::Tensor> bias_parts;
       for (size_t i = 0; all_bias && i < weights.size(); ++i) bias_parts.push_back(*biases.get(i));
       group.bias = all_bias ? at::cat(bias_parts, 0) : at::Tensor();
@@ -171,16 +219,18 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
       }
       for (int64_t key : keys) {  // the members' own copies are not needed while the group serves
         auto found = packs().find(key);
-        if (found != packs().end()) found->second = Packed{at::Tensor(), nullptr, 0, found->second.batch_hint};
+        if (found != packs().end())
+          found->second = Packed{at::Tensor(), nullptr, 0, found->second.batch_hint, found->second.widen};
       }
     }
     packed = group.weight;
     bias = group.bias;
+    widen = group.widen;
   }
   int64_t total = 0;
   for (const auto& w : weights) total += w.size(0);
   auto out = linear_pointwise(x.reshape({-1, x.size(-1)}), packed,
-                              bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+                              bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, widen);
   auto shape = x.sizes().vec();
   shape.back() = total;
   return out.view(shape);
@@ -197,10 +247,10 @@ void forget_groups(int64_t key) {  // a member's module was collected: drop ever
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(paged_hf_cpu, m) {
-  m.def("pack_linear(Tensor weight, int key, int batch_hint) -> ()");
+  m.def("pack_linear(Tensor weight, int key, int batch_hint, bool widen) -> ()");
   m.def("unpack_linear(int key) -> ()");
-  m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, int key) -> Tensor");
-  m.def("packed_linear_group(Tensor x, Tensor[] weights, Tensor?[] biases, int[] keys) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, Tensor key) -> Tensor");
+  m.def("packed_linear_group(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor[] keys) -> Tensor");
   m.impl("packed_linear_group", c10::DispatchKey::CPU, TORCH_FN(packed_linear_group));
   m.impl("pack_linear", c10::DispatchKey::CPU, TORCH_FN(pack_linear));
   m.impl("unpack_linear", TORCH_FN(unpack_linear));
