@@ -9,7 +9,8 @@ For each weight shape (SmolLM2-135M's by default: q/o ``576x576``, k/v ``192x576
 - ``frozen``: the same with ``freezing=True`` (inductor packs the weight once into an ``mkldnn._linear_pointwise``
   for bfloat16; for float32 with ``M`` dynamic also oneDNN, with ``M`` static MKL's packed sgemm);
 - ``packed``: ``torch.ops.mkldnn._linear_pointwise`` called directly on a weight reordered once by
-  ``torch.ops.mkldnn._reorder_linear_weight`` (oneDNN, AMX where the CPU has it);
+  ``torch.ops.mkldnn._reorder_linear_weight`` (oneDNN, AMX where the CPU has it; bfloat16 on a CPU without bfloat16
+  dot products: a float32 copy, the input widened and the product rounded back, as the engine does);
 - ``mkl_packed`` (float32 only): ``torch.ops.mkl._mkl_linear`` over ``_mkl_reorder_linear_weight`` (packed sgemm).
 
 ``--vllm-python PATH`` (the interpreter of a vLLM CPU build's virtual environment) adds ``vllm``: vLLM's own
@@ -69,6 +70,11 @@ def variants(weight: torch.Tensor, dtype_name: str, names: list[str], hint: int)
             calls[name] = lambda x: F.linear(x, weight)
         elif name in ("compiled", "frozen"):
             calls[name] = compiled_call(weight, freezing=name == "frozen")
+        elif name == "packed" and weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            # no bfloat16 oneDNN here: the engine's float32 copy (paged_hf.packed_linear.widens)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.float(), hint)
+            calls[name] = lambda x, packed=packed: torch.ops.mkldnn._linear_pointwise(
+                x.float(), packed, None, "none", [], "").to(x.dtype)
         elif name == "packed":
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, hint)
             calls[name] = lambda x, packed=packed: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
