@@ -18,10 +18,11 @@ kernel.
 - bfloat16 on a CPU without them (AVX2: oneDNN's and torch's bfloat16 products run 4-5x slower than float32 there):
   the copy is float32, the input is widened, the product runs in float32 and is rounded to bfloat16 once, which is
   what a bfloat16 product with float32 sums does, in another summation order (``widens``).
-- float32: oneDNN sums in another order than MKL: per output within ``2 K u sum|x w|`` of ``F.linear`` (tested);
+- float32 (only with ``PAGED_HF_PACKED_LINEAR=all``; the default keeps MKL): oneDNN sums in another order than MKL: per output within ``2 K u sum|x w|`` of ``F.linear`` (tested);
   on SmolLM2 the logits move by up to 1.2e-4 at magnitude 35 (3.5e-6 relative, greedy argmax unchanged on 200 of
   200 positions), the size of the distance between the paged attention's and sdpa's sums (``README``).
-  ``PAGED_HF_PACKED_LINEAR=0`` keeps MKL and the bit-exact ``generate`` linears.
+  With it the compiled engine's warm-up makes two graphs instead of one (a ``T == 1`` size guard,
+  ``test_engine_compile.py``), which is why it is not the default yet.
 
 bfloat16 engine logits are bounded, not exact (``test_cpu_bf16.py``). The packed copy is kept beside the model's
 own weight (a stock model's parameters stay the user's: ``state_dict``, tied embeddings, ``.to()``): at most one
@@ -162,11 +163,25 @@ class FusePackedLinears(CustomGraphPass):
 
 
 def enabled() -> bool:
-    """``PAGED_HF_PACKED_LINEAR`` is unset or ``1`` (``0`` turns packing off); ValueError for another value."""
+    """``PAGED_HF_PACKED_LINEAR`` is not ``0``; ValueError for a value other than ``0``, ``1`` and ``all``."""
+    return _setting() != "0"
+
+
+def _setting() -> str:
     value = os.environ.get(ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    if value not in ("0", "1", "all"):
+        raise ValueError(f"{ENV} must be 0, 1 or all, got {value!r}")
+    return value
+
+
+def packs_dtype(dtype: torch.dtype) -> bool:
+    """Whether ``pack_linears`` packs linears of ``dtype``: bfloat16 unless ``PAGED_HF_PACKED_LINEAR=0``; float32
+    only with ``PAGED_HF_PACKED_LINEAR=all`` (a compiled float32 engine warms up into two graphs with it, and its
+    sums leave MKL's order)."""
+    setting = _setting()
+    if setting == "0" or widens(dtype) is None:
+        return False
+    return dtype == torch.bfloat16 or setting == "all"
 
 
 def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> int:
@@ -177,7 +192,7 @@ def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> 
     if not enabled():
         return 0
     linears = [m for m in model.modules()
-               if type(m) is torch.nn.Linear and _packable(m.weight) and widens(m.weight.dtype) is not None]
+               if type(m) is torch.nn.Linear and _packable(m.weight) and packs_dtype(m.weight.dtype)]
     needed = sum(m.weight.numel() * (4 if widens(m.weight.dtype) else m.weight.element_size()) for m in linears)
     dtypes = "/".join(sorted({str(m.weight.dtype).removeprefix("torch.") for m in linears}))
     # the copy must not crowd out the KV pool the engine sizes next

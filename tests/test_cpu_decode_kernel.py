@@ -102,21 +102,35 @@ def test_the_switch_turns_it_off(monkeypatch):
     assert cpu_ext._load() is False
 
 
+# bfloat16 rounding of 17-magnitude logits is ~0.06 a logit, and it compounds over the layers and the fed-back tokens
+BF16_TIE = 0.25
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_engine_tokens_equal_the_torch_path(dtype, monkeypatch):
-    """stories260K through the engine, eager, greedy: the kernel's tokens equal those of the torch decode path
-    (float32: identical logits to float rounding; bfloat16: the same greedy path on this prompt set)."""
+    """stories260K through the engine, eager, greedy: the kernel's tokens equal those of the torch decode path.
+    float32: identical logits to float rounding, the same tokens. bfloat16: the two paths round their sums apart
+    (on an AVX2 CPU, with no bfloat16 dot products, this prompt set forks at token 16), so a greedy path may fork,
+    but only where the kernel's own top two tokens are within ``BF16_TIE`` nats of each other."""
     from models import stories_model, stories_tokenizer  # noqa: PLC0415
     from paged_hf import PagedEngine, SamplingParams  # noqa: PLC0415
 
     model, tokenizer = stories_model().to(dtype), stories_tokenizer()
     prompts = ["Once upon a time", "The little dog", "Lily had a red ball and"]
-    params = SamplingParams(max_tokens=24, temperature=0.0)
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
 
     def run():
         engine = PagedEngine(model, tokenizer, block_size=4, enforce_eager=True)
-        return [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        return [out.outputs[0] for out in engine.generate(prompts, params)]
 
     with_kernel = run()
     monkeypatch.setattr(cpu_attention, "decode_kernel", lambda: None)
-    assert run() == with_kernel
+    torch_path = run()
+    for kernel_out, torch_out in zip(with_kernel, torch_path):
+        if dtype == torch.float32:
+            assert kernel_out.token_ids == torch_out.token_ids
+            continue
+        fork = next((i for i, (a, b) in enumerate(zip(kernel_out.token_ids, torch_out.token_ids)) if a != b), None)
+        if fork is not None:
+            top = sorted((getattr(v, "logprob", v) for v in kernel_out.logprobs[fork].values()), reverse=True)
+            assert top[0] - top[1] < BF16_TIE, (fork, top)

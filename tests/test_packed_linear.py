@@ -26,6 +26,12 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 NATIVE_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+@pytest.fixture(autouse=True)
+def _float32_packed_too(monkeypatch):
+    """float32 packing is opt-in (``PAGED_HF_PACKED_LINEAR=all``): these tests cover both dtypes."""
+    monkeypatch.setenv(packed_linear.ENV, "all")
+
+
 def linear(n_in: int, n_out: int, bias: bool, seed: int = 0, dtype=torch.bfloat16) -> torch.nn.Linear:
     torch.manual_seed(seed)
     return torch.nn.Linear(n_in, n_out, bias=bias).to(dtype)
@@ -112,8 +118,10 @@ def test_the_env_var_turns_packing_off_and_refuses_other_values(monkeypatch):
     monkeypatch.setenv(packed_linear.ENV, "0")
     assert pack_linears(linear(8, 8, True)) == 0
     monkeypatch.setenv(packed_linear.ENV, "yes")
-    with pytest.raises(ValueError, match="PAGED_HF_PACKED_LINEAR must be 0 or 1"):
+    with pytest.raises(ValueError, match="PAGED_HF_PACKED_LINEAR must be 0, 1 or all"):
         pack_linears(linear(8, 8, True))
+    monkeypatch.setenv(packed_linear.ENV, "1")  # the default: bfloat16 only
+    assert pack_linears(linear(8, 8, True, dtype=torch.float32)) == 0 and pack_linears(linear(8, 8, True)) == 1
 
 
 def test_a_copy_over_half_the_available_memory_is_not_made(caplog):
@@ -137,7 +145,7 @@ def test_engine_packs_and_keeps_its_greedy_tokens(enforce_eager, dtype, monkeypa
     options = dict(block_size=4, num_blocks=128, max_num_batched_tokens=9, enforce_eager=enforce_eager)
     monkeypatch.setenv(packed_linear.ENV, "0")
     unpacked = PagedEngine(unpacked_model, None, **options)
-    monkeypatch.delenv(packed_linear.ENV)
+    monkeypatch.setenv(packed_linear.ENV, "all")
     packed = PagedEngine(model, None, **options)
     assert not any(isinstance(m, PackedLinear) for m in unpacked_model.modules())
     assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 7 * model.config.num_hidden_layers + 1
