@@ -97,7 +97,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if entry.data_ptr != weight.data_ptr() or entry.version != weight._version:  # the packed weight is not this one
         if not _packable(weight):  # moved to another dtype or device: the plain product
             return F.linear(x, weight, bias)
-        entry = _packs[int(key)] = _pack(weight, entry.widen and weight.dtype == torch.bfloat16)
+        entry = _packs[int(key)] = _pack(weight, bool(widens(weight.dtype)))
     rows = x.reshape(-1, x.shape[-1])
     if entry.widen:
         out = torch.ops.mkldnn._linear_pointwise(rows.float(), entry.weight, None if bias is None else bias.float(),

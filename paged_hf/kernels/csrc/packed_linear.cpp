@@ -76,6 +76,15 @@ at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed, const
   return linear_pointwise_raw(x.to(at::kFloat), packed, wide_bias).to(x.scalar_type());
 }
 
+// Whether a bfloat16 weight is kept as a float32 copy here: oneDNN has no bfloat16 dot products on this CPU.
+bool bf16_widens() {
+  static const bool widens = !c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("mkldnn::_is_mkldnn_bf16_supported", "")
+                                  .typed<bool()>()
+                                  .call();
+  return widens;
+}
+
 bool packable(const at::Tensor& weight) {
   return (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) && weight.device().is_cpu() &&
          weight.dim() == 2 && weight.layout() == at::kStrided;
@@ -117,8 +126,8 @@ at::Tensor packed_linear_by_key(const at::Tensor& x, const at::Tensor& weight, c
     if (found != packs().end() && x.scalar_type() == weight.scalar_type()) {
       Packed& entry = found->second;
       if (entry.data != weight.const_data_ptr() || entry.version != weight._version()) {
-        // widening stays for a bfloat16 weight only; another dtype or device: the plain product until packed again
-        const bool wide = entry.widen && weight.scalar_type() == at::kBFloat16;
+        // packed again as its dtype is packed here; another dtype or device: the plain product until packed again
+        const bool wide = weight.scalar_type() == at::kBFloat16 && bf16_widens();
         if (packable(weight)) entry = Packed{reorder(weight, entry.batch_hint, wide), weight.const_data_ptr(),
                                              weight._version(), entry.batch_hint, wide};
         else entry.weight = at::Tensor();
@@ -174,6 +183,10 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
   std::vector<int64_t> keys;
   for (const auto& key : key_tensors) keys.push_back(key_of(key));
   bool all_packable = true;
+  {
+    std::lock_guard<std::mutex> lock(packs_mutex);
+    all_packable = packs().count(keys[0]) > 0;  // not packed by pack_linears: the members one by one
+  }
   bool any_bias = false, all_bias = true;
   for (size_t i = 0; i < weights.size(); ++i) {
     all_packable = all_packable && packable(weights[i]) && weights[i].scalar_type() == x.scalar_type();
@@ -190,22 +203,12 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
   bool widen = false;
   {
     std::lock_guard<std::mutex> lock(packs_mutex);
-    const auto member = packs().find(keys[0]);
-    if (member == packs().end()) all_packable = false;  // not packed by pack_linears: the members one by one
-  }
-  if (!all_packable) {
-    std::vector<at::Tensor> parts;
-    for (size_t i = 0; i < weights.size(); ++i) parts.push_back(packed_linear_by_key(x, weights[i], biases.get(i), keys[i]));
-    return at::cat(parts, -1);
-  }
-  {
-    std::lock_guard<std::mutex> lock(packs_mutex);
     Group& group = groups()[keys];
     const auto made_from = members(weights, biases, all_bias);
     if (!current(group, made_from)) {
-      const Packed& first = packs().find(keys[0])->second;
-      const int64_t batch_hint = first.batch_hint;
-      group.widen = first.widen && x.scalar_type() == at::kBFloat16;
+      const auto first = packs().find(keys[0]);  // dropped meanwhile (its module collected): the default hint
+      const int64_t batch_hint = first != packs().end() ? first->second.batch_hint : 32;
+      group.widen = x.scalar_type() == at::kBFloat16 && bf16_widens();
       std::vector<at::Tensor> dense(weights.begin(), weights.end());
       group.weight = reorder(at::cat(dense, 0), batch_hint, group.widen);
       std::vector<at::Tensor> bias_parts;
