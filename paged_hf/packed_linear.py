@@ -21,8 +21,7 @@ kernel.
 - float32 (only with ``PAGED_HF_PACKED_LINEAR=all``; the default keeps MKL): oneDNN sums in another order than MKL: per output within ``2 K u sum|x w|`` of ``F.linear`` (tested);
   on SmolLM2 the logits move by up to 1.2e-4 at magnitude 35 (3.5e-6 relative, greedy argmax unchanged on 200 of
   200 positions), the size of the distance between the paged attention's and sdpa's sums (``README``).
-  With it the compiled engine's warm-up makes two graphs instead of one (a ``T == 1`` size guard,
-  ``test_engine_compile.py``), which is why it is not the default yet.
+  Not the default yet: its effect on the whole suite's float32 exactness tests is still to be measured.
 
 bfloat16 engine logits are bounded, not exact (``test_cpu_bf16.py``). The packed copy is kept beside the model's
 own weight (a stock model's parameters stay the user's: ``state_dict``, tied embeddings, ``.to()``): at most one
@@ -128,7 +127,9 @@ class PackedLinear(torch.nn.Linear):
 class FusePackedLinears(CustomGraphPass):
     """Inductor's post-grad pass of the engine's compiled forward: the ``paged_hf_cpu::packed_linear`` calls on one
     input (a layer's q/k/v projections, its gate/up) become one ``packed_linear_group`` over their weights
-    concatenated, and each former output a slice of it, as vLLM's fused QKV and gate-up linears: at decode sizes
+    concatenated, and each former output a contiguous copy of a slice of it (inductor fuses the copy into the
+    next kernel; a bare slice is strided, and inductor's re-propagation of the view after it guards on ``T == 1``,
+    so the warm-up compiled a second graph), as vLLM's fused QKV and gate-up linears: at decode sizes
     one product of the summed width costs about what its largest part did (SmolLM2, 32 rows: q/k/v 80 -> 40 us,
     gate/up 121 -> 96 us). Members must agree on having a bias. A graph without packed linears is left as it is."""
 
@@ -151,8 +152,11 @@ class FusePackedLinears(CustomGraphPass):
                 start = 0
                 for node in nodes:
                     width = node.meta["val"].shape[-1]
-                    part = graph.call_function(torch.ops.aten.slice.Tensor, (fused, -1, start, start + width))
-                    part.meta["val"] = fused.meta["val"][..., start : start + width]
+                    view = graph.call_function(torch.ops.aten.slice.Tensor, (fused, -1, start, start + width))
+                    view.meta["val"] = fused.meta["val"][..., start : start + width]
+                    part = graph.call_function(torch.ops.aten.clone.default, (view,),
+                                               {"memory_format": torch.contiguous_format})
+                    part.meta["val"] = view.meta["val"].clone(memory_format=torch.contiguous_format)
                     node.replace_all_uses_with(part)
                     start += width
             for node in nodes:
@@ -176,8 +180,7 @@ def _setting() -> str:
 
 def packs_dtype(dtype: torch.dtype) -> bool:
     """Whether ``pack_linears`` packs linears of ``dtype``: bfloat16 unless ``PAGED_HF_PACKED_LINEAR=0``; float32
-    only with ``PAGED_HF_PACKED_LINEAR=all`` (a compiled float32 engine warms up into two graphs with it, and its
-    sums leave MKL's order)."""
+    only with ``PAGED_HF_PACKED_LINEAR=all`` (its sums leave MKL's order)."""
     setting = _setting()
     if setting == "0" or widens(dtype) is None:
         return False

@@ -73,9 +73,12 @@ def test_compiled_quantized_formats_equal_eager(kv_cache_dtype):
     assert got == eager and calls > 5 and new_graphs == 0
 
 
-def test_steady_serving_uses_the_warm_up_graph_and_never_recompiles(caplog):
+@pytest.mark.parametrize("packing", ["1", "all"])
+def test_steady_serving_uses_the_warm_up_graph_and_never_recompiles(caplog, monkeypatch, packing):
     """The warm-up compiles one graph (log line) and every later step, whatever its token, sequence, decode and
-    block-table counts, runs it: no new graph, no recompile, every forward compiled."""
+    block-table counts, runs it: no new graph, no recompile, every forward compiled. ``all``: the float32 linears
+    packed, so the compiled graph runs the fused q/k/v and gate/up products (``FusePackedLinears``)."""
+    monkeypatch.setenv("PAGED_HF_PACKED_LINEAR", packing)
     torch.compiler.reset()
     before = counters["stats"]["unique_graphs"]
     with caplog.at_level(logging.INFO, logger="paged_hf"):
