@@ -1,13 +1,10 @@
-"""int4 KV in the engine: prefix hits are exact, forks and swap carry each sequence's full-precision tail row.
+"""int4 KV in the engine: forks and swap carry each sequence's full-precision tail row.
 
-1. A prefix hit and a miss give identical logprobs (==, not a tolerance) when both compute the same forwards: the
-   prompt's cached blocks hold the same bytes as the blocks the miss quantizes (only full blocks are cached, and
-   their bytes depend only on their tokens), and the tokens after the prefix are computed in a chunk of the same
-   shape. (Chunks of other shapes change K/V in the last float bits, which can flip an int4 code: hence the shapes.)
-2. ``n > 1`` forks a sequence whose last block is partly full: the child's tail row starts as a copy of the
+1. ``n > 1`` forks a sequence whose last block is partly full: the child's tail row starts as a copy of the
    parent's. Greedy samples therefore all equal the ``n = 1`` output.
-3. Swap preemption moves a sequence's tail row to a CPU tail slot and back: the outputs equal a run on a pool
+2. Swap preemption moves a sequence's tail row to a CPU tail slot and back: the outputs equal a run on a pool
    large enough for no preemption.
+(Prefix hits per format, int4 included: ``test_quant_end_to_end.py``.)
 Outputs of different batch compositions are compared with a tolerance: a batch's shape changes the float K/V in the
 last bits, and an int4 code that flips moves a value by a whole step (measured differences up to ~1e-4).
 """
@@ -26,25 +23,6 @@ BLOCK_SIZE = 4
 @pytest.fixture(scope="module")
 def stories():
     return stories_model("sdpa"), stories_tokenizer()
-
-
-def test_prefix_hit_equals_the_miss_exactly(stories):
-    model, tok = stories
-    prompt = tok(story_openings()[0] + " " + story_openings()[1])["input_ids"]
-    prefix = 24  # six blocks: the miss computes them in a first chunk of 24 tokens, the rest in a second chunk
-    assert len(prompt) - prefix <= prefix and len(prompt) % BLOCK_SIZE, "the rest must fit one chunk, end mid-block"
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
-    options = dict(block_size=BLOCK_SIZE, num_blocks=64, kv_cache_dtype="int4", max_num_batched_tokens=prefix)
-    miss = PagedEngine(model, tok, enable_prefix_caching=False, **options)
-    cold = miss.generate([prompt], params, use_tqdm=False)[0]
-    engine = PagedEngine(model, tok, enable_prefix_caching=True, **options)
-    engine.generate([prompt[: prefix + 1]], params, use_tqdm=False)  # computes (and caches) the six blocks alone
-    warm = engine.generate([prompt], params, use_tqdm=False)[0]
-    assert warm.metrics.num_prefix_cached_tokens == prefix and cold.metrics.num_prefix_cached_tokens == 0
-    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
-    assert token_logprobs(warm.outputs[0]) == token_logprobs(cold.outputs[0])
-    engine.check_invariants()
-    assert engine.get_stats()["kv_cache_used"] == 0
 
 
 @pytest.mark.parametrize("options", [
