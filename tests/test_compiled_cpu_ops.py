@@ -118,15 +118,17 @@ def test_the_fusion_pass_groups_the_linears_of_one_input_and_keeps_their_values(
     assert torch.equal(graph(x, y, *weights, *keys)[1], F.linear(x, weights[1]) + 1)
 
 
-def test_a_second_engine_over_the_same_config_compiles_no_new_graph():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_second_engine_over_the_same_config_compiles_no_new_graph(dtype):
     """One backend object for every engine (the fusion pass inside it): dynamo reuses the first engine's graph.
-    A backend made per engine recompiled every engine, and a test run hit dynamo's recompile limit."""
+    A backend made per engine recompiled every engine, and a test run hit dynamo's recompile limit. bfloat16: the
+    linears are packed (each model's own pack keys, buffers of the graph) and fused."""
     from torch._dynamo.utils import counters  # noqa: PLC0415
 
-    first = PagedEngine(tiny_model("llama"), None, **STEADY)
+    first = PagedEngine(tiny_model("llama").to(dtype), None, **STEADY)
     tokens(first, GREEDY)
     before = counters["stats"]["unique_graphs"]
-    second = PagedEngine(tiny_model("llama"), None, **STEADY)
+    second = PagedEngine(tiny_model("llama").to(dtype), None, **STEADY)
     tokens(second, GREEDY)
     assert counters["stats"]["unique_graphs"] == before
 
