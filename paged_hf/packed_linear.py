@@ -21,7 +21,8 @@ kernel.
 - float32 (only with ``PAGED_HF_PACKED_LINEAR=all``; the default keeps MKL): oneDNN sums in another order than MKL: per output within ``2 K u sum|x w|`` of ``F.linear`` (tested);
   on SmolLM2 the logits move by up to 1.2e-4 at magnitude 35 (3.5e-6 relative, greedy argmax unchanged on 200 of
   200 positions), the size of the distance between the paged attention's and sdpa's sums (``README``).
-  Not the default yet: its effect on the whole suite's float32 exactness tests is still to be measured.
+  Not the default: on an AMX Xeon MKL is faster at one row on every layer linear (oneDNN 0.32-0.68x), oneDNN
+  only from 32 rows and on the head (``benchmarks/RESULTS.md``), so it would slow single-sequence decoding there.
 
 bfloat16 engine logits are bounded, not exact (``test_cpu_bf16.py``). The packed copy is kept beside the model's
 own weight (a stock model's parameters stay the user's: ``state_dict``, tied embeddings, ``.to()``): at most one
@@ -180,7 +181,7 @@ def _setting() -> str:
 
 def packs_dtype(dtype: torch.dtype) -> bool:
     """Whether ``pack_linears`` packs linears of ``dtype``: bfloat16 unless ``PAGED_HF_PACKED_LINEAR=0``; float32
-    only with ``PAGED_HF_PACKED_LINEAR=all`` (its sums leave MKL's order)."""
+    only with ``PAGED_HF_PACKED_LINEAR=all`` (faster on some CPUs only, and its sums leave MKL's order)."""
     setting = _setting()
     if setting == "0" or widens(dtype) is None:
         return False
