@@ -1,11 +1,13 @@
 """The C++ CPU prefill (``kernels/cpu_ext``, ``csrc/paged_prefill.cpp``) against the float32 oracle, over random
 steps (hypothesis): chunks that start a sequence and chunks after stored keys, empty chunks, one-token chunks,
-GQA groups, block sizes, head dims, sinks, int32 and int64 tables, float32 and bfloat16; plus where the production
-path takes it (and where it keeps the torch path), and an engine's greedy tokens with it equal to the torch path's."""
+GQA groups, block sizes, head dims, sinks, int32 and int64 tables, float32 and bfloat16 (its own brgemm flash where
+the CPU has AMX, across several key tiles); plus where the production path takes it (and where it keeps the torch
+path), and an engine's greedy tokens with it equal to the torch path's."""
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,7 +34,8 @@ def kernel():
 def prefill_cases(draw):
     num_chunks = draw(st.integers(1, 5))
     # (stored keys before the chunk, the chunk's queries): first chunks, later chunks, empty and one-token chunks
-    chunks = [(draw(st.sampled_from([0, 0, 1, 5, 16, 37])), draw(st.integers(0, 40))) for _ in range(num_chunks)]
+    # (300, 520: past the bfloat16 kernel's first 256-key tiles)
+    chunks = [(draw(st.sampled_from([0, 0, 1, 5, 16, 37, 300, 520])), draw(st.integers(0, 40))) for _ in range(num_chunks)]
     if all(n == 0 for _, n in chunks):
         chunks[0] = (chunks[0][0], 1)
     return dict(chunks=chunks, num_kv_heads=draw(st.integers(1, 3)), group=draw(st.sampled_from([1, 2, 3])),
@@ -67,6 +70,18 @@ def test_kernel_matches_the_oracle(kernel, case):
     tol = 2e-5 if case["dtype"] == torch.float32 else 2e-2
     assert got.dtype == query.dtype and got.shape == query.shape
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_bfloat16_takes_the_brgemm_flash_where_the_cpu_has_bfloat16_products(kernel):
+    """The kernel's own flash attention (oneDNN brgemm) serves bfloat16 with head dims a multiple of 16 where the CPU
+    has AMX; float32 and other head dims keep torch's flash kernel (both checked against the oracle above)."""
+    pools = random_pools("auto", 4, 4, 2, 64, dtype=torch.bfloat16)
+    query = torch.randn(3, 4, 64).bfloat16()
+    uses = torch.ops.paged_hf_cpu.prefill_uses_brgemm
+    assert not uses(query.float(), pools["key_cache"].float())
+    assert not uses(query[..., :8], pools["key_cache"][..., :8].contiguous())
+    if "amx_bf16" in Path("/proc/cpuinfo").read_text():
+        assert uses(query, pools["key_cache"])
 
 
 def test_kernel_refuses_what_it_cannot_read(kernel):

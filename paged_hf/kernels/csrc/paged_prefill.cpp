@@ -5,22 +5,212 @@
 //                             scale, sinks [H] float32 or None) -> [T, H, D]
 //
 // Sequence s's queries are rows cu_query_lens[s] .. cu_query_lens[s + 1] - 1, its last positions: the n new tokens
-// at positions ctx .. ctx + n - 1 with ctx = seq_lens[s] - n (their K/V already stored). Its blocks are gathered
-// once (one index_select per pool) and attended by torch's CPU flash attention (float32 accumulation, GQA native):
-// the n queries see every key below ctx (one unmasked call) and the new keys causally (a second call, whose
-// top-left causal rule is exactly the new block's), the two merged by their log-sum-exps. A first chunk (ctx = 0)
-// is one causal call. So no query is padded to the longest chunk, no mask is built or read, and the kernel skips
-// the key tiles above the diagonal. Sinks join the denominator: out * sigmoid(lse - sink). The loop over the step's
-// chunks runs here, in C++; each call parallelizes over heads and query tiles (torch's intra-op threads).
-// The caller takes this path for unquantized pools in the query's dtype, no window cutting a sequence, no softcap.
+// at positions ctx .. ctx + n - 1 with ctx = seq_lens[s] - n (their K/V already stored). Sinks join the denominator:
+// out * sigmoid(lse - sink). Two paths, the same attention:
+//
+// - bfloat16 where oneDNN's brgemm has bfloat16 products (AMX, AVX512-BF16: cpublas::could_pack) and D % 16 == 0:
+//   a flash attention of our own. Each sequence's keys are packed once per call, per KV head and tile of KEY_TILE
+//   keys, into the VNNI layouts the products read (K transposed, V row pairs interleaved; read from the blocks where
+//   they lie, zero past the sequence). A work item is one KV head and QUERY_TILE query positions of one chunk, all
+//   heads of the GQA group stacked as the rows of one product (the group shares every packed tile). Per key tile up
+//   to the item's last position: scores = one brgemm, the online softmax in float32 (exp2 of the scores scaled by
+//   scale * log2(e), the causal cut per row, probabilities rounded to bfloat16 as torch's flash kernel does), then
+//   one brgemm adds probabilities x V into a float32 accumulator. A later chunk is one pass over stored and new keys
+//   (no second call, no merge). Items are taken longest first from a shared counter by torch's intra-op threads.
+// - otherwise (float32, other CPUs): each sequence's blocks gathered once (one index_select per pool) and attended
+//   by torch's CPU flash attention (float32 accumulation, GQA native): the n queries see every key below ctx (one
+//   unmasked call) and the new keys causally (a second call, whose top-left causal rule is exactly the new block's),
+//   the two merged by their log-sum-exps; a first chunk (ctx = 0) is one causal call.
+//
+// The caller takes this op for unquantized pools in the query's dtype, no window cutting a sequence, no softcap.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <tuple>
+#include <vector>
+
+#include "vec16.h"
 
 namespace {
+
+using paged_hf_vec::f16v;
+using BF16 = c10::BFloat16;
+
+constexpr int64_t QUERY_TILE = 32;  // query positions of a work item (times the GQA group: its products' rows)
+constexpr int64_t KEY_TILE = 256;   // keys of a tile: one product for the scores, one for the values
+constexpr int64_t COLUMN_STEP = 32; // a tile's products are cut to the keys its rows see, in steps of this
+
+// One chunk of the step: its queries' first row and count, its keys, and where its packed tiles start.
+struct Chunk {
+  int64_t first, n, len, ctx, tiles, packed;
+  const int64_t* table;
+};
+
+bool brgemm_serves(const at::Tensor& query, const at::Tensor& key_cache) {
+  static const bool bf16_products = at::native::cpublas::could_pack(at::kBFloat16);
+  return bf16_products && query.scalar_type() == at::kBFloat16 && key_cache.size(3) % 16 == 0 &&
+         key_cache.is_contiguous() && query.stride(2) == 1;
+}
+
+// Keys tile*KEY_TILE .. + KEY_TILE - 1 of one KV head: K as [D/2][KEY_TILE][2] (the VNNI layout of K^T), V as
+// [KEY_TILE/2][D][2] (the VNNI layout of V); zero past the sequence's last key.
+void pack_tile(const BF16* key_cache, const BF16* value_cache, const Chunk& c, int64_t head, int64_t tile,
+               int64_t B, int64_t KH, int64_t D, BF16* k_out, BF16* v_out) {
+  const int64_t start = tile * KEY_TILE, pairs = D / 2;
+  auto row = [&](const BF16* cache, int64_t pos) -> const BF16* {
+    return pos < c.len ? cache + ((c.table[pos / B] * B + pos % B) * KH + head) * D : nullptr;
+  };
+  auto* k_words = reinterpret_cast<uint32_t*>(k_out);  // a word: two consecutive bfloat16 of one key
+  for (int64_t j = 0; j < KEY_TILE; ++j) {
+    const auto* k = reinterpret_cast<const uint32_t*>(row(key_cache, start + j));
+    for (int64_t d = 0; d < pairs; ++d) k_words[d * KEY_TILE + j] = k ? k[d] : 0u;
+  }
+  for (int64_t j = 0; j < KEY_TILE; j += 2) {
+    const BF16* a = row(value_cache, start + j);
+    const BF16* b = row(value_cache, start + j + 1);
+    BF16* out = v_out + j * D;
+    for (int64_t d = 0; d < D; ++d) {
+      out[2 * d] = a ? a[d] : BF16(0.0f);
+      out[2 * d + 1] = b ? b[d] : BF16(0.0f);
+    }
+  }
+}
+
+// Per-thread scratch of the work items, kept across calls (no allocation per layer).
+struct Scratch {
+  std::vector<BF16> query, probs;
+  std::vector<float> scores, acc, peak, total;
+  void fit(int64_t rows, int64_t D) {
+    query.resize(rows * D);
+    probs.resize(rows * KEY_TILE);
+    scores.resize(rows * KEY_TILE);
+    acc.resize(rows * D);
+    peak.resize(rows);
+    total.resize(rows);
+  }
+};
+
+void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                    const std::vector<Chunk>& chunks, double scale, const at::Tensor& sink_values, at::Tensor& out) {
+  const int64_t H = query.size(1), D = query.size(2), B = key_cache.size(1), KH = key_cache.size(2);
+  const int64_t group = H / KH, tile_elems = KEY_TILE * D;
+  int64_t total_tiles = 0;
+  for (const auto& c : chunks) total_tiles = std::max(total_tiles, c.packed + c.tiles * KH);
+  thread_local std::vector<BF16> packed;  // [tile][K: tile_elems, V: tile_elems], kept across calls
+  packed.resize(total_tiles * 2 * tile_elems);
+  BF16* packed_data = packed.data();
+  const BF16* keys = key_cache.const_data_ptr<BF16>();
+  const BF16* values = value_cache.const_data_ptr<BF16>();
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (chunk, head * tiles + tile)
+  for (int64_t s = 0; s < static_cast<int64_t>(chunks.size()); ++s)
+    for (int64_t t = 0; t < chunks[s].tiles * KH; ++t) tiles.emplace_back(s, t);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Chunk& c = chunks[tiles[i].first];
+      const int64_t head = tiles[i].second / c.tiles, tile = tiles[i].second % c.tiles;
+      BF16* base = packed_data + (c.packed + tiles[i].second) * 2 * tile_elems;
+      pack_tile(keys, values, c, head, tile, B, KH, D, base, base + tile_elems);
+    }
+  });
+
+  struct Item {
+    int64_t chunk, head, start, last;  // start: the item's first query row in its chunk; last: its last position
+  };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < static_cast<int64_t>(chunks.size()); ++s)
+    for (int64_t t = 0; t < chunks[s].n; t += QUERY_TILE)
+      for (int64_t h = 0; h < KH; ++h)
+        items.push_back({s, h, t, chunks[s].ctx + std::min(t + QUERY_TILE, chunks[s].n) - 1});
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.last > b.last; });
+
+  const float log2e = 1.4426950408889634f, c_scale = static_cast<float>(scale) * log2e;
+  const float* sink = sink_values.defined() ? sink_values.const_data_ptr<float>() : nullptr;
+  const BF16* q_data = query.const_data_ptr<BF16>();
+  BF16* o_data = out.mutable_data_ptr<BF16>();
+  const int64_t q_row = query.stride(0), q_head = query.stride(1);
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    thread_local Scratch scratch;
+    scratch.fit(QUERY_TILE * group, D);
+    for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
+      const Item& item = items[i];
+      const Chunk& c = chunks[item.chunk];
+      const int64_t rows_t = std::min(QUERY_TILE, c.n - item.start), M = rows_t * group;
+      BF16* q = scratch.query.data();
+      float *scores = scratch.scores.data(), *acc = scratch.acc.data(), *peak = scratch.peak.data(),
+            *total = scratch.total.data();
+      BF16* probs = scratch.probs.data();
+      for (int64_t t = 0; t < rows_t; ++t)  // row t * group + j: query head head * group + j at position start + t
+        for (int64_t j = 0; j < group; ++j)
+          std::memcpy(q + (t * group + j) * D, q_data + (c.first + item.start + t) * q_row + (item.head * group + j) * q_head,
+                      D * sizeof(BF16));
+      std::fill(acc, acc + M * D, 0.0f);
+      std::fill(peak, peak + M, -INFINITY);
+      std::fill(total, total + M, 0.0f);
+      const int64_t first_pos = c.ctx + item.start;
+      for (int64_t tile = 0; tile * KEY_TILE <= item.last; ++tile) {
+        const int64_t key0 = tile * KEY_TILE, width = std::min(KEY_TILE, item.last + 1 - key0);
+        const int64_t cols = (width + COLUMN_STEP - 1) / COLUMN_STEP * COLUMN_STEP;
+        const BF16* k_tile = packed_data + (c.packed + item.head * c.tiles + tile) * 2 * tile_elems;
+        at::native::cpublas::brgemm(M, cols, D, D, KEY_TILE, KEY_TILE, false, q, k_tile, scores, true);
+        for (int64_t r = 0; r < M; ++r) {
+          float* s = scores + r * KEY_TILE;
+          BF16* p = probs + r * KEY_TILE;
+          const int64_t seen = std::min(width, first_pos + r / group + 1 - key0);  // keys of this tile row r sees
+          if (seen <= 0) {
+            std::fill(p, p + cols, BF16(0.0f));
+            continue;
+          }
+          for (int64_t j = seen; j < cols; ++j) s[j] = -INFINITY;
+          f16v high = paged_hf_vec::splat(-INFINITY);
+          for (int64_t j = 0; j < cols; j += 16) {
+            const f16v v = paged_hf_vec::load16(s + j);
+            high = v > high ? v : high;
+          }
+          const float new_peak = std::max(peak[r], paged_hf_vec::max_of(high) * c_scale);
+          const float rescale = std::exp2(peak[r] - new_peak);
+          f16v sum = paged_hf_vec::splat(0.0f);
+          for (int64_t j = 0; j < cols; j += 16) {
+            const f16v y = paged_hf_vec::load16(s + j) * c_scale - new_peak;
+            f16v e = paged_hf_vec::exp2_nonpositive(y);
+            e = y < -126.0f ? paged_hf_vec::splat(0.0f) : e;
+            sum += e;
+            paged_hf_vec::store16(p + j, e);
+          }
+          total[r] = total[r] * rescale + paged_hf_vec::sum_of(sum);
+          peak[r] = new_peak;
+          if (rescale != 1.0f) {
+            float* o = acc + r * D;
+            for (int64_t d = 0; d < D; d += 16) {
+              f16v v = paged_hf_vec::load16(o + d) * rescale;
+              std::memcpy(o + d, &v, sizeof(v));
+            }
+          }
+        }
+        at::native::cpublas::brgemm(M, D, cols, KEY_TILE, D, D, true, probs, k_tile + tile_elems, acc, true);
+      }
+      for (int64_t t = 0; t < rows_t; ++t)
+        for (int64_t j = 0; j < group; ++j) {
+          const int64_t r = t * group + j, h = item.head * group + j;
+          float denominator = total[r];
+          if (sink != nullptr) denominator += std::exp2(sink[h] * log2e - peak[r]);
+          const f16v inverse = paged_hf_vec::splat(1.0f / denominator);
+          BF16* o = o_data + ((c.first + item.start + t) * H + h) * D;
+          for (int64_t d = 0; d < D; d += 16) paged_hf_vec::store16(o + d, paged_hf_vec::load16(acc + r * D + d) * inverse);
+        }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+}
 
 // out [1, H, n, D] (query dtype) and its log-sum-exp [1, H, n] (float32) of q over k, v ([1, heads, len, D]).
 std::tuple<at::Tensor, at::Tensor> flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
@@ -51,6 +241,30 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key_cache, c
   if (sinks.has_value() && sinks->defined()) {
     sink_values = sinks->to(at::kFloat).view({1, -1, 1});
     TORCH_CHECK(sink_values.size(1) == query.size(1), "paged_prefill: sinks [H]");
+  }
+  if (brgemm_serves(query, key_cache)) {
+    TORCH_CHECK(scale > 0, "paged_prefill: scale must be positive, got ", scale);
+    const auto table_rows = tables.contiguous();
+    std::vector<Chunk> chunks;
+    int64_t packed = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t first = start_of[s], n = start_of[s + 1] - first, len = len_of[s], ctx = len - n;
+      if (n <= 0) continue;
+      TORCH_CHECK(ctx >= 0, "paged_prefill: sequence ", s, " has ", n, " queries but only ", len, " keys");
+      TORCH_CHECK((len + B - 1) / B <= table_rows.size(1), "paged_prefill: sequence ", s, " needs ",
+                  (len + B - 1) / B, " blocks, its table has ", table_rows.size(1));
+      const int64_t* row = table_rows.const_data_ptr<int64_t>() + s * table_rows.stride(0);
+      for (int64_t b = 0; b < (len + B - 1) / B; ++b)
+        TORCH_CHECK(row[b] >= 0 && row[b] < key_cache.size(0), "paged_prefill: sequence ", s, " reads block ", row[b],
+                    " of a pool of ", key_cache.size(0));
+      const int64_t tiles = (len + KEY_TILE - 1) / KEY_TILE;
+      chunks.push_back({first, n, len, ctx, tiles, packed, row});
+      packed += tiles * KH;
+    }
+    at::Tensor out = at::empty(query.sizes(), query.options());
+    brgemm_prefill(query, key_cache, value_cache, chunks, scale, sink_values.defined() ? sink_values.contiguous()
+                   : sink_values, out);
+    return out;
   }
   at::Tensor out = at::empty_like(query);
   for (int64_t s = 0; s < S; ++s) {
@@ -86,9 +300,15 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key_cache, c
   return out;
 }
 
+bool prefill_uses_brgemm(const at::Tensor& query, const at::Tensor& key_cache) {
+  return brgemm_serves(query, key_cache);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(paged_hf_cpu, m) {
+  m.def("prefill_uses_brgemm(Tensor query, Tensor key_cache) -> bool");
+  m.impl("prefill_uses_brgemm", TORCH_FN(prefill_uses_brgemm));
   m.def("paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor cu_query_lens, float scale, Tensor? sinks) -> Tensor");
   m.impl("paged_prefill", c10::DispatchKey::CPU, TORCH_FN(paged_prefill));
