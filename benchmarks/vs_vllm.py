@@ -12,7 +12,8 @@ memory never touch another's):
 - ``hf_cb``: transformers' continuous batching (``model.init_continuous_batching``, one ``add_request`` per request
   with its own ``max_new_tokens``), page 16, a 256-token budget per step.
 
-Both engines get the same threads (``--threads``: vLLM through ``VLLM_CPU_OMP_THREADS_BIND=0-(N-1)``, the others
+Every engine runs on tcmalloc where it is found (vLLM's bundled copy or the system's), preloaded as vLLM's CPU guide
+says; vLLM also gets its bundled libiomp5. Both engines get the same threads (``--threads``: vLLM through ``VLLM_CPU_OMP_THREADS_BIND=0-(N-1)``, the others
 through ``OMP_NUM_THREADS`` + ``torch.set_num_threads`` and the same CPU affinity 0-(N-1)), chunked prefill and
 prefix caching on, the same ``max_num_batched_tokens`` / ``max_num_seqs`` / ``max_model_len`` and KV-pool size.
 Prompts are token ids; greedy, EOS ignored, every request yields exactly its ``max_tokens``. Each process first runs
@@ -259,22 +260,28 @@ def vllm_status(python: Path) -> str | None:
     return None
 
 
+def _tcmalloc(python: Path) -> str | None:
+    """tcmalloc: vLLM's bundled copy, else the system's (``apt install libtcmalloc-minimal4``); None where absent."""
+    prefix = python.parent.parent
+    found = [*sorted(prefix.glob("lib/python3*/site-packages/vllm/libs/libtcmalloc*.so*")),
+             *[Path(p) for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                                 "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4") if Path(p).is_file()]]
+    return str(found[0]) if found else None
+
+
 def _preload(python: Path) -> tuple[list[str], list[str]]:
     """Libraries vLLM's CPU guide puts in LD_PRELOAD (tcmalloc, the bundled libiomp5), and notes on the absent."""
-    prefix = python.parent.parent
     found, notes = [], []
-    tcmalloc = [*sorted(prefix.glob("lib/python3*/site-packages/vllm/libs/libtcmalloc*.so*")),
-                *[Path(p) for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                                    "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4") if Path(p).is_file()]]
+    tcmalloc = _tcmalloc(python)
     if tcmalloc:
-        found.append(str(tcmalloc[0]))
+        found.append(tcmalloc)
     else:
-        notes.append("no tcmalloc found (neither in vllm/libs nor the system): vLLM runs on glibc malloc")
-    iomp = sorted(prefix.glob("lib/libiomp5.so"))
+        notes.append("no tcmalloc found (neither in vllm/libs nor the system): every engine runs on glibc malloc")
+    iomp = sorted(python.parent.parent.glob("lib/libiomp5.so"))
     if iomp:
         found.append(str(iomp[0]))
     else:
-        notes.append(f"no libiomp5.so under {prefix}/lib")
+        notes.append(f"no libiomp5.so under {python.parent.parent}/lib")
     return found, notes
 
 
@@ -294,6 +301,9 @@ def worker_env(engine: str, args, vllm_python: Path) -> dict:
     else:
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *[p for p in [os.environ.get("PYTHONPATH")] if p]])
+        tcmalloc = _tcmalloc(vllm_python)  # the allocator vLLM gets, for every engine (README: On a CPU)
+        if tcmalloc:
+            env["LD_PRELOAD"] = ":".join([tcmalloc, *[p for p in [os.environ.get("LD_PRELOAD")] if p]])
     return env
 
 
@@ -566,6 +576,7 @@ def main(argv=None) -> int:
     else:
         print(f"vLLM: {args.vllm_python}; " + "; ".join(
             [f"LD_PRELOAD {':'.join(_preload(args.vllm_python)[0]) or '(none)'}", *_preload(args.vllm_python)[1]]))
+    print(f"allocator of paged_hf and the HF rows: {_tcmalloc(args.vllm_python) or 'glibc malloc (no tcmalloc found)'}")
 
     plan = []
     for dtype in args.dtypes:
