@@ -1,7 +1,7 @@
 """The C++ CPU prefill (``kernels/cpu_ext``, ``csrc/paged_prefill.cpp``) against the float32 oracle, over random
 steps (hypothesis): chunks that start a sequence and chunks after stored keys, empty chunks, one-token chunks,
 GQA groups, block sizes, head dims, sinks, int32 and int64 tables, float32 and bfloat16 (its own brgemm flash where
-the CPU has AMX, across several key tiles); plus where the production path takes it (and where it keeps the torch
+the CPU has the products, across several key tiles); plus where the production path takes it (and where it keeps the torch
 path), and an engine's greedy tokens with it equal to the torch path's."""
 
 from __future__ import annotations
@@ -72,16 +72,17 @@ def test_kernel_matches_the_oracle(kernel, case):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-def test_bfloat16_takes_the_brgemm_flash_where_the_cpu_has_bfloat16_products(kernel):
-    """The kernel's own flash attention (oneDNN brgemm) serves bfloat16 with head dims a multiple of 16 where the CPU
-    has AMX; float32 and other head dims keep torch's flash kernel (both checked against the oracle above)."""
+def test_the_brgemm_flash_serves_where_the_cpu_has_its_products(kernel):
+    """The kernel's own flash attention (oneDNN brgemm) serves head dims a multiple of 16: bfloat16 where the CPU has
+    AMX, float32 where it has AVX-512; the rest keeps torch's flash kernel (both checked against the oracle above)."""
     pools = random_pools("auto", 4, 4, 2, 64, dtype=torch.bfloat16)
     query = torch.randn(3, 4, 64).bfloat16()
     uses = torch.ops.paged_hf_cpu.prefill_uses_brgemm
-    assert not uses(query.float(), pools["key_cache"].float())
+    flags = Path("/proc/cpuinfo").read_text()
     assert not uses(query[..., :8], pools["key_cache"][..., :8].contiguous())
-    if "amx_bf16" in Path("/proc/cpuinfo").read_text():
+    if "amx_bf16" in flags:
         assert uses(query, pools["key_cache"])
+    assert uses(query.float(), pools["key_cache"].float()) == ("avx512f" in flags)
 
 
 def test_kernel_refuses_what_it_cannot_read(kernel):

@@ -8,16 +8,16 @@
 // at positions ctx .. ctx + n - 1 with ctx = seq_lens[s] - n (their K/V already stored). Sinks join the denominator:
 // out * sigmoid(lse - sink). Two paths, the same attention:
 //
-// - bfloat16 where oneDNN's brgemm has bfloat16 products (AMX, AVX512-BF16: cpublas::could_pack) and D % 16 == 0:
-//   a flash attention of our own. Each sequence's keys are packed once per call, per KV head and tile of KEY_TILE
+// - where oneDNN's brgemm has the products (bfloat16: AMX or AVX512-BF16, cpublas::could_pack; float32: AVX-512) and
+//   D % 16 == 0: a flash attention of our own. Each sequence's keys are packed once per call, per KV head and tile of KEY_TILE
 //   keys, into the VNNI layouts the products read (K transposed, V row pairs interleaved; read from the blocks where
 //   they lie, zero past the sequence). A work item is one KV head and QUERY_TILE query positions of one chunk, all
 //   heads of the GQA group stacked as the rows of one product (the group shares every packed tile). Per key tile up
 //   to the item's last position: scores = one brgemm, the online softmax in float32 (exp2 of the scores scaled by
-//   scale * log2(e), the causal cut per row, probabilities rounded to bfloat16 as torch's flash kernel does), then
+//   scale * log2(e), the causal cut per row, probabilities rounded to bfloat16 as torch's flash kernel does, float32 kept), then
 //   one brgemm adds probabilities x V into a float32 accumulator. A later chunk is one pass over stored and new keys
 //   (no second call, no merge). Items are taken longest first from a shared counter by torch's intra-op threads.
-// - otherwise (float32, other CPUs): each sequence's blocks gathered once (one index_select per pool) and attended
+// - otherwise (other CPUs, float16, odd head dims): each sequence's blocks gathered once (one index_select per pool) and attended
 //   by torch's CPU flash attention (float32 accumulation, GQA native): the n queries see every key below ctx (one
 //   unmasked call) and the new keys causally (a second call, whose top-left causal rule is exactly the new block's),
 //   the two merged by their log-sum-exps; a first chunk (ctx = 0) is one causal call.
@@ -35,6 +35,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "vec16.h"
@@ -56,37 +57,59 @@ struct Chunk {
 
 bool brgemm_serves(const at::Tensor& query, const at::Tensor& key_cache) {
   static const bool bf16_products = at::native::cpublas::could_pack(at::kBFloat16);
-  return bf16_products && query.scalar_type() == at::kBFloat16 && key_cache.size(3) % 16 == 0 &&
-         key_cache.is_contiguous() && query.stride(2) == 1;
+#if defined(__AVX512F__)
+  constexpr bool f32_products = true;  // oneDNN's brgemm has AVX-512 float32 kernels
+#else
+  constexpr bool f32_products = false;
+#endif
+  const bool dtype = query.scalar_type() == at::kBFloat16 ? bf16_products
+                                                           : query.scalar_type() == at::kFloat && f32_products;
+  return dtype && key_cache.size(3) % 16 == 0 && key_cache.is_contiguous() && query.stride(2) == 1;
 }
 
-// Keys tile*KEY_TILE .. + KEY_TILE - 1 of one KV head: K as [D/2][KEY_TILE][2] (the VNNI layout of K^T), V as
-// [KEY_TILE/2][D][2] (the VNNI layout of V); zero past the sequence's last key.
-void pack_tile(const BF16* key_cache, const BF16* value_cache, const Chunk& c, int64_t head, int64_t tile,
-               int64_t B, int64_t KH, int64_t D, BF16* k_out, BF16* v_out) {
-  const int64_t start = tile * KEY_TILE, pairs = D / 2;
-  auto row = [&](const BF16* cache, int64_t pos) -> const BF16* {
+// Keys tile*KEY_TILE .. + KEY_TILE - 1 of one KV head, zero past the sequence's last key, in the layouts the
+// products read: bfloat16 (VNNI) K as [D/2][KEY_TILE][2] (K^T, pairs of dims interleaved), V as [KEY_TILE/2][D][2];
+// float32 K as [D][KEY_TILE] (K^T), V as [KEY_TILE][D].
+template <typename T>
+void pack_tile(const T* key_cache, const T* value_cache, const Chunk& c, int64_t head, int64_t tile, int64_t B,
+               int64_t KH, int64_t D, T* k_out, T* v_out) {
+  const int64_t start = tile * KEY_TILE;
+  auto row = [&](const T* cache, int64_t pos) -> const T* {
     return pos < c.len ? cache + ((c.table[pos / B] * B + pos % B) * KH + head) * D : nullptr;
   };
-  auto* k_words = reinterpret_cast<uint32_t*>(k_out);  // a word: two consecutive bfloat16 of one key
-  for (int64_t j = 0; j < KEY_TILE; ++j) {
-    const auto* k = reinterpret_cast<const uint32_t*>(row(key_cache, start + j));
-    for (int64_t d = 0; d < pairs; ++d) k_words[d * KEY_TILE + j] = k ? k[d] : 0u;
-  }
-  for (int64_t j = 0; j < KEY_TILE; j += 2) {
-    const BF16* a = row(value_cache, start + j);
-    const BF16* b = row(value_cache, start + j + 1);
-    BF16* out = v_out + j * D;
-    for (int64_t d = 0; d < D; ++d) {
-      out[2 * d] = a ? a[d] : BF16(0.0f);
-      out[2 * d + 1] = b ? b[d] : BF16(0.0f);
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t j = 0; j < KEY_TILE; ++j) {
+      const float* k = row(key_cache, start + j);
+      const float* v = row(value_cache, start + j);
+      for (int64_t d = 0; d < D; ++d) k_out[d * KEY_TILE + j] = k ? k[d] : 0.0f;
+      if (v) std::memcpy(v_out + j * D, v, D * sizeof(float));
+      else std::fill(v_out + j * D, v_out + (j + 1) * D, 0.0f);
+    }
+  } else {
+    auto* k_words = reinterpret_cast<uint32_t*>(k_out);  // a word: two consecutive bfloat16 of one key
+    for (int64_t j = 0; j < KEY_TILE; ++j) {
+      const auto* k = reinterpret_cast<const uint32_t*>(row(key_cache, start + j));
+      for (int64_t d = 0; d < D / 2; ++d) k_words[d * KEY_TILE + j] = k ? k[d] : 0u;
+    }
+    for (int64_t j = 0; j < KEY_TILE; j += 2) {
+      const T* a = row(value_cache, start + j);
+      const T* b = row(value_cache, start + j + 1);
+      T* out = v_out + j * D;
+      for (int64_t d = 0; d < D; ++d) {
+        out[2 * d] = a ? a[d] : T(0.0f);
+        out[2 * d + 1] = b ? b[d] : T(0.0f);
+      }
     }
   }
 }
 
+inline void store_row16(float* p, f16v v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store_row16(BF16* p, f16v v) { paged_hf_vec::store16(p, v); }
+
 // Per-thread scratch of the work items, kept across calls (no allocation per layer).
+template <typename T>
 struct Scratch {
-  std::vector<BF16> query, probs;
+  std::vector<T> query, probs;
   std::vector<float> scores, acc, peak, total;
   void fit(int64_t rows, int64_t D) {
     query.resize(rows * D);
@@ -98,17 +121,19 @@ struct Scratch {
   }
 };
 
+template <typename T>
 void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                     const std::vector<Chunk>& chunks, double scale, const at::Tensor& sink_values, at::Tensor& out) {
   const int64_t H = query.size(1), D = query.size(2), B = key_cache.size(1), KH = key_cache.size(2);
   const int64_t group = H / KH, tile_elems = KEY_TILE * D;
+  constexpr bool vnni = std::is_same_v<T, BF16>;  // bfloat16 products read VNNI-packed operands
   int64_t total_tiles = 0;
   for (const auto& c : chunks) total_tiles = std::max(total_tiles, c.packed + c.tiles * KH);
-  thread_local std::vector<BF16> packed;  // [tile][K: tile_elems, V: tile_elems], kept across calls
+  thread_local std::vector<T> packed;  // [tile][K: tile_elems, V: tile_elems], kept across calls
   packed.resize(total_tiles * 2 * tile_elems);
-  BF16* packed_data = packed.data();
-  const BF16* keys = key_cache.const_data_ptr<BF16>();
-  const BF16* values = value_cache.const_data_ptr<BF16>();
+  T* packed_data = packed.data();
+  const T* keys = key_cache.const_data_ptr<T>();
+  const T* values = value_cache.const_data_ptr<T>();
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (chunk, head * tiles + tile)
   for (int64_t s = 0; s < static_cast<int64_t>(chunks.size()); ++s)
     for (int64_t t = 0; t < chunks[s].tiles * KH; ++t) tiles.emplace_back(s, t);
@@ -116,7 +141,7 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
     for (int64_t i = begin; i < end; ++i) {
       const Chunk& c = chunks[tiles[i].first];
       const int64_t head = tiles[i].second / c.tiles, tile = tiles[i].second % c.tiles;
-      BF16* base = packed_data + (c.packed + tiles[i].second) * 2 * tile_elems;
+      T* base = packed_data + (c.packed + tiles[i].second) * 2 * tile_elems;
       pack_tile(keys, values, c, head, tile, B, KH, D, base, base + tile_elems);
     }
   });
@@ -133,26 +158,26 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
 
   const float log2e = 1.4426950408889634f, c_scale = static_cast<float>(scale) * log2e;
   const float* sink = sink_values.defined() ? sink_values.const_data_ptr<float>() : nullptr;
-  const BF16* q_data = query.const_data_ptr<BF16>();
-  BF16* o_data = out.mutable_data_ptr<BF16>();
+  const T* q_data = query.const_data_ptr<T>();
+  T* o_data = out.mutable_data_ptr<T>();
   const int64_t q_row = query.stride(0), q_head = query.stride(1);
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    thread_local Scratch scratch;
+    thread_local Scratch<T> scratch;
     scratch.fit(QUERY_TILE * group, D);
     for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
       const Item& item = items[i];
       const Chunk& c = chunks[item.chunk];
       const int64_t rows_t = std::min(QUERY_TILE, c.n - item.start), M = rows_t * group;
-      BF16* q = scratch.query.data();
+      T* q = scratch.query.data();
       float *scores = scratch.scores.data(), *acc = scratch.acc.data(), *peak = scratch.peak.data(),
             *total = scratch.total.data();
-      BF16* probs = scratch.probs.data();
+      T* probs = scratch.probs.data();
       for (int64_t t = 0; t < rows_t; ++t)  // row t * group + j: query head head * group + j at position start + t
         for (int64_t j = 0; j < group; ++j)
           std::memcpy(q + (t * group + j) * D, q_data + (c.first + item.start + t) * q_row + (item.head * group + j) * q_head,
-                      D * sizeof(BF16));
+                      D * sizeof(T));
       std::fill(acc, acc + M * D, 0.0f);
       std::fill(peak, peak + M, -INFINITY);
       std::fill(total, total + M, 0.0f);
@@ -160,14 +185,14 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
       for (int64_t tile = 0; tile * KEY_TILE <= item.last; ++tile) {
         const int64_t key0 = tile * KEY_TILE, width = std::min(KEY_TILE, item.last + 1 - key0);
         const int64_t cols = (width + COLUMN_STEP - 1) / COLUMN_STEP * COLUMN_STEP;
-        const BF16* k_tile = packed_data + (c.packed + item.head * c.tiles + tile) * 2 * tile_elems;
-        at::native::cpublas::brgemm(M, cols, D, D, KEY_TILE, KEY_TILE, false, q, k_tile, scores, true);
+        const T* k_tile = packed_data + (c.packed + item.head * c.tiles + tile) * 2 * tile_elems;
+        at::native::cpublas::brgemm(M, cols, D, D, KEY_TILE, KEY_TILE, false, q, k_tile, scores, vnni);
         for (int64_t r = 0; r < M; ++r) {
           float* s = scores + r * KEY_TILE;
-          BF16* p = probs + r * KEY_TILE;
+          T* p = probs + r * KEY_TILE;
           const int64_t seen = std::min(width, first_pos + r / group + 1 - key0);  // keys of this tile row r sees
           if (seen <= 0) {
-            std::fill(p, p + cols, BF16(0.0f));
+            std::fill(p, p + cols, T(0.0f));
             continue;
           }
           for (int64_t j = seen; j < cols; ++j) s[j] = -INFINITY;
@@ -184,7 +209,7 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
             f16v e = paged_hf_vec::exp2_nonpositive(y);
             e = y < -126.0f ? paged_hf_vec::splat(0.0f) : e;
             sum += e;
-            paged_hf_vec::store16(p + j, e);
+            store_row16(p + j, e);
           }
           total[r] = total[r] * rescale + paged_hf_vec::sum_of(sum);
           peak[r] = new_peak;
@@ -196,7 +221,7 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
             }
           }
         }
-        at::native::cpublas::brgemm(M, D, cols, KEY_TILE, D, D, true, probs, k_tile + tile_elems, acc, true);
+        at::native::cpublas::brgemm(M, D, cols, KEY_TILE, D, D, true, probs, k_tile + tile_elems, acc, vnni);
       }
       for (int64_t t = 0; t < rows_t; ++t)
         for (int64_t j = 0; j < group; ++j) {
@@ -204,11 +229,11 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
           float denominator = total[r];
           if (sink != nullptr) denominator += std::exp2(sink[h] * log2e - peak[r]);
           const f16v inverse = paged_hf_vec::splat(1.0f / denominator);
-          BF16* o = o_data + ((c.first + item.start + t) * H + h) * D;
-          for (int64_t d = 0; d < D; d += 16) paged_hf_vec::store16(o + d, paged_hf_vec::load16(acc + r * D + d) * inverse);
+          T* o = o_data + ((c.first + item.start + t) * H + h) * D;
+          for (int64_t d = 0; d < D; d += 16) store_row16(o + d, paged_hf_vec::load16(acc + r * D + d) * inverse);
         }
     }
-    at::native::cpublas::brgemm_release(true);
+    at::native::cpublas::brgemm_release(vnni);
   });
 }
 
@@ -262,8 +287,9 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key_cache, c
       packed += tiles * KH;
     }
     at::Tensor out = at::empty(query.sizes(), query.options());
-    brgemm_prefill(query, key_cache, value_cache, chunks, scale, sink_values.defined() ? sink_values.contiguous()
-                   : sink_values, out);
+    const at::Tensor sink_rows = sink_values.defined() ? sink_values.contiguous() : sink_values;
+    if (query.scalar_type() == at::kBFloat16) brgemm_prefill<BF16>(query, key_cache, value_cache, chunks, scale, sink_rows, out);
+    else brgemm_prefill<float>(query, key_cache, value_cache, chunks, scale, sink_rows, out);
     return out;
   }
   at::Tensor out = at::empty_like(query);
