@@ -13,9 +13,9 @@ memory never touch another's):
   with its own ``max_new_tokens``), page 16, a 256-token budget per step.
 
 Every engine runs on tcmalloc where it is found (vLLM's bundled copy or the system's), preloaded as vLLM's CPU guide
-says; vLLM also gets its bundled libiomp5. Both engines get the same threads (``--threads``: vLLM through ``VLLM_CPU_OMP_THREADS_BIND=0-(N-1)``, the others
-through ``OMP_NUM_THREADS`` + ``torch.set_num_threads`` and the same CPU affinity 0-(N-1)), chunked prefill and
-prefix caching on, the same ``max_num_batched_tokens`` / ``max_num_seqs`` / ``max_model_len`` and KV-pool size.
+says; vLLM also gets its bundled libiomp5. Both engines get the same threads (``--threads``: vLLM through
+``VLLM_CPU_OMP_THREADS_BIND=0-(N-1)``, the others through ``OMP_NUM_THREADS`` + ``torch.set_num_threads`` and the
+same CPU affinity 0-(N-1)), chunked prefill and prefix caching on, the same ``max_num_batched_tokens`` / ``max_num_seqs`` / ``max_model_len`` and KV-pool size.
 Prompts are token ids; greedy, EOS ignored, every request yields exactly its ``max_tokens``. Each process first runs
 a small warm-up (other prompts), then each workload once, timed around one ``generate`` call; every workload carries
 its own ``cache_salt`` so neither the warm-up nor another workload leaves prefix-cache hits behind. The figure is

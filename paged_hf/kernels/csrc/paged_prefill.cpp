@@ -8,19 +8,19 @@
 // at positions ctx .. ctx + n - 1 with ctx = seq_lens[s] - n (their K/V already stored). Sinks join the denominator:
 // out * sigmoid(lse - sink). Two paths, the same attention:
 //
-// - where oneDNN's brgemm has the products (bfloat16: AMX or AVX512-BF16, cpublas::could_pack; float32: AVX-512) and
-//   D % 16 == 0: a flash attention of our own. Each sequence's keys are packed once per call, per KV head and tile of KEY_TILE
-//   keys, into the VNNI layouts the products read (K transposed, V row pairs interleaved; read from the blocks where
-//   they lie, zero past the sequence). A work item is one KV head and QUERY_TILE query positions of one chunk, all
-//   heads of the GQA group stacked as the rows of one product (the group shares every packed tile). Per key tile up
-//   to the item's last position: scores = one brgemm, the online softmax in float32 (exp2 of the scores scaled by
-//   scale * log2(e), the causal cut per row, probabilities rounded to bfloat16 as torch's flash kernel does, float32 kept), then
-//   one brgemm adds probabilities x V into a float32 accumulator. A later chunk is one pass over stored and new keys
-//   (no second call, no merge). Items are taken longest first from a shared counter by torch's intra-op threads.
-// - otherwise (other CPUs, float16, odd head dims): each sequence's blocks gathered once (one index_select per pool) and attended
-//   by torch's CPU flash attention (float32 accumulation, GQA native): the n queries see every key below ctx (one
-//   unmasked call) and the new keys causally (a second call, whose top-left causal rule is exactly the new block's),
-//   the two merged by their log-sum-exps; a first chunk (ctx = 0) is one causal call.
+// - where oneDNN's brgemm has the products (bfloat16: AMX or AVX512-BF16, cpublas::could_pack; float32: AVX-512)
+//   and D % 16 == 0: a flash attention of our own. Each sequence's keys are packed once per call, per KV head and
+//   tile of KEY_TILE keys, into the layouts the products read (bfloat16: VNNI; read from the blocks where they lie,
+//   zero past the sequence). A work item is one KV head and QUERY_TILE query positions of one chunk, all heads of
+//   the GQA group stacked as the rows of one product (the group shares every packed tile). Per key tile up to the
+//   item's last position: scores = one brgemm, the online softmax in float32 (exp2 of the scores scaled by
+//   scale * log2(e), the causal cut per row; bfloat16 probabilities rounded as torch's flash kernel rounds them),
+//   then one brgemm adds probabilities x V into a float32 accumulator. A later chunk is one pass over stored and new
+//   keys (no second call, no merge). Items are taken longest first from a shared counter by torch's threads.
+// - otherwise (other CPUs, float16, other head dims): each sequence's blocks gathered once (one index_select per
+//   pool) and attended by torch's CPU flash attention (float32 accumulation, GQA native): the n queries see every
+//   key below ctx (one unmasked call) and the new keys causally (a second call, whose top-left causal rule is
+//   exactly the new block's), the two merged by their log-sum-exps; a first chunk (ctx = 0) is one causal call.
 //
 // The caller takes this op for unquantized pools in the query's dtype, no window cutting a sequence, no softcap.
 #include <ATen/ATen.h>
@@ -176,8 +176,8 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
       T* probs = scratch.probs.data();
       for (int64_t t = 0; t < rows_t; ++t)  // row t * group + j: query head head * group + j at position start + t
         for (int64_t j = 0; j < group; ++j)
-          std::memcpy(q + (t * group + j) * D, q_data + (c.first + item.start + t) * q_row + (item.head * group + j) * q_head,
-                      D * sizeof(T));
+          std::memcpy(q + (t * group + j) * D,
+                      q_data + (c.first + item.start + t) * q_row + (item.head * group + j) * q_head, D * sizeof(T));
       std::fill(acc, acc + M * D, 0.0f);
       std::fill(peak, peak + M, -INFINITY);
       std::fill(total, total + M, 0.0f);
@@ -288,8 +288,10 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key_cache, c
     }
     at::Tensor out = at::empty(query.sizes(), query.options());
     const at::Tensor sink_rows = sink_values.defined() ? sink_values.contiguous() : sink_values;
-    if (query.scalar_type() == at::kBFloat16) brgemm_prefill<BF16>(query, key_cache, value_cache, chunks, scale, sink_rows, out);
-    else brgemm_prefill<float>(query, key_cache, value_cache, chunks, scale, sink_rows, out);
+    if (query.scalar_type() == at::kBFloat16)
+      brgemm_prefill<BF16>(query, key_cache, value_cache, chunks, scale, sink_rows, out);
+    else
+      brgemm_prefill<float>(query, key_cache, value_cache, chunks, scale, sink_rows, out);
     return out;
   }
   at::Tensor out = at::empty_like(query);
