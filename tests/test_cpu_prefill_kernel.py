@@ -65,12 +65,13 @@ def _step(case):
 @given(case=prefill_cases())
 def test_kernel_matches_the_oracle(kernel, case):
     query, pools, tables, seq_lens, cu, sinks = _step(case)
-    got = kernel(query, pools.key_cache, pools.value_cache, tables, seq_lens, cu, 0.3, sinks)
     want = paged_prefill_attention_ref(query, pools, tables.long(), seq_lens.long(), cu.long(), 0.3, sinks=sinks)
     # bfloat16: the output's rounding, and the two partial outputs' (chunks after stored keys) before their merge
     tol = 2e-5 if case["dtype"] == torch.float32 else 2e-2
-    assert got.dtype == query.dtype and got.shape == query.shape
-    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    for op in (kernel, torch.ops.paged_hf_cpu.paged_prefill_flash):  # the op, and its torch-flash path alone
+        got = op(query, pools.key_cache, pools.value_cache, tables, seq_lens, cu, 0.3, sinks)
+        assert got.dtype == query.dtype and got.shape == query.shape
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_the_brgemm_flash_serves_where_the_cpu_has_its_products(kernel):

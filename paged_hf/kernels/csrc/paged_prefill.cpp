@@ -3,6 +3,8 @@
 // paged_hf_cpu::paged_prefill(query [T, H, D], key_cache [N, B, KH, D], value_cache [N, B, KH, D],
 //                             block_tables [S, W] (int32 or int64), seq_lens [S], cu_query_lens [S + 1] (from 0),
 //                             scale, sinks [H] float32 or None) -> [T, H, D]
+// paged_hf_cpu::paged_prefill_flash(the same) -> [T, H, D]: always the second path below (for comparisons)
+// paged_hf_cpu::prefill_uses_brgemm(query, key_cache) -> bool: whether paged_prefill takes the first path
 //
 // Sequence s's queries are rows cu_query_lens[s] .. cu_query_lens[s + 1] - 1, its last positions: the n new tokens
 // at positions ctx .. ctx + n - 1 with ctx = seq_lens[s] - n (their K/V already stored). Sinks join the denominator:
@@ -244,9 +246,11 @@ std::tuple<at::Tensor, at::Tensor> flash(const at::Tensor& q, const at::Tensor& 
   return {std::get<0>(result), std::get<1>(result)};
 }
 
-at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                         const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_query_lens,
-                         double scale, const std::optional<at::Tensor>& sinks) {
+// `own`: the brgemm flash where it serves (paged_prefill); false: torch's flash kernel (paged_prefill_flash, for
+// benchmarks and tests that compare the two).
+at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_query_lens,
+                   double scale, const std::optional<at::Tensor>& sinks, bool own) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "paged_prefill: query [T, H, D], "
               "pools [N, B, KH, D]");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
@@ -267,7 +271,7 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key_cache, c
     sink_values = sinks->to(at::kFloat).view({1, -1, 1});
     TORCH_CHECK(sink_values.size(1) == query.size(1), "paged_prefill: sinks [H]");
   }
-  if (brgemm_serves(query, key_cache)) {
+  if (own && brgemm_serves(query, key_cache)) {
     TORCH_CHECK(scale > 0, "paged_prefill: scale must be positive, got ", scale);
     const auto table_rows = tables.contiguous();
     std::vector<Chunk> chunks;
@@ -328,6 +332,18 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key_cache, c
   return out;
 }
 
+at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_query_lens,
+                         double scale, const std::optional<at::Tensor>& sinks) {
+  return prefill(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks, true);
+}
+
+at::Tensor paged_prefill_flash(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                               const at::Tensor& cu_query_lens, double scale, const std::optional<at::Tensor>& sinks) {
+  return prefill(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks, false);
+}
+
 bool prefill_uses_brgemm(const at::Tensor& query, const at::Tensor& key_cache) {
   return brgemm_serves(query, key_cache);
 }
@@ -340,4 +356,7 @@ TORCH_LIBRARY_FRAGMENT(paged_hf_cpu, m) {
   m.def("paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor cu_query_lens, float scale, Tensor? sinks) -> Tensor");
   m.impl("paged_prefill", c10::DispatchKey::CPU, TORCH_FN(paged_prefill));
+  m.def("paged_prefill_flash(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor cu_query_lens, float scale, Tensor? sinks) -> Tensor");
+  m.impl("paged_prefill_flash", c10::DispatchKey::CPU, TORCH_FN(paged_prefill_flash));
 }
