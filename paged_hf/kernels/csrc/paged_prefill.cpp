@@ -66,21 +66,23 @@ bool brgemm_serves(const at::Tensor& query, const at::Tensor& key_cache) {
 #endif
   const bool dtype = query.scalar_type() == at::kBFloat16 ? bf16_products
                                                            : query.scalar_type() == at::kFloat && f32_products;
-  return dtype && key_cache.size(3) % 16 == 0 && key_cache.is_contiguous() && query.stride(2) == 1;
+  return dtype && key_cache.size(3) % 16 == 0 && key_cache.size(3) <= 512 && key_cache.is_contiguous() &&
+         query.stride(2) == 1;
 }
 
-// Keys tile*KEY_TILE .. + KEY_TILE - 1 of one KV head, zero past the sequence's last key, in the layouts the
-// products read: bfloat16 (VNNI) K as [D/2][KEY_TILE][2] (K^T, pairs of dims interleaved), V as [KEY_TILE/2][D][2];
-// float32 K as [D][KEY_TILE] (K^T), V as [KEY_TILE][D].
+// Keys tile*KEY_TILE .. of one KV head in the layouts the products read: bfloat16 (VNNI) K as [D/2][KEY_TILE][2]
+// (K^T, pairs of dims interleaved), V as [KEY_TILE/2][D][2]; float32 K as [D][KEY_TILE] (K^T), V as [KEY_TILE][D].
+// Only the keys a product reads are written: the sequence's, then zeros up to the next COLUMN_STEP.
 template <typename T>
 void pack_tile(const T* key_cache, const T* value_cache, const Chunk& c, int64_t head, int64_t tile, int64_t B,
                int64_t KH, int64_t D, T* k_out, T* v_out) {
   const int64_t start = tile * KEY_TILE;
+  const int64_t used = std::min(KEY_TILE, (c.len - start + COLUMN_STEP - 1) / COLUMN_STEP * COLUMN_STEP);
   auto row = [&](const T* cache, int64_t pos) -> const T* {
     return pos < c.len ? cache + ((c.table[pos / B] * B + pos % B) * KH + head) * D : nullptr;
   };
   if constexpr (std::is_same_v<T, float>) {
-    for (int64_t j = 0; j < KEY_TILE; ++j) {
+    for (int64_t j = 0; j < used; ++j) {
       const float* k = row(key_cache, start + j);
       const float* v = row(value_cache, start + j);
       for (int64_t d = 0; d < D; ++d) k_out[d * KEY_TILE + j] = k ? k[d] : 0.0f;
@@ -89,18 +91,18 @@ void pack_tile(const T* key_cache, const T* value_cache, const Chunk& c, int64_t
     }
   } else {
     auto* k_words = reinterpret_cast<uint32_t*>(k_out);  // a word: two consecutive bfloat16 of one key
-    for (int64_t j = 0; j < KEY_TILE; ++j) {
+    for (int64_t j = 0; j < used; ++j) {
       const auto* k = reinterpret_cast<const uint32_t*>(row(key_cache, start + j));
       for (int64_t d = 0; d < D / 2; ++d) k_words[d * KEY_TILE + j] = k ? k[d] : 0u;
     }
-    for (int64_t j = 0; j < KEY_TILE; j += 2) {
+    static const uint16_t zeros[512] = {};  // a missing row (head dims up to 512)
+    for (int64_t j = 0; j < used; j += 2) {  // word d of row pair j: V[j][d] low, V[j + 1][d] high
       const T* a = row(value_cache, start + j);
       const T* b = row(value_cache, start + j + 1);
-      T* out = v_out + j * D;
-      for (int64_t d = 0; d < D; ++d) {
-        out[2 * d] = a ? a[d] : T(0.0f);
-        out[2 * d + 1] = b ? b[d] : T(0.0f);
-      }
+      const auto* lo = a ? reinterpret_cast<const uint16_t*>(a) : zeros;
+      const auto* hi = b ? reinterpret_cast<const uint16_t*>(b) : zeros;
+      auto* out = reinterpret_cast<uint32_t*>(v_out + j * D);
+      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<uint32_t>(lo[d]) | (static_cast<uint32_t>(hi[d]) << 16);
     }
   }
 }
