@@ -10,6 +10,7 @@ new path faster), and each path's largest distance to the float32 oracle (``page
 
     PYTHONPATH=. python benchmarks/cpu_prefill.py                 # 2 threads
     PYTHONPATH=. python benchmarks/cpu_prefill.py --threads 1 --repeats 20
+    PYTHONPATH=. python benchmarks/cpu_prefill.py --quick --repeats 1          # seconds: does it still run
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="SmolLM2's heads and the short prompts only (a smoke run)")
     args = parser.parse_args(argv)
+    heads = {k: v for k, v in HEADS.items() if not args.quick or k.startswith("SmolLM2")}
+    steps = {k: v for k, v in STEPS.items() if not args.quick or k.startswith("16 prompts")}
     torch.set_num_threads(args.threads)
     if not cpu_ext.loaded():
         print("the C++ CPU kernels did not build here (no compiler?): nothing to compare")
@@ -87,8 +91,8 @@ def main(argv=None) -> int:
     print(machine())
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        for head_name, (num_kv_heads, group, head_dim) in HEADS.items():
-            for step_name, chunks in STEPS.items():
+        for head_name, (num_kv_heads, group, head_dim) in heads.items():
+            for step_name, chunks in steps.items():
                 query, pools, tables, seq_lens, cu = step(chunks, num_kv_heads, group, head_dim, dtype)
                 operands = (query, pools.key_cache, pools.value_cache, tables, seq_lens, cu, head_dim ** -0.5, None)
                 if not uses(query, pools.key_cache):

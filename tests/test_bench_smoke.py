@@ -24,6 +24,7 @@ SMOKE = {
                        "store"),
     "cuda_graphs": (["--quick"], "decode tok/s"),  # on CPU: the padded static path against no graphs
     "cpu_attention": (["--threads", "1", "--repeats", "1", "--formats", "auto"], "prefill"),
+    "cpu_prefill": (["--quick", "--threads", "1", "--repeats", "1"], "speed-up"),
     "decode": (["--models", "stories260K", "--batches", "1", "--new-tokens", "3", "--repeats", "1", "--min-len", "4",
                 "--max-len", "8", "--threads", "1"], "DynamicCache"),
     "engine_compile": (["--models", "stories260K", "--dtypes", "float32", "--requests", "2", "--max-out", "8",
