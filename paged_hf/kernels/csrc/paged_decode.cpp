@@ -32,37 +32,6 @@ namespace {
 
 using namespace paged_hf_vec;
 
-inline float reduce16(f16v v) {
-  typedef float f8v __attribute__((vector_size(32)));
-  typedef float f4v __attribute__((vector_size(16)));
-  f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-// exp(x) for 16 lanes, x <= 0 (scores minus their maximum): 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, and
-// 2^f by its degree-6 Taylor polynomial in f ln 2 (relative error below 2e-7, float32's own rounding); x below
-// -87 gives 2^-126, which the sums ignore as they would exp(x).
-inline f16v exp16(f16v x) {
-  const f16v low = f16v{} - 87.f;
-  x = x < low ? low : x;
-  const f16v t = x * 1.44269504088896341f;
-  const f16v magic = f16v{} + 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const f16v n = (t + magic) - magic;
-  const f16v r = (t - n) * 0.693147180559945309f;
-  f16v p = f16v{} + (1.f / 720.f);
-  p = p * r + (1.f / 120.f);
-  p = p * r + (1.f / 24.f);
-  p = p * r + (1.f / 6.f);
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const i32v bits = (__builtin_convertvector(n, i32v) + 127) << 23;
-  f16v scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 // One row of D values as floats in `dst` (D a multiple of LANES: whole vectors; else element by element).
 template <typename T>
 inline void load_row(const T* __restrict src, float* __restrict dst, int64_t D) {

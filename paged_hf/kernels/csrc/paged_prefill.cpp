@@ -210,12 +210,12 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
           f16v sum = paged_hf_vec::splat(0.0f);
           for (int64_t j = 0; j < cols; j += 16) {
             const f16v y = paged_hf_vec::load16(s + j) * c_scale - new_peak;
-            f16v e = paged_hf_vec::exp2_nonpositive(y);
+            f16v e = paged_hf_vec::exp2_16(y);
             e = y < -126.0f ? paged_hf_vec::splat(0.0f) : e;
             sum += e;
             store_row16(p + j, e);
           }
-          total[r] = total[r] * rescale + paged_hf_vec::sum_of(sum);
+          total[r] = total[r] * rescale + paged_hf_vec::reduce16(sum);
           peak[r] = new_peak;
           if (rescale != 1.0f) {
             float* o = acc + r * D;
@@ -282,10 +282,11 @@ at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const a
       const int64_t first = start_of[s], n = start_of[s + 1] - first, len = len_of[s], ctx = len - n;
       if (n <= 0) continue;
       TORCH_CHECK(ctx >= 0, "paged_prefill: sequence ", s, " has ", n, " queries but only ", len, " keys");
-      TORCH_CHECK((len + B - 1) / B <= table_rows.size(1), "paged_prefill: sequence ", s, " needs ",
-                  (len + B - 1) / B, " blocks, its table has ", table_rows.size(1));
+      const int64_t blocks = (len + B - 1) / B;
+      TORCH_CHECK(blocks <= table_rows.size(1), "paged_prefill: sequence ", s, " needs ", blocks,
+                  " blocks, its table has ", table_rows.size(1));
       const int64_t* row = table_rows.const_data_ptr<int64_t>() + s * table_rows.stride(0);
-      for (int64_t b = 0; b < (len + B - 1) / B; ++b)
+      for (int64_t b = 0; b < blocks; ++b)
         TORCH_CHECK(row[b] >= 0 && row[b] < key_cache.size(0), "paged_prefill: sequence ", s, " reads block ", row[b],
                     " of a pool of ", key_cache.size(0));
       const int64_t tiles = (len + KEY_TILE - 1) / KEY_TILE;

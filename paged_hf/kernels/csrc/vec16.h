@@ -1,6 +1,7 @@
 // Sixteen-float vectors for the CPU kernels: GCC/Clang vector extensions, lowered to the widest SIMD the compiler
 // targets (-march=native here), so one source serves AVX-512, AVX2 or plain SSE machines; loads of sixteen float32
-// or bfloat16 values as floats (a bfloat16 is the high half of its float32).
+// or bfloat16 values as floats (a bfloat16 is the high half of its float32); exp / exp2, lane reductions and
+// bfloat16 stores shared by the attention kernels.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -37,32 +38,45 @@ inline f16v load16(const c10::BFloat16* p) {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
 
-}  // namespace paged_hf_vec
-
-namespace paged_hf_vec {
 
 inline f16v splat(float x) { return f16v{} + x; }
 
-// 2^y for y <= 0, relative error ~2e-7 (rounding to the nearest integer, then a degree-6 Taylor polynomial of 2^f
-// on [-0.5, 0.5]); y below -126 gives 2^-126, so a caller masks what must be exactly 0.
-inline f16v exp2_nonpositive(f16v y) {
-  const f16v low = splat(-126.0f), magic = splat(12582912.0f);  // 1.5 * 2^23: y + magic rounds y to an integer
-  y = y < low ? low : y;
-  const f16v t = y + magic, f = y - (t - magic);
-  f16v p = splat(1.5252733804e-5f);
-  p = p * f + 1.5403530393e-4f;
-  p = p * f + 1.3333558147e-3f;
-  p = p * f + 9.6181291076e-3f;
-  p = p * f + 5.5504108665e-2f;
-  p = p * f + 2.4022650696e-1f;
-  p = p * f + 6.9314718056e-1f;
-  p = p * f + 1.0f;
-  i32v n, bits;
-  std::memcpy(&n, &t, sizeof(n));
-  std::memcpy(&bits, &p, sizeof(bits));
-  bits += (n - 0x4B400000) << 23;  // + round(y) in the exponent
-  std::memcpy(&p, &bits, sizeof(p));
-  return p;
+// 2^t for 16 lanes, t <= 0: 2^n * 2^f with n = round(t), |f| <= 1/2, and 2^f by its degree-6 Taylor polynomial in
+// f ln 2 (relative error below 2e-7, float32's own rounding); t below -126 gives 2^-126 (a caller that needs an
+// exact 0 there masks it).
+inline f16v exp2_16(f16v t) {
+  const f16v low = f16v{} - 126.f;
+  t = t < low ? low : t;
+  const f16v magic = f16v{} + 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const f16v n = (t + magic) - magic;
+  const f16v r = (t - n) * 0.693147180559945309f;
+  f16v p = f16v{} + (1.f / 720.f);
+  p = p * r + (1.f / 120.f);
+  p = p * r + (1.f / 24.f);
+  p = p * r + (1.f / 6.f);
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const i32v bits = (__builtin_convertvector(n, i32v) + 127) << 23;
+  f16v scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// exp(x) for 16 lanes, x <= 0 (scores minus their maximum); x below -87 gives 2^-126, which the sums ignore as they
+// would exp(x).
+inline f16v exp16(f16v x) {
+  const f16v low = f16v{} - 87.f;
+  return exp2_16((x < low ? low : x) * 1.44269504088896341f);
+}
+
+// The sum of the 16 lanes (a tree of halves).
+inline float reduce16(f16v v) {
+  typedef float f8v __attribute__((vector_size(32)));
+  typedef float f4v __attribute__((vector_size(16)));
+  f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // Sixteen floats rounded to bfloat16, to nearest, ties to even (AVX512-BF16's instruction where the CPU has it; the
@@ -87,16 +101,6 @@ inline float max_of(f16v v) {
   float m = v[0];
   for (int i = 1; i < LANES; ++i) m = v[i] > m ? v[i] : m;
   return m;
-#endif
-}
-
-inline float sum_of(f16v v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float s = 0.0f;
-  for (int i = 0; i < LANES; ++i) s += v[i];
-  return s;
 #endif
 }
 
