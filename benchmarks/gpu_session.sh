@@ -7,7 +7,7 @@
 #   step 1  tests/test_cuda.py (CUDA vs CPU end to end)        wall 120 s, 90 s per test, xdist -n $JOBS
 #   step 2  tests/test_kernels.py + tests/test_warmup.py       wall  90 s, 60 s per test, xdist -n $JOBS
 #           (the default grid compiled, not PAGED_HF_SLOW's sweep: ~35 float32-heavy variants, 1-5 s each)
-#   step 3  benchmarks/kernels.py --quick                      wall 120 s (mostly compiles: ~25 variants)
+#   step 3  benchmarks/gpu_kernels.py --quick                  wall 120 s (mostly compiles: ~25 variants)
 #   step 4  $BENCH_EXTRA (a slot for throughput / decode)       wall $BENCH_EXTRA_WALL s (default 60), if set
 #   step 5  CUDA graphs: tests/test_static_decode_triton.py,    wall $WALL_GRAPHS s (default 150) for both parts:
 #           tests/test_cuda.py -k cuda_graphs (when step 1     the tests, then benchmarks/cuda_graphs.py
@@ -142,7 +142,7 @@ for step in $STEPS; do
           tests/test_kernels.py tests/test_warmup.py
       fi ;;
     3)
-      run_step "3 kernel benchmark" "$WALL_BENCH" env OUT="$OUT" python3 benchmarks/kernels.py --quick ;;
+      run_step "3 kernel benchmark" "$WALL_BENCH" env OUT="$OUT" python3 benchmarks/gpu_kernels.py --quick ;;
     4)
       if [ -n "$BENCH_EXTRA" ]; then  # shellcheck disable=SC2086
         run_step "4 $BENCH_EXTRA" "$BENCH_EXTRA_WALL" env OUT="$OUT" python3 $BENCH_EXTRA

@@ -34,7 +34,7 @@ SMOKE = {
     "fault_load": (["--clients", "8"], "idle"),
     "images": (["--requests", "3", "--max-out", "3", "--budgets", "64", "--layers", "1", "--hidden", "64"],
                "vision-tower runs"),
-    "kernels": (["--quick"], "Paged attention kernels"),
+    "gpu_kernels": (["--quick"], "Paged attention kernels"),
     "kv_decode": (["--model", "stories260K", "--formats", "int8,auto", "--batch", "1", "--prompt-len", "8",
                    "--new-tokens", "3", "--repeats", "1"], "decode ms/step"),
     "kv_quality": (["--models", "stories", "--rows", "dynamic,int8", "--tokens", "32", "--prompts", "2", "--batch", "2",
@@ -61,9 +61,9 @@ SMOKE = {
     "tp": (["--tensor-parallel-size", "1", "--requests", "2", "--prompt-len", "8", "16", "--output-len", "2", "4"],
            "TP"),
 }
-NEEDS_CUDA = {"kernels"}
+NEEDS_CUDA = {"gpu_kernels"}
 # Run in a child process: compiling for another target leaves triton's driver state changed for later tests.
-ISOLATED = {"compile_report", "kernels", "vs_vllm", "engine_compile"}
+ISOLATED = {"compile_report", "gpu_kernels", "vs_vllm", "engine_compile"}
 
 
 def _run(name: str, args: list[str], capsys) -> tuple[int, str, str]:
@@ -93,6 +93,18 @@ def _run(name: str, args: list[str], capsys) -> tuple[int, str, str]:
 
 def test_every_benchmark_has_a_smoke_run():
     assert sorted(SMOKE) == paged_hf_cli.benchmark_names()
+
+
+def test_no_benchmark_shadows_an_installed_module():
+    """A script runs with ``benchmarks/`` first on ``sys.path``: a ``NAME.py`` there hides the package NAME from
+    everything the script imports (``benchmarks/kernels.py`` once hid HF's ``kernels`` from transformers)."""
+    import importlib.util
+
+    benchmarks = str(Path(paged_hf_cli.BENCHMARKS_DIR).resolve())
+    elsewhere = [p for p in sys.path if p and str(Path(p).resolve()) != benchmarks]
+    shadowing = [name for name in paged_hf_cli.benchmark_names()
+                 if importlib.machinery.PathFinder.find_spec(name, elsewhere) is not None]
+    assert not shadowing, f"benchmarks/ scripts named like installed modules: {shadowing}"
 
 
 @pytest.mark.parametrize("name", paged_hf_cli.benchmark_names())

@@ -14,9 +14,9 @@ Timing: CUDA events around each call, warm-up calls first, the L2 cache flushed 
 16, float16 queries, block tables a random permutation of the pool (fragmented). Writes a markdown report to
 stdout and, when ``OUT`` is set, to ``$OUT/kernels.md``.
 
-    python benchmarks/kernels.py                 # the full run (a few minutes on an H100/H200)
-    python benchmarks/kernels.py --quick         # fewer shapes and repeats, bf16-only spot check
-    python benchmarks/kernels.py --tune          # sweep the decode kernel's tile/partition/warps/stages instead
+    python benchmarks/gpu_kernels.py                 # the full run (a few minutes on an H100/H200)
+    python benchmarks/gpu_kernels.py --quick         # fewer shapes and repeats, bf16-only spot check
+    python benchmarks/gpu_kernels.py --tune          # sweep the decode kernel's tile/partition/warps/stages instead
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ def main() -> int:
                         help="only sweep the decode kernel's tile size, partition size, warps and stages")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py measures the Triton kernels on a CUDA GPU; no CUDA device is visible here "
+        print("benchmarks/gpu_kernels.py measures the Triton kernels on a CUDA GPU; no CUDA device is visible here "
               "(torch.cuda.is_available() is False). Nothing measured.", file=sys.stderr)
         return 2
     try:
         import triton  # noqa: F401, PLC0415
     except ImportError:
-        print("benchmarks/kernels.py needs triton (pip install triton). Nothing measured.", file=sys.stderr)
+        print("benchmarks/gpu_kernels.py needs triton (pip install triton). Nothing measured.", file=sys.stderr)
         return 2
     if args.quick:
         args.contexts, args.batches, args.long_contexts, args.repeats = [1024, 8192], [1, 16], [8192], 7
