@@ -122,10 +122,14 @@ def test_a_prefix_hit_equals_the_miss_bit_for_bit(kv_format):
     assert engine.get_stats()["kv_cache_used"] == 0
 
 
-# How far one code flipped at a rounding boundary moves a logprob here, with a margin: measured on four CPUs at most
-# 3e-6 (fp8_e4m3) and 4e-7 (int4) on one, 1.1e-3 (fp8_e4m3) and 4.9e-3 (int4) on another, 0 for int8 and fp8_e5m2.
-# A quantization scale shared over the write batch (planted) moves them by far more (tests/README.md).
-BATCHED_TOLERANCE = {"int8": 2e-3, "fp8_e4m3": 5e-3, "fp8_e5m2": 1e-2, "int4": 2e-2}
+# The warm run computes the shared prefix alone and the cold run in a batch of three: the linears round the float K/V
+# of those tokens differently (a GEMM's blocking depends on its row count), a code at a rounding boundary flips, and
+# every later layer's K/V moves with it, so the codes downstream flip too. A flip re-draws part of the quantization
+# noise, so the two runs differ by a fraction of the format's own distance from the unquantized run, never more.
+# Measured: at most 2.2% of it (fp8_e4m3 2.7e-2 of 1.23, int4 3.5e-2 of 1.63 on an AMD EPYC; 0-5e-3 on four Intel
+# CPUs); int8 and fp8_e5m2 0-1e-6. A quantization scale shared over the write batch (planted) moves int8 by 1.8e-2,
+# over this bound (3.8e-3); tests/test_quant.py sees that bug in the stored bytes of every format, exactly.
+FLIP_SHARE = 0.1
 
 
 @pytest.mark.parametrize("kv_format", FORMATS)
@@ -134,16 +138,19 @@ def test_batched_prefix_hits_equal_the_cold_run(kv_format):
     system = story_openings()[0] + " " + story_openings()[1]
     prompts = [system + " " + tail for tail in ("He", "The sun was", "One day, Lily")]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
-    options = dict(block_size=BLOCK_SIZE, num_blocks=64, kv_cache_dtype=kv_format)
-    cold = PagedEngine(model, tok, enable_prefix_caching=False, **options)
+    options = dict(block_size=BLOCK_SIZE, num_blocks=64)
+    unquantized = PagedEngine(model, tok, enable_prefix_caching=False, **options).generate(prompts, params,
+                                                                                          use_tqdm=False)
+    cold = PagedEngine(model, tok, enable_prefix_caching=False, kv_cache_dtype=kv_format, **options)
     expected = cold.generate(prompts, params, use_tqdm=False)
-    engine = PagedEngine(model, tok, **options)
+    engine = PagedEngine(model, tok, kv_cache_dtype=kv_format, **options)
     engine.generate(prompts[:1], params, use_tqdm=False)  # computes the shared prefix's blocks once
     warm = engine.generate(prompts, params, use_tqdm=False)
+    logprobs = lambda outputs: torch.tensor([token_logprobs(o.outputs[0]) for o in outputs])  # noqa: E731
+    format_error = (logprobs(expected) - logprobs(unquantized)).abs().max().item()
     for got, want in zip(warm, expected):
         assert got.metrics.num_prefix_cached_tokens >= len(tok(system)["input_ids"]) - 4
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        torch.testing.assert_close(token_logprobs(got.outputs[0]), token_logprobs(want.outputs[0]),
-                                   atol=BATCHED_TOLERANCE[kv_format], rtol=0)
+    torch.testing.assert_close(logprobs(warm), logprobs(expected), atol=FLIP_SHARE * format_error, rtol=0)
     engine.check_invariants()
     assert engine.get_stats()["kv_cache_used"] == 0
