@@ -18,11 +18,14 @@ kernel.
 - bfloat16 on a CPU without them (AVX2: oneDNN's and torch's bfloat16 products run 4-5x slower than float32 there):
   the copy is float32, the input is widened, the product runs in float32 and is rounded to bfloat16 once, which is
   what a bfloat16 product with float32 sums does, in another summation order (``widens``).
-- float32 (only with ``PAGED_HF_PACKED_LINEAR=all``; the default keeps MKL): oneDNN sums in another order than MKL: per output within ``2 K u sum|x w|`` of ``F.linear`` (tested);
-  on SmolLM2 the logits move by up to 1.2e-4 at magnitude 35 (3.5e-6 relative, greedy argmax unchanged on 200 of
-  200 positions), the size of the distance between the paged attention's and sdpa's sums (``README``).
-  Not the default: on an AMX Xeon MKL is faster at one row on every layer linear (oneDNN 0.32-0.68x), oneDNN
-  only from 32 rows and on the head (``benchmarks/RESULTS.md``), so it would slow single-sequence decoding there.
+- float32 on a CPU that is not Intel's (``mkl_sgemm_is_native``), or anywhere with ``PAGED_HF_PACKED_LINEAR=all``:
+  oneDNN sums in another order than MKL: per output within ``2 K u sum|x w|`` of ``F.linear`` (tested); on SmolLM2
+  the logits move by up to 1.2e-4 at magnitude 35 (3.5e-6 relative, greedy argmax unchanged on 200 of 200
+  positions), the size of the distance between the paged attention's and sdpa's sums (``README``). MKL's sgemm
+  takes its fast code path on Intel CPUs only: on an AMD EPYC (AVX2, and Zen 4 with AVX-512) oneDNN's float32
+  product is 1.5-3x faster at decode sizes and SmolLM2's engine 1.34x faster end to end; on an AMX Xeon MKL is
+  faster at one row on every layer linear (oneDNN 0.32-0.68x), oneDNN only from 32 rows and on the head
+  (``benchmarks/RESULTS.md``), so an Intel CPU keeps MKL unless told ``all``.
 
 bfloat16 engine logits are bounded, not exact (``test_cpu_bf16.py``). The packed copy is kept beside the model's
 own weight (a stock model's parameters stay the user's: ``state_dict``, tied embeddings, ``.to()``): at most one
@@ -35,6 +38,7 @@ never stale.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -181,11 +185,26 @@ def _setting() -> str:
 
 def packs_dtype(dtype: torch.dtype) -> bool:
     """Whether ``pack_linears`` packs linears of ``dtype``: bfloat16 unless ``PAGED_HF_PACKED_LINEAR=0``; float32
-    only with ``PAGED_HF_PACKED_LINEAR=all`` (faster on some CPUs only, and its sums leave MKL's order)."""
+    with ``PAGED_HF_PACKED_LINEAR=all``, and by default where MKL's sgemm is not on its native CPU (its sums leave
+    MKL's order, and on an Intel CPU MKL is the faster at one row)."""
     setting = _setting()
     if setting == "0" or widens(dtype) is None:
         return False
-    return dtype == torch.bfloat16 or setting == "all"
+    return dtype == torch.bfloat16 or setting == "all" or not mkl_sgemm_is_native()
+
+
+@functools.cache
+def mkl_sgemm_is_native() -> bool:
+    """Whether this CPU is Intel's (``vendor_id`` of ``/proc/cpuinfo``), where MKL's sgemm, ``F.linear``'s float32
+    product, takes its fast path. True where the vendor cannot be read (not Linux): nothing changes there."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip() == "GenuineIntel"
+    except OSError:
+        pass
+    return True
 
 
 def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> int:

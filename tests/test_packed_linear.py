@@ -7,6 +7,7 @@ engine's and generate + DynamicCache's."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -28,7 +29,8 @@ NATIVE_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 @pytest.fixture(autouse=True)
 def _float32_packed_too(monkeypatch):
-    """float32 packing is opt-in (``PAGED_HF_PACKED_LINEAR=all``): these tests cover both dtypes."""
+    """float32 packing is the default on non-Intel CPUs only (``PAGED_HF_PACKED_LINEAR=all`` everywhere): these tests
+    cover both dtypes on every CPU."""
     monkeypatch.setenv(packed_linear.ENV, "all")
 
 
@@ -120,8 +122,29 @@ def test_the_env_var_turns_packing_off_and_refuses_other_values(monkeypatch):
     monkeypatch.setenv(packed_linear.ENV, "yes")
     with pytest.raises(ValueError, match="PAGED_HF_PACKED_LINEAR must be 0, 1 or all"):
         pack_linears(linear(8, 8, True))
-    monkeypatch.setenv(packed_linear.ENV, "1")  # the default: bfloat16 only
+    monkeypatch.setenv(packed_linear.ENV, "1")  # the default on an Intel CPU: bfloat16 only
+    monkeypatch.setattr(packed_linear, "mkl_sgemm_is_native", lambda: True)
     assert pack_linears(linear(8, 8, True, dtype=torch.float32)) == 0 and pack_linears(linear(8, 8, True)) == 1
+
+
+@pytest.mark.parametrize("setting", [None, "1"])
+def test_float32_is_packed_by_default_where_mkl_is_not_on_an_intel_cpu(monkeypatch, setting):
+    """MKL's sgemm takes its fast path on Intel CPUs only: elsewhere (an AMD EPYC) float32 linears go to oneDNN."""
+    if setting is None:
+        monkeypatch.delenv(packed_linear.ENV, raising=False)
+    else:
+        monkeypatch.setenv(packed_linear.ENV, setting)
+    monkeypatch.setattr(packed_linear, "mkl_sgemm_is_native", lambda: False)
+    module = linear(8, 8, True, dtype=torch.float32)
+    assert pack_linears(module) == 1 and type(module) is PackedLinear
+    monkeypatch.setenv(packed_linear.ENV, "0")
+    assert pack_linears(linear(8, 8, True, dtype=torch.float32)) == 0
+
+
+def test_the_cpu_vendor_is_read_from_proc_cpuinfo():
+    vendors = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")] \
+        if os.path.exists("/proc/cpuinfo") else []
+    assert packed_linear.mkl_sgemm_is_native() == (vendors[0] == "GenuineIntel" if vendors else True)
 
 
 def test_a_copy_over_half_the_available_memory_is_not_made(caplog):
