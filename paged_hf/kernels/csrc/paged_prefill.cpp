@@ -10,13 +10,16 @@
 // at positions ctx .. ctx + n - 1 with ctx = seq_lens[s] - n (their K/V already stored). Sinks join the denominator:
 // out * sigmoid(lse - sink). Two paths, the same attention:
 //
-// - where oneDNN's brgemm has the products (bfloat16: AMX or AVX512-BF16, cpublas::could_pack; float32: AVX-512)
-//   and D % 16 == 0: a flash attention of our own. Each sequence's keys are packed once per call, per KV head and
+// - where oneDNN's brgemm has the products (bfloat16: AMX, cpublas::could_pack; float32: AVX-512) and
+//   D % 16 == 0: a flash attention of our own. Each sequence's keys are packed once per call, per KV head and
 //   tile of KEY_TILE keys, into the layouts the products read (bfloat16: VNNI; read from the blocks where they lie,
-//   zero past the sequence). A work item is one KV head and QUERY_TILE query positions of one chunk, all heads of
+//   zero past the sequence). bfloat16 on an AVX-512 CPU without AMX (an AMD EPYC, a Xeon before Sapphire Rapids):
+//   the tiles and the query are widened to float32 as they are packed and the products run in float32 (torch's
+//   flash kernel there is 2x slower than the float32 products); only the output is rounded to bfloat16. A work item is one KV head and QUERY_TILE query positions of one chunk, all heads of
 //   the GQA group stacked as the rows of one product (the group shares every packed tile). Per key tile up to the
 //   item's last position: scores = one brgemm, the online softmax in float32 (exp2 of the scores scaled by
-//   scale * log2(e), the causal cut per row; bfloat16 probabilities rounded as torch's flash kernel rounds them),
+//   scale * log2(e), the causal cut per row; bfloat16 products' probabilities rounded as torch's flash kernel
+//   rounds them),
 //   then one brgemm adds probabilities x V into a float32 accumulator. A later chunk is one pass over stored and new
 //   keys (no second call, no merge). Items are taken longest first from a shared counter by torch's threads.
 // - otherwise (other CPUs, float16, other head dims): each sequence's blocks gathered once (one index_select per
@@ -57,37 +60,49 @@ struct Chunk {
   const int64_t* table;
 };
 
-bool brgemm_serves(const at::Tensor& query, const at::Tensor& key_cache) {
-  static const bool bf16_products = at::native::cpublas::could_pack(at::kBFloat16);
 #if defined(__AVX512F__)
-  constexpr bool f32_products = true;  // oneDNN's brgemm has AVX-512 float32 kernels
+constexpr bool f32_products = true;  // oneDNN's brgemm has AVX-512 float32 kernels
 #else
-  constexpr bool f32_products = false;
+constexpr bool f32_products = false;
 #endif
-  const bool dtype = query.scalar_type() == at::kBFloat16 ? bf16_products
+
+// Whether oneDNN's brgemm has bfloat16 products here (AMX); without them bfloat16 is widened to float32.
+bool bf16_products() {
+  static const bool has = at::native::cpublas::could_pack(at::kBFloat16);
+  return has;
+}
+
+bool brgemm_serves(const at::Tensor& query, const at::Tensor& key_cache) {
+  const bool dtype = query.scalar_type() == at::kBFloat16 ? bf16_products() || f32_products
                                                            : query.scalar_type() == at::kFloat && f32_products;
   return dtype && key_cache.size(3) % 16 == 0 && key_cache.size(3) <= 512 && key_cache.is_contiguous() &&
          query.stride(2) == 1;
 }
 
 // Keys tile*KEY_TILE .. of one KV head in the layouts the products read: bfloat16 (VNNI) K as [D/2][KEY_TILE][2]
-// (K^T, pairs of dims interleaved), V as [KEY_TILE/2][D][2]; float32 K as [D][KEY_TILE] (K^T), V as [KEY_TILE][D].
-// Only the keys a product reads are written: the sequence's, then zeros up to the next COLUMN_STEP.
-template <typename T>
+// (K^T, pairs of dims interleaved), V as [KEY_TILE/2][D][2]; float32 K as [D][KEY_TILE] (K^T), V as [KEY_TILE][D]
+// (from float32 pools, or widened from bfloat16 ones). Only the keys a product reads are written: the sequence's,
+// then zeros up to the next COLUMN_STEP. T: the pools' dtype; P: the products'.
+template <typename T, typename P>
 void pack_tile(const T* key_cache, const T* value_cache, const Chunk& c, int64_t head, int64_t tile, int64_t B,
-               int64_t KH, int64_t D, T* k_out, T* v_out) {
+               int64_t KH, int64_t D, P* k_out, P* v_out) {
   const int64_t start = tile * KEY_TILE;
   const int64_t used = std::min(KEY_TILE, (c.len - start + COLUMN_STEP - 1) / COLUMN_STEP * COLUMN_STEP);
   auto row = [&](const T* cache, int64_t pos) -> const T* {
     return pos < c.len ? cache + ((c.table[pos / B] * B + pos % B) * KH + head) * D : nullptr;
   };
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<P, float>) {
     for (int64_t j = 0; j < used; ++j) {
-      const float* k = row(key_cache, start + j);
-      const float* v = row(value_cache, start + j);
-      for (int64_t d = 0; d < D; ++d) k_out[d * KEY_TILE + j] = k ? k[d] : 0.0f;
-      if (v) std::memcpy(v_out + j * D, v, D * sizeof(float));
-      else std::fill(v_out + j * D, v_out + (j + 1) * D, 0.0f);
+      const T* k = row(key_cache, start + j);
+      const T* v = row(value_cache, start + j);
+      for (int64_t d = 0; d < D; ++d) k_out[d * KEY_TILE + j] = k ? static_cast<float>(k[d]) : 0.0f;
+      if (!v) std::fill(v_out + j * D, v_out + (j + 1) * D, 0.0f);
+      else if constexpr (std::is_same_v<T, float>) std::memcpy(v_out + j * D, v, D * sizeof(float));
+      else
+        for (int64_t d = 0; d < D; d += 16) {  // widened 16 at a time (D % 16 == 0 on this path)
+          const f16v wide = paged_hf_vec::load16(v + d);
+          std::memcpy(v_out + j * D + d, &wide, sizeof(wide));
+        }
     }
   } else {
     auto* k_words = reinterpret_cast<uint32_t*>(k_out);  // a word: two consecutive bfloat16 of one key
@@ -125,17 +140,18 @@ struct Scratch {
   }
 };
 
-template <typename T>
+// T: the dtype of the query, the pools and the output; P: the products' (T, or float32 for bfloat16 widened).
+template <typename T, typename P>
 void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                     const std::vector<Chunk>& chunks, double scale, const at::Tensor& sink_values, at::Tensor& out) {
   const int64_t H = query.size(1), D = query.size(2), B = key_cache.size(1), KH = key_cache.size(2);
   const int64_t group = H / KH, tile_elems = KEY_TILE * D;
-  constexpr bool vnni = std::is_same_v<T, BF16>;  // bfloat16 products read VNNI-packed operands
+  constexpr bool vnni = std::is_same_v<P, BF16>;  // bfloat16 products read VNNI-packed operands
   int64_t total_tiles = 0;
   for (const auto& c : chunks) total_tiles = std::max(total_tiles, c.packed + c.tiles * KH);
-  thread_local std::vector<T> packed;  // [tile][K: tile_elems, V: tile_elems], kept across calls
+  thread_local std::vector<P> packed;  // [tile][K: tile_elems, V: tile_elems], kept across calls
   packed.resize(total_tiles * 2 * tile_elems);
-  T* packed_data = packed.data();
+  P* packed_data = packed.data();
   const T* keys = key_cache.const_data_ptr<T>();
   const T* values = value_cache.const_data_ptr<T>();
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (chunk, head * tiles + tile)
@@ -145,7 +161,7 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
     for (int64_t i = begin; i < end; ++i) {
       const Chunk& c = chunks[tiles[i].first];
       const int64_t head = tiles[i].second / c.tiles, tile = tiles[i].second % c.tiles;
-      T* base = packed_data + (c.packed + tiles[i].second) * 2 * tile_elems;
+      P* base = packed_data + (c.packed + tiles[i].second) * 2 * tile_elems;
       pack_tile(keys, values, c, head, tile, B, KH, D, base, base + tile_elems);
     }
   });
@@ -168,20 +184,29 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    thread_local Scratch<T> scratch;
+    thread_local Scratch<P> scratch;
     scratch.fit(QUERY_TILE * group, D);
     for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
       const Item& item = items[i];
       const Chunk& c = chunks[item.chunk];
       const int64_t rows_t = std::min(QUERY_TILE, c.n - item.start), M = rows_t * group;
-      T* q = scratch.query.data();
+      P* q = scratch.query.data();
       float *scores = scratch.scores.data(), *acc = scratch.acc.data(), *peak = scratch.peak.data(),
             *total = scratch.total.data();
-      T* probs = scratch.probs.data();
+      P* probs = scratch.probs.data();
       for (int64_t t = 0; t < rows_t; ++t)  // row t * group + j: query head head * group + j at position start + t
-        for (int64_t j = 0; j < group; ++j)
-          std::memcpy(q + (t * group + j) * D,
-                      q_data + (c.first + item.start + t) * q_row + (item.head * group + j) * q_head, D * sizeof(T));
+        for (int64_t j = 0; j < group; ++j) {
+          const T* from = q_data + (c.first + item.start + t) * q_row + (item.head * group + j) * q_head;
+          P* to = q + (t * group + j) * D;
+          if constexpr (std::is_same_v<T, P>) {
+            std::memcpy(to, from, D * sizeof(T));
+          } else {
+            for (int64_t d = 0; d < D; d += 16) {
+              const f16v wide = paged_hf_vec::load16(from + d);
+              std::memcpy(to + d, &wide, sizeof(wide));
+            }
+          }
+        }
       std::fill(acc, acc + M * D, 0.0f);
       std::fill(peak, peak + M, -INFINITY);
       std::fill(total, total + M, 0.0f);
@@ -189,14 +214,14 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
       for (int64_t tile = 0; tile * KEY_TILE <= item.last; ++tile) {
         const int64_t key0 = tile * KEY_TILE, width = std::min(KEY_TILE, item.last + 1 - key0);
         const int64_t cols = (width + COLUMN_STEP - 1) / COLUMN_STEP * COLUMN_STEP;
-        const T* k_tile = packed_data + (c.packed + item.head * c.tiles + tile) * 2 * tile_elems;
+        const P* k_tile = packed_data + (c.packed + item.head * c.tiles + tile) * 2 * tile_elems;
         at::native::cpublas::brgemm(M, cols, D, D, KEY_TILE, KEY_TILE, false, q, k_tile, scores, vnni);
         for (int64_t r = 0; r < M; ++r) {
           float* s = scores + r * KEY_TILE;
-          T* p = probs + r * KEY_TILE;
+          P* p = probs + r * KEY_TILE;
           const int64_t seen = std::min(width, first_pos + r / group + 1 - key0);  // keys of this tile row r sees
           if (seen <= 0) {
-            std::fill(p, p + cols, T(0.0f));
+            std::fill(p, p + cols, P(0.0f));
             continue;
           }
           for (int64_t j = seen; j < cols; ++j) s[j] = -INFINITY;
@@ -295,10 +320,12 @@ at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const a
     }
     at::Tensor out = at::empty(query.sizes(), query.options());
     const at::Tensor sink_rows = sink_values.defined() ? sink_values.contiguous() : sink_values;
-    if (query.scalar_type() == at::kBFloat16)
-      brgemm_prefill<BF16>(query, key_cache, value_cache, chunks, scale, sink_rows, out);
+    if (query.scalar_type() == at::kFloat)
+      brgemm_prefill<float, float>(query, key_cache, value_cache, chunks, scale, sink_rows, out);
+    else if (bf16_products())
+      brgemm_prefill<BF16, BF16>(query, key_cache, value_cache, chunks, scale, sink_rows, out);
     else
-      brgemm_prefill<float>(query, key_cache, value_cache, chunks, scale, sink_rows, out);
+      brgemm_prefill<BF16, float>(query, key_cache, value_cache, chunks, scale, sink_rows, out);
     return out;
   }
   at::Tensor out = at::empty_like(query);
