@@ -98,7 +98,7 @@ def test_every_benchmark_has_a_smoke_run():
 def test_no_benchmark_shadows_an_installed_module():
     """A script runs with ``benchmarks/`` first on ``sys.path``: a ``NAME.py`` there hides the package NAME from
     everything the script imports (``benchmarks/kernels.py`` once hid HF's ``kernels`` from transformers)."""
-    import importlib.util
+    import importlib.machinery
 
     benchmarks = str(Path(paged_hf_cli.BENCHMARKS_DIR).resolve())
     elsewhere = [p for p in sys.path if p and str(Path(p).resolve()) != benchmarks]

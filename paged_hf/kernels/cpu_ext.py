@@ -5,10 +5,10 @@ gathered copy), in the pools' dtype (float32 or bfloat16), accumulating in float
 (``csrc/paged_prefill.cpp``) attends each prefill chunk to its own sequence's blocks (no padding to the longest
 chunk, no mask): a flash attention of its own over oneDNN's brgemm where the CPU has its products (bfloat16: AMX, or
 float32 products on AVX-512; float32: AVX-512; the K/V tiles packed once per call and shared by each GQA group), else
-torch's causal flash kernel; ``store``/``attend`` (``csrc/paged_step.cpp``) are the compiled forward's KV store and attention over such
-pools (``paged_hf.ops``); ``packed_linear`` (``csrc/packed_linear.cpp``) is the bfloat16 oneDNN linear of
-``paged_hf.packed_linear``; ``pin_threads`` (``csrc/pin_threads.cpp``) binds each of torch's intra-op threads to its
-own CPU; ``greedy`` (``csrc/greedy.cpp``) is the sampler's argmax over a step's logits. The library is compiled once per
+torch's causal flash kernel; ``store``/``attend`` (``csrc/paged_step.cpp``) are the compiled forward's KV store and
+attention over such pools (``paged_hf.ops``); ``packed_linear`` (``csrc/packed_linear.cpp``) is the bfloat16
+oneDNN linear of ``paged_hf.packed_linear``; ``pin_threads`` (``csrc/pin_threads.cpp``) binds each of torch's
+intra-op threads to its own CPU; ``greedy`` (``csrc/greedy.cpp``) is the sampler's argmax over a step's logits. The library is compiled once per
 machine with the system's C++ compiler (``$CXX`` or ``c++``) against the installed torch (``FLAGS``: ``-march=native``,
 and ``-fopenmp`` so ``at::parallel_for`` runs on torch's own OpenMP threads: the soname resolves to torch's runtime),
 into ``$PAGED_HF_CACHE`` (default ``~/.cache/paged_hf``)``/cpu_kernels/<hash>/``; the hash covers the sources (and ``csrc/vec16.h``, which they include), torch's

@@ -15,12 +15,12 @@
 //   tile of KEY_TILE keys, into the layouts the products read (bfloat16: VNNI; read from the blocks where they lie,
 //   zero past the sequence). bfloat16 on an AVX-512 CPU without AMX (an AMD EPYC, a Xeon before Sapphire Rapids):
 //   the tiles and the query are widened to float32 as they are packed and the products run in float32 (torch's
-//   flash kernel there is 2x slower than the float32 products); only the output is rounded to bfloat16. A work item is one KV head and QUERY_TILE query positions of one chunk, all heads of
-//   the GQA group stacked as the rows of one product (the group shares every packed tile). Per key tile up to the
-//   item's last position: scores = one brgemm, the online softmax in float32 (exp2 of the scores scaled by
-//   scale * log2(e), the causal cut per row; bfloat16 products' probabilities rounded as torch's flash kernel
-//   rounds them),
-//   then one brgemm adds probabilities x V into a float32 accumulator. A later chunk is one pass over stored and new
+//   flash kernel there is 2x slower than the float32 products); only the output is rounded to bfloat16. A work
+//   item is one KV head and QUERY_TILE query positions of one chunk, all heads of the GQA group stacked as the
+//   rows of one product (the group shares every packed tile). Per key tile up to the item's last position:
+//   scores = one brgemm, the online softmax in float32 (exp2 of the scores scaled by scale * log2(e), the causal
+//   cut per row; bfloat16 products' probabilities rounded as torch's flash kernel rounds them), then one brgemm
+//   adds probabilities x V into a float32 accumulator. A later chunk is one pass over stored and new
 //   keys (no second call, no merge). Items are taken longest first from a shared counter by torch's threads.
 // - otherwise (other CPUs, float16, other head dims): each sequence's blocks gathered once (one index_select per
 //   pool) and attended by torch's CPU flash attention (float32 accumulation, GQA native): the n queries see every
@@ -79,6 +79,19 @@ bool brgemm_serves(const at::Tensor& query, const at::Tensor& key_cache) {
          query.stride(2) == 1;
 }
 
+// D elements from `from` (T) to `to` (P): copied, or bfloat16 widened to float32 16 at a time (D % 16 == 0 here).
+template <typename T, typename P>
+void copy_row(const T* from, P* to, int64_t D) {
+  if constexpr (std::is_same_v<T, P>) {
+    std::memcpy(to, from, D * sizeof(T));
+  } else {
+    for (int64_t d = 0; d < D; d += 16) {
+      const f16v wide = paged_hf_vec::load16(from + d);
+      std::memcpy(to + d, &wide, sizeof(wide));
+    }
+  }
+}
+
 // Keys tile*KEY_TILE .. of one KV head in the layouts the products read: bfloat16 (VNNI) K as [D/2][KEY_TILE][2]
 // (K^T, pairs of dims interleaved), V as [KEY_TILE/2][D][2]; float32 K as [D][KEY_TILE] (K^T), V as [KEY_TILE][D]
 // (from float32 pools, or widened from bfloat16 ones). Only the keys a product reads are written: the sequence's,
@@ -95,14 +108,9 @@ void pack_tile(const T* key_cache, const T* value_cache, const Chunk& c, int64_t
     for (int64_t j = 0; j < used; ++j) {
       const T* k = row(key_cache, start + j);
       const T* v = row(value_cache, start + j);
-      for (int64_t d = 0; d < D; ++d) k_out[d * KEY_TILE + j] = k ? static_cast<float>(k[d]) : 0.0f;
-      if (!v) std::fill(v_out + j * D, v_out + (j + 1) * D, 0.0f);
-      else if constexpr (std::is_same_v<T, float>) std::memcpy(v_out + j * D, v, D * sizeof(float));
-      else
-        for (int64_t d = 0; d < D; d += 16) {  // widened 16 at a time (D % 16 == 0 on this path)
-          const f16v wide = paged_hf_vec::load16(v + d);
-          std::memcpy(v_out + j * D + d, &wide, sizeof(wide));
-        }
+      for (int64_t d = 0; d < D; ++d) k_out[d * KEY_TILE + j] = k ? paged_hf_vec::to_float(k[d]) : 0.0f;
+      if (v) copy_row(v, v_out + j * D, D);
+      else std::fill(v_out + j * D, v_out + (j + 1) * D, 0.0f);
     }
   } else {
     auto* k_words = reinterpret_cast<uint32_t*>(k_out);  // a word: two consecutive bfloat16 of one key
@@ -195,18 +203,9 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
             *total = scratch.total.data();
       P* probs = scratch.probs.data();
       for (int64_t t = 0; t < rows_t; ++t)  // row t * group + j: query head head * group + j at position start + t
-        for (int64_t j = 0; j < group; ++j) {
-          const T* from = q_data + (c.first + item.start + t) * q_row + (item.head * group + j) * q_head;
-          P* to = q + (t * group + j) * D;
-          if constexpr (std::is_same_v<T, P>) {
-            std::memcpy(to, from, D * sizeof(T));
-          } else {
-            for (int64_t d = 0; d < D; d += 16) {
-              const f16v wide = paged_hf_vec::load16(from + d);
-              std::memcpy(to + d, &wide, sizeof(wide));
-            }
-          }
-        }
+        for (int64_t j = 0; j < group; ++j)
+          copy_row(q_data + (c.first + item.start + t) * q_row + (item.head * group + j) * q_head,
+                   q + (t * group + j) * D, D);
       std::fill(acc, acc + M * D, 0.0f);
       std::fill(peak, peak + M, -INFINITY);
       std::fill(total, total + M, 0.0f);
