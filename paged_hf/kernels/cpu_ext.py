@@ -10,8 +10,10 @@ attention over such pools (``paged_hf.ops``); ``packed_linear`` (``csrc/packed_l
 oneDNN linear of ``paged_hf.packed_linear``; ``pin_threads`` (``csrc/pin_threads.cpp``) binds each of torch's
 intra-op threads to its own CPU; ``greedy`` (``csrc/greedy.cpp``) is the sampler's argmax over a step's logits.
 The library is compiled once per machine with the system's C++ compiler (``$CXX`` or ``c++``) against the installed
-torch (``FLAGS``: ``-march=native``, and ``-fopenmp`` so ``at::parallel_for`` runs on torch's own OpenMP threads: the soname resolves to torch's runtime),
-into ``$PAGED_HF_CACHE`` (default ``~/.cache/paged_hf``)``/cpu_kernels/<hash>/``; the hash covers the sources (and ``csrc/vec16.h``, which they include), torch's
+torch (``FLAGS``: ``-march=native``, and ``-fopenmp`` so ``at::parallel_for`` runs on torch's own OpenMP threads:
+the soname resolves to torch's runtime), into ``$PAGED_HF_CACHE`` (default
+``~/.cache/paged_hf``)``/cpu_kernels/<hash>/``; the hash covers the sources (and ``csrc/vec16.h``, which they
+include), torch's
 version, the compiler and the CPU's flags, so a changed kernel, torch or machine builds anew. Concurrent processes
 (test workers, tensor-parallel ranks) build under one file lock, and the library appears under its final name only
 once complete.
