@@ -13,10 +13,9 @@ The library is compiled once per machine with the system's C++ compiler (``$CXX`
 torch (``FLAGS``: ``-march=native``, and ``-fopenmp`` so ``at::parallel_for`` runs on torch's own OpenMP threads:
 the soname resolves to torch's runtime), into ``$PAGED_HF_CACHE`` (default
 ``~/.cache/paged_hf``)``/cpu_kernels/<hash>/``; the hash covers the sources (and ``csrc/vec16.h``, which they
-include), torch's
-version, the compiler and the CPU's flags, so a changed kernel, torch or machine builds anew. Concurrent processes
-(test workers, tensor-parallel ranks) build under one file lock, and the library appears under its final name only
-once complete.
+include), torch's version, the compiler and the CPU's flags, so a changed kernel, torch or machine builds anew.
+Concurrent processes (test workers, tensor-parallel ranks) build under one file lock, and the library appears under
+its final name only once complete.
 
 No compiler, a failed build or ``PAGED_HF_CPU_KERNELS=0``: ``decode_kernel()``, ``prefill_kernel()`` and
 ``pin_threads()`` return None,
