@@ -105,19 +105,20 @@ def test_every_compiled_kernel_splits_its_work_over_the_intra_op_threads():
     assert serial == 0, f"{serial} of {len(kernels)} compiled kernels run on one thread"
 
 
-def test_the_recompile_check_catches_a_baked_step_count(monkeypatch):
+def test_the_recompile_check_catches_a_baked_step_count(monkeypatch, caplog):
     """The check above fails when a per-step Python value reaches the graph: here the store reads ``num_decodes``
     as an int (dynamo guards on it), so the next step with another count recompiles."""
     engine = PagedEngine(tiny_model("llama"), None, **STEADY)
     store_layer = ops.store_layer
 
-    def baking_store(metadata, group, layer, key_states, value_states, num_decodes):
+    def baking_store(metadata, group, layer, key_states, value_states, num_decodes, native=False):
         return store_layer(metadata, group, layer, key_states + metadata.num_decodes * 0.0, value_states,
-                           num_decodes)
+                           num_decodes, native)
 
     monkeypatch.setattr(ops, "store_layer", baking_store)
     with pytest.raises(AssertionError, match="fell back to eager"):
         graphs_during(engine)
+    assert "RecompileError" in caplog.text, "the fallback must come from the recompile, not another failure"
 
 
 class _Unsupported(torch.nn.Module):
