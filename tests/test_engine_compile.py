@@ -15,7 +15,7 @@ from torch._inductor.utils import run_and_get_code
 
 from paged_hf import LLM, PagedEngine, SamplingParams, ops
 from paged_hf.config import EngineConfig
-from paged_hf.engine.compile import CompiledForward
+from paged_hf.engine.compile import WARMUP_STEPS, CompiledForward
 from models import tiny_model
 from test_engine_families import prompts, references
 
@@ -41,11 +41,12 @@ class CountingCompiled:
 
 
 def graphs_during(engine: PagedEngine, params=GREEDY, **kwargs) -> tuple[int, int, list[list[int]]]:
-    """(graphs compiled, forwards run compiled, tokens) of one ``generate`` on ``engine``, with recompiles made
-    errors (so a recompile cannot hide behind the eager fallback)."""
+    """(graphs compiled, forwards run compiled, tokens) of one ``generate`` on ``engine``, every dynamo guard
+    evaluated at every forward and recompiles made errors (so a recompile cannot hide behind the eager fallback)."""
     assert engine.runner.compiled is not None, "the engine must have compiled its forward"
     counting = CountingCompiled(engine.runner.compiled)
     before = counters["stats"]["unique_graphs"]
+    engine.runner.compiled.evaluate_guards = True
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = tokens(engine, params)
     assert engine.runner.compiled is not None, "the compiled forward fell back to eager during steady serving"
@@ -119,6 +120,98 @@ def test_the_recompile_check_catches_a_baked_step_count(monkeypatch, caplog):
     with pytest.raises(AssertionError, match="fell back to eager"):
         graphs_during(engine)
     assert "RecompileError" in caplog.text, "the fallback must come from the recompile, not another failure"
+
+
+def test_steady_steps_skip_the_guards_the_warm_up_checked():
+    """Every warm-up forward evaluates all of dynamo's guards; the steps after it, with the model unchanged, run
+    under ``skip_guard_eval_unsafe`` (the test above shows they pass every guard), with the eager tokens."""
+    model = tiny_model("llama")
+    eager = tokens(PagedEngine(model, None, enforce_eager=True, **STEADY))
+    engine = PagedEngine(model, None, **STEADY)
+    compiled = engine.runner.compiled
+    assert compiled.full_checks == len(WARMUP_STEPS)
+    counting = CountingCompiled(compiled)
+    assert tokens(engine) == eager
+    assert counting.calls > 5 and compiled.full_checks == len(WARMUP_STEPS)
+
+
+def test_a_hook_added_or_removed_after_the_warm_up_is_honoured():
+    """A hook registered after the warm-up runs at every later forward, and stops when removed: each change makes
+    the next forward check every guard (which compiles the hook in, or picks the graph without it)."""
+    model = tiny_model("llama")
+    eager = tokens(PagedEngine(model, None, enforce_eager=True, **STEADY))
+    engine = PagedEngine(model, None, **STEADY)
+    counting = CountingCompiled(engine.runner.compiled)
+    seen = []
+    handle = model.get_input_embeddings().register_forward_pre_hook(lambda module, args: seen.append(1))
+    assert tokens(engine) == eager
+    assert len(seen) == counting.calls > 5
+    handle.remove()
+    checks, calls = engine.runner.compiled.full_checks, counting.calls
+    assert tokens(engine) == eager
+    assert len(seen) == calls, "a removed hook ran"
+    assert engine.runner.compiled.full_checks == checks + 1 and counting.calls > calls + 5
+
+
+class _ShiftedNorm(torch.nn.Module):
+    """An RMS norm with the same weight, shifted by one after it: another module class in the norm's place."""
+
+    def __init__(self, norm) -> None:
+        super().__init__()
+        self.weight, self.norm = norm.weight, norm
+
+    def forward(self, hidden):
+        return self.norm(hidden) + 1.0
+
+
+def test_a_module_replaced_after_the_warm_up_gets_a_graph_of_its_own():
+    """Assigning a submodule through the module API makes the next forward check every guard: the old graph
+    (which would read the same ``weight`` and skip the shift) is not run for the new module."""
+    model = tiny_model("llama")
+    engine = PagedEngine(model, None, **STEADY)
+    before = tokens(engine)
+    model.model.norm = _ShiftedNorm(model.model.norm)
+    eager = tokens(PagedEngine(model, None, enforce_eager=True, **STEADY))
+    assert eager != before, "the shift must change the tokens"
+    assert tokens(engine) == eager
+
+
+def test_a_parameter_converted_in_place_or_the_mode_switched_is_seen():
+    """``model.to`` converts parameters in place and ``model.train()`` sets a flag (no module edit either): the
+    dtypes and the mode are part of what is compared."""
+    model = tiny_model("llama")
+    compiled = PagedEngine(model, None, **STEADY).runner.compiled
+    state = compiled._state()
+    model.lm_head.to(torch.float64)
+    assert compiled._state() != state
+    model.lm_head.to(torch.float32)
+    assert compiled._state() == state
+    model.train()
+    assert compiled._state() != state
+    model.eval()
+    assert compiled._state() == state
+
+
+def test_a_size_the_warm_up_did_not_see_compiles_its_graph(monkeypatch):
+    """A forward with a size guard (here the store scales K for steps of more than 8 tokens; the warm-up's steps
+    have at most 7) fails it under the skipped guards: dynamo raises before anything ran, and the forward runs again
+    with every guard, compiling the second graph. The tokens are the eager ones (same patched store)."""
+    store_layer = ops.store_layer
+
+    def branching_store(metadata, group, layer, key_states, value_states, num_decodes, native=False):
+        if key_states.shape[-2] > 8:
+            key_states = key_states * 1.5
+        return store_layer(metadata, group, layer, key_states, value_states, num_decodes, native)
+
+    monkeypatch.setattr(ops, "store_layer", branching_store)
+    model = tiny_model("llama")
+    long_prompts = [list(range(3, 3 + n)) for n in (12, 20, 5)]
+    eager_engine = PagedEngine(model, None, enforce_eager=True, **STEADY)
+    eager = [o.outputs[0].token_ids for o in eager_engine.generate(long_prompts, GREEDY, use_tqdm=False)]
+    engine = PagedEngine(model, None, **STEADY)
+    got = [o.outputs[0].token_ids for o in engine.generate(long_prompts, GREEDY, use_tqdm=False)]
+    assert got == eager
+    assert engine.runner.compiled is not None and engine.runner.compiled.full_checks > len(WARMUP_STEPS)
 
 
 class _Unsupported(torch.nn.Module):
