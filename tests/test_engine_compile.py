@@ -214,16 +214,19 @@ def test_a_size_the_warm_up_did_not_see_compiles_its_graph(monkeypatch):
     assert engine.runner.compiled is not None and engine.runner.compiled.full_checks > len(WARMUP_STEPS)
 
 
-class _Unsupported(torch.nn.Module):
-    """A block that dynamo cannot put in one graph (an explicit graph break) in front of the model's forward."""
-
-    def __init__(self, model) -> None:
-        super().__init__()
-        self.inner = model
-
-    def forward(self, hidden):
-        torch._dynamo.graph_break()
-        return self.inner(hidden)
+def test_engines_over_two_models_of_one_class_each_run_their_own_graph():
+    """Two models of one class share the code object dynamo caches graphs on; here the second one's norm is another
+    module with the same ``weight`` (the first graph would run on it, silently skipping the shift). The second
+    engine's warm-up fails the first graph's guard on the norm, and dynamo keeps checking guards on what once failed
+    under the skipped guards, so alternating steps of the two engines each run their own model's graph."""
+    first, second = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    second.model.norm = _ShiftedNorm(second.model.norm)
+    eager = [tokens(PagedEngine(m, None, enforce_eager=True, **STEADY)) for m in (first, second)]
+    assert eager[0] != eager[1], "the two models must differ"
+    engines = [PagedEngine(m, None, **STEADY) for m in (first, second)]
+    for _ in range(2):
+        assert [tokens(engine) for engine in engines] == eager
+    assert all(engine.runner.compiled is not None for engine in engines)
 
 
 def test_a_model_that_does_not_compile_runs_eagerly_with_a_warning(caplog):
