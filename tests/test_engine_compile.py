@@ -229,6 +229,18 @@ def test_engines_over_two_models_of_one_class_each_run_their_own_graph():
     assert all(engine.runner.compiled is not None for engine in engines)
 
 
+class _Unsupported(torch.nn.Module):
+    """A block that dynamo cannot put in one graph (an explicit graph break) in front of the model's forward."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.inner = model
+
+    def forward(self, hidden):
+        torch._dynamo.graph_break()
+        return self.inner(hidden)
+
+
 def test_a_model_that_does_not_compile_runs_eagerly_with_a_warning(caplog):
     model = tiny_model("llama")
     eager = tokens(PagedEngine(model, None, enforce_eager=True, **STEADY))
