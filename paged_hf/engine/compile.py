@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import time
 
@@ -110,6 +111,21 @@ def _default_stance() -> bool:
         and not stance.skip_guard_eval_unsafe
 
 
+@contextlib.contextmanager
+def _skipped_guards():
+    """``set_stance(skip_guard_eval_unsafe=True)`` with the cyclic garbage collector paused: a finalizer it runs
+    inside the call (an asyncio transport's ``__del__`` in the server, say) is a frame dynamo has no graph for, which
+    the stance refuses, and the forward then fails."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 class CompileFailed(RuntimeError):
     """torch.compile could not compile the forward (the runner then runs it eagerly)."""
 
@@ -168,7 +184,7 @@ class CompiledForward:
 
     def _run(self, engine_cache: EngineCache, inputs: dict, full: bool):
         with ops.bind(engine_cache.storages()), _COMPILE_CONFIG, _SHAPE_CONFIG, \
-                contextlib.nullcontext() if full else torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                contextlib.nullcontext() if full else _skipped_guards():
             return self.compiled(**inputs)
 
     @torch.inference_mode()  # the engine's steps run in it: tensors made outside would not match the guards
