@@ -40,9 +40,10 @@ def linear(n_in: int, n_out: int, bias: bool, seed: int = 0, dtype=torch.bfloat1
 
 
 def assert_like_f_linear(got, x, weight, bias):
-    """bfloat16 with oneDNN's bfloat16: F.linear's bits, or else (as every other case) within the float32 product's summation bound
-    (two orders of ``K`` terms: ``2 K u sum|x w|``, u = 2^-24) of F.linear in float32, plus, for bfloat16 (widened),
-    the one rounding of that product to bfloat16 (half an ulp: at most 2^-8 relative)."""
+    """bfloat16 with oneDNN's bfloat16: F.linear's bits, or else (as every other case) within the float32
+    product's summation bound (two orders of ``K`` terms: ``2 K u sum|x w|``, u = 2^-24) of F.linear in float32,
+    plus, for bfloat16 (widened), the one rounding of that product to bfloat16 (half an ulp: at most 2^-8
+    relative)."""
     if x.dtype == torch.bfloat16 and NATIVE_BF16 and torch.equal(got, F.linear(x, weight, bias)):
         return  # usually F.linear's bits; for some small shapes (K = 23 on a Zen 4) F.linear takes another kernel
         # and one element lands one bfloat16 ulp away, so the bound below is what is asserted
