@@ -214,6 +214,34 @@ def test_a_size_the_warm_up_did_not_see_compiles_its_graph(monkeypatch):
     assert engine.runner.compiled is not None and engine.runner.compiled.full_checks > len(WARMUP_STEPS)
 
 
+def test_a_forward_the_stance_refuses_makes_every_later_forward_check_its_guards(caplog):
+    """A skipped-guard forward that dynamo fails (as when a Python frame it has no graph for runs inside the call:
+    "found no compiled frames") switches the engine to every guard at every forward; the runner's isolation runs
+    the step again, so no request fails. Here every skipped-guard call fails: without the switch every step would,
+    and every request with it."""
+    model = tiny_model("llama")
+    eager = tokens(PagedEngine(model, None, enforce_eager=True, **STEADY))
+    engine = PagedEngine(model, None, **STEADY)
+    compiled = engine.runner.compiled
+    inner = compiled.compiled
+    refused = []
+
+    def refusing(**inputs):
+        outputs = inner(**inputs)
+        if torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe:
+            refused.append(inputs["input_ids"].shape[1])
+            raise RuntimeError("torch.compile with fullgraph=True found no compiled frames.")
+        return outputs
+
+    compiled.compiled = refusing
+    with caplog.at_level(logging.WARNING, logger="paged_hf"):
+        outs = engine.generate(prompts(), GREEDY, use_tqdm=False)
+    assert [o.error for o in outs] == [None] * len(outs)
+    assert [o.outputs[0].token_ids for o in outs] == eager
+    assert len(refused) == 1 and compiled.evaluate_guards and engine.runner.compiled is compiled
+    assert any("evaluates every guard" in r.message for r in caplog.records)
+
+
 def test_engines_over_two_models_of_one_class_each_run_their_own_graph():
     """Two models of one class share the code object dynamo caches graphs on; here the second one's norm is another
     module with the same ``weight`` (the first graph would run on it, silently skipping the shift). The second

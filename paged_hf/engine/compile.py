@@ -22,7 +22,10 @@ trace), a non-default compiler stance. Every other forward runs under ``set_stan
 which still checks the input tensors' metadata and every guard that ever failed (the ones that tell apart the graphs
 of models that share one code object). That steady steps never need the rest is what the steady-serving test shows
 with ``evaluate_guards=True`` (every guard at every forward, recompiles made errors). Not seen: a plain Python
-attribute changed on a module or its config after the engine started.
+attribute changed on a module or its config after the engine started. A Python frame run inside a skipped-guard
+call (a finalizer) is one dynamo has no graph for, and the forward fails: the cyclic collector is paused during
+those calls, and a forward that dynamo fails all the same switches the engine to every guard at every forward (the
+runner runs that step again).
 """
 
 from __future__ import annotations
@@ -167,10 +170,13 @@ class CompiledForward:
         try:
             try:
                 outputs = self._run(engine_cache, inputs, full)
-            except RuntimeError as error:  # a size no graph's checked guards admit: compile the usual way
-                if full or not str(error).startswith(_SKIPPED_GUARDS_RECOMPILE):
+            except RuntimeError as error:
+                if full:
                     raise
-                full = True
+                if not str(error).startswith(_SKIPPED_GUARDS_RECOMPILE):
+                    self._refused_by_the_stance(error)
+                    raise
+                full = True  # a size no graph's checked guards admit: compile the usual way
                 outputs = self._run(engine_cache, inputs, full)
         except TorchDynamoException as error:
             raise CompileFailed(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") \
@@ -181,6 +187,17 @@ class CompiledForward:
             self.full_checks += 1
             self.checked = None if _has_hooks(self.model) else state
         return outputs
+
+    def _refused_by_the_stance(self, error: RuntimeError) -> None:
+        """After a skipped-guard forward raised ``error``: when dynamo raised it (a Python frame it has no graph for
+        ran inside the call, as a finalizer the collector would have run), every later forward evaluates every guard.
+        The error still propagates: the runner runs the step again (``engine/isolation.py``), now with every guard,
+        which is safe where an in-place retry is not (a tail row the failed forward already rewrote)."""
+        message = str(error)
+        if "torch.compile" in message or "skip_guard_eval_unsafe" in message:
+            logger.warning("PagedEngine: a forward past dynamo's checked guards failed (%s); every later forward "
+                           "evaluates every guard", message.splitlines()[0])
+            self.evaluate_guards = True
 
     def _run(self, engine_cache: EngineCache, inputs: dict, full: bool):
         with ops.bind(engine_cache.storages()), _COMPILE_CONFIG, _SHAPE_CONFIG, \
