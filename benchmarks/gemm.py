@@ -1,8 +1,9 @@
 """GEMM speed of a model's linear shapes, the ways torch 2.13 on a CPU can run them: which one the engine should use.
 
 For each weight shape (SmolLM2-135M's by default: q/o ``576x576``, k/v ``192x576``, gate/up ``1536x576``, down
-``576x1536``, lm_head ``49152x576``), each dtype and each token count ``M`` the variants run alternately, each
-``--repeats`` times (``--iters`` calls per timing), and the table shows the median microseconds per call:
+``576x1536``, lm_head ``49152x576``; and the fused products of the compiled forward: qkv ``960x576``, gate_up
+``3072x576``), each dtype and each token count ``M`` the variants run alternately, each ``--repeats`` times
+(``--iters`` calls per timing), and the table shows the median microseconds per call:
 
 - ``eager``: ``F.linear(x, w)`` (float32: MKL sgemm; bfloat16: oneDNN with the weight reordered at every call);
 - ``compiled``: ``torch.compile`` of a one-linear module, ``M`` dynamic (inductor's default: ``aten.mm``);
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 
 
 SMOLLM2 = {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536),
-           "lm_head": (49152, 576)}
+           "qkv": (960, 576), "gate_up": (3072, 576), "lm_head": (49152, 576)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 VARIANTS = ("eager", "compiled", "frozen", "packed", "mkl_packed")
 

@@ -18,14 +18,15 @@ kernel.
 - bfloat16 on a CPU without them (AVX2: oneDNN's and torch's bfloat16 products run 4-5x slower than float32 there):
   the copy is float32, the input is widened, the product runs in float32 and is rounded to bfloat16 once, which is
   what a bfloat16 product with float32 sums does, in another summation order (``widens``).
-- float32 on a CPU that is not Intel's (``mkl_sgemm_is_native``), or anywhere with ``PAGED_HF_PACKED_LINEAR=all``:
-  oneDNN sums in another order than MKL: per output within ``2 K u sum|x w|`` of ``F.linear`` (tested); on SmolLM2
-  the logits move by up to 1.2e-4 at magnitude 35 (3.5e-6 relative, greedy argmax unchanged on 200 of 200
+- float32: oneDNN sums in another order than MKL: per output within ``2 K u sum|x w|`` of ``F.linear`` (tested); on
+  SmolLM2 the logits move by up to 1.2e-4 at magnitude 35 (3.5e-6 relative, greedy argmax unchanged on 200 of 200
   positions), the size of the distance between the paged attention's and sdpa's sums (``README``). MKL's sgemm
-  takes its fast code path on Intel CPUs only: on an AMD EPYC (AVX2, and Zen 4 with AVX-512) oneDNN's float32
-  product is 1.5-3x faster at decode sizes and SmolLM2's engine 1.34x faster end to end; on an AMX Xeon MKL is
-  faster at one row on every layer linear (oneDNN 0.32-0.68x), oneDNN only from 32 rows and on the head
-  (``benchmarks/RESULTS.md``), so an Intel CPU keeps MKL unless told ``all``.
+  takes its fast code paths on Intel CPUs only: on an AMD EPYC (AVX2, and Zen 4 with AVX-512) oneDNN's float32
+  product is 1.5-3x faster at decode sizes and SmolLM2's engine 1.34x faster end to end. On an Intel Xeon (AMX)
+  MKL has a path of its own for 1-3 rows, where oneDNN runs 0.4-0.9x as fast, and oneDNN is 1.2-1.9x faster from
+  4 to 64 rows (the fused q/k/v and gate/up products most), level at 256-512 (``benchmarks/gemm.py``,
+  ``benchmarks/RESULTS.md``): there a product of fewer than ``MKL_ROWS`` rows stays ``F.linear`` (``dense_rows``),
+  a single sequence's decoding included, unless told ``PAGED_HF_PACKED_LINEAR=all``.
 
 bfloat16 engine logits are bounded, not exact (``test_cpu_bf16.py``). The packed copy is kept beside the model's
 own weight (a stock model's parameters stay the user's: ``state_dict``, tied embeddings, ``.to()``): at most one
@@ -59,21 +60,27 @@ ENV = "PAGED_HF_PACKED_LINEAR"
 PACK_BATCH_HINT = 32
 
 
+# float32 on an Intel CPU: products of fewer rows than this run MKL's sgemm (F.linear), which has a fast path for 1-3
+# rows (oneDNN 0.4-0.9x there on SmolLM2's shapes) and falls behind oneDNN from 4 (oneDNN 1.2-1.9x at 4-64 rows).
+MKL_ROWS = 4
+
+
 class _Packed(NamedTuple):
     weight: torch.Tensor  # oneDNN's opaque layout
     data_ptr: int  # the dense weight it was made from, and that weight's version counter then
     version: int
     widen: bool  # a float32 copy of a bfloat16 weight
+    dense_below: int  # fewer rows than this: F.linear on the dense weight
 
 
 _packs: dict[int, _Packed] = {}  # key -> the packed weight (dropped with its module)
 _keys = itertools.count()
 
 
-def _pack(weight: torch.Tensor, widen: bool) -> _Packed:
+def _pack(weight: torch.Tensor, widen: bool, dense_below: int) -> _Packed:
     dense = weight.detach().float() if widen else weight.detach()
     packed = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_BATCH_HINT)
-    return _Packed(packed, weight.data_ptr(), weight._version, widen)
+    return _Packed(packed, weight.data_ptr(), weight._version, widen, dense_below)
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -96,12 +103,12 @@ def widens(dtype: torch.dtype) -> bool | None:
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the weight packed under ``key`` (packed again when ``weight`` changed)."""
     entry = _packs.get(int(key))
-    if entry is None or x.dtype != weight.dtype:
+    if entry is None or x.dtype != weight.dtype or x.numel() < entry.dense_below * x.shape[-1]:
         return F.linear(x, weight, bias)
     if entry.data_ptr != weight.data_ptr() or entry.version != weight._version:  # the packed weight is not this one
         if not _packable(weight):  # moved to another dtype or device: the plain product
             return F.linear(x, weight, bias)
-        entry = _packs[int(key)] = _pack(weight, bool(widens(weight.dtype)))
+        entry = _packs[int(key)] = _pack(weight, bool(widens(weight.dtype)), entry.dense_below)
     rows = x.reshape(-1, x.shape[-1])
     if entry.widen:
         out = torch.ops.mkldnn._linear_pointwise(rows.float(), entry.weight, None if bias is None else bias.float(),
@@ -184,19 +191,21 @@ def _setting() -> str:
 
 
 def packs_dtype(dtype: torch.dtype) -> bool:
-    """Whether ``pack_linears`` packs linears of ``dtype``: bfloat16 unless ``PAGED_HF_PACKED_LINEAR=0``; float32
-    with ``PAGED_HF_PACKED_LINEAR=all``, and by default where MKL's sgemm is not on its native CPU (its sums leave
-    MKL's order, and on an Intel CPU MKL is the faster at one row)."""
-    setting = _setting()
-    if setting == "0" or widens(dtype) is None:
-        return False
-    return dtype == torch.bfloat16 or setting == "all" or not mkl_sgemm_is_native()
+    """Whether ``pack_linears`` packs linears of ``dtype``: bfloat16 and float32 unless ``PAGED_HF_PACKED_LINEAR=0``."""
+    return _setting() != "0" and widens(dtype) is not None
+
+
+def dense_rows(dtype: torch.dtype) -> int:
+    """How few rows a packed linear of ``dtype`` multiplies with ``F.linear`` instead: ``MKL_ROWS`` (products of 1-3
+    rows) for float32 where MKL's sgemm is on its native CPU, unless ``PAGED_HF_PACKED_LINEAR=all``; else 0."""
+    return MKL_ROWS if dtype == torch.float32 and _setting() == "1" and mkl_sgemm_is_native() else 0
 
 
 @functools.cache
 def mkl_sgemm_is_native() -> bool:
     """Whether this CPU is Intel's (``vendor_id`` of ``/proc/cpuinfo``), where MKL's sgemm, ``F.linear``'s float32
-    product, takes its fast path. True where the vendor cannot be read (not Linux): nothing changes there."""
+    product, takes its fast paths. True where the vendor cannot be read (not Linux): float32 products of a few rows
+    stay MKL's there."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
             for line in info:
@@ -226,12 +235,12 @@ def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> 
         return 0
     cpp = bool(linears) and cpu_ext.loaded()
     for module in linears:
-        key, widen = next(_keys), bool(widens(module.weight.dtype))
+        key, widen, dense = next(_keys), bool(widens(module.weight.dtype)), dense_rows(module.weight.dtype)
         if cpp:
-            torch.ops.paged_hf_cpu.pack_linear(module.weight.detach(), key, PACK_BATCH_HINT, widen)
+            torch.ops.paged_hf_cpu.pack_linear(module.weight.detach(), key, PACK_BATCH_HINT, widen, dense)
             weakref.finalize(module, torch.ops.paged_hf_cpu.unpack_linear, key)
         else:
-            _packs[key] = _pack(module.weight, widen)
+            _packs[key] = _pack(module.weight, widen, dense)
             weakref.finalize(module, _packs.pop, key, None)
         module.register_buffer("_pack_key", torch.tensor(key, dtype=torch.int64), persistent=False)
         module._cpp = cpp
@@ -239,6 +248,8 @@ def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> 
     if linears:
         how = ("as float32 copies: this CPU has no bfloat16 dot products" if any(widens(m.weight.dtype) for m in linears)
                else "once")
+        if any(dense_rows(m.weight.dtype) for m in linears):
+            how += f" (float32 products of fewer than {MKL_ROWS} rows stay MKL's)"
         logger.info("packed %d %s linear weights for oneDNN %s (at most %.0f MiB more; %s=0 turns it off)",
                     len(linears), dtypes, how, needed / 2**20, ENV)
     return len(linears)

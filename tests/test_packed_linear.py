@@ -123,9 +123,61 @@ def test_the_env_var_turns_packing_off_and_refuses_other_values(monkeypatch):
     monkeypatch.setenv(packed_linear.ENV, "yes")
     with pytest.raises(ValueError, match="PAGED_HF_PACKED_LINEAR must be 0, 1 or all"):
         pack_linears(linear(8, 8, True))
-    monkeypatch.setenv(packed_linear.ENV, "1")  # the default on an Intel CPU: bfloat16 only
+    monkeypatch.setenv(packed_linear.ENV, "1")  # the default, on an Intel CPU too: both dtypes
     monkeypatch.setattr(packed_linear, "mkl_sgemm_is_native", lambda: True)
-    assert pack_linears(linear(8, 8, True, dtype=torch.float32)) == 0 and pack_linears(linear(8, 8, True)) == 1
+    assert pack_linears(linear(8, 8, True, dtype=torch.float32)) == 1 and pack_linears(linear(8, 8, True)) == 1
+
+
+def stale(module: torch.nn.Module) -> torch.Tensor:
+    """Negates ``module.weight`` behind its version counter (through ``.data``), so that its packed copy is stale
+    and an output shows which product served: the weight before (the packed copy) or after (``F.linear``)."""
+    before = module.weight.detach().clone()
+    module.weight.data.mul_(-1)
+    return before
+
+
+@pytest.mark.parametrize("cpp", [True, False], ids=["cpp_op", "python_op"])
+@pytest.mark.parametrize("setting, intel, dense", [("1", True, packed_linear.MKL_ROWS), ("1", False, 0),
+                                                   ("all", True, 0)])
+def test_float32_products_of_a_few_rows_stay_mkls_on_an_intel_cpu(monkeypatch, cpp, setting, intel, dense):
+    """MKL's sgemm has a path of its own for 1-3 rows on an Intel CPU, faster there than oneDNN: such products run
+    ``F.linear``, more rows the packed copy; elsewhere, or with ``all``, the packed copy at every size."""
+    if cpp and not packed_linear.cpu_ext.loaded():
+        pytest.skip("the CPU kernels could not be built here")
+    if not cpp:
+        monkeypatch.setattr(packed_linear.cpu_ext, "loaded", lambda: False)
+    monkeypatch.setenv(packed_linear.ENV, setting)
+    monkeypatch.setattr(packed_linear, "mkl_sgemm_is_native", lambda: intel)
+    assert packed_linear.dense_rows(torch.float32) == dense and packed_linear.dense_rows(torch.bfloat16) == 0
+    module = linear(48, 40, True, dtype=torch.float32)
+    assert pack_linears(module) == 1 and module._cpp is cpp
+    packed_weight = stale(module)
+    for rows in range(1, packed_linear.MKL_ROWS + 2):
+        x = torch.randn(2, rows, 48)  # rows of the product: 2 * rows
+        served_by = module.weight if 2 * rows < dense else packed_weight
+        assert_like_f_linear(module(x), x, served_by, module.bias)
+
+
+def test_a_fused_group_of_a_few_float32_rows_runs_its_members_through_f_linear(monkeypatch):
+    """The compiled forward's q/k/v and gate/up groups follow the same rule: below ``MKL_ROWS`` rows each member
+    runs ``F.linear``, from there the group's packed concatenation."""
+    if not packed_linear.cpu_ext.loaded():
+        pytest.skip("the CPU kernels could not be built here")
+    monkeypatch.setenv(packed_linear.ENV, "1")
+    monkeypatch.setattr(packed_linear, "mkl_sgemm_is_native", lambda: True)
+    members = [linear(48, 40, True, seed=0, dtype=torch.float32), linear(48, 24, True, seed=1, dtype=torch.float32)]
+    assert pack_linears(torch.nn.ModuleList(members)) == 2
+
+    def group(x):
+        return torch.ops.paged_hf_cpu.packed_linear_group(x, [m.weight for m in members], [m.bias for m in members],
+                                                          [m._pack_key for m in members])
+
+    group(torch.randn(8, 48))  # the group's packed copy is made at its first call of enough rows
+    packed_weights = [stale(m) for m in members]
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, 48)
+        weights = [m.weight for m in members] if rows < packed_linear.MKL_ROWS else packed_weights
+        assert_like_f_linear(group(x), x, torch.cat(weights), torch.cat([m.bias for m in members]))
 
 
 @pytest.mark.parametrize("setting", [None, "1"])

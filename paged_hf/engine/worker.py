@@ -27,8 +27,8 @@ logger = logging.getLogger("paged_hf")
 
 
 def prepare_model(model):
-    """``model`` switched to the ``"paged"`` attention, in eval mode, its bfloat16 CPU linears (float32 ones too on a
-    non-Intel CPU, or with ``PAGED_HF_PACKED_LINEAR=all``) packed for oneDNN (``packed_linear``);
+    """``model`` switched to the ``"paged"`` attention, in eval mode, its bfloat16 and float32 CPU linears packed
+    for oneDNN (``packed_linear``);
     NotImplementedError for encoder-decoders."""
     if getattr(model.config, "is_encoder_decoder", False):
         raise NotImplementedError(f"PagedEngine serves decoder-only models; {type(model).__name__} is not")

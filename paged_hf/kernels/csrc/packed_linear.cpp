@@ -1,10 +1,11 @@
 // Linears through oneDNN with the weight reordered once: the dispatch of paged_hf.packed_linear in C++, so that a
 // call costs the dispatcher's few microseconds instead of a Python function's.
 //
-// paged_hf_cpu::pack_linear(Tensor weight, int key, int batch_hint, bool widen) -> ()
+// paged_hf_cpu::pack_linear(Tensor weight, int key, int batch_hint, bool widen, int dense_below=0) -> ()
 //     reorders `weight` (bfloat16 or float32) and keeps it under `key`; `widen` (a bfloat16 weight on a CPU without
 //     bfloat16 dot products) keeps a float32 copy instead and multiplies in float32, the output rounded to bfloat16
-//     once, as oneDNN's bfloat16 product rounds its float32 sums
+//     once, as oneDNN's bfloat16 product rounds its float32 sums; a product of fewer than `dense_below` rows runs
+//     F.linear on the dense weight (float32 on an Intel CPU: MKL's sgemm has a faster path for 1-3 rows)
 // paged_hf_cpu::unpack_linear(int key) -> ()                                 drops it (its module was collected)
 // paged_hf_cpu::packed_linear(Tensor x [..., in], Tensor weight [out, in], Tensor? bias, Tensor key) -> [..., out]
 //     `key` a 0-d int64 tensor (a module buffer: an int attribute would be a constant of the compiled graph, and
@@ -42,6 +43,7 @@ struct Packed {
   uint32_t version = 0;
   int64_t batch_hint = 32;
   bool widen = false;  // a float32 copy of a bfloat16 weight: x goes in as float32, the product back to bfloat16
+  int64_t dense_below = 0;  // fewer rows than this: F.linear on the dense weight
 };
 
 std::mutex packs_mutex;
@@ -90,12 +92,14 @@ bool packable(const at::Tensor& weight) {
          weight.dim() == 2 && weight.layout() == at::kStrided;
 }
 
-void pack_linear(const at::Tensor& weight, int64_t key, int64_t batch_hint, bool widen) {
+void pack_linear(const at::Tensor& weight, int64_t key, int64_t batch_hint, bool widen, int64_t dense_below) {
   TORCH_CHECK(packable(weight), "pack_linear: a 2-d bfloat16 or float32 CPU weight, not ", weight.scalar_type(), " ",
               weight.dim(), "-d on ", weight.device());
   TORCH_CHECK(!widen || weight.scalar_type() == at::kBFloat16, "pack_linear: widen is for a bfloat16 weight, not ",
               weight.scalar_type());
-  Packed entry{reorder(weight, batch_hint, widen), weight.const_data_ptr(), weight._version(), batch_hint, widen};
+  TORCH_CHECK(dense_below >= 0, "pack_linear: dense_below is a row count, not ", dense_below);
+  Packed entry{reorder(weight, batch_hint, widen), weight.const_data_ptr(), weight._version(), batch_hint, widen,
+               dense_below};
   std::lock_guard<std::mutex> lock(packs_mutex);
   packs()[key] = std::move(entry);
 }
@@ -123,13 +127,14 @@ at::Tensor packed_linear_by_key(const at::Tensor& x, const at::Tensor& weight, c
   {
     std::lock_guard<std::mutex> lock(packs_mutex);
     auto found = packs().find(key);
-    if (found != packs().end() && x.scalar_type() == weight.scalar_type()) {
+    if (found != packs().end() && x.scalar_type() == weight.scalar_type() &&
+        x.numel() >= found->second.dense_below * x.size(-1)) {  // fewer rows: F.linear below
       Packed& entry = found->second;
       if (entry.data != weight.const_data_ptr() || entry.version != weight._version()) {
         // packed again as its dtype is packed here; another dtype or device: the plain product until packed again
         const bool wide = weight.scalar_type() == at::kBFloat16 && bf16_widens();
         if (packable(weight)) entry = Packed{reorder(weight, entry.batch_hint, wide), weight.const_data_ptr(),
-                                             weight._version(), entry.batch_hint, wide};
+                                             weight._version(), entry.batch_hint, wide, entry.dense_below};
         else entry.weight = at::Tensor();
       }
       packed = entry.weight;
@@ -182,10 +187,12 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
               "packed_linear_group: one key and one bias (or None) per weight");
   std::vector<int64_t> keys;
   for (const auto& key : key_tensors) keys.push_back(key_of(key));
-  bool all_packable = true;
-  {
+  bool all_packable = true, few_rows = false;  // not packed by pack_linears, or fewer rows than its dense_below:
+  {                                             // the members one by one
     std::lock_guard<std::mutex> lock(packs_mutex);
-    all_packable = packs().count(keys[0]) > 0;  // not packed by pack_linears: the members one by one
+    const auto first = packs().find(keys[0]);
+    all_packable = first != packs().end();
+    few_rows = all_packable && x.numel() < first->second.dense_below * x.size(-1);
   }
   bool any_bias = false, all_bias = true;
   for (size_t i = 0; i < weights.size(); ++i) {
@@ -194,7 +201,7 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
     any_bias = any_bias || has;
     all_bias = all_bias && has;
   }
-  if (!all_packable || (any_bias && !all_bias)) {  // the members one by one
+  if (!all_packable || few_rows || (any_bias && !all_bias)) {  // the members one by one
     std::vector<at::Tensor> parts;
     for (size_t i = 0; i < weights.size(); ++i) parts.push_back(packed_linear_by_key(x, weights[i], biases.get(i), keys[i]));
     return at::cat(parts, -1);
@@ -223,7 +230,8 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
       for (int64_t key : keys) {  // the members' own copies are not needed while the group serves
         auto found = packs().find(key);
         if (found != packs().end())
-          found->second = Packed{at::Tensor(), nullptr, 0, found->second.batch_hint, found->second.widen};
+          found->second = Packed{at::Tensor(), nullptr, 0, found->second.batch_hint, found->second.widen,
+                                 found->second.dense_below};
       }
     }
     packed = group.weight;
@@ -250,7 +258,7 @@ void forget_groups(int64_t key) {  // a member's module was collected: drop ever
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(paged_hf_cpu, m) {
-  m.def("pack_linear(Tensor weight, int key, int batch_hint, bool widen) -> ()");
+  m.def("pack_linear(Tensor weight, int key, int batch_hint, bool widen, int dense_below=0) -> ()");
   m.def("unpack_linear(int key) -> ()");
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, Tensor key) -> Tensor");
   m.def("packed_linear_group(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor[] keys) -> Tensor");
