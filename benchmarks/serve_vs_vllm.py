@@ -11,8 +11,10 @@ the TinyStories sample, greedy, ``ignore_eos``), at most ``--concurrency`` in fl
 rate), and stops the server. Rounds alternate vLLM, paged_hf, vLLM, ... (``--pairs``); every round replays the same
 seeded workload on a fresh server, so no round finds another's prefixes cached. The request, the SSE parsing and
 the percentiles are ``benchmarks/serve.py``'s: TTFT = first chunk - send, ITL = the gaps between a request's
-chunks, output tok/s = output tokens / (first send to last end). The 1-minute load average is printed before and
-after every timed run. vLLM is skipped, with the reason, where its venv (``benchmarks/vs_vllm.py --setup-vllm``)
+chunks, output tok/s = output tokens / (first send to last end); steps and tokens / step are the engine steps of
+the timed run and the tokens they ran, from each server's /metrics (vLLM's ``vllm:iteration_tokens_total``
+counts a step's computed prompt tokens and sampled tokens, paged_hf's ``paged_hf_engine_step_tokens`` its
+forwarded prompt chunks and decode inputs: the same up to one token per prompt a step completes). The 1-minute load average is printed before and after every timed run. vLLM is skipped, with the reason, where its venv (``benchmarks/vs_vllm.py --setup-vllm``)
 is absent.
 
     PYTHONPATH=. python benchmarks/serve_vs_vllm.py                              # SmolLM2, 64 requests, 2 pairs
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import signal
 import socket
 import statistics
@@ -54,6 +57,28 @@ class Run:
     duration: float
     load_before: float
     load_after: float
+    steps: tuple[float, float] | None = None  # engine steps of the timed run and the tokens they forwarded
+
+
+# Each server's engine-step totals on /metrics: (series of the step count, series of the tokens those steps ran).
+STEP_SERIES = {"vllm": ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum"),
+               "paged_hf": ("paged_hf_engine_steps", "paged_hf_engine_step_tokens")}
+
+
+async def step_totals(http, server: str, url: str) -> tuple[float, float] | None:
+    """The server's engine steps so far and the tokens they forwarded (summed over label sets), or None where
+    /metrics does not have them."""
+    try:
+        text = (await http.get(url + "/metrics")).text
+    except Exception:  # noqa: BLE001 - the figure is optional: the table says n/a
+        return None
+    totals = []
+    for name in STEP_SERIES[server]:
+        values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        if not values:
+            return None
+        totals.append(sum(map(float, values)))
+    return totals[0], totals[1]
 
 
 def free_port() -> int:
@@ -148,11 +173,15 @@ async def run_server(server: str, round_: int, args, folder: Path, workload, log
                 if record.error:
                     raise RuntimeError(f"warm-up request failed: {record.error}")
             load_before = os.getloadavg()[0]
+            steps_before = await step_totals(http, server, process.url)
             records, duration = await closed_loop(http, process.url, prompts, max_tokens, args.concurrency)
             load_after = os.getloadavg()[0]
+            steps_after = await step_totals(http, server, process.url)
     finally:
         process.stop()
-    return Run(server, round_, startup, records, duration, load_before, load_after)
+    steps = (None if steps_before is None or steps_after is None
+             else (steps_after[0] - steps_before[0], steps_after[1] - steps_before[1]))
+    return Run(server, round_, startup, records, duration, load_before, load_after, steps)
 
 
 def row(run: Run) -> list:
@@ -162,7 +191,9 @@ def row(run: Run) -> list:
     ms = lambda q, values: f"{percentile(values, q):.0f}"  # noqa: E731
     return [LABELS[run.server], run.round + 1, f"{run.load_before:.1f} -> {run.load_after:.1f}",
             f"{run.startup_s:.0f}", f"{len(ok)}/{len(run.records)}", f"{run.duration:.2f}",
-            f"{sum(r.tokens for r in ok) / run.duration:.1f}", ms(50, ttft), ms(90, ttft), ms(50, itl), ms(90, itl)]
+            f"{sum(r.tokens for r in ok) / run.duration:.1f}", ms(50, ttft), ms(90, ttft), ms(50, itl), ms(90, itl),
+            f"{run.steps[0]:.0f}" if run.steps else "n/a",
+            f"{run.steps[1] / run.steps[0]:.1f}" if run.steps and run.steps[0] else "n/a"]
 
 
 def summary(runs: list[Run]) -> list[str]:
@@ -275,7 +306,7 @@ def main(argv=None) -> int:
         failed += bool(errors)
 
     headers = ["server", "round", "load before -> after", "ready s", "completed", "duration s", "output tok/s",
-               "TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms"]
+               "TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "steps", "tokens / step"]
     print()
     print(markdown_table(headers, [row(r) for r in runs]) if runs else "no run completed")
     print()

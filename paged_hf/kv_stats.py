@@ -94,6 +94,8 @@ class EngineStats(KVCacheStats):
     num_swapped_in: int
     generated_tokens: int
     generation_tokens_per_s: float
+    num_steps: int = 0  # steps that ran a forward since start
+    num_step_tokens: int = 0  # the tokens those steps forwarded: prompt chunks and decode inputs (drafts included)
     tensor_parallel_size: int = 1  # ranks the model and every KV block are split over (each holds its share)
     num_encoded_images: int = 0  # vision-tower runs, one per image (again after a recompute)
     # speculative decoding (vLLM's counters; all 0 without it): verified runs with drafts, draft tokens, accepted

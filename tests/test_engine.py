@@ -80,6 +80,25 @@ def test_engine_greedy_equals_generate(stories, prompts, references, options):
     assert_all_freed(engine)
 
 
+def test_stats_count_the_steps_and_the_tokens_they_forwarded(stories, prompts):
+    """Without prefix hits or preemption every prompt token is forwarded once, and every generated token but each
+    request's last once more (the next step's input); a step with nothing to run is not counted."""
+    engine = engine_for(stories, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    calls, prompt_tokens, generated = 0, {}, {}
+    while engine.has_unfinished_requests():
+        calls += 1
+        for out in engine.step():
+            prompt_tokens[out.request_id] = len(out.prompt_token_ids)
+            generated[out.request_id] = len(out.outputs[0].token_ids)
+    engine.step()  # nothing left: no forward
+    stats = engine.get_stats()
+    assert stats["preemption_count"] == 0 and sorted(generated) == sorted(ids)
+    assert stats["num_steps"] == calls
+    assert stats["num_step_tokens"] == sum(prompt_tokens.values()) + sum(generated.values()) - len(ids)
+    assert stats["num_step_tokens"] <= 16 * calls
+
+
 def test_staggered_arrivals_and_prefix_hits(stories, prompts, references):
     engine = engine_for(stories, block_size=4, max_num_batched_tokens=16)
     first = [engine.add_request(p, GREEDY) for p in prompts[:3]]

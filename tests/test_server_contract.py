@@ -120,6 +120,24 @@ def engine_logprobs(stories, prompt, max_tokens: int, top: int):
     return out.text, logprob_entries(out)
 
 
+def test_metrics_count_the_engine_steps_and_their_tokens(idle_server):
+    """``paged_hf_engine_steps`` / ``paged_hf_engine_step_tokens`` are the engine's totals: a request of 8 tokens
+    adds at least its prompt (one chunk or more) and 7 decode steps (a salt of its own: no prefix hit)."""
+    running, engine = idle_server
+    before = metrics(running)
+    prompt = story_openings()[0]
+    response = httpx.post(running.url + "/v1/completions", timeout=60,
+                          json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                                "cache_salt": f"steps-{time.monotonic_ns()}"})
+    assert response.status_code == 200
+    assert wait_until_idle(running, time.monotonic() + 30) is not None
+    after, stats = metrics(running), engine.get_stats()  # idle: safe to read
+    assert after["paged_hf_engine_steps"] == stats["num_steps"] >= before["paged_hf_engine_steps"] + 8
+    prompt_tokens = response.json()["usage"]["prompt_tokens"]
+    assert after["paged_hf_engine_step_tokens"] - before["paged_hf_engine_step_tokens"] == prompt_tokens + 7
+    assert after["paged_hf_engine_step_tokens"] == stats["num_step_tokens"]
+
+
 def test_completion_logprobs_equal_the_engines(stories, idle_server):
     running, _ = idle_server
     prompt = story_openings()[0]

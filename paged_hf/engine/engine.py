@@ -78,6 +78,7 @@ class PagedEngine:
                                   graph_options(self.config, model.device, self.max_model_len))
         self._ids = itertools.count()
         self._busy_seconds = 0.0
+        self._num_steps = self._num_step_tokens = 0  # steps that ran a forward, and the tokens those forwarded
         # The model, tokenizer and transformers' modules are hundreds of thousands of objects that live as long as
         # the engine: out of the cyclic collector's sight, its passes during serving stop costing milliseconds a
         # step (vLLM freezes after start-up too). What was garbage before is collected first.
@@ -190,6 +191,8 @@ class PagedEngine:
             changed: list[Request] = self.scheduler.admit_compiled()  # structured outputs whose grammar failed
             output = self.scheduler.schedule()
             if output.scheduled:
+                self._num_steps += 1
+                self._num_step_tokens += output.num_tokens
                 result = self.runner.execute(output)
                 if result.broken:
                     logger.error("the engine cannot run any more: %s", result.step_error)
@@ -355,6 +358,8 @@ class PagedEngine:
             num_swapped_in=scheduler.num_swapped_in,
             generated_tokens=scheduler.num_generated_tokens,
             generation_tokens_per_s=scheduler.num_generated_tokens / self._busy_seconds if self._busy_seconds else 0.0,
+            num_steps=self._num_steps,
+            num_step_tokens=self._num_step_tokens,
             tensor_parallel_size=self.group.size if self.group is not None else 1,
             num_encoded_images=self.runner.images.num_encoded_images if self.runner.images is not None else 0,
             **(scheduler.speculator.stats() if scheduler.speculator is not None else {}),

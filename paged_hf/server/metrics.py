@@ -1,6 +1,6 @@
 """Prometheus series of the server: KV blocks, prefix hit rate and hits per tier (device pool, host tier), the host
-tier's blocks, preemptions, queue, rejections, TTFT and inter-token latency, and speculative decoding's counters
-under vLLM's names (``vllm:spec_decode_*``)."""
+tier's blocks, preemptions, queue, rejections, engine steps and the tokens they forwarded, TTFT and inter-token
+latency, and speculative decoding's counters under vLLM's names (``vllm:spec_decode_*``)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ class ServerMetrics:
                                  registry=r)
         self.host_blocks = Gauge("paged_hf_host_cache_blocks_used", "KV blocks held by the host tier", registry=r)
         self.preemptions = Gauge("paged_hf_preemptions", "sequences preempted since start", registry=r)
+        self.steps = Gauge("paged_hf_engine_steps", "engine steps that ran a forward since start", registry=r)
+        self.step_tokens = Gauge("paged_hf_engine_step_tokens", "tokens those steps forwarded (prompt chunks and "
+                                 "decodes; per step: divide by paged_hf_engine_steps)", registry=r)
         self.running = Gauge("paged_hf_requests_running", "sequences running", registry=r)
         self.waiting = Gauge("paged_hf_requests_waiting", "sequences waiting", registry=r)
         self.tensor_parallel_size = Gauge("paged_hf_tensor_parallel_size",
@@ -65,6 +68,8 @@ class ServerMetrics:
         self.prefix_hits.labels(tier="host").set(stats.prefix_cache_host_hits)
         self.host_blocks.set(stats.host_cache_blocks_used)
         self.preemptions.set(stats.preemption_count)
+        self.steps.set(stats.num_steps)
+        self.step_tokens.set(stats.num_step_tokens)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.tensor_parallel_size.set(stats.tensor_parallel_size)
