@@ -14,8 +14,9 @@ the percentiles are ``benchmarks/serve.py``'s: TTFT = first chunk - send, ITL = 
 chunks, output tok/s = output tokens / (first send to last end); steps and tokens / step are the engine steps of
 the timed run and the tokens they ran, from each server's /metrics (vLLM's ``vllm:iteration_tokens_total``
 counts a step's computed prompt tokens and sampled tokens, paged_hf's ``paged_hf_engine_step_tokens`` its
-forwarded prompt chunks and decode inputs: the same up to one token per prompt a step completes). The 1-minute load average is printed before and after every timed run. vLLM is skipped, with the reason, where its venv (``benchmarks/vs_vllm.py --setup-vllm``)
-is absent.
+forwarded prompt chunks and decode inputs: the same up to one token per prompt a step completes). The 1-minute
+load average is printed before and after every timed run. vLLM is skipped, with the reason, where its venv
+(``benchmarks/vs_vllm.py --setup-vllm``) is absent.
 
     PYTHONPATH=. python benchmarks/serve_vs_vllm.py                              # SmolLM2, 64 requests, 2 pairs
     PYTHONPATH=. python benchmarks/serve_vs_vllm.py --requests 32 --pairs 1      # a busy machine
@@ -78,7 +79,7 @@ async def step_totals(http, server: str, url: str) -> tuple[float, float] | None
         if not values:
             return None
         totals.append(sum(map(float, values)))
-    return totals[0], totals[1]
+    return tuple(totals)
 
 
 def free_port() -> int:

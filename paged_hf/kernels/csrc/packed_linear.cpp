@@ -114,6 +114,9 @@ void unpack_linear(int64_t key) {
   forget_groups(key);
 }
 
+// Whether x [..., in] has fewer rows than an entry's dense_below: such products run F.linear on the dense weight.
+bool few_rows(const at::Tensor& x, int64_t dense_below) { return x.numel() < dense_below * x.size(-1); }
+
 int64_t key_of(const at::Tensor& key) {
   TORCH_CHECK(key.numel() == 1 && key.scalar_type() == at::kLong && key.device().is_cpu(),
               "packed_linear: the key is a one-element int64 CPU tensor");
@@ -128,7 +131,7 @@ at::Tensor packed_linear_by_key(const at::Tensor& x, const at::Tensor& weight, c
     std::lock_guard<std::mutex> lock(packs_mutex);
     auto found = packs().find(key);
     if (found != packs().end() && x.scalar_type() == weight.scalar_type() &&
-        x.numel() >= found->second.dense_below * x.size(-1)) {  // fewer rows: F.linear below
+        !few_rows(x, found->second.dense_below)) {  // else F.linear below
       Packed& entry = found->second;
       if (entry.data != weight.const_data_ptr() || entry.version != weight._version()) {
         // packed again as its dtype is packed here; another dtype or device: the plain product until packed again
@@ -187,12 +190,12 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
               "packed_linear_group: one key and one bias (or None) per weight");
   std::vector<int64_t> keys;
   for (const auto& key : key_tensors) keys.push_back(key_of(key));
-  bool all_packable = true, few_rows = false;  // not packed by pack_linears, or fewer rows than its dense_below:
-  {                                             // the members one by one
+  bool all_packable = true, few = false;  // not packed by pack_linears, or fewer rows than its dense_below:
+  {                                       // the members one by one
     std::lock_guard<std::mutex> lock(packs_mutex);
     const auto first = packs().find(keys[0]);
     all_packable = first != packs().end();
-    few_rows = all_packable && x.numel() < first->second.dense_below * x.size(-1);
+    few = all_packable && few_rows(x, first->second.dense_below);
   }
   bool any_bias = false, all_bias = true;
   for (size_t i = 0; i < weights.size(); ++i) {
@@ -201,7 +204,7 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
     any_bias = any_bias || has;
     all_bias = all_bias && has;
   }
-  if (!all_packable || few_rows || (any_bias && !all_bias)) {  // the members one by one
+  if (!all_packable || few || (any_bias && !all_bias)) {  // the members one by one
     std::vector<at::Tensor> parts;
     for (size_t i = 0; i < weights.size(); ++i) parts.push_back(packed_linear_by_key(x, weights[i], biases.get(i), keys[i]));
     return at::cat(parts, -1);
