@@ -374,3 +374,46 @@ print(repr((sorted(before), [sorted(m) for m in seen], sorted(os.sched_getaffini
     assert during and all(mask == [cpus[0]] for mask in during)
     assert after == before
     assert str(cpus[1]) in masks
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts the process's threads in /proc/self/task")
+def test_the_thread_that_starts_the_server_loop_gives_up_its_openmp_team():
+    """libgomp lets an idle OpenMP thread spin before it sleeps only while the process's OpenMP threads fit its CPUs
+    (``engine/threads.py``): the thread that built the engine and starts the server's loop ends its team, so the
+    loop thread's is the only one, and the loop still serves. Runs in a subprocess with 2 intra-op threads (this
+    process runs one, which never starts a team)."""
+    import subprocess
+    import sys
+
+    code = """
+import asyncio, os, time, torch
+torch.set_num_threads(2)
+from models import stories_model, stories_tokenizer
+from paged_hf import PagedEngine, SamplingParams
+from paged_hf.engine import RequestOutputKind
+from paged_hf.server.engine_loop import EngineLoop
+engine = PagedEngine(stories_model(), stories_tokenizer(), enforce_eager=True)
+x = torch.randn(1 << 22)
+(x * 2).sum()  # a parallel region in this thread: its team has one worker from now on
+tasks = lambda: set(os.listdir("/proc/self/task"))
+before = tasks()
+loop = EngineLoop(engine)
+loop.start()
+time.sleep(0.2)
+ended = before - tasks()
+async def one():
+    [(_, outputs)] = await loop.submit(["Once upon a time"], [SamplingParams(max_tokens=4, temperature=0.0)],
+                                       RequestOutputKind.FINAL_ONLY)
+    while not (out := await outputs.get()).finished:
+        pass
+    return len(out.outputs[0].token_ids)
+print(repr((len(ended), asyncio.run(one()))))
+loop.stop()
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_") and k != "PAGED_HF_START_AFFINITY"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ended, generated = eval(result.stdout.strip().splitlines()[-1])  # noqa: S307 - our own output
+    assert ended == 1, "the starting thread's OpenMP worker should have exited"
+    assert generated == 4

@@ -22,6 +22,7 @@ import time
 
 from ..config import ParameterError, SamplingParams
 from ..engine import PagedEngine, RequestOutputKind
+from ..engine.threads import release_openmp_team
 
 logger = logging.getLogger("paged_hf")
 
@@ -51,6 +52,10 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._guarded_run, name="paged-hf-engine", daemon=True)
 
     def start(self) -> None:
+        """Starts the loop thread. The calling thread (which built the engine) gives up its OpenMP team first: the
+        loop thread, which runs every step from now on, then keeps the process's only one, and its idle workers spin
+        before they sleep (``engine/threads.py``)."""
+        release_openmp_team()
         self._thread.start()
 
     def stop(self) -> None:
