@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the three variants, alternating")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # a child process: run this one, print its JSON
     args = parser.parse_args(argv)

@@ -20,6 +20,7 @@ load average is printed before and after every timed run. vLLM is skipped, with 
 
     PYTHONPATH=. python benchmarks/serve_vs_vllm.py                              # SmolLM2, 64 requests, 2 pairs
     PYTHONPATH=. python benchmarks/serve_vs_vllm.py --requests 32 --pairs 1      # a busy machine
+    PYTHONPATH=. python benchmarks/serve_vs_vllm.py --background-load            # one core kept busy throughout
     PYTHONPATH=. python benchmarks/serve_vs_vllm.py --model stories260K --servers paged_hf --requests 4
 """
 
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serve import Record, one_request, parse_range, percentile
-from vs_vllm import ROOT, VENV_PYTHON, _preload, model_folder, vllm_status, worker_env
+from vs_vllm import ROOT, VENV_PYTHON, _preload, model_folder, start_background_load, vllm_status, worker_env
 
 SERVERS = ("vllm", "paged_hf")
 LABELS = {"vllm": "vllm serve (CPU build)", "paged_hf": "paged-hf serve"}
@@ -234,6 +235,8 @@ def parse_args(argv):
                         help="the Python of vLLM's venv (default: $PAGED_HF_VLLM_PYTHON or %(default)s)")
     parser.add_argument("--startup-timeout", type=float, default=600, help="seconds a server may take to be ready")
     parser.add_argument("--log-dir", type=Path, default=None, help="the servers' logs (default: a temp dir)")
+    parser.add_argument("--background-load", action="store_true",
+                        help="a process spinning on the servers' last core for the whole run (vs_vllm.py's)")
     args = parser.parse_args(argv)
     args.servers = [s for s in args.servers.split(",") if s]
     bad = [s for s in args.servers if s not in SERVERS]
@@ -292,19 +295,28 @@ def main(argv=None) -> int:
     print(f"{len(plan)} server runs; logs in {logs}\n", flush=True)
 
     runs, failed = [], 0
-    for step, (server, round_) in enumerate(plan, 1):
-        try:
-            run = asyncio.run(run_server(server, round_, args, folder, workload, logs))
-        except RuntimeError as error:
-            failed += 1
-            print(f"[{step}/{len(plan)}] {LABELS[server]}, round {round_ + 1}: FAILED {error}", flush=True)
-            continue
-        runs.append(run)
-        errors = [r.error for r in run.records if r.error]
-        print(f"[{step}/{len(plan)}] {LABELS[server]}, round {round_ + 1}: ready in {run.startup_s:.0f} s, "
-              f"{len(run.records) - len(errors)}/{len(run.records)} completed in {run.duration:.1f} s"
-              + (f", {len(errors)} failed: {errors[0]}" if errors else ""), flush=True)
-        failed += bool(errors)
+    background = start_background_load(args.threads) if args.background_load else None
+    if background:
+        print(f"background load: process {background.pid} spinning on core "
+              f"{min(args.threads, os.cpu_count() or 1) - 1} for the whole run\n", flush=True)
+    try:
+        for step, (server, round_) in enumerate(plan, 1):
+            try:
+                run = asyncio.run(run_server(server, round_, args, folder, workload, logs))
+            except RuntimeError as error:
+                failed += 1
+                print(f"[{step}/{len(plan)}] {LABELS[server]}, round {round_ + 1}: FAILED {error}", flush=True)
+                continue
+            runs.append(run)
+            errors = [r.error for r in run.records if r.error]
+            print(f"[{step}/{len(plan)}] {LABELS[server]}, round {round_ + 1}: ready in {run.startup_s:.0f} s, "
+                  f"{len(run.records) - len(errors)}/{len(run.records)} completed in {run.duration:.1f} s"
+                  + (f", {len(errors)} failed: {errors[0]}" if errors else ""), flush=True)
+            failed += bool(errors)
+    finally:
+        if background:
+            background.terminate()
+            background.wait()
 
     headers = ["server", "round", "load before -> after", "ready s", "completed", "duration s", "output tok/s",
                "TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "steps", "tokens / step"]
