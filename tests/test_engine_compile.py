@@ -93,17 +93,29 @@ def test_steady_serving_uses_the_warm_up_graph_and_never_recompiles(caplog, monk
     assert calls >= 30
 
 
-def test_every_compiled_kernel_splits_its_work_over_the_intra_op_threads():
+@pytest.fixture(scope="module")
+def warm_up_kernels() -> list[str]:
+    """The C++ kernels the warm-up of an engine over a two-layer llama compiles (dynamo reset, no graph cache)."""
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _, codes = run_and_get_code(PagedEngine, tiny_model("llama", num_hidden_layers=2), None, **STEADY)
+    kernels = [part.split("''')")[0] for code in codes for part in code.split("async_compile.cpp_pybinding(")[1:]]
+    assert kernels, "the warm-up compiled no C++ kernel"
+    return kernels
+
+
+def test_every_compiled_kernel_splits_its_work_over_the_intra_op_threads(warm_up_kernels):
     """Each of the compiled forward's kernels opens an OpenMP region sized at run time (inductor's
     ``cpp.dynamic_threads``). Without it inductor sizes a kernel's parallelism by the first warm-up step's token
     count (a decode: one token) and compiles the norms, the rotary embedding and the residual adds serial, whatever
     a later step's token count: one core of two idle through them (SmolLM2 bf16: 5-8% of a prefill or mixed run)."""
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        _, codes = run_and_get_code(PagedEngine, tiny_model("llama"), None, **STEADY)
-    kernels = [part.split("''')")[0] for code in codes for part in code.split("async_compile.cpp_pybinding(")[1:]]
-    assert kernels, "the warm-up compiled no C++ kernel"
-    serial = sum("#pragma omp parallel" not in kernel for kernel in kernels)
-    assert serial == 0, f"{serial} of {len(kernels)} compiled kernels run on one thread"
+    serial = sum("#pragma omp parallel" not in kernel for kernel in warm_up_kernels)
+    assert serial == 0, f"{serial} of {len(warm_up_kernels)} compiled kernels run on one thread"
+
+
+def test_the_rotary_tables_are_computed_once_a_step(warm_up_kernels):
+    """One kernel evaluates the rotary cos/sin (``RealizeRotaryTables``); without the pass inductor inlines them into
+    the q and the k rotation kernels, which every layer runs (2 kernels here), per head."""
+    assert sum("cos(" in kernel for kernel in warm_up_kernels) == 1
 
 
 def test_the_recompile_check_catches_a_baked_step_count(monkeypatch, caplog):

@@ -39,6 +39,7 @@ import time
 import torch
 from torch._dynamo.exc import TorchDynamoException
 from torch._inductor.compile_fx import compile_fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx.experimental import _config as fx_config
 from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
@@ -50,6 +51,7 @@ from ..kv.sizing import allocate_all
 from ..metadata import AttentionMetadata, build_metadata
 from ..packed_linear import FusePackedLinears
 from .forward_cache import EngineCache
+from .rotary_tables import RealizeRotaryTables
 
 logger = logging.getLogger("paged_hf")
 
@@ -67,13 +69,27 @@ _COMPILE_CONFIG = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False, re
 _SHAPE_CONFIG = fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
 
 
-# Inductor with the linear fusion pass, one object for every engine: dynamo reuses a compiled graph only for the same
+class _GraphPasses(CustomGraphPass):
+    """The engine's post-grad passes, in order: the q/k/v and gate/up products fused (``FusePackedLinears``), the
+    rotary tables computed once a step (``RealizeRotaryTables``)."""
+
+    passes = (FusePackedLinears(), RealizeRotaryTables())
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for graph_pass in self.passes:
+            graph_pass(graph)
+
+    def uuid(self) -> bytes:
+        return b"".join(graph_pass.uuid() for graph_pass in self.passes)
+
+
+# Inductor with the engine's passes, one object for every engine: dynamo reuses a compiled graph only for the same
 # backend object (a backend made per engine would make every engine compile anew and exhaust the recompile limit).
 # ``cpp.dynamic_threads``: every C++ kernel opens an OpenMP region sized at run time. Without it inductor decides a
 # kernel's parallelism from the size hints of the first warm-up step (a decode, one token) and compiles the norms,
 # the rotary embedding and the residual adds serial for every later token count (bf16 SmolLM2, 2 threads: 5-8% of a
 # prefill or mixed run). Each element's arithmetic is the same either way.
-_INDUCTOR = functools.partial(compile_fx, config_patches={"post_grad_custom_pre_pass": FusePackedLinears(),
+_INDUCTOR = functools.partial(compile_fx, config_patches={"post_grad_custom_pre_pass": _GraphPasses(),
                                                         "cpp.dynamic_threads": True})
 
 
