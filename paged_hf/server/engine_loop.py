@@ -55,7 +55,9 @@ class EngineLoop:
         """Starts the loop thread. The calling thread (which built the engine) gives up its OpenMP team first: the
         loop thread, which runs every step from now on, then keeps the process's only one, and its idle workers spin
         before they sleep (``engine/threads.py``)."""
-        release_openmp_team()
+        if not release_openmp_team():
+            logger.debug("EngineLoop: no OpenMP runtime with omp_pause_resource_all: the starting thread keeps "
+                         "its OpenMP team")
         self._thread.start()
 
     def stop(self) -> None:
