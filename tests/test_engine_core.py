@@ -334,15 +334,25 @@ def test_cpu_threads_bind_pins_the_engine_and_is_checked(stories):
         model.set_attn_implementation("sdpa")
 
 
+def _child_result(code: str):
+    """Runs ``code`` in a fresh Python (tests/ importable, no OpenMP settings of this process: its OpenMP runtime
+    starts anew) and returns the value of the last line it prints (a ``repr``)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_") and k != "PAGED_HF_START_AFFINITY"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return eval(result.stdout.strip().splitlines()[-1])  # noqa: S307 - our own output
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs two CPUs this process may run on")
 def test_auto_pins_one_thread_per_cpu_while_stepping_and_restores_the_callers_mask():
     """``cpu_threads_bind="auto"`` with 2 intra-op threads: during a step the stepping thread is on the first CPU
     and a worker on the second; after it the caller's mask is what it was (the program's later threads inherit it).
     Runs in a subprocess: pinning this test process's OpenMP team would outlive the test."""
-    import subprocess
-    import sys
-
     from paged_hf.kernels import cpu_ext
 
     if cpu_ext.pin_threads() is None:
@@ -366,11 +376,7 @@ masks = [[x for x in open(f) if x.startswith("Cpus_allowed_list")][0].split()[-1
          for f in glob.glob("/proc/self/task/*/status")]
 print(repr((sorted(before), [sorted(m) for m in seen], sorted(os.sched_getaffinity(0)), masks)))
 """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_") and k != "PAGED_HF_START_AFFINITY"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    before, during, after, masks = eval(result.stdout.strip().splitlines()[-1])  # noqa: S307 - our own output
+    before, during, after, masks = _child_result(code)
     assert during and all(mask == [cpus[0]] for mask in during)
     assert after == before
     assert str(cpus[1]) in masks
@@ -382,9 +388,6 @@ def test_the_thread_that_starts_the_server_loop_gives_up_its_openmp_team():
     (``engine/threads.py``): the thread that built the engine and starts the server's loop ends its team, so the
     loop thread's is the only one, and the loop still serves. Runs in a subprocess with 2 intra-op threads (this
     process runs one, which never starts a team)."""
-    import subprocess
-    import sys
-
     code = """
 import asyncio, os, time, torch
 torch.set_num_threads(2)
@@ -410,10 +413,6 @@ async def one():
 print(repr((len(ended), asyncio.run(one()))))
 loop.stop()
 """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_") and k != "PAGED_HF_START_AFFINITY"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ended, generated = eval(result.stdout.strip().splitlines()[-1])  # noqa: S307 - our own output
+    ended, generated = _child_result(code)
     assert ended == 1, "the starting thread's OpenMP worker should have exited"
     assert generated == 4
