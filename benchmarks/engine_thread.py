@@ -120,6 +120,9 @@ def main(argv=None) -> int:
     if not Path("/proc/self/task").is_dir() or not hasattr(os, "sched_setaffinity"):
         print("engine_thread.py needs Linux (/proc/self/task, sched_setaffinity)")
         return 0
+    for name in ("threads", "requests", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
