@@ -74,6 +74,29 @@ def test_kernel_matches_the_oracle(kernel, case):
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("growth", [0.002, 0.05])
+def test_later_key_tiles_that_outscore_the_first(kernel, dtype, growth):
+    """Keys whose scores grow along the sequence, so a row's maximum rises from one 256-key tile to the next: by
+    less than the kernel's lazy threshold (its probabilities then exceed 1, nothing is rescaled) or by far more (the
+    row's sum and output are rescaled). Both equal the oracle, for a first chunk and for a chunk after stored keys."""
+    gen = torch.Generator().manual_seed(3)
+    lengths, counts = [700, 600], [700, 80]
+    pools = PoolTensors(**random_pools("auto", 96, 16, 2, 64, dtype=dtype, seed=3, key_offset=0.0))
+    tables = random_block_tables(lengths, 16, 96, gen)
+    query = (torch.rand(sum(counts), 4, 64, generator=gen) + 0.5).to(dtype)
+    for s, length in enumerate(lengths):
+        for t in range(length):  # key t of sequence s: positive, times 1 + growth * t
+            row = pools.key_cache[int(tables[s, t // 16]), t % 16]
+            row.copy_((row.float().abs() + 0.5) * (1 + growth * t))
+    cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    seq_lens = torch.tensor(lengths)
+    want = paged_prefill_attention_ref(query, pools, tables, seq_lens, cu, 0.02)
+    got = kernel(query, pools.key_cache, pools.value_cache, tables, seq_lens, cu, 0.02, None)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 def test_the_brgemm_flash_serves_where_the_cpu_has_its_products(kernel):
     """The kernel's own flash attention (oneDNN brgemm) serves head dims a multiple of 16: float32 where the CPU has
     AVX-512, bfloat16 where it has AMX or (widened to float32 products) AVX-512; the rest keeps torch's flash kernel

@@ -19,7 +19,8 @@
 //   item is one KV head and QUERY_TILE query positions of one chunk, all heads of the GQA group stacked as the
 //   rows of one product (the group shares every packed tile). Per key tile up to the item's last position:
 //   scores = one brgemm, the online softmax in float32 (exp2 of the scores scaled by scale * log2(e), the causal
-//   cut per row; bfloat16 products' probabilities rounded as torch's flash kernel rounds them), then one brgemm
+//   cut per row, a row's reference maximum moved only when a tile outscores it by 2^8 (softmax_row); bfloat16
+//   products' probabilities rounded as torch's flash kernel rounds them), then one brgemm
 //   adds probabilities x V into a float32 accumulator. A later chunk is one pass over stored and new
 //   keys (no second call, no merge). Items are taken longest first from a shared counter by torch's threads.
 // - otherwise (other CPUs, float16, other head dims): each sequence's blocks gathered once (one index_select per
@@ -44,6 +45,10 @@
 #include <vector>
 
 #include "vec16.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -130,8 +135,106 @@ void pack_tile(const T* key_cache, const T* value_cache, const Chunk& c, int64_t
   }
 }
 
+// The online softmax of one row of a key tile: the scores s[0, seen) (scaled by c_scale = scale * log2(e) here;
+// s[seen, cols) are keys the row does not see) become probabilities p[j] = 2^(s[j] * c_scale - peak) (zero from seen
+// to cols), `total` their running sum. `peak` is the row's running reference point: it moves only when the tile's
+// maximum exceeds it by more than LAZY_PEAK (2^8: probabilities up to 256 are exact enough in float32 and bfloat16),
+// so most tiles after the first rescale nothing. Returns the factor the row's accumulated output must be scaled by
+// (1: none). seen <= 0: p zeroed, nothing else changes.
+constexpr float LAZY_PEAK = 8.0f;
+
 inline void store_row16(float* p, f16v v) { std::memcpy(p, &v, sizeof(v)); }
 inline void store_row16(BF16* p, f16v v) { paged_hf_vec::store16(p, v); }
+
+#if defined(__AVX512F__)
+// 2^y for y <= LAZY_PEAK, exactly 0 below -126 (y = -inf included): 2^round(y) (scalef) times a polynomial in the
+// remainder f in [-1/2, 1/2] fitted to 2^f by relative error: degree 6 (1.0e-7) for float32 probabilities, degree 4
+// (2.7e-6, far below bfloat16's 3.9e-3) where they are rounded to bfloat16.
+template <typename P>
+inline __m512 exp2_tile(__m512 y) {
+  const __mmask16 live = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p;
+  if constexpr (std::is_same_v<P, BF16>) {
+    p = _mm512_set1_ps(0.009560510516166687f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05591703951358795f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024981260299683f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931219696998596f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999991655349731f));
+  } else {
+    p = _mm512_set1_ps(0.00015337577497120947f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0013399859890341759f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009618519805371761f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550329014658928f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022646248340607f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471824645996f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  }
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+template <typename P>
+inline float softmax_row(const float* s, P* p, int64_t seen, int64_t cols, float c_scale, float& peak, float& total) {
+  if (seen <= 0) {
+    std::fill(p, p + cols, P(0.0f));
+    return 1.0f;
+  }
+  __m512 high = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < seen; j += 16) {
+    const __mmask16 in = seen - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (seen - j)) - 1);
+    high = _mm512_mask_max_ps(high, in, high, _mm512_maskz_loadu_ps(in, s + j));
+  }
+  const float tile_peak = _mm512_reduce_max_ps(high) * c_scale;
+  float rescale = 1.0f;
+  if (tile_peak > peak + LAZY_PEAK) {
+    rescale = std::isinf(peak) ? 1.0f : std::exp2(peak - tile_peak);  // -inf: nothing accumulated yet
+    peak = tile_peak;
+  }
+  const __m512 scale_v = _mm512_set1_ps(c_scale), peak_v = _mm512_set1_ps(peak);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < cols; j += 16) {
+    const __mmask16 in = seen - j >= 16 ? __mmask16(0xFFFF) : seen > j ? __mmask16((1u << (seen - j)) - 1) : 0;
+    const __m512 e = _mm512_maskz_mov_ps(in, exp2_tile<P>(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), scale_v, peak_v)));
+    sum = _mm512_add_ps(sum, e);
+    f16v out;
+    std::memcpy(&out, &e, sizeof(out));
+    store_row16(p + j, out);
+  }
+  total = total * rescale + _mm512_reduce_add_ps(sum);
+  return rescale;
+}
+#else
+template <typename P>
+inline float softmax_row(float* s, P* p, int64_t seen, int64_t cols, float c_scale, float& peak, float& total) {
+  if (seen <= 0) {
+    std::fill(p, p + cols, P(0.0f));
+    return 1.0f;
+  }
+  for (int64_t j = seen; j < cols; ++j) s[j] = -INFINITY;
+  f16v high = paged_hf_vec::splat(-INFINITY);
+  for (int64_t j = 0; j < cols; j += 16) {
+    const f16v v = paged_hf_vec::load16(s + j);
+    high = v > high ? v : high;
+  }
+  const float tile_peak = paged_hf_vec::max_of(high) * c_scale;
+  float rescale = 1.0f;
+  if (tile_peak > peak + LAZY_PEAK) {
+    rescale = std::isinf(peak) ? 1.0f : std::exp2(peak - tile_peak);  // -inf: nothing accumulated yet
+    peak = tile_peak;
+  }
+  f16v sum = paged_hf_vec::splat(0.0f);
+  for (int64_t j = 0; j < cols; j += 16) {
+    const f16v y = paged_hf_vec::load16(s + j) * c_scale - peak;
+    f16v e = paged_hf_vec::exp2_16(y);
+    e = y < -126.0f ? paged_hf_vec::splat(0.0f) : e;
+    sum += e;
+    store_row16(p + j, e);
+  }
+  total = total * rescale + paged_hf_vec::reduce16(sum);
+  return rescale;
+}
+#endif
 
 // Per-thread scratch of the work items, kept across calls (no allocation per layer).
 template <typename T>
@@ -216,31 +319,9 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
         const P* k_tile = packed_data + (c.packed + item.head * c.tiles + tile) * 2 * tile_elems;
         at::native::cpublas::brgemm(M, cols, D, D, KEY_TILE, KEY_TILE, false, q, k_tile, scores, vnni);
         for (int64_t r = 0; r < M; ++r) {
-          float* s = scores + r * KEY_TILE;
-          P* p = probs + r * KEY_TILE;
           const int64_t seen = std::min(width, first_pos + r / group + 1 - key0);  // keys of this tile row r sees
-          if (seen <= 0) {
-            std::fill(p, p + cols, P(0.0f));
-            continue;
-          }
-          for (int64_t j = seen; j < cols; ++j) s[j] = -INFINITY;
-          f16v high = paged_hf_vec::splat(-INFINITY);
-          for (int64_t j = 0; j < cols; j += 16) {
-            const f16v v = paged_hf_vec::load16(s + j);
-            high = v > high ? v : high;
-          }
-          const float new_peak = std::max(peak[r], paged_hf_vec::max_of(high) * c_scale);
-          const float rescale = std::exp2(peak[r] - new_peak);
-          f16v sum = paged_hf_vec::splat(0.0f);
-          for (int64_t j = 0; j < cols; j += 16) {
-            const f16v y = paged_hf_vec::load16(s + j) * c_scale - new_peak;
-            f16v e = paged_hf_vec::exp2_16(y);
-            e = y < -126.0f ? paged_hf_vec::splat(0.0f) : e;
-            sum += e;
-            store_row16(p + j, e);
-          }
-          total[r] = total[r] * rescale + paged_hf_vec::reduce16(sum);
-          peak[r] = new_peak;
+          const float rescale = softmax_row(scores + r * KEY_TILE, probs + r * KEY_TILE, seen, cols, c_scale,
+                                            peak[r], total[r]);
           if (rescale != 1.0f) {
             float* o = acc + r * D;
             for (int64_t d = 0; d < D; d += 16) {
