@@ -8,8 +8,9 @@
 // stored). A work item is a sequence, or a (sequence, KV head) when sequences are fewer than twice the threads
 // (decode_kernel); each KV head's row serves its H / KH query heads, so every key and value is read once. Scores, the
 // softmax and the output accumulate in float32; the output is rounded to the query's dtype once. Two passes over
-// the keys: the scores (kept in a per-thread buffer), then the values weighted by exp(score - max). Items are spread
-// over torch's intra-op threads (at::parallel_for), so torch.set_num_threads governs this kernel as every other op.
+// the keys: the scores (kept in a per-thread buffer), then the values weighted by exp(score - max); each block's
+// rows are requested PREFETCH_BLOCKS blocks before they are read. Items are spread over torch's intra-op threads
+// (at::parallel_for), so torch.set_num_threads governs this kernel as every other op.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -103,6 +104,25 @@ inline float softmax_in_place(float* sc, int64_t n, float sink) {
 }
 
 
+// How many blocks ahead of the one being read decode_heads asks the memory system for (the blocks lie anywhere in the
+// pool, so no hardware prefetcher can guess where the next one starts): pass 1 runs over the keys' blocks, then the
+// values' (pass 2), and block i of that run of 2 * blocks is requested while block i - PREFETCH_BLOCKS is read.
+constexpr int64_t PREFETCH_BLOCKS = 2;
+
+// Requests block i (< 2 * blocks: keys, then values) of an item's run, the rows it reads: first..len-1 of the
+// sequence, KHI * D elements from each row's start, one request per 64-byte line.
+template <typename T>
+inline void prefetch_block(const T* const* key_blocks, const T* const* value_blocks, int64_t i, int64_t first,
+                           int64_t len, int64_t B, int64_t row_stride, int64_t width) {
+  const int64_t blocks = (len + B - 1) / B, b = first / B + i % (blocks - first / B);
+  if (i >= 2 * (blocks - first / B)) return;
+  const T* base = i < blocks - first / B ? key_blocks[b] : value_blocks[b];
+  const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
+  const char* row = reinterpret_cast<const char*>(base + (start - b * B) * row_stride);
+  for (int64_t r = start; r < stop; ++r, row += row_stride * sizeof(T))
+    for (int64_t off = 0; off < width * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(row + off, 0, 3);
+}
+
 // Sixteen vectors of partial sums -> one vector of their totals (lane t: the sum of v[t]'s lanes), in 45 operations
 // where sixteen separate reductions take ~130: pairs interleaved within 128-bit lanes, then 64-bit halves, then the
 // four 128-bit lanes twice.
@@ -150,8 +170,11 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
   constexpr int64_t D = DV * LANES;
   const int64_t n = len - first, first_block = first / B, blocks = (len + B - 1) / B;
   f16v part[G][LANES];  // a chunk's per-row partial sums, row t of query head g at part[g][t]
+  for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i)
+    prefetch_block(key_blocks, value_blocks, i, first, len, B, row_stride, KHI * D);
   for (int64_t b = first_block; b < blocks; ++b) {  // pass 1: the scores
     const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
+    prefetch_block(key_blocks, value_blocks, b - first_block + PREFETCH_BLOCKS, first, len, B, row_stride, KHI * D);
     for (int64_t h = 0; h < KHI; ++h) {
       f16v qv[G][DV];
       for (int g = 0; g < G; ++g)
@@ -178,6 +201,8 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
   std::memset(out, 0, sizeof(float) * KHI * G * D);
   for (int64_t b = first_block; b < blocks; ++b) {  // pass 2: the weighted values
     const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
+    prefetch_block(key_blocks, value_blocks, blocks - first_block + b - first_block + PREFETCH_BLOCKS, first, len, B,
+                   row_stride, KHI * D);
     for (int64_t h = 0; h < KHI; ++h) {
       f16v acc[G][DV];
       for (int g = 0; g < G; ++g)
@@ -220,8 +245,11 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
   constexpr int64_t D = DV2 * 32;
   const int64_t n = len - first, first_block = first / B, blocks = (len + B - 1) / B;
   f16v part[G][LANES];  // a chunk's per-row partial sums, row t of query head g at part[g][t]
+  for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i)
+    prefetch_block(key_blocks, value_blocks, i, first, len, B, row_stride, KHI * D);
   for (int64_t b = first_block; b < blocks; ++b) {  // pass 1: the scores
     const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
+    prefetch_block(key_blocks, value_blocks, b - first_block + PREFETCH_BLOCKS, first, len, B, row_stride, KHI * D);
     for (int64_t h = 0; h < KHI; ++h) {
       __m512bh qv[G][DV2];
       for (int g = 0; g < G; ++g)
@@ -249,6 +277,8 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t b = first_block; b < blocks; ++b) {  // pass 2: the weighted values
     const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
+    prefetch_block(key_blocks, value_blocks, blocks - first_block + b - first_block + PREFETCH_BLOCKS, first, len, B,
+                   row_stride, KHI * D);
     for (int64_t h = 0; h < KHI; ++h) {
       __m512 acc[G][2 * DV2];
       for (int g = 0; g < G; ++g)
