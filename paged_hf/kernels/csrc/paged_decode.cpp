@@ -8,9 +8,10 @@
 // stored). A work item is a sequence, or a (sequence, KV head) when sequences are fewer than twice the threads
 // (decode_kernel); each KV head's row serves its H / KH query heads, so every key and value is read once. Scores, the
 // softmax and the output accumulate in float32; the output is rounded to the query's dtype once. Two passes over
-// the keys: the scores (kept in a per-thread buffer), then the values weighted by exp(score - max); each block's
-// rows are requested PREFETCH_BLOCKS blocks before they are read. Items are spread over torch's intra-op threads
-// (at::parallel_for), so torch.set_num_threads governs this kernel as every other op.
+// the keys: the scores (kept in a per-thread buffer; bfloat16 pools on a CPU with AMX: by tile products, amx_scores),
+// then the values weighted by exp(score - max); each block's rows are requested PREFETCH_BLOCKS blocks before they
+// are read. Items are spread over torch's intra-op threads (at::parallel_for), so torch.set_num_threads governs this
+// kernel as every other op.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -27,6 +28,11 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGED_HF_AMX 1
 #endif
 
 namespace {
@@ -228,6 +234,95 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
   }
 }
 
+#if defined(PAGED_HF_AMX)
+// Whether this thread may run AMX tile instructions: the process asks Linux for the tile state once
+// (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; oneDNN asks the same for its own AMX products).
+bool amx_ready() {
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ready;
+}
+
+// Tile registers of amx_scores: 0 the scores [16 rows x 16 fp32], 1 a chunk of 16 key rows [16 x 32 bf16], 2.. the
+// packed query of each 32-dim chunk of a key row.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int64_t AMX_CHUNKS = 6;  // 32-dim chunks of the rows an item reads (KHI * D <= 192): tiles 2..7
+
+// Pass 1 of decode_heads_bf16 by AMX tile products: the scores of the rows first..len-1 of the item's KHI KV heads
+// (head dim D, G query heads each, KHI * D <= 32 * AMX_CHUNKS, KHI * G <= 16), scaled by `scale` and through the
+// softcap (<= 0: none), into scores[(h * G + g) * n + t] (n = len - first, t = position - first). Sixteen rows of a
+// block at a time: their full rows of the item's heads (KHI * D contiguous values, read where they lie, the row
+// stride given to the tile load; a chunk of fewer rows is first copied into a zero-padded buffer) times a packed query
+// that is block-diagonal: column h * G + g holds query head h * G + g against KV head h's dims and zeros elsewhere. So
+// one product gives a row of KHI * G scores per token, with no horizontal sums; the products are exact and summed in
+// float32, as the vector path's, in another order.
+void amx_scores(const c10::BFloat16* const* key_blocks, const c10::BFloat16* const* value_blocks, int64_t first,
+                int64_t len, int64_t B, int64_t row_stride, int64_t KHI, int64_t D, int64_t G,
+                const c10::BFloat16* q_rows, int64_t q_row_stride, float scale, float softcap, float* scores) {
+  const int64_t width = KHI * D, chunks = width / 32, cols = KHI * G, n = len - first;
+  const int64_t first_block = first / B, blocks = (len + B - 1) / B;
+  alignas(64) uint16_t packed[AMX_CHUNKS][16][32] = {};  // chunk c: row kk holds (dim 2kk, 2kk + 1) of each column
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t h = c * 32 / D, d0 = c * 32 - h * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const auto* q = reinterpret_cast<const uint16_t*>(q_rows + (h * G + g) * q_row_stride) + d0;
+      for (int64_t kk = 0; kk < 16; ++kk) {
+        packed[c][kk][2 * (h * G + g)] = q[2 * kk];
+        packed[c][kk][2 * (h * G + g) + 1] = q[2 * kk + 1];
+      }
+    }
+  }
+  TileConfig config;
+  for (int t = 0; t < 2 + AMX_CHUNKS; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+#define PAGED_HF_LOAD_QUERY(c, tile) if (chunks > c) _tile_loadd(tile, packed[c], 64);
+  PAGED_HF_LOAD_QUERY(0, 2) PAGED_HF_LOAD_QUERY(1, 3) PAGED_HF_LOAD_QUERY(2, 4) PAGED_HF_LOAD_QUERY(3, 5)
+  PAGED_HF_LOAD_QUERY(4, 6) PAGED_HF_LOAD_QUERY(5, 7)
+#undef PAGED_HF_LOAD_QUERY
+  alignas(64) float out[16][16];
+  alignas(64) uint16_t staged[16 * 32 * AMX_CHUNKS];  // a chunk of fewer than 16 rows, zero-padded
+  for (int64_t b = first_block; b < blocks; ++b) {
+    prefetch_block(key_blocks, value_blocks, b - first_block + PREFETCH_BLOCKS, first, len, B, row_stride, width);
+    const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
+    for (int64_t p = start; p < stop; p += 16) {
+      const int64_t m = std::min<int64_t>(16, stop - p);
+      const c10::BFloat16* rows = key_blocks[b] + (p - b * B) * row_stride;
+      int64_t stride = row_stride * static_cast<int64_t>(sizeof(c10::BFloat16));
+      if (m < 16) {
+        for (int64_t t = 0; t < m; ++t) std::memcpy(staged + t * width, rows + t * row_stride, width * 2);
+        std::memset(staged + m * width, 0, (16 - m) * width * 2);
+        rows = reinterpret_cast<const c10::BFloat16*>(staged);
+        stride = width * 2;
+      }
+      _tile_zero(0);
+#define PAGED_HF_CHUNK(c, tile)                  \
+      if (chunks > c) {                          \
+        _tile_loadd(1, rows + c * 32, stride);   \
+        _tile_dpbf16ps(0, 1, tile);              \
+      }
+      PAGED_HF_CHUNK(0, 2) PAGED_HF_CHUNK(1, 3) PAGED_HF_CHUNK(2, 4) PAGED_HF_CHUNK(3, 5) PAGED_HF_CHUNK(4, 6)
+      PAGED_HF_CHUNK(5, 7)
+#undef PAGED_HF_CHUNK
+      _tile_stored(0, out, 64);
+      for (int64_t t = 0; t < m; ++t)
+        for (int64_t j = 0; j < cols; ++j) {
+          float x = out[t][j] * scale;
+          if (softcap > 0.f) x = std::tanh(x / softcap) * softcap;
+          scores[j * n + p - first + t] = x;
+        }
+    }
+  }
+  _tile_release();
+}
+#endif
+
 #if defined(__AVX512BF16__)
 inline __m512bh load_bf16x32(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
@@ -245,30 +340,40 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
   constexpr int64_t D = DV2 * 32;
   const int64_t n = len - first, first_block = first / B, blocks = (len + B - 1) / B;
   f16v part[G][LANES];  // a chunk's per-row partial sums, row t of query head g at part[g][t]
-  for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i)
-    prefetch_block(key_blocks, value_blocks, i, first, len, B, row_stride, KHI * D);
-  for (int64_t b = first_block; b < blocks; ++b) {  // pass 1: the scores
-    const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
-    prefetch_block(key_blocks, value_blocks, b - first_block + PREFETCH_BLOCKS, first, len, B, row_stride, KHI * D);
-    for (int64_t h = 0; h < KHI; ++h) {
-      __m512bh qv[G][DV2];
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < DV2; ++j) qv[g][j] = load_bf16x32(q_rows + (h * G + g) * q_row_stride + j * 32);
-      const c10::BFloat16* rows = key_blocks[b] + h * D;
-      float* sc = scores + h * G * n - first;
-      for (int64_t p = start; p < stop; p += LANES) {  // sixteen rows (fewer at a block's end) a chunk
-        const int64_t m = std::min<int64_t>(LANES, stop - p);
-        const c10::BFloat16* k = rows + (p - b * B) * row_stride;
-        for (int64_t t = 0; t < m; ++t, k += row_stride) {
-          __m512bh kv[DV2];
-          for (int j = 0; j < DV2; ++j) kv[j] = load_bf16x32(k + j * 32);
-          for (int g = 0; g < G; ++g) {
-            __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
-            for (int j = 1; j < DV2; ++j) acc = _mm512_dpbf16_ps(acc, qv[g][j], kv[j]);
-            part[g][t] = acc;
+#if defined(PAGED_HF_AMX)
+  if (KHI * D <= 32 * AMX_CHUNKS && KHI * G <= 16 && amx_ready()) {
+    for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i)
+      prefetch_block(key_blocks, value_blocks, i, first, len, B, row_stride, KHI * D);
+    amx_scores(key_blocks, value_blocks, first, len, B, row_stride, KHI, D, G, q_rows, q_row_stride, scale, softcap,
+               scores);
+  } else
+#endif
+  {
+    for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i)
+      prefetch_block(key_blocks, value_blocks, i, first, len, B, row_stride, KHI * D);
+    for (int64_t b = first_block; b < blocks; ++b) {  // pass 1: the scores
+      const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
+      prefetch_block(key_blocks, value_blocks, b - first_block + PREFETCH_BLOCKS, first, len, B, row_stride, KHI * D);
+      for (int64_t h = 0; h < KHI; ++h) {
+        __m512bh qv[G][DV2];
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < DV2; ++j) qv[g][j] = load_bf16x32(q_rows + (h * G + g) * q_row_stride + j * 32);
+        const c10::BFloat16* rows = key_blocks[b] + h * D;
+        float* sc = scores + h * G * n - first;
+        for (int64_t p = start; p < stop; p += LANES) {  // sixteen rows (fewer at a block's end) a chunk
+          const int64_t m = std::min<int64_t>(LANES, stop - p);
+          const c10::BFloat16* k = rows + (p - b * B) * row_stride;
+          for (int64_t t = 0; t < m; ++t, k += row_stride) {
+            __m512bh kv[DV2];
+            for (int j = 0; j < DV2; ++j) kv[j] = load_bf16x32(k + j * 32);
+            for (int g = 0; g < G; ++g) {
+              __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+              for (int j = 1; j < DV2; ++j) acc = _mm512_dpbf16_ps(acc, qv[g][j], kv[j]);
+              part[g][t] = acc;
+            }
           }
+          for (int g = 0; g < G; ++g) store_scores(part[g], m, scale, softcap, sc + g * n + p);
         }
-        for (int g = 0; g < G; ++g) store_scores(part[g], m, scale, softcap, sc + g * n + p);
       }
     }
   }
