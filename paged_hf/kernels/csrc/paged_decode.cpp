@@ -340,17 +340,15 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
   constexpr int64_t D = DV2 * 32;
   const int64_t n = len - first, first_block = first / B, blocks = (len + B - 1) / B;
   f16v part[G][LANES];  // a chunk's per-row partial sums, row t of query head g at part[g][t]
+  for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i)
+    prefetch_block(key_blocks, value_blocks, i, first, len, B, row_stride, KHI * D);
 #if defined(PAGED_HF_AMX)
   if (KHI * D <= 32 * AMX_CHUNKS && KHI * G <= 16 && amx_ready()) {
-    for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i)
-      prefetch_block(key_blocks, value_blocks, i, first, len, B, row_stride, KHI * D);
     amx_scores(key_blocks, value_blocks, first, len, B, row_stride, KHI, D, G, q_rows, q_row_stride, scale, softcap,
                scores);
   } else
 #endif
   {
-    for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i)
-      prefetch_block(key_blocks, value_blocks, i, first, len, B, row_stride, KHI * D);
     for (int64_t b = first_block; b < blocks; ++b) {  // pass 1: the scores
       const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
       prefetch_block(key_blocks, value_blocks, b - first_block + PREFETCH_BLOCKS, first, len, B, row_stride, KHI * D);

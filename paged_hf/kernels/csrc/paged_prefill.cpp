@@ -143,6 +143,15 @@ void pack_tile(const T* key_cache, const T* value_cache, const Chunk& c, int64_t
 // (1: none). seen <= 0: p zeroed, nothing else changes.
 constexpr float LAZY_PEAK = 8.0f;
 
+// The factor a row's sum and output are scaled by when a tile whose largest scaled score is tile_peak arrives: 1
+// unless it outscores the row's reference `peak` by more than LAZY_PEAK, which then moves to it.
+inline float move_peak(float tile_peak, float& peak) {
+  if (tile_peak <= peak + LAZY_PEAK) return 1.0f;
+  const float rescale = std::isinf(peak) ? 1.0f : std::exp2(peak - tile_peak);  // -inf: nothing accumulated yet
+  peak = tile_peak;
+  return rescale;
+}
+
 inline void store_row16(float* p, f16v v) { std::memcpy(p, &v, sizeof(v)); }
 inline void store_row16(BF16* p, f16v v) { paged_hf_vec::store16(p, v); }
 
@@ -186,11 +195,7 @@ inline float softmax_row(const float* s, P* p, int64_t seen, int64_t cols, float
     high = _mm512_mask_max_ps(high, in, high, _mm512_maskz_loadu_ps(in, s + j));
   }
   const float tile_peak = _mm512_reduce_max_ps(high) * c_scale;
-  float rescale = 1.0f;
-  if (tile_peak > peak + LAZY_PEAK) {
-    rescale = std::isinf(peak) ? 1.0f : std::exp2(peak - tile_peak);  // -inf: nothing accumulated yet
-    peak = tile_peak;
-  }
+  const float rescale = move_peak(tile_peak, peak);
   const __m512 scale_v = _mm512_set1_ps(c_scale), peak_v = _mm512_set1_ps(peak);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < cols; j += 16) {
@@ -218,11 +223,7 @@ inline float softmax_row(float* s, P* p, int64_t seen, int64_t cols, float c_sca
     high = v > high ? v : high;
   }
   const float tile_peak = paged_hf_vec::max_of(high) * c_scale;
-  float rescale = 1.0f;
-  if (tile_peak > peak + LAZY_PEAK) {
-    rescale = std::isinf(peak) ? 1.0f : std::exp2(peak - tile_peak);  // -inf: nothing accumulated yet
-    peak = tile_peak;
-  }
+  const float rescale = move_peak(tile_peak, peak);
   f16v sum = paged_hf_vec::splat(0.0f);
   for (int64_t j = 0; j < cols; j += 16) {
     const f16v y = paged_hf_vec::load16(s + j) * c_scale - peak;
