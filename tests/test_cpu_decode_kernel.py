@@ -6,7 +6,9 @@ path's."""
 
 from __future__ import annotations
 
+import platform
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -70,6 +72,19 @@ def test_kernel_matches_the_oracle(kernel, case):
     tol = 2e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's own rounding (one ulp at |x| < 2)
     assert got.dtype == dtype and got.shape == query.shape
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None,
+                    reason="reads the x86-64 library's code with objdump")
+def test_the_block_prefetch_reaches_the_binary(kernel):
+    """The decode requests each block's rows before it reads them (``prefetch_block``): the outputs are the same
+    without, only slower (25% of the kernel's rate at 30 layers of bf16 K/V), so only the code can show it. GCC 12
+    took a function whose only effect is ``__builtin_prefetch`` calls for pure and deleted every call; no
+    ``prefetcht0`` was left in the library."""
+    library = next(path for path in torch.ops.loaded_libraries if path.endswith("paged_hf_cpu.so"))
+    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", library], capture_output=True, text=True,
+                          check=True).stdout
+    assert "prefetcht0" in code
 
 
 def test_kernel_refuses_what_it_cannot_read(kernel):

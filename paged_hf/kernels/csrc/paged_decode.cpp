@@ -126,7 +126,7 @@ inline void prefetch_block(const T* const* key_blocks, const T* const* value_blo
   const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
   const char* row = reinterpret_cast<const char*>(base + (start - b * B) * row_stride);
   for (int64_t r = start; r < stop; ++r, row += row_stride * sizeof(T))
-    for (int64_t off = 0; off < width * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(row + off, 0, 3);
+    for (int64_t off = 0; off < width * static_cast<int64_t>(sizeof(T)); off += 64) prefetch_line(row + off);
 }
 
 // Sixteen vectors of partial sums -> one vector of their totals (lane t: the sum of v[t]'s lanes), in 45 operations
