@@ -129,6 +129,22 @@ inline void prefetch_block(const T* const* key_blocks, const T* const* value_blo
     for (int64_t off = 0; off < width * static_cast<int64_t>(sizeof(T)); off += 64) prefetch_line(row + off);
 }
 
+// One pass of an item over its blocks: visit(b, start, stop) for each block b holding positions first..len-1 (its
+// rows start..stop-1), of the keys (values = false: the run's first PREFETCH_BLOCKS blocks requested before) or of
+// the values, each block requested PREFETCH_BLOCKS blocks before it is read.
+template <typename T, typename F>
+inline void for_each_block(bool values, const T* const* key_blocks, const T* const* value_blocks, int64_t first,
+                           int64_t len, int64_t B, int64_t row_stride, int64_t width, F&& visit) {
+  const int64_t first_block = first / B, blocks = (len + B - 1) / B, run_start = values ? blocks - first_block : 0;
+  for (int64_t i = 0; !values && i < PREFETCH_BLOCKS; ++i)
+    prefetch_block(key_blocks, value_blocks, i, first, len, B, row_stride, width);
+  for (int64_t b = first_block; b < blocks; ++b) {
+    prefetch_block(key_blocks, value_blocks, run_start + b - first_block + PREFETCH_BLOCKS, first, len, B, row_stride,
+                   width);
+    visit(b, std::max(first, b * B), std::min(len, (b + 1) * B));
+  }
+}
+
 // Sixteen vectors of partial sums -> one vector of their totals (lane t: the sum of v[t]'s lanes), in 45 operations
 // where sixteen separate reductions take ~130: pairs interleaved within 128-bit lanes, then 64-bit halves, then the
 // four 128-bit lanes twice.
@@ -174,13 +190,10 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
                   float /*scale*/, float softcap,
                   float* scores, float* total, float* out) {
   constexpr int64_t D = DV * LANES;
-  const int64_t n = len - first, first_block = first / B, blocks = (len + B - 1) / B;
+  const int64_t n = len - first;
   f16v part[G][LANES];  // a chunk's per-row partial sums, row t of query head g at part[g][t]
-  for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i)
-    prefetch_block(key_blocks, value_blocks, i, first, len, B, row_stride, KHI * D);
-  for (int64_t b = first_block; b < blocks; ++b) {  // pass 1: the scores
-    const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
-    prefetch_block(key_blocks, value_blocks, b - first_block + PREFETCH_BLOCKS, first, len, B, row_stride, KHI * D);
+  for_each_block(false, key_blocks, value_blocks, first, len, B, row_stride, KHI * D,
+                 [&](int64_t b, int64_t start, int64_t stop) {  // pass 1: the scores
     for (int64_t h = 0; h < KHI; ++h) {
       f16v qv[G][DV];
       for (int g = 0; g < G; ++g)
@@ -202,13 +215,11 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
         for (int g = 0; g < G; ++g) store_scores(part[g], m, 1.f, softcap, sc + g * n + p);
       }
     }
-  }
+  });
   for (int64_t i = 0; i < KHI * G; ++i) total[i] = softmax_in_place(scores + i * n, n, total[i]);
   std::memset(out, 0, sizeof(float) * KHI * G * D);
-  for (int64_t b = first_block; b < blocks; ++b) {  // pass 2: the weighted values
-    const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
-    prefetch_block(key_blocks, value_blocks, blocks - first_block + b - first_block + PREFETCH_BLOCKS, first, len, B,
-                   row_stride, KHI * D);
+  for_each_block(true, key_blocks, value_blocks, first, len, B, row_stride, KHI * D,
+                 [&](int64_t b, int64_t start, int64_t stop) {  // pass 2: the weighted values
     for (int64_t h = 0; h < KHI; ++h) {
       f16v acc[G][DV];
       for (int g = 0; g < G; ++g)
@@ -227,7 +238,7 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < DV; ++j) std::memcpy(out + (h * G + g) * D + j * LANES, &acc[g][j], sizeof(f16v));
     }
-  }
+  });
   for (int64_t i = 0; i < KHI * G; ++i) {
     const float inv = 1.f / total[i];
     for (int64_t d = 0; d < D; ++d) out[i * D + d] *= inv;
@@ -264,7 +275,6 @@ void amx_scores(const c10::BFloat16* const* key_blocks, const c10::BFloat16* con
                 int64_t len, int64_t B, int64_t row_stride, int64_t KHI, int64_t D, int64_t G,
                 const c10::BFloat16* q_rows, int64_t q_row_stride, float scale, float softcap, float* scores) {
   const int64_t width = KHI * D, chunks = width / 32, cols = KHI * G, n = len - first;
-  const int64_t first_block = first / B, blocks = (len + B - 1) / B;
   alignas(64) uint16_t packed[AMX_CHUNKS][16][32] = {};  // chunk c: row kk holds (dim 2kk, 2kk + 1) of each column
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t h = c * 32 / D, d0 = c * 32 - h * D;
@@ -288,9 +298,8 @@ void amx_scores(const c10::BFloat16* const* key_blocks, const c10::BFloat16* con
 #undef PAGED_HF_LOAD_QUERY
   alignas(64) float out[16][16];
   alignas(64) uint16_t staged[16 * 32 * AMX_CHUNKS];  // a chunk of fewer than 16 rows, zero-padded
-  for (int64_t b = first_block; b < blocks; ++b) {
-    prefetch_block(key_blocks, value_blocks, b - first_block + PREFETCH_BLOCKS, first, len, B, row_stride, width);
-    const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
+  for_each_block(false, key_blocks, value_blocks, first, len, B, row_stride, width,
+                 [&](int64_t b, int64_t start, int64_t stop) {
     for (int64_t p = start; p < stop; p += 16) {
       const int64_t m = std::min<int64_t>(16, stop - p);
       const c10::BFloat16* rows = key_blocks[b] + (p - b * B) * row_stride;
@@ -318,7 +327,7 @@ void amx_scores(const c10::BFloat16* const* key_blocks, const c10::BFloat16* con
           scores[j * n + p - first + t] = x;
         }
     }
-  }
+  });
   _tile_release();
 }
 #endif
@@ -338,10 +347,8 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
                        const c10::BFloat16* q_rows, int64_t q_row_stride, float scale, float softcap, float* scores,
                        float* total, float* out) {
   constexpr int64_t D = DV2 * 32;
-  const int64_t n = len - first, first_block = first / B, blocks = (len + B - 1) / B;
+  const int64_t n = len - first;
   f16v part[G][LANES];  // a chunk's per-row partial sums, row t of query head g at part[g][t]
-  for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i)
-    prefetch_block(key_blocks, value_blocks, i, first, len, B, row_stride, KHI * D);
 #if defined(PAGED_HF_AMX)
   if (KHI * D <= 32 * AMX_CHUNKS && KHI * G <= 16 && amx_ready()) {
     amx_scores(key_blocks, value_blocks, first, len, B, row_stride, KHI, D, G, q_rows, q_row_stride, scale, softcap,
@@ -349,9 +356,8 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
   } else
 #endif
   {
-    for (int64_t b = first_block; b < blocks; ++b) {  // pass 1: the scores
-      const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
-      prefetch_block(key_blocks, value_blocks, b - first_block + PREFETCH_BLOCKS, first, len, B, row_stride, KHI * D);
+    for_each_block(false, key_blocks, value_blocks, first, len, B, row_stride, KHI * D,
+                   [&](int64_t b, int64_t start, int64_t stop) {  // pass 1: the scores
       for (int64_t h = 0; h < KHI; ++h) {
         __m512bh qv[G][DV2];
         for (int g = 0; g < G; ++g)
@@ -373,15 +379,13 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
           for (int g = 0; g < G; ++g) store_scores(part[g], m, scale, softcap, sc + g * n + p);
         }
       }
-    }
+    });
   }
   for (int64_t i = 0; i < KHI * G; ++i) total[i] = softmax_in_place(scores + i * n, n, total[i]);
   std::memset(out, 0, sizeof(float) * KHI * G * D);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  for (int64_t b = first_block; b < blocks; ++b) {  // pass 2: the weighted values
-    const int64_t start = std::max(first, b * B), stop = std::min(len, (b + 1) * B);
-    prefetch_block(key_blocks, value_blocks, blocks - first_block + b - first_block + PREFETCH_BLOCKS, first, len, B,
-                   row_stride, KHI * D);
+  for_each_block(true, key_blocks, value_blocks, first, len, B, row_stride, KHI * D,
+                 [&](int64_t b, int64_t start, int64_t stop) {  // pass 2: the weighted values
     for (int64_t h = 0; h < KHI; ++h) {
       __m512 acc[G][2 * DV2];
       for (int g = 0; g < G; ++g)
@@ -407,7 +411,7 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < 2 * DV2; ++j) _mm512_storeu_ps(out + (h * G + g) * D + j * 16, acc[g][j]);
     }
-  }
+  });
   for (int64_t i = 0; i < KHI * G; ++i) {  // normalized, each slice's even and odd elements interleaved again
     const float inv = 1.f / total[i];
     float* row = out + i * D;

@@ -101,7 +101,7 @@ inline void prefetch_line(const void* p) {
 #if defined(__x86_64__) || defined(__i386__)
   asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
 #else
-  asm volatile("" : : "r"(p) : "memory");  // keeps the caller's loop; the builtin's request below
+  asm volatile("" : : "r"(p));  // an effect of its own, so the call stays; the builtin makes the request
   __builtin_prefetch(p, 0, 3);
 #endif
 }
