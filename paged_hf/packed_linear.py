@@ -12,9 +12,10 @@ switches the module to ``PackedLinear``, whose forward is the custom op
 ``torch.ops.mkldnn._linear_pointwise``: opaque to dynamo, so the compiled forward and the eager one run the same
 kernel.
 
-- bfloat16 where oneDNN has bfloat16 dot products: the output equals ``F.linear``'s bit for bit at one thread
-  (tested) and at the decode sizes; with two threads and 512 rows oneDNN splits the two layouts' work differently
-  and a few outputs differ by one bfloat16 ulp (``benchmarks/gemm.py`` prints the difference).
+- bfloat16 where oneDNN has bfloat16 dot products: the output usually equals ``F.linear``'s bit for bit; with two
+  threads and 512 rows oneDNN splits the two layouts' work differently, and the AMX tile products below (32 rows or
+  fewer) sum in another order, so a few outputs differ by one bfloat16 ulp (``benchmarks/gemm.py`` prints the
+  difference).
 - bfloat16 on a CPU without them (AVX2: oneDNN's and torch's bfloat16 products run 4-5x slower than float32 there):
   the copy is float32, the input is widened, the product runs in float32 and is rounded to bfloat16 once, which is
   what a bfloat16 product with float32 sums does, in another summation order (``widens``).
@@ -28,9 +29,16 @@ kernel.
   ``benchmarks/RESULTS.md``): there a product of fewer than ``MKL_ROWS`` rows stays ``F.linear`` (``dense_rows``),
   a single sequence's decoding included, unless told ``PAGED_HF_PACKED_LINEAR=all``.
 
+A decode step's products are reads of their weights (tens of rows), which oneDNN's kernels stream at 14-17 GB/s on
+a 2-core Xeon with AMX. There the C++ library keeps a second copy of each bfloat16 weight in AMX tile order
+(``csrc/amx_linear.cpp``) and multiplies products of at most 32 rows by tile products over it, each thread streaming
+its share of the weight once (18-22 GB/s; SmolLM2's bfloat16 decode +17% end to end): float32 sums of exact
+products, rounded to bfloat16 once, within the bound above of ``F.linear`` (oneDNN's bits on most outputs, one
+bfloat16 ulp away on a few).
+
 bfloat16 engine logits are bounded, not exact (``test_cpu_bf16.py``). The packed copy is kept beside the model's
 own weight (a stock model's parameters stay the user's: ``state_dict``, tied embeddings, ``.to()``): at most one
-more copy of the linear weights, twice their size when widened (SmolLM2-135M, measured on AMX: +82 MiB of RSS for
+more copy of the linear weights (two with the AMX tile copy), twice their size when widened (SmolLM2-135M, measured on AMX: +82 MiB of RSS for
 256 MiB of bfloat16 linear weights; where oneDNN's layout is the plain one the copy is not made). The op checks
 that the weight is still the one packed (same storage, same version counter, its dtype on the CPU): a weight loaded
 or changed in place is packed again at its next call, any other dtype or device runs ``F.linear``: a packed copy is
@@ -226,6 +234,9 @@ def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> 
     linears = [m for m in model.modules()
                if type(m) is torch.nn.Linear and _packable(m.weight) and packs_dtype(m.weight.dtype)]
     needed = sum(m.weight.numel() * (4 if widens(m.weight.dtype) else m.weight.element_size()) for m in linears)
+    cpp = bool(linears) and cpu_ext.loaded()
+    if cpp and torch.ops.paged_hf_cpu.linear_tile_copies():  # and a tile copy of each bfloat16 weight
+        needed += sum(m.weight.numel() * m.weight.element_size() for m in linears if m.weight.dtype == torch.bfloat16)
     dtypes = "/".join(sorted({str(m.weight.dtype).removeprefix("torch.") for m in linears}))
     # the copy must not crowd out the KV pool the engine sizes next
     if linears and available_bytes is not None and needed > available_bytes // 2:
@@ -233,7 +244,6 @@ def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> 
                        "available memory (%.0f MiB); they run through F.linear", len(linears), dtypes,
                        needed / 2**20, available_bytes / 2**20)
         return 0
-    cpp = bool(linears) and cpu_ext.loaded()
     for module in linears:
         key, widen, dense = next(_keys), bool(widens(module.weight.dtype)), dense_rows(module.weight.dtype)
         if cpp:

@@ -87,6 +87,36 @@ def test_the_block_prefetch_reaches_the_binary(kernel):
     assert "prefetcht0" in code
 
 
+# The first AMX products of a fresh process, before oneDNN ran any (oneDNN's loads its own tile configuration, which
+# hid a kernel's own configuration going wrong: in the engine its linears always run first).
+FRESH_PROCESS = """
+import sys, torch
+from paged_hf.kernels import cpu_ext
+assert cpu_ext.loaded()
+torch.manual_seed(0)
+torch.set_num_threads(2)
+keys, values = (torch.randn(16, 16, 3, 64).bfloat16() for _ in range(2))
+for seqs in (1, 8):
+    query = torch.randn(seqs, 9, 64).bfloat16()
+    tables = torch.arange(seqs * 2, dtype=torch.int32).view(seqs, 2)
+    out = torch.ops.paged_hf_cpu.paged_decode(query, keys, values, tables, torch.full((seqs,), 30), 0.125, 0, 0.0,
+                                              None)
+    assert torch.isfinite(out.float()).all()
+print("ok")
+"""
+
+
+def test_bfloat16_decode_runs_in_a_process_where_nothing_else_used_amx(kernel):
+    """The bfloat16 decode's AMX scores configure the tiles themselves. GCC 12 does not see ``_tile_loadconfig``
+    read its operand: inlined, the stores of the tiles' rows and widths before it were dropped, and the first
+    decode of a process that had run no oneDNN product died of an illegal instruction (``amx.h`` loads the
+    configuration by an asm statement)."""
+    import sys  # noqa: PLC0415
+
+    result = subprocess.run([sys.executable, "-c", FRESH_PROCESS], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
 def test_kernel_refuses_what_it_cannot_read(kernel):
     pools = random_pools("auto", 4, 4, 2, 16)
     query = torch.randn(1, 4, 16)

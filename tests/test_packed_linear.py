@@ -77,6 +77,28 @@ def test_float32_products_at_engine_sizes_keep_the_bound():
         assert_like_f_linear(module(x), x, module.weight, None)
 
 
+def test_bfloat16_products_of_few_rows_keep_the_bound():
+    """Around the AMX tile path's row limit (at most 32 rows, in blocks of 16) and at widths that are not whole tiles
+    (features past a multiple of 16, inputs past a multiple of 32), with and without a bias; the tile copy is made
+    on a CPU with AMX (``linear_tile_copies``), oneDNN's product serves elsewhere, in the same bound."""
+    for n_in, n_out, bias in ((576, 960, False), (600, 1000, True), (40, 24, True)):
+        module = linear(n_in, n_out, bias)
+        pack_linears(module)
+        for rows in (1, 15, 16, 17, 31, 32, 33):
+            x = torch.randn(rows, n_in).to(torch.bfloat16)
+            assert_like_f_linear(module(x), x, module.weight, module.bias)
+
+
+def test_the_tile_copy_is_made_where_the_cpu_has_amx():
+    from paged_hf.kernels import cpu_ext  # noqa: PLC0415
+
+    if not cpu_ext.loaded():
+        pytest.skip("no C++ kernels here")
+    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+        amx = any(line.startswith("flags") and "amx_bf16" in line.split() for line in info)
+    assert torch.ops.paged_hf_cpu.linear_tile_copies() is (amx and NATIVE_BF16)
+
+
 def test_widening_is_chosen_where_onednn_has_no_bfloat16():
     assert packed_linear.widens(torch.bfloat16) is (not NATIVE_BF16)
     assert packed_linear.widens(torch.float32) is False and packed_linear.widens(torch.float16) is None
@@ -202,7 +224,10 @@ def test_the_cpu_vendor_is_read_from_proc_cpuinfo():
 
 def test_a_copy_over_half_the_available_memory_is_not_made(caplog):
     model = torch.nn.Sequential(linear(64, 64, True), linear(64, 32, False))  # 12 KiB of bfloat16 weights
-    copy_kib = 12 if NATIVE_BF16 else 24  # widened: a float32 copy
+    from paged_hf.kernels import cpu_ext  # noqa: PLC0415
+
+    tiles = cpu_ext.loaded() and torch.ops.paged_hf_cpu.linear_tile_copies()  # and a copy in AMX tile order
+    copy_kib = (24 if tiles else 12) if NATIVE_BF16 else 24  # widened: a float32 copy
     with caplog.at_level("WARNING", logger="paged_hf"):
         assert pack_linears(model, available_bytes=(2 * copy_kib - 1) * 1024) == 0
     assert "not packing 2 bfloat16 linear weights" in caplog.text

@@ -6,13 +6,14 @@ gathered copy), in the pools' dtype (float32 or bfloat16), accumulating in float
 chunk, no mask): a flash attention of its own over oneDNN's brgemm where the CPU has its products (bfloat16: AMX, or
 float32 products on AVX-512; float32: AVX-512; the K/V tiles packed once per call and shared by each GQA group), else
 torch's causal flash kernel; ``store``/``attend`` (``csrc/paged_step.cpp``) are the compiled forward's KV store and
-attention over such pools (``paged_hf.ops``); ``packed_linear`` (``csrc/packed_linear.cpp``) is the bfloat16
-oneDNN linear of ``paged_hf.packed_linear``; ``pin_threads`` (``csrc/pin_threads.cpp``) binds each of torch's
+attention over such pools (``paged_hf.ops``); ``packed_linear`` (``csrc/packed_linear.cpp``) is the
+oneDNN linear of ``paged_hf.packed_linear``, whose bfloat16 products of a few rows run ``csrc/amx_linear.cpp``'s AMX
+tiles where the CPU has them; ``pin_threads`` (``csrc/pin_threads.cpp``) binds each of torch's
 intra-op threads to its own CPU; ``greedy`` (``csrc/greedy.cpp``) is the sampler's argmax over a step's logits.
 The library is compiled once per machine with the system's C++ compiler (``$CXX`` or ``c++``) against the installed
 torch (``FLAGS``: ``-march=native``, and ``-fopenmp`` so ``at::parallel_for`` runs on torch's own OpenMP threads:
 the soname resolves to torch's runtime), into ``$PAGED_HF_CACHE`` (default
-``~/.cache/paged_hf``)``/cpu_kernels/<hash>/``; the hash covers the sources (and ``csrc/vec16.h``, which they
+``~/.cache/paged_hf``)``/cpu_kernels/<hash>/``; the hash covers the sources (and ``HEADERS``, which they
 include), torch's version, the compiler and the CPU's flags, so a changed kernel, torch or machine builds anew.
 Concurrent processes (test workers, tensor-parallel ranks) build under one file lock, and the library appears under
 its final name only once complete.
@@ -44,8 +45,9 @@ logger = logging.getLogger("paged_hf")
 ENV_VAR = "PAGED_HF_CPU_KERNELS"
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_decode.cpp", "paged_prefill.cpp", "paged_step.cpp", "packed_linear.cpp",
-                             "pin_threads.cpp", "greedy.cpp"))
-HEADERS = (Path(__file__).with_name("csrc") / "vec16.h",)  # included by the sources: part of the build's hash
+                             "amx_linear.cpp", "pin_threads.cpp", "greedy.cpp"))
+HEADERS = tuple(Path(__file__).with_name("csrc") / name  # included by the sources: part of the build's hash
+                for name in ("vec16.h", "amx.h", "amx_linear.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w")
 
 _lock = threading.Lock()

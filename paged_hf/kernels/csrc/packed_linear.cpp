@@ -7,6 +7,7 @@
 //     once, as oneDNN's bfloat16 product rounds its float32 sums; a product of fewer than `dense_below` rows runs
 //     F.linear on the dense weight (float32 on an Intel CPU: MKL's sgemm has a faster path for 1-3 rows)
 // paged_hf_cpu::unpack_linear(int key) -> ()                                 drops it (its module was collected)
+// paged_hf_cpu::linear_tile_copies() -> bool     whether pack_linear also keeps an AMX tile copy of a bfloat16 weight
 // paged_hf_cpu::packed_linear(Tensor x [..., in], Tensor weight [out, in], Tensor? bias, Tensor key) -> [..., out]
 //     `key` a 0-d int64 tensor (a module buffer: an int attribute would be a constant of the compiled graph, and
 //     every new model's keys would compile it again)
@@ -22,10 +23,14 @@
 // data pointer and version counter), packs it again when the weight was changed in place or replaced by another
 // CPU tensor of its dtype, and runs F.linear itself when no copy is kept under `key`, x's dtype differs, or the
 // weight is no longer a bfloat16 or float32 CPU tensor. The packed copy is in oneDNN's blocked layout
-// (mkldnn::_reorder_linear_weight), multiplied by mkldnn::_linear_pointwise (AMX where the CPU has it).
+// (mkldnn::_reorder_linear_weight), multiplied by mkldnn::_linear_pointwise (AMX where the CPU has it). A bfloat16
+// weight oneDNN multiplies natively gets a second copy in AMX tile order where the CPU has AMX (amx_linear.h):
+// products of at most AMX_LINEAR_ROWS rows (a decode step's) run over it, streaming the weight faster.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include "amx_linear.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -39,6 +44,7 @@ namespace {
 
 struct Packed {
   at::Tensor weight;  // oneDNN's layout
+  at::Tensor tiles;   // amx_linear's layout (a bfloat16 weight on a CPU with AMX), for products of few rows
   const void* data = nullptr;  // the dense weight it was made from, and that weight's version counter then
   uint32_t version = 0;
   int64_t batch_hint = 32;
@@ -58,6 +64,16 @@ at::Tensor reorder(const at::Tensor& weight, int64_t batch_hint, bool widen) {
                        .typed<at::Tensor(const at::Tensor&, std::optional<int64_t>)>();
   return op.call(widen ? weight.to(at::kFloat) : weight, batch_hint);
 }
+
+// amx_linear's copy of a weight oneDNN multiplies in bfloat16 (not widened) where the CPU has AMX; else undefined.
+at::Tensor tile_copy(const at::Tensor& weight, bool widen) {
+  if (widen || weight.scalar_type() != at::kBFloat16 || !paged_hf_linear::amx_linear_available()) return at::Tensor();
+  return paged_hf_linear::amx_pack_weight(weight);
+}
+
+// x [rows, in] times a weight of `out` features: amx_linear for few rows where its copy exists, else oneDNN's.
+at::Tensor product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles,
+                   const std::optional<at::Tensor>& bias, bool widen, int64_t out);
 
 at::Tensor linear_pointwise_raw(const at::Tensor& x, const at::Tensor& packed,
                                 const std::optional<at::Tensor>& bias) {
@@ -98,8 +114,8 @@ void pack_linear(const at::Tensor& weight, int64_t key, int64_t batch_hint, bool
   TORCH_CHECK(!widen || weight.scalar_type() == at::kBFloat16, "pack_linear: widen is for a bfloat16 weight, not ",
               weight.scalar_type());
   TORCH_CHECK(dense_below >= 0, "pack_linear: dense_below is a row count, not ", dense_below);
-  Packed entry{reorder(weight, batch_hint, widen), weight.const_data_ptr(), weight._version(), batch_hint, widen,
-               dense_below};
+  Packed entry{reorder(weight, batch_hint, widen), tile_copy(weight, widen), weight.const_data_ptr(),
+               weight._version(), batch_hint, widen, dense_below};
   std::lock_guard<std::mutex> lock(packs_mutex);
   packs()[key] = std::move(entry);
 }
@@ -125,7 +141,7 @@ int64_t key_of(const at::Tensor& key) {
 
 at::Tensor packed_linear_by_key(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                 int64_t key) {
-  at::Tensor packed;
+  at::Tensor packed, tiles;
   bool widen = false;
   {
     std::lock_guard<std::mutex> lock(packs_mutex);
@@ -136,24 +152,26 @@ at::Tensor packed_linear_by_key(const at::Tensor& x, const at::Tensor& weight, c
       if (entry.data != weight.const_data_ptr() || entry.version != weight._version()) {
         // packed again as its dtype is packed here; another dtype or device: the plain product until packed again
         const bool wide = weight.scalar_type() == at::kBFloat16 && bf16_widens();
-        if (packable(weight)) entry = Packed{reorder(weight, entry.batch_hint, wide), weight.const_data_ptr(),
-                                             weight._version(), entry.batch_hint, wide, entry.dense_below};
-        else entry.weight = at::Tensor();
+        if (packable(weight)) entry = Packed{reorder(weight, entry.batch_hint, wide), tile_copy(weight, wide),
+                                             weight.const_data_ptr(), weight._version(), entry.batch_hint, wide,
+                                             entry.dense_below};
+        else entry.weight = entry.tiles = at::Tensor();
       }
       packed = entry.weight;
+      tiles = entry.tiles;
       widen = entry.widen;
     }
   }
   if (!packed.defined()) return at::linear(x, weight, bias);
   const int64_t in = x.size(-1);
-  auto out = linear_pointwise(x.reshape({-1, in}), packed, bias, widen);
+  auto out = product(x.reshape({-1, in}), packed, tiles, bias, widen, weight.size(0));
   auto shape = x.sizes().vec();
   shape.back() = weight.size(0);
   return out.view(shape);
 }
 
 struct Group {
-  at::Tensor weight, bias;  // packed concatenation; bias concatenated (or undefined)
+  at::Tensor weight, tiles, bias;  // packed concatenation (oneDNN's, amx_linear's); bias concatenated (or undefined)
   bool widen = false;
   std::vector<const void*> data;
   std::vector<uint32_t> versions;
@@ -209,7 +227,7 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
     for (size_t i = 0; i < weights.size(); ++i) parts.push_back(packed_linear_by_key(x, weights[i], biases.get(i), keys[i]));
     return at::cat(parts, -1);
   }
-  at::Tensor packed, bias;
+  at::Tensor packed, tiles, bias;
   bool widen = false;
   {
     std::lock_guard<std::mutex> lock(packs_mutex);
@@ -219,8 +237,9 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
       const auto first = packs().find(keys[0]);  // dropped meanwhile (its module collected): the default hint
       const int64_t batch_hint = first != packs().end() ? first->second.batch_hint : 32;
       group.widen = x.scalar_type() == at::kBFloat16 && bf16_widens();
-      std::vector<at::Tensor> dense(weights.begin(), weights.end());
-      group.weight = reorder(at::cat(dense, 0), batch_hint, group.widen);
+      const at::Tensor dense = at::cat(std::vector<at::Tensor>(weights.begin(), weights.end()), 0);
+      group.weight = reorder(dense, batch_hint, group.widen);
+      group.tiles = tile_copy(dense, group.widen);
       std::vector<at::Tensor> bias_parts;
       for (size_t i = 0; all_bias && i < weights.size(); ++i) bias_parts.push_back(*biases.get(i));
       group.bias = all_bias ? at::cat(bias_parts, 0) : at::Tensor();
@@ -233,22 +252,32 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
       for (int64_t key : keys) {  // the members' own copies are not needed while the group serves
         auto found = packs().find(key);
         if (found != packs().end())
-          found->second = Packed{at::Tensor(), nullptr, 0, found->second.batch_hint, found->second.widen,
-                                 found->second.dense_below};
+          found->second = Packed{at::Tensor(), at::Tensor(), nullptr, 0, found->second.batch_hint,
+                                 found->second.widen, found->second.dense_below};
       }
     }
     packed = group.weight;
+    tiles = group.tiles;
     bias = group.bias;
     widen = group.widen;
   }
   int64_t total = 0;
   for (const auto& w : weights) total += w.size(0);
-  auto out = linear_pointwise(x.reshape({-1, x.size(-1)}), packed,
-                              bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, widen);
+  auto out = product(x.reshape({-1, x.size(-1)}), packed, tiles,
+                     bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, widen, total);
   auto shape = x.sizes().vec();
   shape.back() = total;
   return out.view(shape);
 }
+
+at::Tensor product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles,
+                   const std::optional<at::Tensor>& bias, bool widen, int64_t out) {
+  if (tiles.defined() && x.size(0) <= paged_hf_linear::AMX_LINEAR_ROWS && x.stride(-1) == 1)
+    return paged_hf_linear::amx_linear(x, tiles, bias, out);
+  return linear_pointwise(x, packed, bias, widen);
+}
+
+bool linear_tile_copies() { return !bf16_widens() && paged_hf_linear::amx_linear_available(); }
 
 void forget_groups(int64_t key) {  // a member's module was collected: drop every group it is in
   std::lock_guard<std::mutex> lock(packs_mutex);
@@ -263,6 +292,8 @@ void forget_groups(int64_t key) {  // a member's module was collected: drop ever
 TORCH_LIBRARY_FRAGMENT(paged_hf_cpu, m) {
   m.def("pack_linear(Tensor weight, int key, int batch_hint, bool widen, int dense_below=0) -> ()");
   m.def("unpack_linear(int key) -> ()");
+  m.def("linear_tile_copies() -> bool");
+  m.impl("linear_tile_copies", TORCH_FN(linear_tile_copies));
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, Tensor key) -> Tensor");
   m.def("packed_linear_group(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor[] keys) -> Tensor");
   m.impl("packed_linear_group", c10::DispatchKey::CPU, TORCH_FN(packed_linear_group));

@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "vec16.h"
 
 #include <algorithm>
@@ -28,11 +29,6 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
-#endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define PAGED_HF_AMX 1
 #endif
 
 namespace {
@@ -246,21 +242,8 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
 }
 
 #if defined(PAGED_HF_AMX)
-// Whether this thread may run AMX tile instructions: the process asks Linux for the tile state once
-// (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; oneDNN asks the same for its own AMX products).
-bool amx_ready() {
-  static const bool ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ready;
-}
-
 // Tile registers of amx_scores: 0 the scores [16 rows x 16 fp32], 1 a chunk of 16 key rows [16 x 32 bf16], 2.. the
 // packed query of each 32-dim chunk of a key row.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 constexpr int64_t AMX_CHUNKS = 6;  // 32-dim chunks of the rows an item reads (KHI * D <= 192): tiles 2..7
 
 // Pass 1 of decode_heads_bf16 by AMX tile products: the scores of the rows first..len-1 of the item's KHI KV heads
@@ -286,12 +269,7 @@ void amx_scores(const c10::BFloat16* const* key_blocks, const c10::BFloat16* con
       }
     }
   }
-  TileConfig config;
-  for (int t = 0; t < 2 + AMX_CHUNKS; ++t) {
-    config.rows[t] = 16;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
+  paged_hf_amx::configure_full_tiles(2 + AMX_CHUNKS);
 #define PAGED_HF_LOAD_QUERY(c, tile) if (chunks > c) _tile_loadd(tile, packed[c], 64);
   PAGED_HF_LOAD_QUERY(0, 2) PAGED_HF_LOAD_QUERY(1, 3) PAGED_HF_LOAD_QUERY(2, 4) PAGED_HF_LOAD_QUERY(3, 5)
   PAGED_HF_LOAD_QUERY(4, 6) PAGED_HF_LOAD_QUERY(5, 7)
@@ -350,7 +328,7 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
   const int64_t n = len - first;
   f16v part[G][LANES];  // a chunk's per-row partial sums, row t of query head g at part[g][t]
 #if defined(PAGED_HF_AMX)
-  if (KHI * D <= 32 * AMX_CHUNKS && KHI * G <= 16 && amx_ready()) {
+  if (KHI * D <= 32 * AMX_CHUNKS && KHI * G <= 16 && paged_hf_amx::ready()) {
     amx_scores(key_blocks, value_blocks, first, len, B, row_stride, KHI, D, G, q_rows, q_row_stride, scale, softcap,
                scores);
   } else
