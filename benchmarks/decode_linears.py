@@ -6,8 +6,8 @@ fused q/k/v (``960x576``), o (``576x576``), fused gate/up (``3072x576``) and dow
 ``49152x576`` head (270 MB in bfloat16, each layer's weights its own, so that they stream from memory as a model's do,
 not from a warm cache as one shape timed alone would). For each ``M`` the two ways alternate, ``--repeats`` times:
 
-- ``paged_hf``: ``PackedLinear`` modules (``pack_linears``): the AMX tile copy for 32 rows or fewer where the CPU has
-  AMX (``linear_tile_copies``), else oneDNN's packed product;
+- ``paged_hf``: ``PackedLinear`` modules (``pack_linears``): the AMX tile copy for 64 rows or fewer where the CPU has
+  AMX (``linear_tile_copies``), else oneDNN's packed product (a float32 copy on a CPU without bfloat16 products);
 - ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` over each weight reordered once (what ``paged_hf`` ran before
   the tile path, and what vLLM's CPU build runs).
 
@@ -41,9 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        print("this CPU has no bfloat16 dot products: oneDNN widens bfloat16, nothing to compare")
-        return 0
     shapes = [*SHAPES * args.layers, HEAD]
     modules = [torch.nn.Linear(n_in, n_out, bias=False).to(torch.bfloat16) for n_out, n_in in shapes]
     reordered = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 32) for m in modules]

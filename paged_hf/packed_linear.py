@@ -13,7 +13,7 @@ switches the module to ``PackedLinear``, whose forward is the custom op
 kernel.
 
 - bfloat16 where oneDNN has bfloat16 dot products: the output usually equals ``F.linear``'s bit for bit; with two
-  threads and 512 rows oneDNN splits the two layouts' work differently, and the AMX tile products below (32 rows or
+  threads and 512 rows oneDNN splits the two layouts' work differently, and the AMX tile products below (64 rows or
   fewer) sum in another order, so a few outputs differ by one bfloat16 ulp (``benchmarks/gemm.py`` prints the
   difference).
 - bfloat16 on a CPU without them (AVX2: oneDNN's and torch's bfloat16 products run 4-5x slower than float32 there):
@@ -31,15 +31,17 @@ kernel.
 
 A decode step's products are reads of their weights (tens of rows), which oneDNN's kernels stream at 14-17 GB/s on
 a 2-core Xeon with AMX. There the C++ library keeps a second copy of each bfloat16 weight in AMX tile order
-(``csrc/amx_linear.cpp``) and multiplies products of at most 32 rows by tile products over it, each thread streaming
-its share of the weight once (18-22 GB/s; SmolLM2's bfloat16 decode +17% end to end): float32 sums of exact
+(``csrc/amx_linear.cpp``, made at the first such product) and multiplies products of at most 64 rows by tile
+products over it, each thread streaming its share of the weight once (17-21 GB/s; SmolLM2's bfloat16 decode +17% end
+to end): float32 sums of exact
 products, rounded to bfloat16 once, within the bound above of ``F.linear`` (oneDNN's bits on most outputs, one
 bfloat16 ulp away on a few).
 
 bfloat16 engine logits are bounded, not exact (``test_cpu_bf16.py``). The packed copy is kept beside the model's
 own weight (a stock model's parameters stay the user's: ``state_dict``, tied embeddings, ``.to()``): at most one
-more copy of the linear weights (two with the AMX tile copy), twice their size when widened (SmolLM2-135M, measured on AMX: +82 MiB of RSS for
-256 MiB of bfloat16 linear weights; where oneDNN's layout is the plain one the copy is not made). The op checks
+more copy of the linear weights, twice their size when widened, and the AMX tile copy beside it (SmolLM2-135M's
+bfloat16 engine, 256 MiB of linear weights, measured on AMX: 1,110 MiB of RSS unpacked, 1,360 with oneDNN's copies,
+1,719 with the tile copies too; ``pack_linears`` leaves the tile copies out first when memory is short). The op checks
 that the weight is still the one packed (same storage, same version counter, its dtype on the CPU): a weight loaded
 or changed in place is packed again at its next call, any other dtype or device runs ``F.linear``: a packed copy is
 never stale.
@@ -228,17 +230,23 @@ def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> 
     """Packs every bfloat16 or float32 CPU ``nn.Linear`` of ``model`` for oneDNN (idempotent; ``widens`` says how);
     returns how many were packed now. Nothing where ``PAGED_HF_PACKED_LINEAR=0``, or where the packed copies would
     take more than half of ``available_bytes`` (the memory free now, as the caller measured it; None: no bound),
-    which is logged."""
+    which is logged; no AMX tile copies where only they would cross that line."""
     if not enabled():
         return 0
     linears = [m for m in model.modules()
                if type(m) is torch.nn.Linear and _packable(m.weight) and packs_dtype(m.weight.dtype)]
     needed = sum(m.weight.numel() * (4 if widens(m.weight.dtype) else m.weight.element_size()) for m in linears)
     cpp = bool(linears) and cpu_ext.loaded()
-    if cpp and torch.ops.paged_hf_cpu.linear_tile_copies():  # and a tile copy of each bfloat16 weight
-        needed += sum(m.weight.numel() * m.weight.element_size() for m in linears if m.weight.dtype == torch.bfloat16)
+    tile_bytes = sum(m.weight.numel() * 2 for m in linears if m.weight.dtype == torch.bfloat16) \
+        if cpp and torch.ops.paged_hf_cpu.linear_tile_copies() else 0  # the AMX tile copies of bfloat16 weights
     dtypes = "/".join(sorted({str(m.weight.dtype).removeprefix("torch.") for m in linears}))
-    # the copy must not crowd out the KV pool the engine sizes next
+    # the copies must not crowd out the KV pool the engine sizes next: the tile copies are left out first
+    tiles = tile_bytes > 0 and (available_bytes is None or needed + tile_bytes <= available_bytes // 2)
+    if tile_bytes and not tiles:
+        logger.info("no AMX tile copies of %d bfloat16 linear weights (%.0f MiB): with them the packed copies would "
+                    "take over half the available memory (%.0f MiB); decode-sized products run oneDNN's",
+                    len(linears), tile_bytes / 2**20, available_bytes / 2**20)
+    needed += tile_bytes if tiles else 0
     if linears and available_bytes is not None and needed > available_bytes // 2:
         logger.warning("not packing %d %s linear weights for oneDNN: their copy (%.0f MiB) is over half the "
                        "available memory (%.0f MiB); they run through F.linear", len(linears), dtypes,
@@ -247,7 +255,7 @@ def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> 
     for module in linears:
         key, widen, dense = next(_keys), bool(widens(module.weight.dtype)), dense_rows(module.weight.dtype)
         if cpp:
-            torch.ops.paged_hf_cpu.pack_linear(module.weight.detach(), key, PACK_BATCH_HINT, widen, dense)
+            torch.ops.paged_hf_cpu.pack_linear(module.weight.detach(), key, PACK_BATCH_HINT, widen, dense, tiles)
             weakref.finalize(module, torch.ops.paged_hf_cpu.unpack_linear, key)
         else:
             _packs[key] = _pack(module.weight, widen, dense)

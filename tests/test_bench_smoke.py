@@ -27,6 +27,7 @@ SMOKE = {
     "cpu_prefill": (["--quick", "--threads", "1", "--repeats", "1"], "speed-up"),
     "decode": (["--models", "stories260K", "--batches", "1", "--new-tokens", "3", "--repeats", "1", "--min-len", "4",
                 "--max-len", "8", "--threads", "1"], "DynamicCache"),
+    "decode_linears": (["--rows", "1,33", "--layers", "1", "--repeats", "1", "--threads", "1"], "outputs differing"),
     "engine_thread": (["--model", "stories260K", "--requests", "3", "--rounds", "1", "--threads", "1"],
                       "| released | 1"),
     "engine_compile": (["--models", "stories260K", "--dtypes", "float32", "--requests", "2", "--max-out", "8",

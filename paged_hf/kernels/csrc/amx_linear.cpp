@@ -2,10 +2,10 @@
 //
 // At a decode step's sizes (tens of rows) a linear is a read of its weight: every weight element meets each row once,
 // and the rows fit in a core's L1. So each thread takes a contiguous range of 16-feature blocks of the packed weight
-// and streams it once, front to back; its rows, copied once into a zero-padded buffer, are reloaded from L1 per tile.
-// Two feature blocks at a time: four accumulator tiles (two blocks x up to two 16-row blocks of x) keep four tile
-// products independent, where one block's products would each wait on the last; the weight is requested
-// PREFETCH_BYTES ahead of its tile loads.
+// and streams it once, front to back; its rows, copied once into a zero-padded buffer, are reloaded from cache per
+// tile. Two feature blocks at a time: four accumulator tiles (two blocks x two 16-row blocks of x) keep four tile
+// products independent, where one block's products would each wait on the last; rows 32..63 take a second pass over
+// the same two blocks, read from cache. The weight is requested PREFETCH_BYTES ahead of its tile loads.
 #include "amx_linear.h"
 
 #include <ATen/Parallel.h>
@@ -27,10 +27,41 @@ constexpr int64_t PREFETCH_BYTES = 4096;    // how far ahead of its tile loads a
 
 // Tiles: 0..3 the float32 sums of (row block m, feature block f) at 2 * m + f; 4, 5 the weight tiles of the two feature
 // blocks; 6, 7 the rows of row blocks 0 and 1.
-template <int MB, int FB>
-void feature_blocks(const uint16_t* weight, const uint16_t* rows, int64_t Kp, int64_t KB, int64_t block0,
-                    int64_t block1, int64_t M, int64_t N, const float* bias, c10::BFloat16* out) {
-  static_assert(MB == 1 || MB == 2, "one or two 16-row blocks");
+
+// Tiles 0..3 = the products of RB <= 2 row blocks (`rows`, row stride Kp) with FB <= 2 feature blocks (w0, w1),
+// over all KB input tiles; `ahead`: the weight PREFETCH_BYTES ahead is requested (the first pass over these blocks;
+// a second one reads them from cache).
+template <int RB, int FB>
+inline void accumulate(const uint16_t* w0, const uint16_t* w1, const uint16_t* rows, int64_t Kp, int64_t KB,
+                       bool ahead) {
+  _tile_zero(0);
+  if constexpr (FB > 1) _tile_zero(1);
+  if constexpr (RB > 1) _tile_zero(2);
+  if constexpr (RB > 1 && FB > 1) _tile_zero(3);
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    for (int64_t line = 0; ahead && line < TILE_ELEMENTS * 2; line += 64) {
+      paged_hf_vec::prefetch_line(reinterpret_cast<const char*>(w0 + kb * TILE_ELEMENTS) + PREFETCH_BYTES + line);
+      if constexpr (FB > 1)
+        paged_hf_vec::prefetch_line(reinterpret_cast<const char*>(w1 + kb * TILE_ELEMENTS) + PREFETCH_BYTES + line);
+    }
+    _tile_loadd(4, w0 + kb * TILE_ELEMENTS, 64);
+    if constexpr (FB > 1) _tile_loadd(5, w1 + kb * TILE_ELEMENTS, 64);
+    _tile_loadd(6, rows + kb * 32, Kp * 2);
+    _tile_dpbf16ps(0, 6, 4);
+    if constexpr (FB > 1) _tile_dpbf16ps(1, 6, 5);
+    if constexpr (RB > 1) {
+      _tile_loadd(7, rows + 16 * Kp + kb * 32, Kp * 2);
+      _tile_dpbf16ps(2, 7, 4);
+      if constexpr (FB > 1) _tile_dpbf16ps(3, 7, 5);
+    }
+  }
+}
+
+// Feature blocks [block0, block1), FB at a time, of all `row_blocks` (<= 4) 16-row blocks: two row blocks a pass, so
+// a second pass (rows 32..63) reads the feature blocks the first one streamed from cache.
+template <int FB>
+void feature_blocks(const uint16_t* weight, const uint16_t* rows, int64_t row_blocks, int64_t Kp, int64_t KB,
+                    int64_t block0, int64_t block1, int64_t M, int64_t N, const float* bias, c10::BFloat16* out) {
   static_assert(FB == 1 || FB == 2, "one or two feature blocks a pass");
   paged_hf_amx::configure_full_tiles(8);
   alignas(64) float sums[16][16];
@@ -44,54 +75,37 @@ void feature_blocks(const uint16_t* weight, const uint16_t* rows, int64_t Kp, in
     }
   };
   for (int64_t block = block0; block < block1; block += FB) {
-    _tile_zero(0);
-    if constexpr (FB > 1) _tile_zero(1);
-    if constexpr (MB > 1) _tile_zero(2);
-    if constexpr (MB > 1 && FB > 1) _tile_zero(3);
     const uint16_t* w0 = weight + block * KB * TILE_ELEMENTS;
     const uint16_t* w1 = w0 + KB * TILE_ELEMENTS;
-    for (int64_t kb = 0; kb < KB; ++kb) {
-      for (int64_t line = 0; line < TILE_ELEMENTS * 2; line += 64) {
-        paged_hf_vec::prefetch_line(reinterpret_cast<const char*>(w0 + kb * TILE_ELEMENTS) + PREFETCH_BYTES + line);
-        if constexpr (FB > 1)
-          paged_hf_vec::prefetch_line(reinterpret_cast<const char*>(w1 + kb * TILE_ELEMENTS) + PREFETCH_BYTES + line);
+    for (int64_t m = 0; m < row_blocks; m += 2) {
+      const bool two = m + 1 < row_blocks;
+      if (two) accumulate<2, FB>(w0, w1, rows + m * 16 * Kp, Kp, KB, m == 0);
+      else accumulate<1, FB>(w0, w1, rows + m * 16 * Kp, Kp, KB, m == 0);
+      _tile_stored(0, sums, 64);
+      put(m, block * 16);
+      if constexpr (FB > 1) {
+        _tile_stored(1, sums, 64);
+        put(m, block * 16 + 16);
       }
-      _tile_loadd(4, w0 + kb * TILE_ELEMENTS, 64);
-      if constexpr (FB > 1) _tile_loadd(5, w1 + kb * TILE_ELEMENTS, 64);
-      _tile_loadd(6, rows + kb * 32, Kp * 2);
-      _tile_dpbf16ps(0, 6, 4);
-      if constexpr (FB > 1) _tile_dpbf16ps(1, 6, 5);
-      if constexpr (MB > 1) {
-        _tile_loadd(7, rows + 16 * Kp + kb * 32, Kp * 2);
-        _tile_dpbf16ps(2, 7, 4);
-        if constexpr (FB > 1) _tile_dpbf16ps(3, 7, 5);
+      if (two) {
+        _tile_stored(2, sums, 64);
+        put(m + 1, block * 16);
+        if constexpr (FB > 1) {
+          _tile_stored(3, sums, 64);
+          put(m + 1, block * 16 + 16);
+        }
       }
-    }
-    _tile_stored(0, sums, 64);
-    put(0, block * 16);
-    if constexpr (FB > 1) {
-      _tile_stored(1, sums, 64);
-      put(0, block * 16 + 16);
-    }
-    if constexpr (MB > 1) {
-      _tile_stored(2, sums, 64);
-      put(1, block * 16);
-    }
-    if constexpr (MB > 1 && FB > 1) {
-      _tile_stored(3, sums, 64);
-      put(1, block * 16 + 16);
     }
   }
   _tile_release();
 }
 
 // Feature blocks [block0, block1) of the product: pairs, then a last single block.
-template <int MB>
-void block_range(const uint16_t* weight, const uint16_t* rows, int64_t Kp, int64_t KB, int64_t block0, int64_t block1,
-                 int64_t M, int64_t N, const float* bias, c10::BFloat16* out) {
+void block_range(const uint16_t* weight, const uint16_t* rows, int64_t row_blocks, int64_t Kp, int64_t KB,
+                 int64_t block0, int64_t block1, int64_t M, int64_t N, const float* bias, c10::BFloat16* out) {
   const int64_t paired = block0 + (block1 - block0) / 2 * 2;
-  if (paired > block0) feature_blocks<MB, 2>(weight, rows, Kp, KB, block0, paired, M, N, bias, out);
-  if (paired < block1) feature_blocks<MB, 1>(weight, rows, Kp, KB, paired, block1, M, N, bias, out);
+  if (paired > block0) feature_blocks<2>(weight, rows, row_blocks, Kp, KB, block0, paired, M, N, bias, out);
+  if (paired < block1) feature_blocks<1>(weight, rows, row_blocks, Kp, KB, paired, block1, M, N, bias, out);
 }
 
 }  // namespace
@@ -136,8 +150,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block0 = std::min(NB, (NB + 1) / 2 * t / threads * 2);
       const int64_t block1 = std::min(NB, (NB + 1) / 2 * (t + 1) / threads * 2);
-      if (MB == 1) block_range<1>(weight, rows.data(), Kp, KB, block0, block1, M, N, bias_ptr, o);
-      else block_range<2>(weight, rows.data(), Kp, KB, block0, block1, M, N, bias_ptr, o);
+      block_range(weight, rows.data(), MB, Kp, KB, block0, block1, M, N, bias_ptr, o);
     }
   });
   return out;

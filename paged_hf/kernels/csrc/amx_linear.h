@@ -1,5 +1,6 @@
 // The bfloat16 linear of a few rows by AMX tile products over a weight packed once for it (amx_linear.cpp): what
-// packed_linear runs for decode-sized products, where oneDNN reads the weight at 14-17 GB/s and this at 18-22.
+// packed_linear runs for decode-sized products, where oneDNN streams the weights at 14-18 GB/s and this at 17-21
+// (benchmarks/decode_linears.py).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,9 +10,8 @@
 
 namespace paged_hf_linear {
 
-// Products of at most this many rows take amx_linear (beyond it oneDNN's blocking is faster: the weight is read
-// once per 32 rows there too, and its kernels keep more tiles busy).
-constexpr int64_t AMX_LINEAR_ROWS = 32;
+// Products of at most this many rows take amx_linear (in at most two passes over each streamed weight block).
+constexpr int64_t AMX_LINEAR_ROWS = 64;
 
 // Whether this build and CPU run amx_linear (AMX-TILE and AMX-BF16, granted by the kernel).
 bool amx_linear_available();

@@ -1,13 +1,14 @@
 // Linears through oneDNN with the weight reordered once: the dispatch of paged_hf.packed_linear in C++, so that a
 // call costs the dispatcher's few microseconds instead of a Python function's.
 //
-// paged_hf_cpu::pack_linear(Tensor weight, int key, int batch_hint, bool widen, int dense_below=0) -> ()
+// paged_hf_cpu::pack_linear(Tensor weight, int key, int batch_hint, bool widen, int dense_below=0, bool tiles=True)
 //     reorders `weight` (bfloat16 or float32) and keeps it under `key`; `widen` (a bfloat16 weight on a CPU without
 //     bfloat16 dot products) keeps a float32 copy instead and multiplies in float32, the output rounded to bfloat16
 //     once, as oneDNN's bfloat16 product rounds its float32 sums; a product of fewer than `dense_below` rows runs
-//     F.linear on the dense weight (float32 on an Intel CPU: MKL's sgemm has a faster path for 1-3 rows)
+//     F.linear on the dense weight (float32 on an Intel CPU: MKL's sgemm has a faster path for 1-3 rows); `tiles`: a
+//     bfloat16 weight may also get the AMX tile copy (where linear_tile_copies(); groups follow their first member)
 // paged_hf_cpu::unpack_linear(int key) -> ()                                 drops it (its module was collected)
-// paged_hf_cpu::linear_tile_copies() -> bool     whether pack_linear also keeps an AMX tile copy of a bfloat16 weight
+// paged_hf_cpu::linear_tile_copies() -> bool     whether pack_linear makes AMX tile copies of bfloat16 weights here
 // paged_hf_cpu::packed_linear(Tensor x [..., in], Tensor weight [out, in], Tensor? bias, Tensor key) -> [..., out]
 //     `key` a 0-d int64 tensor (a module buffer: an int attribute would be a constant of the compiled graph, and
 //     every new model's keys would compile it again)
@@ -44,12 +45,14 @@ namespace {
 
 struct Packed {
   at::Tensor weight;  // oneDNN's layout
-  at::Tensor tiles;   // amx_linear's layout (a bfloat16 weight on a CPU with AMX), for products of few rows
+  at::Tensor tiles;   // amx_linear's layout (a bfloat16 weight on a CPU with AMX): made at the first product of
+                      // at most AMX_LINEAR_ROWS rows, so that a member of a group never makes its own
   const void* data = nullptr;  // the dense weight it was made from, and that weight's version counter then
   uint32_t version = 0;
   int64_t batch_hint = 32;
   bool widen = false;  // a float32 copy of a bfloat16 weight: x goes in as float32, the product back to bfloat16
   int64_t dense_below = 0;  // fewer rows than this: F.linear on the dense weight
+  bool with_tiles = true;   // whether the weight may have a tile copy (pack_linear's `tiles`)
 };
 
 std::mutex packs_mutex;
@@ -64,6 +67,9 @@ at::Tensor reorder(const at::Tensor& weight, int64_t batch_hint, bool widen) {
                        .typed<at::Tensor(const at::Tensor&, std::optional<int64_t>)>();
   return op.call(widen ? weight.to(at::kFloat) : weight, batch_hint);
 }
+
+// Whether a product of x [..., in] would run over a tile copy: at most AMX_LINEAR_ROWS rows.
+bool tile_rows(const at::Tensor& x) { return x.numel() <= paged_hf_linear::AMX_LINEAR_ROWS * x.size(-1); }
 
 // amx_linear's copy of a weight oneDNN multiplies in bfloat16 (not widened) where the CPU has AMX; else undefined.
 at::Tensor tile_copy(const at::Tensor& weight, bool widen) {
@@ -108,14 +114,15 @@ bool packable(const at::Tensor& weight) {
          weight.dim() == 2 && weight.layout() == at::kStrided;
 }
 
-void pack_linear(const at::Tensor& weight, int64_t key, int64_t batch_hint, bool widen, int64_t dense_below) {
+void pack_linear(const at::Tensor& weight, int64_t key, int64_t batch_hint, bool widen, int64_t dense_below,
+                 bool tiles) {
   TORCH_CHECK(packable(weight), "pack_linear: a 2-d bfloat16 or float32 CPU weight, not ", weight.scalar_type(), " ",
               weight.dim(), "-d on ", weight.device());
   TORCH_CHECK(!widen || weight.scalar_type() == at::kBFloat16, "pack_linear: widen is for a bfloat16 weight, not ",
               weight.scalar_type());
   TORCH_CHECK(dense_below >= 0, "pack_linear: dense_below is a row count, not ", dense_below);
-  Packed entry{reorder(weight, batch_hint, widen), tile_copy(weight, widen), weight.const_data_ptr(),
-               weight._version(), batch_hint, widen, dense_below};
+  Packed entry{reorder(weight, batch_hint, widen), at::Tensor(), weight.const_data_ptr(), weight._version(),
+               batch_hint, widen, dense_below, tiles};
   std::lock_guard<std::mutex> lock(packs_mutex);
   packs()[key] = std::move(entry);
 }
@@ -152,11 +159,13 @@ at::Tensor packed_linear_by_key(const at::Tensor& x, const at::Tensor& weight, c
       if (entry.data != weight.const_data_ptr() || entry.version != weight._version()) {
         // packed again as its dtype is packed here; another dtype or device: the plain product until packed again
         const bool wide = weight.scalar_type() == at::kBFloat16 && bf16_widens();
-        if (packable(weight)) entry = Packed{reorder(weight, entry.batch_hint, wide), tile_copy(weight, wide),
+        if (packable(weight)) entry = Packed{reorder(weight, entry.batch_hint, wide), at::Tensor(),
                                              weight.const_data_ptr(), weight._version(), entry.batch_hint, wide,
-                                             entry.dense_below};
+                                             entry.dense_below, entry.with_tiles};
         else entry.weight = entry.tiles = at::Tensor();
       }
+      if (entry.weight.defined() && entry.with_tiles && !entry.tiles.defined() && tile_rows(x))
+        entry.tiles = tile_copy(weight, entry.widen);
       packed = entry.weight;
       tiles = entry.tiles;
       widen = entry.widen;
@@ -173,6 +182,7 @@ at::Tensor packed_linear_by_key(const at::Tensor& x, const at::Tensor& weight, c
 struct Group {
   at::Tensor weight, tiles, bias;  // packed concatenation (oneDNN's, amx_linear's); bias concatenated (or undefined)
   bool widen = false;
+  bool with_tiles = true;  // as Packed's: the tile copy made at the first product of few rows
   std::vector<const void*> data;
   std::vector<uint32_t> versions;
 };
@@ -236,10 +246,11 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
     if (!current(group, made_from)) {
       const auto first = packs().find(keys[0]);  // dropped meanwhile (its module collected): the default hint
       const int64_t batch_hint = first != packs().end() ? first->second.batch_hint : 32;
+      group.with_tiles = first == packs().end() || first->second.with_tiles;
       group.widen = x.scalar_type() == at::kBFloat16 && bf16_widens();
-      const at::Tensor dense = at::cat(std::vector<at::Tensor>(weights.begin(), weights.end()), 0);
-      group.weight = reorder(dense, batch_hint, group.widen);
-      group.tiles = tile_copy(dense, group.widen);
+      group.weight = reorder(at::cat(std::vector<at::Tensor>(weights.begin(), weights.end()), 0), batch_hint,
+                             group.widen);
+      group.tiles = at::Tensor();
       std::vector<at::Tensor> bias_parts;
       for (size_t i = 0; all_bias && i < weights.size(); ++i) bias_parts.push_back(*biases.get(i));
       group.bias = all_bias ? at::cat(bias_parts, 0) : at::Tensor();
@@ -253,9 +264,11 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
         auto found = packs().find(key);
         if (found != packs().end())
           found->second = Packed{at::Tensor(), at::Tensor(), nullptr, 0, found->second.batch_hint,
-                                 found->second.widen, found->second.dense_below};
+                                 found->second.widen, found->second.dense_below, found->second.with_tiles};
       }
     }
+    if (group.with_tiles && !group.tiles.defined() && tile_rows(x))
+      group.tiles = tile_copy(at::cat(std::vector<at::Tensor>(weights.begin(), weights.end()), 0), group.widen);
     packed = group.weight;
     tiles = group.tiles;
     bias = group.bias;
@@ -272,7 +285,7 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
 
 at::Tensor product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tiles,
                    const std::optional<at::Tensor>& bias, bool widen, int64_t out) {
-  if (tiles.defined() && x.size(0) <= paged_hf_linear::AMX_LINEAR_ROWS && x.stride(-1) == 1)
+  if (tiles.defined() && tile_rows(x) && x.stride(-1) == 1)
     return paged_hf_linear::amx_linear(x, tiles, bias, out);
   return linear_pointwise(x, packed, bias, widen);
 }
@@ -290,7 +303,7 @@ void forget_groups(int64_t key) {  // a member's module was collected: drop ever
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(paged_hf_cpu, m) {
-  m.def("pack_linear(Tensor weight, int key, int batch_hint, bool widen, int dense_below=0) -> ()");
+  m.def("pack_linear(Tensor weight, int key, int batch_hint, bool widen, int dense_below=0, bool tiles=True) -> ()");
   m.def("unpack_linear(int key) -> ()");
   m.def("linear_tile_copies() -> bool");
   m.impl("linear_tile_copies", TORCH_FN(linear_tile_copies));
