@@ -33,9 +33,8 @@ A decode step's products are reads of their weights (tens of rows), which oneDNN
 a 2-core Xeon with AMX. There the C++ library keeps a second copy of each bfloat16 weight in AMX tile order
 (``csrc/amx_linear.cpp``, made at the first such product) and multiplies products of at most 64 rows by tile
 products over it, each thread streaming its share of the weight once (17-21 GB/s; SmolLM2's bfloat16 decode +17% end
-to end): float32 sums of exact
-products, rounded to bfloat16 once, within the bound above of ``F.linear`` (oneDNN's bits on most outputs, one
-bfloat16 ulp away on a few).
+to end): float32 sums of exact products, rounded to bfloat16 once, within the bound above of ``F.linear`` (oneDNN's
+bits on most outputs, one bfloat16 ulp away on a few).
 
 bfloat16 engine logits are bounded, not exact (``test_cpu_bf16.py``). The packed copy is kept beside the model's
 own weight (a stock model's parameters stay the user's: ``state_dict``, tied embeddings, ``.to()``): at most one

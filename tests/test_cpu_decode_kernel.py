@@ -9,6 +9,7 @@ from __future__ import annotations
 import platform
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -90,7 +91,7 @@ def test_the_block_prefetch_reaches_the_binary(kernel):
 # The first AMX products of a fresh process, before oneDNN ran any (oneDNN's loads its own tile configuration, which
 # hid a kernel's own configuration going wrong: in the engine its linears always run first).
 FRESH_PROCESS = """
-import sys, torch
+import torch
 from paged_hf.kernels import cpu_ext
 assert cpu_ext.loaded()
 torch.manual_seed(0)
@@ -111,8 +112,6 @@ def test_bfloat16_decode_runs_in_a_process_where_nothing_else_used_amx(kernel):
     read its operand: inlined, the stores of the tiles' rows and widths before it were dropped, and the first
     decode of a process that had run no oneDNN product died of an illegal instruction (``amx.h`` loads the
     configuration by an asm statement)."""
-    import sys  # noqa: PLC0415
-
     result = subprocess.run([sys.executable, "-c", FRESH_PROCESS], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 

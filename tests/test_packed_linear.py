@@ -91,9 +91,7 @@ def test_bfloat16_products_of_few_rows_keep_the_bound():
 
 
 def test_the_tile_copy_is_made_where_the_cpu_has_amx():
-    from paged_hf.kernels import cpu_ext  # noqa: PLC0415
-
-    if not cpu_ext.loaded():
+    if not packed_linear.cpu_ext.loaded():
         pytest.skip("no C++ kernels here")
     with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
         amx = any(line.startswith("flags") and "amx_bf16" in line.split() for line in info)
@@ -236,9 +234,7 @@ def test_a_copy_over_half_the_available_memory_is_not_made(caplog):
 def test_the_tile_copies_are_left_out_first_when_memory_is_short(caplog):
     """Room for oneDNN's copy but not for the AMX tile copy too: packed without tiles, which is logged; the products
     keep the bound either way."""
-    from paged_hf.kernels import cpu_ext  # noqa: PLC0415
-
-    if not (NATIVE_BF16 and cpu_ext.loaded() and torch.ops.paged_hf_cpu.linear_tile_copies()):
+    if not (NATIVE_BF16 and packed_linear.cpu_ext.loaded() and torch.ops.paged_hf_cpu.linear_tile_copies()):
         pytest.skip("no AMX tile copies on this CPU")
     model = torch.nn.Sequential(linear(64, 64, True), linear(64, 32, False))  # 12 KiB of bfloat16 weights
     with caplog.at_level("INFO", logger="paged_hf"):

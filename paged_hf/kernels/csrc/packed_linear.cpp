@@ -71,10 +71,29 @@ at::Tensor reorder(const at::Tensor& weight, int64_t batch_hint, bool widen) {
 // Whether a product of x [..., in] would run over a tile copy: at most AMX_LINEAR_ROWS rows.
 bool tile_rows(const at::Tensor& x) { return x.numel() <= paged_hf_linear::AMX_LINEAR_ROWS * x.size(-1); }
 
-// amx_linear's copy of a weight oneDNN multiplies in bfloat16 (not widened) where the CPU has AMX; else undefined.
+// Whether a bfloat16 weight is kept as a float32 copy here: oneDNN has no bfloat16 dot products on this CPU.
+bool bf16_widens() {
+  static const bool widens = !c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("mkldnn::_is_mkldnn_bf16_supported", "")
+                                  .typed<bool()>()
+                                  .call();
+  return widens;
+}
+
+// Whether pack_linear makes AMX tile copies of bfloat16 weights here: oneDNN multiplies them natively (no float32
+// copy) and the CPU runs amx_linear.
+bool linear_tile_copies() { return !bf16_widens() && paged_hf_linear::amx_linear_available(); }
+
+// amx_linear's copy of a weight oneDNN multiplies in bfloat16 (not widened) where linear_tile_copies(); else
+// undefined.
 at::Tensor tile_copy(const at::Tensor& weight, bool widen) {
-  if (widen || weight.scalar_type() != at::kBFloat16 || !paged_hf_linear::amx_linear_available()) return at::Tensor();
+  if (widen || weight.scalar_type() != at::kBFloat16 || !linear_tile_copies()) return at::Tensor();
   return paged_hf_linear::amx_pack_weight(weight);
+}
+
+// The members' weights of a group as one [sum out_i, in] weight: what its copies are made from.
+at::Tensor concatenated(at::TensorList weights) {
+  return at::cat(std::vector<at::Tensor>(weights.begin(), weights.end()), 0);
 }
 
 // x [rows, in] times a weight of `out` features: amx_linear for few rows where its copy exists, else oneDNN's.
@@ -98,15 +117,6 @@ at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed, const
   std::optional<at::Tensor> wide_bias;
   if (bias.has_value() && bias->defined()) wide_bias = bias->to(at::kFloat);
   return linear_pointwise_raw(x.to(at::kFloat), packed, wide_bias).to(x.scalar_type());
-}
-
-// Whether a bfloat16 weight is kept as a float32 copy here: oneDNN has no bfloat16 dot products on this CPU.
-bool bf16_widens() {
-  static const bool widens = !c10::Dispatcher::singleton()
-                                  .findSchemaOrThrow("mkldnn::_is_mkldnn_bf16_supported", "")
-                                  .typed<bool()>()
-                                  .call();
-  return widens;
 }
 
 bool packable(const at::Tensor& weight) {
@@ -248,8 +258,7 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
       const int64_t batch_hint = first != packs().end() ? first->second.batch_hint : 32;
       group.with_tiles = first == packs().end() || first->second.with_tiles;
       group.widen = x.scalar_type() == at::kBFloat16 && bf16_widens();
-      group.weight = reorder(at::cat(std::vector<at::Tensor>(weights.begin(), weights.end()), 0), batch_hint,
-                             group.widen);
+      group.weight = reorder(concatenated(weights), batch_hint, group.widen);
       group.tiles = at::Tensor();
       std::vector<at::Tensor> bias_parts;
       for (size_t i = 0; all_bias && i < weights.size(); ++i) bias_parts.push_back(*biases.get(i));
@@ -268,7 +277,7 @@ at::Tensor packed_linear_group(const at::Tensor& x, at::TensorList weights,
       }
     }
     if (group.with_tiles && !group.tiles.defined() && tile_rows(x))
-      group.tiles = tile_copy(at::cat(std::vector<at::Tensor>(weights.begin(), weights.end()), 0), group.widen);
+      group.tiles = tile_copy(concatenated(weights), group.widen);
     packed = group.weight;
     tiles = group.tiles;
     bias = group.bias;
@@ -289,8 +298,6 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& packed, const at::Tens
     return paged_hf_linear::amx_linear(x, tiles, bias, out);
   return linear_pointwise(x, packed, bias, widen);
 }
-
-bool linear_tile_copies() { return !bf16_widens() && paged_hf_linear::amx_linear_available(); }
 
 void forget_groups(int64_t key) {  // a member's module was collected: drop every group it is in
   std::lock_guard<std::mutex> lock(packs_mutex);
