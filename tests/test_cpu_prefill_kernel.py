@@ -7,7 +7,6 @@ the torch path), and an engine's greedy tokens with it equal to the torch path's
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from paged_hf.kernels import cpu_attention, cpu_ext
 from paged_hf.kernels.cpu_attention import paged_prefill_attention_cpu
 from paged_hf.kernels.paged_prefill_attention import paged_prefill_attention_ref
 from paged_hf.kernels.pool_tensors import PoolTensors
+from kernel_target import cpu_flags, target_defines
 from pools import random_block_tables, random_pools
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -98,16 +98,16 @@ def test_later_key_tiles_that_outscore_the_first(kernel, dtype, growth):
 
 
 def test_the_brgemm_flash_serves_where_the_cpu_has_its_products(kernel):
-    """The kernel's own flash attention (oneDNN brgemm) serves head dims a multiple of 16: float32 where the CPU has
-    AVX-512, bfloat16 where it has AMX or (widened to float32 products) AVX-512; the rest keeps torch's flash kernel
-    (both checked against the oracle above)."""
+    """The kernel's own flash attention (oneDNN brgemm) serves head dims a multiple of 16: float32 where the library
+    targets AVX-512, bfloat16 where oneDNN has AMX or (widened to float32 products) the library targets AVX-512; the
+    rest keeps torch's flash kernel (both checked against the oracle above)."""
     pools = random_pools("auto", 4, 4, 2, 64, dtype=torch.bfloat16)
     query = torch.randn(3, 4, 64).bfloat16()
     uses = torch.ops.paged_hf_cpu.prefill_uses_brgemm
-    flags = Path("/proc/cpuinfo").read_text()
+    avx512 = "__AVX512F__" in target_defines()
     assert not uses(query[..., :8], pools["key_cache"][..., :8].contiguous())
-    assert uses(query, pools["key_cache"]) == ("amx_bf16" in flags or "avx512f" in flags)
-    assert uses(query.float(), pools["key_cache"].float()) == ("avx512f" in flags)
+    assert uses(query, pools["key_cache"]) == ("amx_bf16" in cpu_flags() or avx512)
+    assert uses(query.float(), pools["key_cache"].float()) == avx512
 
 
 def test_kernel_refuses_what_it_cannot_read(kernel):

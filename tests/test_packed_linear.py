@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 from paged_hf import PagedEngine, SamplingParams, packed_linear
 from paged_hf.packed_linear import PackedLinear, pack_linears
+from kernel_target import cpu_flags, target_defines
 from models import tiny_model
 from test_engine_families import prompts
 
@@ -93,8 +94,7 @@ def test_bfloat16_products_of_few_rows_keep_the_bound():
 def test_the_tile_copy_is_made_where_the_cpu_has_amx():
     if not packed_linear.cpu_ext.loaded():
         pytest.skip("no C++ kernels here")
-    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-        amx = any(line.startswith("flags") and "amx_bf16" in line.split() for line in info)
+    amx = "amx_bf16" in cpu_flags() and {"__AMX_TILE__", "__AMX_BF16__", "__AVX512BF16__"} <= target_defines()
     assert torch.ops.paged_hf_cpu.linear_tile_copies() is (amx and NATIVE_BF16)
 
 

@@ -11,7 +11,7 @@ oneDNN linear of ``paged_hf.packed_linear``, whose bfloat16 products of a few ro
 tiles where the CPU has them; ``pin_threads`` (``csrc/pin_threads.cpp``) binds each of torch's
 intra-op threads to its own CPU; ``greedy`` (``csrc/greedy.cpp``) is the sampler's argmax over a step's logits.
 The library is compiled once per machine with the system's C++ compiler (``$CXX`` or ``c++``) against the installed
-torch (``FLAGS``: ``-march=native``, and ``-fopenmp`` so ``at::parallel_for`` runs on torch's own OpenMP threads:
+torch (``FLAGS``: ``-march=native`` unless ``$PAGED_HF_CPU_ARCH`` names another target, and ``-fopenmp`` so ``at::parallel_for`` runs on torch's own OpenMP threads:
 the soname resolves to torch's runtime), into ``$PAGED_HF_CACHE`` (default
 ``~/.cache/paged_hf``)``/cpu_kernels/<hash>/``; the hash covers the sources (and ``HEADERS``, which they
 include), torch's version, the compiler and the CPU's flags, so a changed kernel, torch or machine builds anew.
@@ -26,6 +26,7 @@ threads stay unpinned.
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import hashlib
 import logging
@@ -48,7 +49,8 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name
                              "amx_linear.cpp", "pin_threads.cpp", "greedy.cpp"))
 HEADERS = tuple(Path(__file__).with_name("csrc") / name  # included by the sources: part of the build's hash
                 for name in ("vec16.h", "amx.h", "amx_linear.h"))
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w")
+ARCH_VAR = "PAGED_HF_CPU_ARCH"  # the -march the library is built for (default native: this machine)
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w")
 
 _lock = threading.Lock()
 _state: dict = {}  # "loaded": whether the library is loaded (False once a build failed or was refused)
@@ -118,12 +120,22 @@ def _register_fakes() -> None:
     fake("paged_hf_cpu::attend")(lambda query, *args: torch.empty_like(query))
 
 
+def _flags() -> tuple[str, ...]:
+    """``FLAGS`` and the target: ``-march=native``, or ``-march=$PAGED_HF_CPU_ARCH`` (an older instruction set than
+    this machine's, e.g. ``x86-64-v3``: how the tests run the kernels' AVX2 and AVX-512 paths on an AMX machine)."""
+    arch = os.environ.get(ARCH_VAR, "").strip() or "native"
+    if not arch.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"{ARCH_VAR} is a -march value such as native or x86-64-v3, not {arch!r}")
+    return (*FLAGS, f"-march={arch}")
+
+
 def _build(compiler: str) -> Path:
-    """The library for these sources, torch, compiler and CPU: built now unless already in the cache."""
+    """The library for these sources, torch, compiler, target and CPU: built now unless already in the cache."""
+    flags = _flags()
     source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), compiler.encode(), " ".join(FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), compiler.encode(), " ".join(flags).encode(),
                                       _compiler_version(compiler), _cpu_flags(), str(abi).encode()])).hexdigest()[:16]
     folder = Path(os.environ.get("PAGED_HF_CACHE", Path.home() / ".cache" / "paged_hf")) / "cpu_kernels" / key
     library = folder / "paged_hf_cpu.so"
@@ -138,19 +150,33 @@ def _build(compiler: str) -> Path:
 
         begin = time.perf_counter()
         logger.info("paged_hf: building the CPU kernels (once per machine, into %s)", folder)
-        with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as partial:
-            pass
-        command = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                   *(f"-I{path}" for path in include_paths()),
-                   *map(str, SOURCES), "-o", partial.name, f"-L{torch_lib}", "-ltorch_cpu", "-lc10",
-                   f"-Wl,-rpath,{torch_lib}"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        if result.returncode != 0:
-            os.unlink(partial.name)
-            raise RuntimeError(f"{Path(compiler).name} exited {result.returncode}: {result.stderr[-2000:]}")
-        os.replace(partial.name, library)
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            compile_flags = [*flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{path}" for path in include_paths())]
+            objects = _compile_each(compiler, compile_flags, Path(scratch))
+            partial = Path(scratch) / library.name
+            _run([compiler, *flags, *map(str, objects), "-o", str(partial), f"-L{torch_lib}", "-ltorch_cpu", "-lc10",
+                  f"-Wl,-rpath,{torch_lib}"])
+            os.replace(partial, library)
         logger.info("paged_hf: built the CPU kernels in %.1f s", time.perf_counter() - begin)
     return library
+
+
+def _compile_each(compiler: str, flags: list[str], scratch: Path) -> list[Path]:
+    """Each source compiled to an object in `scratch`, as many at once as this process may use CPUs."""
+    objects = [scratch / f"{source.stem}.o" for source in SOURCES]
+    commands = [[compiler, *flags, "-c", str(source), "-o", str(obj)] for source, obj in zip(SOURCES, objects)]
+    jobs = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(jobs, len(commands))) as pool:
+        for future in [pool.submit(_run, command) for command in commands]:
+            future.result()
+    return objects
+
+
+def _run(command: list[str]) -> None:
+    """One compiler call; RuntimeError with the end of its messages if it fails."""
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        raise RuntimeError(f"{Path(command[0]).name} exited {result.returncode}: {result.stderr[-2000:]}")
 
 
 def _compiler_version(compiler: str) -> bytes:
