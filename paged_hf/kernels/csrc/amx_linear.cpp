@@ -29,6 +29,20 @@ constexpr int64_t PREFETCH_BYTES = 4096;    // how far ahead of its tile loads a
 // blocks; 6, 7 the rows of row blocks 0 and 1. Tiles 0..3 = the products of RB <= 2 row blocks (`rows`, row stride Kp) with FB <= 2 feature blocks (w0, w1),
 // over all KB input tiles; `ahead`: the weight PREFETCH_BYTES ahead is requested (the first pass over these blocks;
 // a second one reads them from cache).
+// The bias of a product: bfloat16 read where it lies (widened 16 at a time as it is added), float32, or none.
+struct Bias {
+  const float* f32 = nullptr;
+  const uint16_t* bf16 = nullptr;
+
+  // features feature0..+15 (those under `mask`) as float32; zeros where there is no bias
+  __m512 load(int64_t feature0, __mmask16 mask) const {
+    if (f32 != nullptr) return _mm512_maskz_loadu_ps(mask, f32 + feature0);
+    if (bf16 == nullptr) return _mm512_setzero_ps();
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bf16 + feature0));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+};
+
 template <int RB, int FB>
 inline void accumulate(const uint16_t* w0, const uint16_t* w1, const uint16_t* rows, int64_t Kp, int64_t KB,
                        bool ahead) {
@@ -59,14 +73,14 @@ inline void accumulate(const uint16_t* w0, const uint16_t* w1, const uint16_t* r
 // a second pass (rows 32..63) reads the feature blocks the first one streamed from cache.
 template <int FB>
 void feature_blocks(const uint16_t* weight, const uint16_t* rows, int64_t row_blocks, int64_t Kp, int64_t KB,
-                    int64_t block0, int64_t block1, int64_t M, int64_t N, const float* bias, c10::BFloat16* out) {
+                    int64_t block0, int64_t block1, int64_t M, int64_t N, const Bias& bias, c10::BFloat16* out) {
   static_assert(FB == 1 || FB == 2, "one or two feature blocks a pass");
   paged_hf_amx::configure_full_tiles(8);
   alignas(64) float sums[16][16];
   auto put = [&](int64_t m, int64_t feature0) {  // sums of row block m, features feature0..+15 -> out
     const int64_t cols = std::min<int64_t>(16, N - feature0);
     const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-    const __m512 add = bias ? _mm512_maskz_loadu_ps(mask, bias + feature0) : _mm512_setzero_ps();
+    const __m512 add = bias.load(feature0, mask);
     for (int64_t r = 0; r < 16 && m * 16 + r < M; ++r) {
       const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[r]), add));
       _mm256_mask_storeu_epi16(out + (m * 16 + r) * N + feature0, mask, reinterpret_cast<const __m256i&>(rounded));
@@ -100,7 +114,7 @@ void feature_blocks(const uint16_t* weight, const uint16_t* rows, int64_t row_bl
 
 // Feature blocks [block0, block1) of the product: pairs, then a last single block.
 void block_range(const uint16_t* weight, const uint16_t* rows, int64_t row_blocks, int64_t Kp, int64_t KB,
-                 int64_t block0, int64_t block1, int64_t M, int64_t N, const float* bias, c10::BFloat16* out) {
+                 int64_t block0, int64_t block1, int64_t M, int64_t N, const Bias& bias, c10::BFloat16* out) {
   const int64_t paired = block0 + (block1 - block0) / 2 * 2;
   if (paired > block0) feature_blocks<2>(weight, rows, row_blocks, Kp, KB, block0, paired, M, N, bias, out);
   if (paired < block1) feature_blocks<1>(weight, rows, row_blocks, Kp, KB, paired, block1, M, N, bias, out);
@@ -137,9 +151,17 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   std::vector<uint16_t> rows(MB * 16 * Kp, 0);  // x, zero-padded to whole tiles
   for (int64_t m = 0; m < M; ++m)
     std::memcpy(rows.data() + m * Kp, x.const_data_ptr<c10::BFloat16>() + m * x.stride(0), K * 2);
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
-  const float* bias_ptr = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
+  at::Tensor converted;  // a bias of another dtype, or strided: float32 once a call (a bfloat16 module's is neither)
+  Bias bias_view;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "amx_linear: bias [", N, "], not ", bias->sizes());
+    if (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()) {
+      bias_view.bf16 = reinterpret_cast<const uint16_t*>(bias->const_data_ptr());
+    } else {
+      converted = bias->to(at::kFloat).contiguous();
+      bias_view.f32 = converted.const_data_ptr<float>();
+    }
+  }
   const auto* weight = reinterpret_cast<const uint16_t*>(packed.const_data_ptr());
   auto* o = out.mutable_data_ptr<c10::BFloat16>();
   // one contiguous range of feature blocks per thread, cut at even blocks (the pairs)
@@ -148,7 +170,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block0 = std::min(NB, (NB + 1) / 2 * t / threads * 2);
       const int64_t block1 = std::min(NB, (NB + 1) / 2 * (t + 1) / threads * 2);
-      block_range(weight, rows.data(), MB, Kp, KB, block0, block1, M, N, bias_ptr, o);
+      block_range(weight, rows.data(), MB, Kp, KB, block0, block1, M, N, bias_view, o);
     }
   });
   return out;

@@ -23,8 +23,9 @@ bool amx_linear_available();
 at::Tensor amx_pack_weight(const at::Tensor& weight);
 
 // x [M, K] (M <= AMX_LINEAR_ROWS, last dimension contiguous) times the packed weight of N features, plus bias [N]
-// (any float dtype, or none) -> [M, N] bfloat16: products exact, sums in float32, rounded to bfloat16 once (to
-// nearest even), as oneDNN's bfloat16 product rounds, in another summation order.
+// (any float dtype, or none; a contiguous bfloat16 one is read in place) -> [M, N] bfloat16: products exact, sums
+// in float32, rounded to bfloat16 once (to nearest even), as oneDNN's bfloat16 product rounds, in another summation
+// order.
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                       int64_t N);
 
