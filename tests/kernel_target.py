@@ -5,9 +5,6 @@ read. A branch runs where both have the feature (the target never has more than 
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 from paged_hf.kernels import cpu_ext
@@ -28,8 +25,4 @@ def cpu_flags() -> frozenset[str]:
 @functools.cache
 def target_defines() -> frozenset[str]:
     """The macros the compiler defines for the library's target, e.g. ``__AVX512F__``, ``__AMX_BF16__``."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    arch = os.environ.get(cpu_ext.ARCH_VAR, "").strip() or "native"
-    out = subprocess.run([compiler, f"-march={arch}", "-dM", "-E", "-x", "c++", os.devnull], capture_output=True,
-                         text=True, check=True, timeout=60).stdout
-    return frozenset(line.split()[1] for line in out.splitlines() if line.startswith("#define "))
+    return cpu_ext.target_macros()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,14 @@ TARGETS = {  # -march value: CPU flags it needs
 }
 FILES = ("tests/test_cpu_decode_kernel.py", "tests/test_cpu_prefill_kernel.py", "tests/test_packed_linear.py",
          "tests/test_compiled_cpu_ops.py", "tests/test_cpu_bf16.py")
+
+
+@pytest.fixture
+def compiler():
+    found = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if found is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86-64 machine with a C++ compiler")
+    return found
 
 
 @pytest.mark.parametrize("arch", sorted(TARGETS))
@@ -45,12 +54,28 @@ def test_the_kernel_tests_pass_with_the_library_built_for(arch):
     assert " passed" in result.stdout.splitlines()[-1], result.stdout[-2000:]
 
 
-def test_a_target_that_is_not_a_march_value_is_refused(monkeypatch):
+def test_a_target_that_is_not_a_march_value_is_refused(monkeypatch, compiler):
     monkeypatch.setenv(cpu_ext.ARCH_VAR, "native; rm -rf /")
     with pytest.raises(ValueError, match="PAGED_HF_CPU_ARCH is a -march value"):
-        cpu_ext._flags()
+        cpu_ext._flags(compiler)
+    monkeypatch.setenv(cpu_ext.ARCH_VAR, "no-such-cpu")
+    with pytest.raises(ValueError, match="PAGED_HF_CPU_ARCH=no-such-cpu: .* does not take it as a -march value"):
+        cpu_ext._flags(compiler)
     monkeypatch.setenv(cpu_ext.ARCH_VAR, " ")
-    assert cpu_ext._flags()[-1] == "-march=native"
+    assert cpu_ext._flags(compiler)[-1] == "-march=native"
+
+
+def test_a_target_with_instructions_this_cpu_lacks_is_refused(monkeypatch, compiler):
+    """A library built for more than the CPU has would die of an illegal instruction: refused before building,
+    naming what is missing (here the CPU is made to look like an SSE4.2 machine, x86-64-v2)."""
+    real = cpu_ext.target_macros
+    monkeypatch.setattr(cpu_ext, "target_macros",
+                        lambda compiler=None, arch=None: real(compiler, "x86-64-v2" if arch is None else arch))
+    monkeypatch.setenv(cpu_ext.ARCH_VAR, "x86-64-v3")
+    with pytest.raises(ValueError, match=r"PAGED_HF_CPU_ARCH=x86-64-v3: this CPU lacks .*__AVX2__.*__FMA__"):
+        cpu_ext._flags(compiler)
+    monkeypatch.setenv(cpu_ext.ARCH_VAR, "x86-64-v2")
+    assert cpu_ext._flags(compiler)[-1] == "-march=x86-64-v2"
 
 
 def test_a_failed_build_leaves_the_torch_paths_and_says_why(tmp_path):

@@ -120,18 +120,49 @@ def _register_fakes() -> None:
     fake("paged_hf_cpu::attend")(lambda query, *args: torch.empty_like(query))
 
 
-def _flags() -> tuple[str, ...]:
-    """``FLAGS`` and the target: ``-march=native``, or ``-march=$PAGED_HF_CPU_ARCH`` (an older instruction set than
-    this machine's, e.g. ``x86-64-v3``: how the tests run the kernels' AVX2 and AVX-512 paths on an AMX machine)."""
+def _flags(compiler: str) -> tuple[str, ...]:
+    """``FLAGS`` and the target: ``-march=native``, or ``-march=$PAGED_HF_CPU_ARCH``, an older instruction set than
+    this machine's (e.g. ``x86-64-v3``: how the tests run the kernels' AVX2 and AVX-512 paths on an AMX machine).
+    ValueError for a value that is not a ``-march`` the compiler knows, or whose instructions this CPU lacks (the
+    library would die of an illegal instruction)."""
     arch = os.environ.get(ARCH_VAR, "").strip() or "native"
     if not arch.replace("-", "").replace("_", "").isalnum():
         raise ValueError(f"{ARCH_VAR} is a -march value such as native or x86-64-v3, not {arch!r}")
+    if arch != "native":
+        missing = _instruction_sets(target_macros(compiler, arch)) - _instruction_sets(target_macros(compiler))
+        if missing:
+            raise ValueError(f"{ARCH_VAR}={arch}: this CPU lacks {', '.join(sorted(missing))}; name an older target "
+                             f"(x86-64-v3, x86-64-v2) or unset it")
     return (*FLAGS, f"-march={arch}")
+
+
+def target_macros(compiler: str | None = None, arch: str | None = None) -> frozenset[str]:
+    """The macros `compiler` (default: the one the library is built with) defines for ``-march=arch`` (default:
+    ``$PAGED_HF_CPU_ARCH``, else native), e.g. ``__AVX512F__``: what the kernels' ``#if`` branches read."""
+    compiler = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    arch = arch or os.environ.get(ARCH_VAR, "").strip() or "native"
+    result = subprocess.run([compiler, f"-march={arch}", "-dM", "-E", "-x", "c++", os.devnull], capture_output=True,
+                            text=True, timeout=60)
+    if result.returncode != 0:
+        said = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines() or [""]
+        raise ValueError(f"{ARCH_VAR}={arch}: {Path(compiler).name} does not take it as a -march value "
+                         f"({said[0].strip()[:200]})")
+    return frozenset(line.split()[1] for line in result.stdout.splitlines() if line.startswith("#define "))
+
+
+# The instruction sets a compiler uses on its own (vectorizing, bit manipulation) once the target has them; the rest
+# (SGX, PKU, WAITPKG, ...) it emits only where code asks by intrinsics, which these kernels do not.
+_CODEGEN_SETS = ("__SSE", "__AVX", "__AMX", "__FMA", "__F16C", "__BMI", "__LZCNT", "__POPCNT", "__MOVBE", "__ABM")
+
+
+def _instruction_sets(macros: frozenset[str]) -> frozenset[str]:
+    """The macros among `macros` that name an instruction set the compiler may emit unasked (``_CODEGEN_SETS``)."""
+    return frozenset(m for m in macros if m.endswith("__") and m.startswith(_CODEGEN_SETS))
 
 
 def _build(compiler: str) -> Path:
     """The library for these sources, torch, compiler, target and CPU: built now unless already in the cache."""
-    flags = _flags()
+    flags = _flags(compiler)
     source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
