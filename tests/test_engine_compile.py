@@ -147,6 +147,28 @@ def test_steady_steps_skip_the_guards_the_warm_up_checked():
     assert counting.calls > 5 and compiled.full_checks == len(WARMUP_STEPS)
 
 
+def test_the_pack_keys_stay_out_of_the_guards_every_step_checks(monkeypatch):
+    """Under the skipped guards dynamo still checks, at every forward, each tensor input it guards by value (its
+    metadata, and that no two alias): the step's own tensors. A packed linear's key buffer held as a plain tensor
+    joined them (211 keys: 0.68 ms of a SmolLM2 bfloat16 decode step); held as an ``nn.Parameter``, it is checked
+    by its dict's tag with the weights. The keys are still graph inputs: a second model's engine runs the same graph
+    on its own keys (``test_compiled_cpu_ops.py``)."""
+    monkeypatch.setenv("PAGED_HF_PACKED_LINEAR", "all")
+    torch.compiler.reset()  # graphs earlier tests left on the class's forward add their own entries
+    model = tiny_model("llama", seed=3)
+    engine = PagedEngine(model, None, **STEADY)
+    keys = [name for name, _ in model.named_buffers() if name.endswith("_pack_key")]
+    assert len(keys) == 7 * model.config.num_hidden_layers + 1, "every linear packed (and the head)"
+    assert not any(name.endswith("_pack_key") for name in dict(model.named_parameters()))
+    assert not any("_pack_key" in name for name in model.state_dict())
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(type(model).forward.__code__)
+    assert len(entries) == 1
+    checked = entries[0].guard_manager.diff_guard_sources
+    assert not [source for source in checked if "_pack_key" in source]
+    assert len(checked) < 40, sorted(checked)
+    assert engine.runner.compiled is not None
+
+
 def test_a_hook_added_or_removed_after_the_warm_up_is_honoured():
     """A hook registered after the warm-up runs at every later forward, and stops when removed: each change makes
     the next forward check every guard (which compiles the hook in, or picks the graph without it)."""
