@@ -5,21 +5,15 @@ read. A branch runs where both have the feature (the target never has more than 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 from paged_hf.kernels import cpu_ext
 
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The ``flags`` line of /proc/cpuinfo (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    """The CPU's feature flags as the library's build hash reads them (/proc/cpuinfo; empty where it has none)."""
+    line = cpu_ext._cpu_flags().decode()
+    return frozenset(line.split(":", 1)[1].split()) if line.startswith("flags") else frozenset()
 
 
 @functools.cache

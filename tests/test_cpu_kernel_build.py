@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ FILES = ("tests/test_cpu_decode_kernel.py", "tests/test_cpu_prefill_kernel.py", 
 
 @pytest.fixture
 def compiler():
-    found = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    found = cpu_ext._compiler()
     if found is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("an x86-64 machine with a C++ compiler")
     return found

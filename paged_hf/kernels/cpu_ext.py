@@ -11,10 +11,11 @@ oneDNN linear of ``paged_hf.packed_linear``, whose bfloat16 products of a few ro
 tiles where the CPU has them; ``pin_threads`` (``csrc/pin_threads.cpp``) binds each of torch's
 intra-op threads to its own CPU; ``greedy`` (``csrc/greedy.cpp``) is the sampler's argmax over a step's logits.
 The library is compiled once per machine with the system's C++ compiler (``$CXX`` or ``c++``) against the installed
-torch (``FLAGS``: ``-march=native`` unless ``$PAGED_HF_CPU_ARCH`` names another target, and ``-fopenmp`` so ``at::parallel_for`` runs on torch's own OpenMP threads:
-the soname resolves to torch's runtime), into ``$PAGED_HF_CACHE`` (default
-``~/.cache/paged_hf``)``/cpu_kernels/<hash>/``; the hash covers the sources (and ``HEADERS``, which they
-include), torch's version, the compiler and the CPU's flags, so a changed kernel, torch or machine builds anew.
+torch (``FLAGS``, with ``-march=native`` unless ``$PAGED_HF_CPU_ARCH`` names another target; ``-fopenmp`` so
+``at::parallel_for`` runs on torch's own OpenMP threads: the soname resolves to torch's runtime), into
+``$PAGED_HF_CACHE`` (default ``~/.cache/paged_hf``)``/cpu_kernels/<hash>/``; the hash covers the sources (and
+``HEADERS``, which they include), torch's version, the compiler, the target and the CPU's flags, so a changed
+kernel, torch or machine builds anew.
 Concurrent processes (test workers, tensor-parallel ranks) build under one file lock, and the library appears under
 its final name only once complete.
 
@@ -94,7 +95,7 @@ def _load() -> bool:
     if os.environ.get(ENV_VAR, "").strip().lower() in ("0", "false", "no", "off"):
         logger.info("paged_hf: %s=0, the CPU attention uses its torch path", ENV_VAR)
         return False
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    compiler = _compiler()
     if compiler is None:
         logger.warning("paged_hf: no C++ compiler (set CXX or install g++): the CPU paged attention uses its torch "
                        "path, slower at decode")
@@ -120,12 +121,22 @@ def _register_fakes() -> None:
     fake("paged_hf_cpu::attend")(lambda query, *args: torch.empty_like(query))
 
 
+def _compiler() -> str | None:
+    """The C++ compiler the library is built with: ``$CXX``, else ``c++`` or ``g++`` on the PATH; None if none."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def _target() -> str:
+    """The ``-march`` value the library is built for: ``$PAGED_HF_CPU_ARCH``, else native."""
+    return os.environ.get(ARCH_VAR, "").strip() or "native"
+
+
 def _flags(compiler: str) -> tuple[str, ...]:
     """``FLAGS`` and the target: ``-march=native``, or ``-march=$PAGED_HF_CPU_ARCH``, an older instruction set than
     this machine's (e.g. ``x86-64-v3``: how the tests run the kernels' AVX2 and AVX-512 paths on an AMX machine).
     ValueError for a value that is not a ``-march`` the compiler knows, or whose instructions this CPU lacks (the
     library would die of an illegal instruction)."""
-    arch = os.environ.get(ARCH_VAR, "").strip() or "native"
+    arch = _target()
     if not arch.replace("-", "").replace("_", "").isalnum():
         raise ValueError(f"{ARCH_VAR} is a -march value such as native or x86-64-v3, not {arch!r}")
     if arch != "native":
@@ -139,8 +150,8 @@ def _flags(compiler: str) -> tuple[str, ...]:
 def target_macros(compiler: str | None = None, arch: str | None = None) -> frozenset[str]:
     """The macros `compiler` (default: the one the library is built with) defines for ``-march=arch`` (default:
     ``$PAGED_HF_CPU_ARCH``, else native), e.g. ``__AVX512F__``: what the kernels' ``#if`` branches read."""
-    compiler = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    arch = arch or os.environ.get(ARCH_VAR, "").strip() or "native"
+    compiler = compiler or _compiler()
+    arch = arch or _target()
     result = subprocess.run([compiler, f"-march={arch}", "-dM", "-E", "-x", "c++", os.devnull], capture_output=True,
                             text=True, timeout=60)
     if result.returncode != 0:

@@ -25,10 +25,6 @@ namespace {
 constexpr int64_t TILE_ELEMENTS = 16 * 32;  // bfloat16 values of one packed 16-feature x 32-input tile
 constexpr int64_t PREFETCH_BYTES = 4096;    // how far ahead of its tile loads a weight stream is requested
 
-// Tiles: 0..3 the float32 sums of (row block m, feature block f) at 2 * m + f; 4, 5 the weight tiles of the two feature
-// blocks; 6, 7 the rows of row blocks 0 and 1. Tiles 0..3 = the products of RB <= 2 row blocks (`rows`, row stride Kp) with FB <= 2 feature blocks (w0, w1),
-// over all KB input tiles; `ahead`: the weight PREFETCH_BYTES ahead is requested (the first pass over these blocks;
-// a second one reads them from cache).
 // The bias of a product: bfloat16 read where it lies (widened 16 at a time as it is added), float32, or none.
 struct Bias {
   const float* f32 = nullptr;
@@ -43,6 +39,10 @@ struct Bias {
   }
 };
 
+// Tiles: 0..3 the float32 sums of (row block m, feature block f) at 2 * m + f; 4, 5 the weight tiles of the two
+// feature blocks; 6, 7 the rows of row blocks 0 and 1. Tiles 0..3 = the products of RB <= 2 row blocks (`rows`, row
+// stride Kp) with FB <= 2 feature blocks (w0, w1), over all KB input tiles; `ahead`: the weight PREFETCH_BYTES ahead
+// is requested (the first pass over these blocks; a second one reads them from cache).
 template <int RB, int FB>
 inline void accumulate(const uint16_t* w0, const uint16_t* w1, const uint16_t* rows, int64_t Kp, int64_t KB,
                        bool ahead) {
