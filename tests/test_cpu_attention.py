@@ -99,6 +99,26 @@ def test_prefill_matches_oracle(kv_format, dtype, feature, mode):
                           paged_prefill_attention_ref(query, **operands), dtype)
 
 
+def test_grouped_heads_are_repeated_where_torch_flash_lacks_them(monkeypatch):
+    """torch 2.6 to 2.8's CPU flash attention return garbage for fewer KV heads than query heads: the torch path
+    then repeats the KV heads. Here that path runs on this torch and still equals the oracle, and the probe that
+    chooses it agrees with the C++ prefill's own."""
+    lengths, chunks = zip(*PREFILL_CHUNKS["prefill"])
+    pools, tables, gen = _pools("auto", torch.float32, lengths, seed=5)
+    cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()])
+    query = torch.randn(int(cu[-1]), NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen)
+    operands = dict(block_tables=tables, seq_lens=torch.tensor(lengths), cu_query_lens=cu, **kernel_args(pools),
+                    scale=0.3)
+    monkeypatch.setattr(cpu_attention, "prefill_kernel", lambda: None)
+    monkeypatch.setattr(cpu_attention, "_flash_groups_heads", lambda: False)
+    assert_matches_oracle(paged_prefill_attention_cpu(query, **operands),
+                          paged_prefill_attention_ref(query, **operands), torch.float32)
+    monkeypatch.undo()
+    if cpu_attention.prefill_kernel() is not None:
+        assert torch.ops.paged_hf_cpu.flash_groups_heads() == cpu_attention._flash_groups_heads()
+    assert cpu_attention._flash_groups_heads() == (tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 9))
+
+
 @pytest.mark.parametrize("kv_format", ["auto", "int4"])
 def test_groups_of_sequences_equal_one_call(kv_format, monkeypatch):
     """A batch past the gather bound goes in groups of sequences: the same rows as one call, decode and prefill

@@ -93,7 +93,8 @@ def test_later_key_tiles_that_outscore_the_first(kernel, dtype, growth):
     seq_lens = torch.tensor(lengths)
     want = paged_prefill_attention_ref(query, pools, tables, seq_lens, cu, 0.02)
     got = kernel(query, pools.key_cache, pools.value_cache, tables, seq_lens, cu, 0.02, None)
-    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    # float32: the oracle's own rounding moves by 2.7e-5 between torch 2.8 and 2.13 at growth 0.05
+    tol = 3e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 

@@ -35,6 +35,7 @@ tail formats, float16, prefill) and decode where no compiler is present; both eq
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import NamedTuple
 
@@ -52,6 +53,19 @@ from .pool_tensors import PoolTensors
 GATHER_ELEMENTS_PER_CHUNK = 1 << 20
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@functools.cache
+def _flash_groups_heads() -> bool:
+    """Whether ``_flash`` maps each KV head to its group of query heads (grouped-query attention). torch 2.6 to 2.8
+    take fewer KV heads than query heads without an error and return garbage; then ``_attend`` repeats the KV heads.
+    Asked once, of the kernel itself."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 2, 1, 8, generator=generator)
+    key, value = torch.randn(1, 1, 3, 8, generator=generator), torch.randn(1, 1, 3, 8, generator=generator)
+    grouped, _ = _flash(query, key, value, scale=1.0)
+    repeated, _ = _flash(query, key.expand(1, 2, 3, 8), value.expand(1, 2, 3, 8), scale=1.0)
+    return torch.allclose(grouped, repeated, atol=1e-5)
 
 
 def paged_decode_attention_cpu(query, pools: PoolTensors, block_tables, seq_lens, scale, sliding_window=None,
@@ -374,6 +388,9 @@ def _attend(query, k, v, mask, scale, softcap, sinks) -> torch.Tensor:
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     if softcap is not None:
         return _explicit_attention(query, k, v, mask == 0, scale, softcap, sinks)
+    if k.shape[1] != query.shape[1] and not _flash_groups_heads():
+        group = query.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     if mask is None:
         out, lse = _flash(query, k, v, is_causal=True, scale=scale)
     else:

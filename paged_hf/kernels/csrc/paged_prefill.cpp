@@ -5,6 +5,8 @@
 //                             scale, sinks [H] float32 or None) -> [T, H, D]
 // paged_hf_cpu::paged_prefill_flash(the same) -> [T, H, D]: always the second path below (for comparisons)
 // paged_hf_cpu::prefill_uses_brgemm(query, key_cache) -> bool: whether paged_prefill takes the first path
+// paged_hf_cpu::flash_groups_heads() -> bool: whether torch's CPU flash attention takes fewer KV heads than query
+//     heads (else the second path repeats them)
 //
 // Sequence s's queries are rows cu_query_lens[s] .. cu_query_lens[s + 1] - 1, its last positions: the n new tokens
 // at positions ctx .. ctx + n - 1 with ctx = seq_lens[s] - n (their K/V already stored). Sinks join the denominator:
@@ -24,9 +26,10 @@
 //   adds probabilities x V into a float32 accumulator. A later chunk is one pass over stored and new
 //   keys (no second call, no merge). Items are taken longest first from a shared counter by torch's threads.
 // - otherwise (other CPUs, float16, other head dims): each sequence's blocks gathered once (one index_select per
-//   pool) and attended by torch's CPU flash attention (float32 accumulation, GQA native): the n queries see every
-//   key below ctx (one unmasked call) and the new keys causally (a second call, whose top-left causal rule is
-//   exactly the new block's), the two merged by their log-sum-exps; a first chunk (ctx = 0) is one causal call.
+//   pool) and attended by torch's CPU flash attention (float32 accumulation, GQA native since torch 2.9; before,
+//   the KV heads are repeated): the n queries see every key below ctx (one unmasked call) and the new keys causally
+//   (a second call, whose top-left causal rule is exactly the new block's), the two merged by their log-sum-exps;
+//   a first chunk (ctx = 0) is one causal call.
 //
 // The caller takes this op for unquantized pools in the query's dtype, no window cutting a sequence, no softcap.
 #include <ATen/ATen.h>
@@ -347,10 +350,30 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
   });
 }
 
+// Whether torch's CPU flash attention maps each KV head to its group of query heads. torch 2.6 to 2.8 take fewer
+// KV heads than query heads without an error and return garbage; asked once, of the kernel itself.
+bool flash_groups_heads() {
+  static const bool groups = [] {
+    const auto q = at::linspace(-1.0, 1.0, 16, at::kFloat).view({1, 2, 1, 8});
+    const auto k = at::linspace(-2.0, 1.0, 24, at::kFloat).view({1, 1, 3, 8});
+    const auto v = at::linspace(0.5, -1.5, 24, at::kFloat).view({1, 1, 3, 8});
+    const auto grouped = std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, false,
+                                                                                        std::nullopt, 1.0));
+    const auto repeated = std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
+        q, k.expand({1, 2, 3, 8}), v.expand({1, 2, 3, 8}), 0.0, false, std::nullopt, 1.0));
+    return at::allclose(grouped, repeated, 1e-5, 1e-5);
+  }();
+  return groups;
+}
+
 // out [1, H, n, D] (query dtype) and its log-sum-exp [1, H, n] (float32) of q over k, v ([1, heads, len, D]).
 std::tuple<at::Tensor, at::Tensor> flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                                          double scale) {
-  auto result = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, std::nullopt, scale);
+  const int64_t group = q.size(1) / k.size(1);
+  const bool repeat = group > 1 && !flash_groups_heads();
+  auto result = at::_scaled_dot_product_flash_attention_for_cpu(
+      q, repeat ? k.repeat_interleave(group, 1) : k, repeat ? v.repeat_interleave(group, 1) : v, 0.0, causal,
+      std::nullopt, scale);
   return {std::get<0>(result), std::get<1>(result)};
 }
 
@@ -464,6 +487,8 @@ bool prefill_uses_brgemm(const at::Tensor& query, const at::Tensor& key_cache) {
 TORCH_LIBRARY_FRAGMENT(paged_hf_cpu, m) {
   m.def("prefill_uses_brgemm(Tensor query, Tensor key_cache) -> bool");
   m.impl("prefill_uses_brgemm", TORCH_FN(prefill_uses_brgemm));
+  m.def("flash_groups_heads() -> bool");
+  m.impl("flash_groups_heads", TORCH_FN(flash_groups_heads));
   m.def("paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor cu_query_lens, float scale, Tensor? sinks) -> Tensor");
   m.impl("paged_prefill", c10::DispatchKey::CPU, TORCH_FN(paged_prefill));
