@@ -15,6 +15,7 @@ from torch._inductor.utils import run_and_get_code
 
 from paged_hf import LLM, PagedEngine, SamplingParams, ops
 from paged_hf.config import EngineConfig
+from paged_hf.engine import compile as compile_module
 from paged_hf.engine.compile import WARMUP_STEPS, CompiledForward
 from models import tiny_model
 from test_engine_families import prompts, references
@@ -312,6 +313,28 @@ def test_a_model_that_does_not_compile_runs_eagerly_with_a_warning(caplog):
     assert engine.runner.compiled is None
     assert any("cannot compile" in r.message for r in caplog.records)
     assert tokens(engine) == eager
+
+
+def test_a_torch_that_cannot_compile_the_forward_runs_it_eagerly(caplog, monkeypatch):
+    """torch 2.7 compiles a graph that decodes wrong tokens and 2.6 lacks settings the compiled forward patches (a
+    patch of a missing setting crashed the engine's start): the engine says why and runs eagerly. Here a setting
+    this torch lacks stands in for the second, and a later floor for the first."""
+    assert compile_module.why_not_compiled() is None, "this torch compiles the forward"
+    needed = compile_module._NEEDED_SETTINGS
+    monkeypatch.setattr(compile_module, "_NEEDED_SETTINGS",
+                        ((needed[0][0], needed[0][1], (*needed[0][2], "a_setting_of_a_later_torch")), *needed[1:]))
+    assert compile_module.why_not_compiled().endswith("lacks torch._dynamo.config.a_setting_of_a_later_torch")
+    model = tiny_model("llama")
+    eager = tokens(PagedEngine(model, None, enforce_eager=True, **STEADY))
+    with caplog.at_level(logging.WARNING, logger="paged_hf"):
+        engine = PagedEngine(model, None, **STEADY)
+    assert engine.runner.compiled is None
+    assert any("cannot compile" in r.message and "a_setting_of_a_later_torch" in r.message for r in caplog.records)
+    assert tokens(engine) == eager
+    monkeypatch.undo()
+    monkeypatch.setattr(compile_module, "COMPILE_FLOOR", "99.0")
+    assert "older than 99.0" in compile_module.why_not_compiled()
+    assert PagedEngine(model, None, **STEADY).runner.compiled is None
 
 
 def test_a_compile_failure_after_warm_up_falls_back_to_eager(caplog):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
 import logging
 import time
 
@@ -151,12 +152,48 @@ class CompileFailed(RuntimeError):
     """torch.compile could not compile the forward (the runner then runs it eagerly)."""
 
 
+# The oldest torch whose compiled forward gives the eager forward's tokens: torch 2.7 has every setting below but its
+# graph of a stock Llama decodes wrong tokens; 2.6 lacks the settings. paged_hf requires 2.8, but an older torch
+# installed anyway (transformers accepts 2.6) runs the engine eagerly, saying why, never a wrong graph.
+COMPILE_FLOOR = "2.8"
+# What the compiled forward asks of torch, by name: the settings it patches (a later torch may rename one).
+_NEEDED_SETTINGS = ((torch._dynamo.config, "torch._dynamo.config", ("recompile_limit", "skip_nnmodule_hook_guards")),
+                    (fx_config, "torch.fx.experimental._config", ("backed_size_oblivious", "use_duck_shape")),
+                    (torch._inductor.config, "torch._inductor.config",
+                     ("post_grad_custom_pre_pass", "cpp.dynamic_threads", "size_asserts")))
+_ABSENT = object()
+
+
+def why_not_compiled() -> str | None:
+    """Why this torch cannot run the compiled forward (its version, or the settings and APIs it lacks); None: it
+    can."""
+    if torch.torch_version.TorchVersion(torch.__version__) < COMPILE_FLOOR:
+        return f"torch {torch.__version__} is older than {COMPILE_FLOOR}, the oldest whose graph is exact"
+    missing = []
+    for module, name, settings in _NEEDED_SETTINGS:
+        for setting in settings:
+            holder = module
+            for part in setting.split("."):
+                holder = getattr(holder, part, _ABSENT)
+            if holder is _ABSENT:
+                missing.append(f"{name}.{setting}")
+    if "skip_guard_eval_unsafe" not in inspect.signature(torch.compiler.set_stance).parameters:
+        missing.append("torch.compiler.set_stance(skip_guard_eval_unsafe=...)")
+    if not hasattr(torch._dynamo.eval_frame, "_stance"):
+        missing.append("torch._dynamo.eval_frame._stance")
+    return f"torch {torch.__version__} lacks {', '.join(missing)}" if missing else None
+
+
 class CompiledForward:
     """``torch.compile(model, fullgraph=True)`` called the engine's way: ``forward(engine_cache, metadata, **inputs)``
     (``inputs``: the model's keyword arguments, ``cache=engine_cache`` among them)."""
 
     def __init__(self, model, backend: str = "inductor", evaluate_guards: bool = False) -> None:
-        """``evaluate_guards``: every dynamo guard at every forward (see the module docstring)."""
+        """``evaluate_guards``: every dynamo guard at every forward (see the module docstring). ``CompileFailed``
+        where this torch cannot run it (``why_not_compiled``)."""
+        reason = why_not_compiled()
+        if reason is not None:
+            raise CompileFailed(reason)
         self.model = model
         self.backend = backend
         self.evaluate_guards = evaluate_guards

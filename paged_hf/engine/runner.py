@@ -117,11 +117,11 @@ class ModelRunner:
         self.batch: DecodeBatch | None = None  # the last step's, when it was a steady decode step
 
     def _compile(self) -> CompiledForward | None:
-        compiled = CompiledForward(self.model)
         graphs = counters["stats"]["unique_graphs"]
-        logger.info("PagedEngine: compiling the forward of %s (torch.compile, %s; enforce_eager=True skips it)",
-                    type(self.model).__name__, compiled.backend)
         try:
+            compiled = CompiledForward(self.model)
+            logger.info("PagedEngine: compiling the forward of %s (torch.compile, %s; enforce_eager=True skips it)",
+                        type(self.model).__name__, compiled.backend)
             seconds = compiled.warm_up(self.kv, self.keeps_logits, self.no_mask, self.device)
         except CompileFailed as error:
             logger.warning("PagedEngine: torch.compile cannot compile %s (%s); the engine runs it eagerly",
