@@ -31,7 +31,9 @@ class Launch:
 
     def compile(self) -> None:
         """Compiles this launch's variant for the current device without running it (triton's ``warmup``; the
-        interpreter compiles nothing)."""
+        interpreter compiles nothing; Triton 3.4's interpreted kernels have no ``warmup`` at all)."""
+        if not hasattr(self.kernel, "warmup") and triton_interpreting():
+            return
         self.kernel.warmup(*self.args, grid=self.grid, **self.meta, **self.options)
 
 
