@@ -65,9 +65,11 @@ WARMUP_STEPS = (((5,), (1,), 1), ((3, 9, 0), (1, 1, 6), 2), ((0,), (7,), 0))
 # fails the guards and the forward compiles again (or, a hook dynamo cannot trace, runs eagerly). The recompile
 # limit counts per code object, and every HF model's forward is transformers' one decorator wrapper: engines over
 # many configs in one process (a test run) would exhaust the default 8.
-_COMPILE_CONFIG = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False, recompile_limit=64)
+_DYNAMO_SETTINGS = {"skip_nnmodule_hook_guards": False, "recompile_limit": 64}
+_COMPILE_CONFIG = torch._dynamo.config.patch(**_DYNAMO_SETTINGS)
 # Sizes 0 and 1 are no special case, and equal sizes get no shared symbol (T == S in a decode-only step is chance).
-_SHAPE_CONFIG = fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
+_SHAPE_SETTINGS = {"backed_size_oblivious": True, "use_duck_shape": False}
+_SHAPE_CONFIG = fx_config.patch(**_SHAPE_SETTINGS)
 
 
 class _GraphPasses(CustomGraphPass):
@@ -92,8 +94,8 @@ class _GraphPasses(CustomGraphPass):
 # prefill or mixed run). Each element's arithmetic is the same either way. ``size_asserts`` off, as vLLM compiles:
 # the wrapper checked every input's and every custom op output's sizes and strides each step (~600 calls for
 # SmolLM2, 0.35 ms of its 3 ms a decode step); the ops' fake implementations are what the graph was built from.
-_INDUCTOR = functools.partial(compile_fx, config_patches={"post_grad_custom_pre_pass": _GraphPasses(),
-                                                        "cpp.dynamic_threads": True, "size_asserts": False})
+_INDUCTOR_SETTINGS = {"post_grad_custom_pre_pass": _GraphPasses(), "cpp.dynamic_threads": True, "size_asserts": False}
+_INDUCTOR = functools.partial(compile_fx, config_patches=_INDUCTOR_SETTINGS)
 
 
 # Module API edits in this process (a submodule, parameter or buffer assigned), counted by the global registration
@@ -156,18 +158,17 @@ class CompileFailed(RuntimeError):
 # graph of a stock Llama decodes wrong tokens; 2.6 lacks the settings. paged_hf requires 2.8, but an older torch
 # installed anyway (transformers accepts 2.6) runs the engine eagerly, saying why, never a wrong graph.
 COMPILE_FLOOR = "2.8"
-# What the compiled forward asks of torch, by name: the settings it patches (a later torch may rename one).
-_NEEDED_SETTINGS = ((torch._dynamo.config, "torch._dynamo.config", ("recompile_limit", "skip_nnmodule_hook_guards")),
-                    (fx_config, "torch.fx.experimental._config", ("backed_size_oblivious", "use_duck_shape")),
-                    (torch._inductor.config, "torch._inductor.config",
-                     ("post_grad_custom_pre_pass", "cpp.dynamic_threads", "size_asserts")))
+# The settings the compiled forward patches, by name, where they live (a later torch may rename one).
+_NEEDED_SETTINGS = ((torch._dynamo.config, "torch._dynamo.config", tuple(_DYNAMO_SETTINGS)),
+                    (fx_config, "torch.fx.experimental._config", tuple(_SHAPE_SETTINGS)),
+                    (torch._inductor.config, "torch._inductor.config", tuple(_INDUCTOR_SETTINGS)))
 _ABSENT = object()
 
 
 def why_not_compiled() -> str | None:
     """Why this torch cannot run the compiled forward (its version, or the settings and APIs it lacks); None: it
     can."""
-    if torch.torch_version.TorchVersion(torch.__version__) < COMPILE_FLOOR:
+    if torch.__version__ < COMPILE_FLOOR:  # a TorchVersion: compared as a version
         return f"torch {torch.__version__} is older than {COMPILE_FLOOR}, the oldest whose graph is exact"
     missing = []
     for module, name, settings in _NEEDED_SETTINGS:
