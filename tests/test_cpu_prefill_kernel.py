@@ -1,7 +1,7 @@
 """The C++ CPU prefill (``kernels/cpu_ext``, ``csrc/paged_prefill.cpp``) against the float32 oracle, over random
 steps (hypothesis): chunks that start a sequence and chunks after stored keys, empty chunks, one-token chunks,
-GQA groups, block sizes, head dims, sinks, int32 and int64 tables, float32 and bfloat16 (its own brgemm flash where
-the CPU has the products, across several key tiles); plus where the production path takes it (and where it keeps
+GQA groups, block sizes, head dims, sinks, sliding windows, int32 and int64 tables, float32 and bfloat16 (its own
+brgemm flash where the CPU has the products, across several key tiles); plus where the production path takes it (and where it keeps
 the torch path), and an engine's greedy tokens with it equal to the torch path's."""
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def prefill_cases(draw):
     return dict(chunks=chunks, num_kv_heads=draw(st.integers(1, 3)), group=draw(st.sampled_from([1, 2, 3])),
                 head_dim=draw(st.sampled_from([8, 16, 64])), block_size=draw(st.sampled_from([1, 4, 16])),
                 dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])), sinks=draw(st.booleans()),
+                # windows of one key, inside a chunk, across chunks and key tiles, and wider than every sequence
+                window=draw(st.sampled_from([None, None, 1, 3, 30, 257, 600])),
                 index_dtype=draw(st.sampled_from([torch.int32, torch.int64])), seed=draw(st.integers(0, 2**16)))
 
 
@@ -65,13 +67,34 @@ def _step(case):
 @given(case=prefill_cases())
 def test_kernel_matches_the_oracle(kernel, case):
     query, pools, tables, seq_lens, cu, sinks = _step(case)
-    want = paged_prefill_attention_ref(query, pools, tables.long(), seq_lens.long(), cu.long(), 0.3, sinks=sinks)
+    window = case["window"]
+    want = paged_prefill_attention_ref(query, pools, tables.long(), seq_lens.long(), cu.long(), 0.3,
+                                       sliding_window=window, sinks=sinks)
     # bfloat16: the output's rounding, and the two partial outputs' (chunks after stored keys) before their merge
     tol = 2e-5 if case["dtype"] == torch.float32 else 2e-2
     for op in (kernel, torch.ops.paged_hf_cpu.paged_prefill_flash):  # the op, and its torch-flash path alone
-        got = op(query, pools.key_cache, pools.value_cache, tables, seq_lens, cu, 0.3, sinks)
+        got = op(query, pools.key_cache, pools.value_cache, tables, seq_lens, cu, 0.3, sinks, window or 0)
         assert got.dtype == query.dtype and got.shape == query.shape
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 30, 255, 256, 257, 700])
+def test_windows_across_key_tiles(kernel, dtype, window):
+    """Sliding windows whose first keys fall on either side of the brgemm flash's 256-key tiles: a first chunk of
+    600 keys, a chunk of 60 after 500 stored keys (its rows' windows start in one tile and end in the next) and
+    one of 3 after 1,000; both paths of the op against the oracle."""
+    gen = torch.Generator().manual_seed(window)
+    lengths, counts = [600, 560, 1003], [600, 60, 3]
+    pools = PoolTensors(**random_pools("auto", 160, 16, 2, 64, dtype=dtype, seed=window, key_offset=1.0))
+    tables, seq_lens = random_block_tables(lengths, 16, 160, gen), torch.tensor(lengths)
+    cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    query = torch.randn(sum(counts), 4, 64, generator=gen).to(dtype)
+    want = paged_prefill_attention_ref(query, pools, tables, seq_lens, cu, 0.125, sliding_window=window).float()
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for op in (kernel, torch.ops.paged_hf_cpu.paged_prefill_flash):
+        got = op(query, pools.key_cache, pools.value_cache, tables, seq_lens, cu, 0.125, None, window).float()
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -125,10 +148,10 @@ def test_kernel_refuses_what_it_cannot_read(kernel):
 
 
 @pytest.mark.parametrize(("kv_format", "window", "softcap", "used"), [
-    ("auto", None, None, True), ("auto", 64, None, True), ("auto", 8, None, False), ("auto", None, 20.0, False),
+    ("auto", None, None, True), ("auto", 64, None, True), ("auto", 8, None, True), ("auto", None, 20.0, False),
     ("int8", None, None, False)])
 def test_production_prefill_takes_it_where_it_applies(kernel, monkeypatch, kv_format, window, softcap, used):
-    """Unquantized pools, no softcap, no window shorter than a sequence: the kernel; else the torch path."""
+    """Unquantized pools and no softcap (a window shorter than a sequence too): the kernel; else the torch path."""
     calls = []
     monkeypatch.setattr(cpu_attention, "prefill_kernel", lambda: (lambda *a: calls.append(1) or kernel(*a)))
     gen = torch.Generator().manual_seed(0)

@@ -1,16 +1,18 @@
-// The CPU paged prefill attention: each chunk against its own sequence's keys, causal, no padding and no mask.
+// The CPU paged prefill attention: each chunk against its own sequence's keys, causal (within a sliding window where
+// one is given), no padding.
 //
 // paged_hf_cpu::paged_prefill(query [T, H, D], key_cache [N, B, KH, D], value_cache [N, B, KH, D],
 //                             block_tables [S, W] (int32 or int64), seq_lens [S], cu_query_lens [S + 1] (from 0),
-//                             scale, sinks [H] float32 or None) -> [T, H, D]
+//                             scale, sinks [H] float32 or None, window (<= 0: none)) -> [T, H, D]
 // paged_hf_cpu::paged_prefill_flash(the same) -> [T, H, D]: always the second path below (for comparisons)
 // paged_hf_cpu::prefill_uses_brgemm(query, key_cache) -> bool: whether paged_prefill takes the first path
 // paged_hf_cpu::flash_groups_heads() -> bool: whether torch's CPU flash attention takes fewer KV heads than query
 //     heads (else the second path repeats them)
 //
 // Sequence s's queries are rows cu_query_lens[s] .. cu_query_lens[s + 1] - 1, its last positions: the n new tokens
-// at positions ctx .. ctx + n - 1 with ctx = seq_lens[s] - n (their K/V already stored). Sinks join the denominator:
-// out * sigmoid(lse - sink). Two paths, the same attention:
+// at positions ctx .. ctx + n - 1 with ctx = seq_lens[s] - n (their K/V already stored). A window w > 0 lets the
+// query at position p see the keys at positions p - w + 1 .. p (HF's sliding_window), a smaller w none. Sinks join
+// the denominator: out * sigmoid(lse - sink). Two paths, the same attention:
 //
 // - where oneDNN's brgemm has the products (bfloat16: AMX, cpublas::could_pack; float32: AVX-512) and
 //   D % 16 == 0: a flash attention of our own. Each sequence's keys are packed once per call, per KV head and
@@ -24,14 +26,17 @@
 //   cut per row, a row's reference maximum moved only when a tile outscores it by 2^8 (softmax_row); bfloat16
 //   products' probabilities rounded as torch's flash kernel rounds them), then one brgemm
 //   adds probabilities x V into a float32 accumulator. A later chunk is one pass over stored and new
-//   keys (no second call, no merge). Items are taken longest first from a shared counter by torch's threads.
+//   keys (no second call, no merge). Items are taken longest first from a shared counter by torch's threads. Under
+//   a window only the tiles from the chunk's first visible key are packed, an item's products start at the tile of
+//   its first row's first visible key, and the keys of that tile below a row's window are cut like those above it.
 // - otherwise (other CPUs, float16, other head dims): each sequence's blocks gathered once (one index_select per
 //   pool) and attended by torch's CPU flash attention (float32 accumulation, GQA native since torch 2.9; before,
 //   the KV heads are repeated): the n queries see every key below ctx (one unmasked call) and the new keys causally
 //   (a second call, whose top-left causal rule is exactly the new block's), the two merged by their log-sum-exps;
-//   a first chunk (ctx = 0) is one causal call.
+//   a first chunk (ctx = 0) is one causal call. A window that cuts a sequence's keys: one call over the keys from the
+//   chunk's first visible one, under a mask of the window and the causal rule.
 //
-// The caller takes this op for unquantized pools in the query's dtype, no window cutting a sequence, no softcap.
+// The caller takes this op for unquantized pools in the query's dtype, no softcap.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -62,9 +67,10 @@ constexpr int64_t QUERY_TILE = 32;  // query positions of a work item (times the
 constexpr int64_t KEY_TILE = 256;   // keys of a tile: one product for the scores, one for the values
 constexpr int64_t COLUMN_STEP = 32; // a tile's products are cut to the keys its rows see, in steps of this
 
-// One chunk of the step: its queries' first row and count, its keys, and where its packed tiles start.
+// One chunk of the step: its queries' first row and count, its keys, and its packed tiles: tiles tile0 ..
+// tile0 + tiles - 1 of each KV head (tile0 > 0 where a window hides the first keys from every query), from `packed`.
 struct Chunk {
-  int64_t first, n, len, ctx, tiles, packed;
+  int64_t first, n, len, ctx, tile0, tiles, packed;
   const int64_t* table;
 };
 
@@ -258,7 +264,8 @@ struct Scratch {
 // T: the dtype of the query, the pools and the output; P: the products' (T, or float32 for bfloat16 widened).
 template <typename T, typename P>
 void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                    const std::vector<Chunk>& chunks, double scale, const at::Tensor& sink_values, at::Tensor& out) {
+                    const std::vector<Chunk>& chunks, double scale, const at::Tensor& sink_values, int64_t window,
+                    at::Tensor& out) {
   const int64_t H = query.size(1), D = query.size(2), B = key_cache.size(1), KH = key_cache.size(2);
   const int64_t group = H / KH, tile_elems = KEY_TILE * D;
   constexpr bool vnni = std::is_same_v<P, BF16>;  // bfloat16 products read VNNI-packed operands
@@ -275,7 +282,7 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Chunk& c = chunks[tiles[i].first];
-      const int64_t head = tiles[i].second / c.tiles, tile = tiles[i].second % c.tiles;
+      const int64_t head = tiles[i].second / c.tiles, tile = c.tile0 + tiles[i].second % c.tiles;
       P* base = packed_data + (c.packed + tiles[i].second) * 2 * tile_elems;
       pack_tile(keys, values, c, head, tile, B, KH, D, base, base + tile_elems);
     }
@@ -317,13 +324,20 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
       std::fill(peak, peak + M, -INFINITY);
       std::fill(total, total + M, 0.0f);
       const int64_t first_pos = c.ctx + item.start;
-      for (int64_t tile = 0; tile * KEY_TILE <= item.last; ++tile) {
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;  // the rows' lowest
+      for (int64_t tile = first_key / KEY_TILE; tile * KEY_TILE <= item.last; ++tile) {
         const int64_t key0 = tile * KEY_TILE, width = std::min(KEY_TILE, item.last + 1 - key0);
         const int64_t cols = (width + COLUMN_STEP - 1) / COLUMN_STEP * COLUMN_STEP;
-        const P* k_tile = packed_data + (c.packed + item.head * c.tiles + tile) * 2 * tile_elems;
+        const P* k_tile = packed_data + (c.packed + item.head * c.tiles + tile - c.tile0) * 2 * tile_elems;
         at::native::cpublas::brgemm(M, cols, D, D, KEY_TILE, KEY_TILE, false, q, k_tile, scores, vnni);
         for (int64_t r = 0; r < M; ++r) {
-          const int64_t seen = std::min(width, first_pos + r / group + 1 - key0);  // keys of this tile row r sees
+          const int64_t pos = first_pos + r / group;
+          int64_t seen = std::min(width, pos + 1 - key0);  // keys of this tile row r sees: [below, seen)
+          if (window > 0) {
+            const int64_t below = std::min(seen, pos - window + 1 - key0);  // keys under the row's window
+            if (below >= seen) seen = 0;
+            else std::fill(scores + r * KEY_TILE, scores + r * KEY_TILE + std::max<int64_t>(below, 0), -INFINITY);
+          }
           const float rescale = softmax_row(scores + r * KEY_TILE, probs + r * KEY_TILE, seen, cols, c_scale,
                                             peak[r], total[r]);
           if (rescale != 1.0f) {
@@ -366,14 +380,15 @@ bool flash_groups_heads() {
   return groups;
 }
 
-// out [1, H, n, D] (query dtype) and its log-sum-exp [1, H, n] (float32) of q over k, v ([1, heads, len, D]).
+// out [1, H, n, D] (query dtype) and its log-sum-exp [1, H, n] (float32) of q over k, v ([1, heads, len, D]), under
+// an additive mask [1, 1, n, len] where one is given.
 std::tuple<at::Tensor, at::Tensor> flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                                         double scale) {
+                                         double scale, const std::optional<at::Tensor>& mask = std::nullopt) {
   const int64_t group = q.size(1) / k.size(1);
   const bool repeat = group > 1 && !flash_groups_heads();
   auto result = at::_scaled_dot_product_flash_attention_for_cpu(
       q, repeat ? k.repeat_interleave(group, 1) : k, repeat ? v.repeat_interleave(group, 1) : v, 0.0, causal,
-      std::nullopt, scale);
+      mask, scale);
   return {std::get<0>(result), std::get<1>(result)};
 }
 
@@ -381,7 +396,7 @@ std::tuple<at::Tensor, at::Tensor> flash(const at::Tensor& q, const at::Tensor& 
 // benchmarks and tests that compare the two).
 at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_query_lens,
-                   double scale, const std::optional<at::Tensor>& sinks, bool own) {
+                   double scale, const std::optional<at::Tensor>& sinks, int64_t window, bool own) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "paged_prefill: query [T, H, D], "
               "pools [N, B, KH, D]");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
@@ -418,18 +433,19 @@ at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const a
       for (int64_t b = 0; b < blocks; ++b)
         TORCH_CHECK(row[b] >= 0 && row[b] < key_cache.size(0), "paged_prefill: sequence ", s, " reads block ", row[b],
                     " of a pool of ", key_cache.size(0));
-      const int64_t tiles = (len + KEY_TILE - 1) / KEY_TILE;
-      chunks.push_back({first, n, len, ctx, tiles, packed, row});
+      const int64_t tile0 = window > 0 ? std::max<int64_t>(0, ctx - window + 1) / KEY_TILE : 0;
+      const int64_t tiles = (len + KEY_TILE - 1) / KEY_TILE - tile0;
+      chunks.push_back({first, n, len, ctx, tile0, tiles, packed, row});
       packed += tiles * KH;
     }
     at::Tensor out = at::empty(query.sizes(), query.options());
     const at::Tensor sink_rows = sink_values.defined() ? sink_values.contiguous() : sink_values;
     if (query.scalar_type() == at::kFloat)
-      brgemm_prefill<float, float>(query, key_cache, value_cache, chunks, scale, sink_rows, out);
+      brgemm_prefill<float, float>(query, key_cache, value_cache, chunks, scale, sink_rows, window, out);
     else if (bf16_products())
-      brgemm_prefill<BF16, BF16>(query, key_cache, value_cache, chunks, scale, sink_rows, out);
+      brgemm_prefill<BF16, BF16>(query, key_cache, value_cache, chunks, scale, sink_rows, window, out);
     else
-      brgemm_prefill<BF16, float>(query, key_cache, value_cache, chunks, scale, sink_rows, out);
+      brgemm_prefill<BF16, float>(query, key_cache, value_cache, chunks, scale, sink_rows, window, out);
     return out;
   }
   at::Tensor out = at::empty_like(query);
@@ -440,15 +456,23 @@ at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const a
     const int64_t blocks = (len + B - 1) / B;
     TORCH_CHECK(blocks <= tables.size(1), "paged_prefill: sequence ", s, " needs ", blocks, " blocks, its table has ",
                 tables.size(1));
-    const auto ids = tables.select(0, s).narrow(0, 0, blocks);
-    // [1, KH, len, D] views of the gathered blocks
-    const auto k = key_cache.index_select(0, ids).view({blocks * B, KH, D}).narrow(0, 0, len).transpose(0, 1)
-                       .unsqueeze(0);
-    const auto v = value_cache.index_select(0, ids).view({blocks * B, KH, D}).narrow(0, 0, len).transpose(0, 1)
-                       .unsqueeze(0);
+    // the keys from the chunk's first visible one (lo: 0 without a window), gathered from its block on
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window + 1) : 0, b0 = lo / B;
+    const auto ids = tables.select(0, s).narrow(0, b0, blocks - b0);
+    // [1, KH, len - lo, D] views of the gathered blocks
+    const auto k = key_cache.index_select(0, ids).view({(blocks - b0) * B, KH, D}).narrow(0, lo - b0 * B, len - lo)
+                       .transpose(0, 1).unsqueeze(0);
+    const auto v = value_cache.index_select(0, ids).view({(blocks - b0) * B, KH, D}).narrow(0, lo - b0 * B, len - lo)
+                       .transpose(0, 1).unsqueeze(0);
     const auto q = query.narrow(0, first, n).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
     at::Tensor o, lse;
-    if (ctx == 0) {
+    if (window > 0 && window < len) {  // one call under the window's and the causal rule's mask
+      const auto rows = at::arange(ctx, len, lens.options()).unsqueeze(1);
+      const auto keys = at::arange(lo, len, lens.options()).unsqueeze(0);
+      const auto hidden = (keys > rows).logical_or_(keys <= rows - window);
+      const auto mask = at::zeros({1, 1, n, len - lo}, query.options()).masked_fill_(hidden, -INFINITY);
+      std::tie(o, lse) = flash(q, k, v, false, scale, mask);
+    } else if (ctx == 0) {
       std::tie(o, lse) = flash(q, k, v, true, scale);
     } else {
       auto [o_old, lse_old] = flash(q, k.narrow(2, 0, ctx), v.narrow(2, 0, ctx), false, scale);
@@ -468,14 +492,15 @@ at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const a
 
 at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_query_lens,
-                         double scale, const std::optional<at::Tensor>& sinks) {
-  return prefill(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks, true);
+                         double scale, const std::optional<at::Tensor>& sinks, int64_t window) {
+  return prefill(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks, window, true);
 }
 
 at::Tensor paged_prefill_flash(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                               const at::Tensor& cu_query_lens, double scale, const std::optional<at::Tensor>& sinks) {
-  return prefill(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks, false);
+                               const at::Tensor& cu_query_lens, double scale, const std::optional<at::Tensor>& sinks,
+                               int64_t window) {
+  return prefill(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks, window, false);
 }
 
 bool prefill_uses_brgemm(const at::Tensor& query, const at::Tensor& key_cache) {
@@ -490,9 +515,9 @@ TORCH_LIBRARY_FRAGMENT(paged_hf_cpu, m) {
   m.def("flash_groups_heads() -> bool");
   m.impl("flash_groups_heads", TORCH_FN(flash_groups_heads));
   m.def("paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor cu_query_lens, float scale, Tensor? sinks) -> Tensor");
+        "Tensor cu_query_lens, float scale, Tensor? sinks, int window=0) -> Tensor");
   m.impl("paged_prefill", c10::DispatchKey::CPU, TORCH_FN(paged_prefill));
   m.def("paged_prefill_flash(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor cu_query_lens, float scale, Tensor? sinks) -> Tensor");
+        "Tensor seq_lens, Tensor cu_query_lens, float scale, Tensor? sinks, int window=0) -> Tensor");
   m.impl("paged_prefill_flash", c10::DispatchKey::CPU, TORCH_FN(paged_prefill_flash));
 }
