@@ -81,6 +81,12 @@ SHAPES = {
                                               max_position_embeddings=4096, rope_theta=1e6,
                                               rope_local_base_freq=10000.0, tie_word_embeddings=True,
                                               layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3)),
+    # Gemma 2's attention (scores capped at 50, logits at 30, every other layer a window of 512) at the widths above
+    "gemma2-small-shape": ("gemma2", dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                                          num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                          sliding_window=512, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                                          final_logit_softcapping=30.0, max_position_embeddings=4096,
+                                          tie_word_embeddings=True)),
 }
 WORKLOADS = {
     "mixed": (48, 16, 384, 8, 128, 0),

@@ -18,8 +18,8 @@ scale: float, window: int?, softcap: float?) -> out [n, heads, head_dim]``
     implementation: it changes every step, so it must not be a graph constant.
 
 For unquantized CPU pools in float32 or bfloat16 the graph calls ``paged_hf_cpu::store`` / ``paged_hf_cpu::attend``
-instead (``kernels/csrc/paged_step.cpp``: the same store and kernels in C++, sliding windows included, without a
-Python call per layer); ``bind`` hands them the pools too. Quantized formats and softcaps keep the ops above.
+instead (``kernels/csrc/paged_step.cpp``: the same store and kernels in C++, sliding windows and softcaps included,
+without a Python call per layer); ``bind`` hands them the pools too. Quantized and tail formats keep the ops above.
 
 The pools are the ops' state, not graph values: ``layer`` is the layer index, and the ``KVStorage`` is the one
 ``bind`` set for the forward running (as vLLM's layer names and forward context), so a pool that grows never changes
@@ -197,10 +197,10 @@ def attend(step: OpStep, query: torch.Tensor, scale: float, softcap: float | Non
            sinks: torch.Tensor | None) -> torch.Tensor:
     """The layer's attention through ``paged_attention``: ``query`` ``[1, heads, n, head_dim]`` -> ``[1, n, heads,
     head_dim]``."""
-    if step.native and softcap is None:  # paged_hf_cpu's decode and prefill kernels
+    if step.native:  # paged_hf_cpu's decode and prefill kernels
         packed = torch.ops.paged_hf_cpu.attend(_packed(query), step.fresh_key, step.block_tables, step.seq_lens,
                                                step.query_start_loc, step.num_decodes, step.layer, scale, sinks,
-                                               step.window or 0)
+                                               step.window or 0, softcap or 0.0)
         return packed.unsqueeze(0)
     packed = torch.ops.paged_hf.paged_attention(
         _packed(query), step.fresh_key, step.fresh_value, step.block_tables, step.seq_lens,

@@ -1,6 +1,6 @@
 """The C++ CPU prefill (``kernels/cpu_ext``, ``csrc/paged_prefill.cpp``) against the float32 oracle, over random
 steps (hypothesis): chunks that start a sequence and chunks after stored keys, empty chunks, one-token chunks,
-GQA groups, block sizes, head dims, sinks, sliding windows, int32 and int64 tables, float32 and bfloat16 (its own
+GQA groups, block sizes, head dims, sinks, sliding windows, softcaps, int32 and int64 tables, float32 and bfloat16 (its own
 brgemm flash where the CPU has the products, across several key tiles); plus where the production path takes it (and where it keeps
 the torch path), and an engine's greedy tokens with it equal to the torch path's."""
 
@@ -44,6 +44,7 @@ def prefill_cases(draw):
                 dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])), sinks=draw(st.booleans()),
                 # windows of one key, inside a chunk, across chunks and key tiles, and wider than every sequence
                 window=draw(st.sampled_from([None, None, 1, 3, 30, 257, 600])),
+                softcap=draw(st.sampled_from([None, None, 0.5, 5.0])),
                 index_dtype=draw(st.sampled_from([torch.int32, torch.int64])), seed=draw(st.integers(0, 2**16)))
 
 
@@ -67,13 +68,14 @@ def _step(case):
 @given(case=prefill_cases())
 def test_kernel_matches_the_oracle(kernel, case):
     query, pools, tables, seq_lens, cu, sinks = _step(case)
-    window = case["window"]
+    window, softcap = case["window"], case["softcap"]
     want = paged_prefill_attention_ref(query, pools, tables.long(), seq_lens.long(), cu.long(), 0.3,
-                                       sliding_window=window, sinks=sinks)
+                                       sliding_window=window, softcap=softcap, sinks=sinks)
     # bfloat16: the output's rounding, and the two partial outputs' (chunks after stored keys) before their merge
     tol = 2e-5 if case["dtype"] == torch.float32 else 2e-2
     for op in (kernel, torch.ops.paged_hf_cpu.paged_prefill_flash):  # the op, and its torch-flash path alone
-        got = op(query, pools.key_cache, pools.value_cache, tables, seq_lens, cu, 0.3, sinks, window or 0)
+        got = op(query, pools.key_cache, pools.value_cache, tables, seq_lens, cu, 0.3, sinks, window or 0,
+                 softcap or 0.0)
         assert got.dtype == query.dtype and got.shape == query.shape
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
@@ -148,10 +150,11 @@ def test_kernel_refuses_what_it_cannot_read(kernel):
 
 
 @pytest.mark.parametrize(("kv_format", "window", "softcap", "used"), [
-    ("auto", None, None, True), ("auto", 64, None, True), ("auto", 8, None, True), ("auto", None, 20.0, False),
+    ("auto", None, None, True), ("auto", 64, None, True), ("auto", 8, None, True), ("auto", None, 20.0, True),
     ("int8", None, None, False)])
 def test_production_prefill_takes_it_where_it_applies(kernel, monkeypatch, kv_format, window, softcap, used):
-    """Unquantized pools and no softcap (a window shorter than a sequence too): the kernel; else the torch path."""
+    """Unquantized pools (with a window shorter than a sequence, with a softcap): the kernel; else the torch
+    path."""
     calls = []
     monkeypatch.setattr(cpu_attention, "prefill_kernel", lambda: (lambda *a: calls.append(1) or kernel(*a)))
     gen = torch.Generator().manual_seed(0)

@@ -28,9 +28,9 @@ the first layer and reused by the others (``_StepPlans``: the kernels' signature
 metadata object, so the plans are found by the step tensors' memory).
 
 Decode and prefill over unquantized pools (float32, bfloat16: the "auto" format) go to the C++ kernels of
-``cpu_ext`` where they could be built, sliding windows included: they read each sequence's blocks where they lie
-(no gathered copy, no padding to the longest sequence). The torch path below serves every other call (quantized and
-tail formats, float16, a prefill with a softcap) and both where no compiler is present; all equal the oracle.
+``cpu_ext`` where they could be built, sliding windows and softcaps included: they read each sequence's blocks where
+they lie (no gathered copy, no padding to the longest sequence). The torch path below serves every other call
+(quantized and tail formats, float16) and both where no compiler is present; all equal the oracle.
 """
 
 from __future__ import annotations
@@ -90,10 +90,10 @@ def paged_prefill_attention_cpu(query, pools: PoolTensors, block_tables, seq_len
                                 fresh_value=None):
     """``paged_prefill_attention_ref``'s contract (packed queries ``[T, heads, D]``, rows ``cu_query_lens[s] :
     cu_query_lens[s + 1]`` the last positions of sequence ``s``), batched."""
-    kernel = _in_place_prefill(query, pools, softcap, tail_rows)
+    kernel = _in_place_prefill(query, pools, tail_rows)
     if kernel is not None:
         return kernel(query, pools.key_cache, pools.value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks,
-                      sliding_window or 0)
+                      sliding_window or 0, softcap or 0.0)
     pools = _Pools(*pools)
     out = torch.empty_like(query)
     for a, b in _groups(seq_lens, pools):
@@ -119,12 +119,10 @@ def _in_place_decode(query, pools: PoolTensors, tail_rows):
     return decode_kernel()
 
 
-def _in_place_prefill(query, pools: PoolTensors, softcap, tail_rows):
-    """The C++ prefill (``cpu_ext``) where it serves this call: the decode kernel's conditions and no softcap (a
-    sliding window it takes); else None."""
-    if softcap is not None or _in_place_decode(query, pools, tail_rows) is None:
-        return None
-    return prefill_kernel()
+def _in_place_prefill(query, pools: PoolTensors, tail_rows):
+    """The C++ prefill (``cpu_ext``) where it serves this call (sliding windows and softcaps included): the decode
+    kernel's conditions; else None."""
+    return None if _in_place_decode(query, pools, tail_rows) is None else prefill_kernel()
 
 
 _IN_PLACE_DTYPES = (torch.float32, torch.bfloat16)

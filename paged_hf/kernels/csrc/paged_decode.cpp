@@ -79,6 +79,16 @@ inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_
   for (; d < D; ++d) y[d] += w * x[d];
 }
 
+// The softcap c > 0 in place over n scaled scores: x -> c * tanh(x / c), sixteen at a time.
+inline void cap_in_place(float* sc, int64_t n, float softcap) {
+  int64_t t = 0;
+  for (; t + LANES <= n; t += LANES) {
+    const f16v x = paged_hf_vec::tanh16(load16(sc + t) * (1.f / softcap)) * softcap;
+    std::memcpy(sc + t, &x, sizeof(x));
+  }
+  for (; t < n; ++t) sc[t] = std::tanh(sc[t] / softcap) * softcap;
+}
+
 // exp(score - max) in place over n scores; returns their sum plus exp(sink - max) (sink = -inf: none), the softmax's
 // denominator.
 inline float softmax_in_place(float* sc, int64_t n, float sink) {
@@ -160,13 +170,11 @@ inline f16v sum16x16(const f16v* v) {
 }
 
 // The scores of a chunk's m <= 16 rows from their partial sums (part[m..15] are overwritten with zeros), times
-// scale, through the softcap (<= 0: none), into sc[0..m-1].
-inline void store_scores(f16v* part, int64_t m, float scale, float softcap, float* sc) {
+// scale, into sc[0..m-1] (the softcap, where there is one, is applied to all of a head's scores before the softmax).
+inline void store_scores(f16v* part, int64_t m, float scale, float* sc) {
   for (int64_t t = m; t < LANES; ++t) part[t] = f16v{};
   const f16v x = sum16x16(part) * scale;
-  if (softcap > 0.f) {
-    for (int64_t t = 0; t < m; ++t) sc[t] = std::tanh(x[t] / softcap) * softcap;
-  } else if (m == LANES) {
+  if (m == LANES) {
     std::memcpy(sc, &x, sizeof(x));
   } else {
     for (int64_t t = 0; t < m; ++t) sc[t] = x[t];
@@ -208,11 +216,14 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
             part[g][t] = acc;
           }
         }
-        for (int g = 0; g < G; ++g) store_scores(part[g], m, 1.f, softcap, sc + g * n + p);
+        for (int g = 0; g < G; ++g) store_scores(part[g], m, 1.f, sc + g * n + p);
       }
     }
   });
-  for (int64_t i = 0; i < KHI * G; ++i) total[i] = softmax_in_place(scores + i * n, n, total[i]);
+  for (int64_t i = 0; i < KHI * G; ++i) {
+    if (softcap > 0.f) cap_in_place(scores + i * n, n, softcap);
+    total[i] = softmax_in_place(scores + i * n, n, total[i]);
+  }
   std::memset(out, 0, sizeof(float) * KHI * G * D);
   for_each_block(true, key_blocks, value_blocks, first, len, B, row_stride, KHI * D,
                  [&](int64_t b, int64_t start, int64_t stop) {  // pass 2: the weighted values
@@ -247,8 +258,8 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
 constexpr int64_t AMX_CHUNKS = 6;  // 32-dim chunks of the rows an item reads (KHI * D <= 192): tiles 2..7
 
 // Pass 1 of decode_heads_bf16 by AMX tile products: the scores of the rows first..len-1 of the item's KHI KV heads
-// (head dim D, G query heads each, KHI * D <= 32 * AMX_CHUNKS, KHI * G <= 16), scaled by `scale` and through the
-// softcap (<= 0: none), into scores[(h * G + g) * n + t] (n = len - first, t = position - first). Sixteen rows of a
+// (head dim D, G query heads each, KHI * D <= 32 * AMX_CHUNKS, KHI * G <= 16), scaled by `scale`, into
+// scores[(h * G + g) * n + t] (n = len - first, t = position - first). Sixteen rows of a
 // block at a time: their full rows of the item's heads (KHI * D contiguous values, read where they lie, the row
 // stride given to the tile load; a chunk of fewer rows is first copied into a zero-padded buffer) times a packed query
 // that is block-diagonal: column h * G + g holds query head h * G + g against KV head h's dims and zeros elsewhere. So
@@ -256,7 +267,7 @@ constexpr int64_t AMX_CHUNKS = 6;  // 32-dim chunks of the rows an item reads (K
 // float32, as the vector path's, in another order.
 void amx_scores(const c10::BFloat16* const* key_blocks, const c10::BFloat16* const* value_blocks, int64_t first,
                 int64_t len, int64_t B, int64_t row_stride, int64_t KHI, int64_t D, int64_t G,
-                const c10::BFloat16* q_rows, int64_t q_row_stride, float scale, float softcap, float* scores) {
+                const c10::BFloat16* q_rows, int64_t q_row_stride, float scale, float* scores) {
   const int64_t width = KHI * D, chunks = width / 32, cols = KHI * G, n = len - first;
   alignas(64) uint16_t packed[AMX_CHUNKS][16][32] = {};  // chunk c: row kk holds (dim 2kk, 2kk + 1) of each column
   for (int64_t c = 0; c < chunks; ++c) {
@@ -300,9 +311,7 @@ void amx_scores(const c10::BFloat16* const* key_blocks, const c10::BFloat16* con
       _tile_stored(0, out, 64);
       for (int64_t t = 0; t < m; ++t)
         for (int64_t j = 0; j < cols; ++j) {
-          float x = out[t][j] * scale;
-          if (softcap > 0.f) x = std::tanh(x / softcap) * softcap;
-          scores[j * n + p - first + t] = x;
+          scores[j * n + p - first + t] = out[t][j] * scale;
         }
     }
   });
@@ -329,8 +338,7 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
   f16v part[G][LANES];  // a chunk's per-row partial sums, row t of query head g at part[g][t]
 #if defined(PAGED_HF_AMX)
   if (KHI * D <= 32 * AMX_CHUNKS && KHI * G <= 16 && paged_hf_amx::ready()) {
-    amx_scores(key_blocks, value_blocks, first, len, B, row_stride, KHI, D, G, q_rows, q_row_stride, scale, softcap,
-               scores);
+    amx_scores(key_blocks, value_blocks, first, len, B, row_stride, KHI, D, G, q_rows, q_row_stride, scale, scores);
   } else
 #endif
   {
@@ -354,12 +362,15 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
               part[g][t] = acc;
             }
           }
-          for (int g = 0; g < G; ++g) store_scores(part[g], m, scale, softcap, sc + g * n + p);
+          for (int g = 0; g < G; ++g) store_scores(part[g], m, scale, sc + g * n + p);
         }
       }
     });
   }
-  for (int64_t i = 0; i < KHI * G; ++i) total[i] = softmax_in_place(scores + i * n, n, total[i]);
+  for (int64_t i = 0; i < KHI * G; ++i) {
+    if (softcap > 0.f) cap_in_place(scores + i * n, n, softcap);
+    total[i] = softmax_in_place(scores + i * n, n, total[i]);
+  }
   std::memset(out, 0, sizeof(float) * KHI * G * D);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for_each_block(true, key_blocks, value_blocks, first, len, B, row_stride, KHI * D,
@@ -499,12 +510,13 @@ void decode_item(int64_t s, int64_t k0, int64_t k1, const T* query, const T* key
     float* kv = scratch.kv.data();
     for_each_row(key_cache, table, first, len, B, row, k0 * D, width, kv, [&](int64_t t) {  // pass 1: the scores
       for (int64_t h = 0; h < heads; ++h) {
-        float x = dot(q + h * D, kv + (h / G) * D, D);
-        if (softcap > 0.f) x = std::tanh(x / softcap) * softcap;
-        scores[h * n + t] = x;
+        scores[h * n + t] = dot(q + h * D, kv + (h / G) * D, D);
       }
     });
-    for (int64_t h = 0; h < heads; ++h) scratch.total[h] = softmax_in_place(scores + h * n, n, scratch.total[h]);
+    for (int64_t h = 0; h < heads; ++h) {
+      if (softcap > 0.f) cap_in_place(scores + h * n, n, softcap);
+      scratch.total[h] = softmax_in_place(scores + h * n, n, scratch.total[h]);
+    }
     for_each_row(value_cache, table, first, len, B, row, k0 * D, width, kv, [&](int64_t t) {  // pass 2: acc[h]
       for (int64_t h = 0; h < heads; ++h) axpy(scores[h * n + t], kv + (h / G) * D, acc + h * D, D);
     });

@@ -3,7 +3,8 @@
 //
 // paged_hf_cpu::paged_prefill(query [T, H, D], key_cache [N, B, KH, D], value_cache [N, B, KH, D],
 //                             block_tables [S, W] (int32 or int64), seq_lens [S], cu_query_lens [S + 1] (from 0),
-//                             scale, sinks [H] float32 or None, window (<= 0: none)) -> [T, H, D]
+//                             scale, sinks [H] float32 or None, window (<= 0: none), softcap (<= 0: none))
+//                             -> [T, H, D]
 // paged_hf_cpu::paged_prefill_flash(the same) -> [T, H, D]: always the second path below (for comparisons)
 // paged_hf_cpu::prefill_uses_brgemm(query, key_cache) -> bool: whether paged_prefill takes the first path
 // paged_hf_cpu::flash_groups_heads() -> bool: whether torch's CPU flash attention takes fewer KV heads than query
@@ -11,8 +12,9 @@
 //
 // Sequence s's queries are rows cu_query_lens[s] .. cu_query_lens[s + 1] - 1, its last positions: the n new tokens
 // at positions ctx .. ctx + n - 1 with ctx = seq_lens[s] - n (their K/V already stored). A window w > 0 lets the
-// query at position p see the keys at positions p - w + 1 .. p (HF's sliding_window), a smaller w none. Sinks join
-// the denominator: out * sigmoid(lse - sink). Two paths, the same attention:
+// query at position p see the keys at positions p - w + 1 .. p (HF's sliding_window), a smaller w none. A softcap
+// c > 0 caps each scaled score x as c * tanh(x / c) (Gemma 2). Sinks join the denominator: out * sigmoid(lse - sink).
+// Two paths, the same attention:
 //
 // - where oneDNN's brgemm has the products (bfloat16: AMX, cpublas::could_pack; float32: AVX-512) and
 //   D % 16 == 0: a flash attention of our own. Each sequence's keys are packed once per call, per KV head and
@@ -29,14 +31,17 @@
 //   keys (no second call, no merge). Items are taken longest first from a shared counter by torch's threads. Under
 //   a window only the tiles from the chunk's first visible key are packed, an item's products start at the tile of
 //   its first row's first visible key, and the keys of that tile below a row's window are cut like those above it.
+//   A softcap is applied to a tile's scores as they come out of their product (a vectorized tanh).
 // - otherwise (other CPUs, float16, other head dims): each sequence's blocks gathered once (one index_select per
 //   pool) and attended by torch's CPU flash attention (float32 accumulation, GQA native since torch 2.9; before,
 //   the KV heads are repeated): the n queries see every key below ctx (one unmasked call) and the new keys causally
 //   (a second call, whose top-left causal rule is exactly the new block's), the two merged by their log-sum-exps;
 //   a first chunk (ctx = 0) is one causal call. A window that cuts a sequence's keys: one call over the keys from the
-//   chunk's first visible one, under a mask of the window and the causal rule.
+//   chunk's first visible one, under a mask of the window and the causal rule. A softcap (which torch's flash
+//   kernel lacks): the scores, capped and masked, softmax and the product with V in float32, QUERY_TILE * 8 queries
+//   at a time.
 //
-// The caller takes this op for unquantized pools in the query's dtype, no softcap.
+// The caller takes this op for unquantized pools in the query's dtype.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -265,7 +270,7 @@ struct Scratch {
 template <typename T, typename P>
 void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                     const std::vector<Chunk>& chunks, double scale, const at::Tensor& sink_values, int64_t window,
-                    at::Tensor& out) {
+                    double softcap, at::Tensor& out) {
   const int64_t H = query.size(1), D = query.size(2), B = key_cache.size(1), KH = key_cache.size(2);
   const int64_t group = H / KH, tile_elems = KEY_TILE * D;
   constexpr bool vnni = std::is_same_v<P, BF16>;  // bfloat16 products read VNNI-packed operands
@@ -299,6 +304,9 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.last > b.last; });
 
   const float log2e = 1.4426950408889634f, c_scale = static_cast<float>(scale) * log2e;
+  // a capped score, in the products' units (softmax_row scales by c_scale): (c / scale) tanh(s * scale / c)
+  const float cap_inner = softcap > 0 ? static_cast<float>(scale / softcap) : 0.0f;
+  const float cap_outer = softcap > 0 ? static_cast<float>(softcap / scale) : 0.0f;
   const float* sink = sink_values.defined() ? sink_values.const_data_ptr<float>() : nullptr;
   const T* q_data = query.const_data_ptr<T>();
   T* o_data = out.mutable_data_ptr<T>();
@@ -330,6 +338,12 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
         const int64_t cols = (width + COLUMN_STEP - 1) / COLUMN_STEP * COLUMN_STEP;
         const P* k_tile = packed_data + (c.packed + item.head * c.tiles + tile - c.tile0) * 2 * tile_elems;
         at::native::cpublas::brgemm(M, cols, D, D, KEY_TILE, KEY_TILE, false, q, k_tile, scores, vnni);
+        if (softcap > 0)
+          for (int64_t r = 0; r < M; ++r)
+            for (int64_t j = 0; j < cols; j += 16) {
+              float* s = scores + r * KEY_TILE + j;
+              store_row16(s, paged_hf_vec::tanh16(paged_hf_vec::load16(s) * cap_inner) * cap_outer);
+            }
         for (int64_t r = 0; r < M; ++r) {
           const int64_t pos = first_pos + r / group;
           int64_t seen = std::min(width, pos + 1 - key0);  // keys of this tile row r sees: [below, seen)
@@ -392,11 +406,36 @@ std::tuple<at::Tensor, at::Tensor> flash(const at::Tensor& q, const at::Tensor& 
   return {std::get<0>(result), std::get<1>(result)};
 }
 
+// out [1, H, n, D] (query dtype) and its log-sum-exp [1, H, n] of q ([1, H, n, D], positions ctx ..) over k, v
+// ([1, KH, L, D], positions lo ..) with softcapped scores, in float32, QUERY_TILE * 8 queries at a time (their scores
+// [H, rows, L] are the memory it takes).
+std::tuple<at::Tensor, at::Tensor> capped_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    int64_t ctx, int64_t lo, int64_t window, double scale,
+                                                    double softcap) {
+  const int64_t n = q.size(2), L = k.size(2), group = q.size(1) / k.size(1), rows_step = QUERY_TILE * 8;
+  const auto keys = k.to(at::kFloat).repeat_interleave(group, 1).transpose(2, 3);  // [1, H, D, L]
+  const auto values = v.to(at::kFloat).repeat_interleave(group, 1);
+  const auto key_positions = at::arange(lo, lo + L, at::kLong).unsqueeze(0);
+  at::Tensor out = at::empty(q.sizes(), q.options()), lse = at::empty({1, q.size(1), n}, q.options().dtype(at::kFloat));
+  for (int64_t a = 0; a < n; a += rows_step) {
+    const int64_t rows = std::min(rows_step, n - a);
+    auto scores = at::matmul(q.narrow(2, a, rows).to(at::kFloat), keys).mul_(scale / softcap).tanh_().mul_(softcap);
+    const auto positions = at::arange(ctx + a, ctx + a + rows, at::kLong).unsqueeze(1);
+    auto hidden = key_positions > positions;
+    if (window > 0) hidden.logical_or_(key_positions <= positions - window);
+    scores.masked_fill_(hidden, -INFINITY);
+    const auto row_lse = at::logsumexp(scores, -1);
+    out.narrow(2, a, rows).copy_(at::matmul(scores.sub_(row_lse.unsqueeze(-1)).exp_(), values));
+    lse.narrow(2, a, rows).copy_(row_lse);
+  }
+  return {out, lse};
+}
+
 // `own`: the brgemm flash where it serves (paged_prefill); false: torch's flash kernel (paged_prefill_flash, for
 // benchmarks and tests that compare the two).
 at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_query_lens,
-                   double scale, const std::optional<at::Tensor>& sinks, int64_t window, bool own) {
+                   double scale, const std::optional<at::Tensor>& sinks, int64_t window, double softcap, bool own) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "paged_prefill: query [T, H, D], "
               "pools [N, B, KH, D]");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
@@ -441,11 +480,11 @@ at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const a
     at::Tensor out = at::empty(query.sizes(), query.options());
     const at::Tensor sink_rows = sink_values.defined() ? sink_values.contiguous() : sink_values;
     if (query.scalar_type() == at::kFloat)
-      brgemm_prefill<float, float>(query, key_cache, value_cache, chunks, scale, sink_rows, window, out);
+      brgemm_prefill<float, float>(query, key_cache, value_cache, chunks, scale, sink_rows, window, softcap, out);
     else if (bf16_products())
-      brgemm_prefill<BF16, BF16>(query, key_cache, value_cache, chunks, scale, sink_rows, window, out);
+      brgemm_prefill<BF16, BF16>(query, key_cache, value_cache, chunks, scale, sink_rows, window, softcap, out);
     else
-      brgemm_prefill<BF16, float>(query, key_cache, value_cache, chunks, scale, sink_rows, window, out);
+      brgemm_prefill<BF16, float>(query, key_cache, value_cache, chunks, scale, sink_rows, window, softcap, out);
     return out;
   }
   at::Tensor out = at::empty_like(query);
@@ -466,7 +505,9 @@ at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const a
                        .transpose(0, 1).unsqueeze(0);
     const auto q = query.narrow(0, first, n).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
     at::Tensor o, lse;
-    if (window > 0 && window < len) {  // one call under the window's and the causal rule's mask
+    if (softcap > 0) {
+      std::tie(o, lse) = capped_attention(q, k, v, ctx, lo, window, scale, softcap);
+    } else if (window > 0 && window < len) {  // one call under the window's and the causal rule's mask
       const auto rows = at::arange(ctx, len, lens.options()).unsqueeze(1);
       const auto keys = at::arange(lo, len, lens.options()).unsqueeze(0);
       const auto hidden = (keys > rows).logical_or_(keys <= rows - window);
@@ -492,15 +533,17 @@ at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const a
 
 at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_query_lens,
-                         double scale, const std::optional<at::Tensor>& sinks, int64_t window) {
-  return prefill(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks, window, true);
+                         double scale, const std::optional<at::Tensor>& sinks, int64_t window, double softcap) {
+  return prefill(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks, window, softcap,
+                 true);
 }
 
 at::Tensor paged_prefill_flash(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                const at::Tensor& cu_query_lens, double scale, const std::optional<at::Tensor>& sinks,
-                               int64_t window) {
-  return prefill(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks, window, false);
+                               int64_t window, double softcap) {
+  return prefill(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks, window, softcap,
+                 false);
 }
 
 bool prefill_uses_brgemm(const at::Tensor& query, const at::Tensor& key_cache) {
@@ -515,9 +558,10 @@ TORCH_LIBRARY_FRAGMENT(paged_hf_cpu, m) {
   m.def("flash_groups_heads() -> bool");
   m.impl("flash_groups_heads", TORCH_FN(flash_groups_heads));
   m.def("paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor cu_query_lens, float scale, Tensor? sinks, int window=0) -> Tensor");
+        "Tensor cu_query_lens, float scale, Tensor? sinks, int window=0, float softcap=0.0) -> Tensor");
   m.impl("paged_prefill", c10::DispatchKey::CPU, TORCH_FN(paged_prefill));
   m.def("paged_prefill_flash(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor cu_query_lens, float scale, Tensor? sinks, int window=0) -> Tensor");
+        "Tensor seq_lens, Tensor cu_query_lens, float scale, Tensor? sinks, int window=0, float softcap=0.0) "
+        "-> Tensor");
   m.impl("paged_prefill_flash", c10::DispatchKey::CPU, TORCH_FN(paged_prefill_flash));
 }

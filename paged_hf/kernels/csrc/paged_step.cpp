@@ -10,10 +10,9 @@
 //     attention takes, so the graph orders the store before it and never drops it.
 // paged_hf_cpu::attend(Tensor query [T, H, D], Tensor stored, Tensor block_tables [S, W], Tensor seq_lens [S],
 //                      Tensor query_start_loc [S + 1], Tensor num_decodes [1], int layer, float scale,
-//                      Tensor? sinks, int window=0) -> [T, H, D]
+//                      Tensor? sinks, int window=0, float softcap=0.0) -> [T, H, D]
 //     the first num_decodes sequences through paged_decode, the rest through paged_prefill (their queries from
-//     query_start_loc[num_decodes]), both under the sliding window where window > 0; the caller takes this path
-//     only without a softcap.
+//     query_start_loc[num_decodes]), both under the sliding window where window > 0 and the softcap where > 0.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -72,7 +71,8 @@ at::Tensor store(const at::Tensor& key, const at::Tensor& value, const at::Tenso
 
 at::Tensor attend(const at::Tensor& query, const at::Tensor& stored, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& num_decodes,
-                  int64_t layer, double scale, const std::optional<at::Tensor>& sinks, int64_t window) {
+                  int64_t layer, double scale, const std::optional<at::Tensor>& sinks, int64_t window,
+                  double softcap) {
   static auto decode = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("paged_hf_cpu::paged_decode", "")
                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -82,24 +82,27 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& stored, const at::T
                             .findSchemaOrThrow("paged_hf_cpu::paged_prefill", "")
                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                               const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                              const std::optional<at::Tensor>&, int64_t)>();
+                                              const std::optional<at::Tensor>&, int64_t, double)>();
   (void)stored;
   const at::Tensor& key_cache = pool(bound.keys, layer);
   const at::Tensor& value_cache = pool(bound.values, layer);
   const int64_t S = seq_lens.size(0), d = num_decodes.item<int64_t>();
   TORCH_CHECK(d >= 0 && d <= S, "attend: num_decodes ", d, " of ", S, " sequences");
   window = std::max<int64_t>(window, 0);
-  if (d == S) return decode.call(query, key_cache, value_cache, block_tables, seq_lens, scale, window, 0.0, sinks);
+  softcap = std::max(softcap, 0.0);
+  if (d == S) return decode.call(query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap, sinks);
   if (d == 0) {
-    return prefill.call(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sinks, window);
+    return prefill.call(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sinks, window,
+                        softcap);
   }
   at::Tensor out = at::empty_like(query);
   out.narrow(0, 0, d).copy_(decode.call(query.narrow(0, 0, d), key_cache, value_cache, block_tables.narrow(0, 0, d),
-                                         seq_lens.narrow(0, 0, d), scale, window, 0.0, sinks));
+                                         seq_lens.narrow(0, 0, d), scale, window, softcap, sinks));
   const int64_t T = query.size(0);
   out.narrow(0, d, T - d).copy_(prefill.call(query.narrow(0, d, T - d), key_cache, value_cache,
                                              block_tables.narrow(0, d, S - d), seq_lens.narrow(0, d, S - d),
-                                             query_start_loc.narrow(0, d, S - d + 1) - d, scale, sinks, window));
+                                             query_start_loc.narrow(0, d, S - d + 1) - d, scale, sinks, window,
+                                             softcap));
   return out;
 }
 
@@ -109,7 +112,7 @@ TORCH_LIBRARY_FRAGMENT(paged_hf_cpu, m) {
   m.def("bind_pools(Tensor[] key_caches, Tensor[] value_caches) -> ()");
   m.def("store(Tensor key, Tensor value, Tensor slots, int layer) -> Tensor");
   m.def("attend(Tensor query, Tensor stored, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-        "Tensor num_decodes, int layer, float scale, Tensor? sinks, int window=0) -> Tensor");
+        "Tensor num_decodes, int layer, float scale, Tensor? sinks, int window=0, float softcap=0.0) -> Tensor");
   m.impl("bind_pools", TORCH_FN(bind_pools));
   m.impl("store", c10::DispatchKey::CPU, TORCH_FN(store));
   m.impl("attend", c10::DispatchKey::CPU, TORCH_FN(attend));

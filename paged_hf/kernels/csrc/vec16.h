@@ -70,6 +70,14 @@ inline f16v exp16(f16v x) {
   return exp2_16((x < low ? low : x) * 1.44269504088896341f);
 }
 
+// tanh(x) for 16 lanes: sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) (absolute error about 1e-7; |x| past 44: +-1).
+inline f16v tanh16(f16v x) {
+  const f16v magnitude = x < 0.f ? -x : x;
+  const f16v e = exp2_16(magnitude * (-2.f * 1.44269504088896341f));
+  const f16v t = (1.f - e) / (1.f + e);
+  return x < 0.f ? -t : t;
+}
+
 // The sum of the 16 lanes (a tree of halves).
 inline float reduce16(f16v v) {
   typedef float f8v __attribute__((vector_size(32)));
