@@ -72,15 +72,17 @@ SHAPES = {
     # Qwen3-0.6B: head_dim 128, GQA 16/8, q/k RMSNorms, 28 layers (0.49B parameters with this vocabulary)
     "qwen3-0.6b-shape": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                                       tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1e6,
-                                       rms_norm_eps=1e-6)),
+                                       tie_word_embeddings=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                                       rope_parameters=dict(rope_theta=1e6, rope_type="default"))),
     # Gemma-3-270M: head_dim 256, one KV head, five sliding-window layers (512 keys) to one global, GELU MLP
     "gemma3-270m-shape": ("gemma3_text", dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
                                               num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                                               sliding_window=512, query_pre_attn_scalar=256,
-                                              max_position_embeddings=4096, rope_theta=1e6,
-                                              rope_local_base_freq=10000.0, tie_word_embeddings=True,
-                                              layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3)),
+                                              max_position_embeddings=4096, tie_word_embeddings=True,
+                                              layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3,
+                                              rope_parameters=dict(
+                                                  full_attention=dict(rope_theta=1e6, rope_type="default"),
+                                                  sliding_attention=dict(rope_theta=1e4, rope_type="default")))),
     # Gemma 2's attention (scores capped at 50, logits at 30, every other layer a window of 512) at the widths above
     "gemma2-small-shape": ("gemma2", dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
                                           num_attention_heads=4, num_key_value_heads=1, head_dim=256,
@@ -359,6 +361,19 @@ def convert_smollm2() -> Path:
     return target
 
 
+def shape_config(name: str, **tokens):
+    """``SHAPES[name]``'s transformers config; ``tokens``: its vocab_size and special token ids. Refuses a field this
+    transformers does not keep (a renamed one would otherwise leave the shape silently different)."""
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    model_type, fields = SHAPES[name]
+    config = AutoConfig.for_model(model_type, **tokens, **fields)
+    lost = {key: value for key, value in fields.items() if getattr(config, key, None) != value}
+    if lost:
+        raise ValueError(f"{name}: transformers' {type(config).__name__} does not keep {lost}")
+    return config
+
+
 def shaped_model(name: str) -> Path:
     """``SHAPES[name]`` as a plain HF folder (float32 safetensors of seeded random weights + SmolLM2's tokenizer),
     written once under .cache/."""
@@ -366,12 +381,11 @@ def shaped_model(name: str) -> Path:
     if (target / "config.json").is_file():
         return target
     import torch  # noqa: PLC0415
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     tokenizer = AutoTokenizer.from_pretrained(convert_smollm2())
-    model_type, fields = SHAPES[name]
-    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **fields)
+    config = shape_config(name, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     print(f"writing {name} (random weights) to {target} (once) ...", flush=True)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
