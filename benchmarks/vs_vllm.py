@@ -74,6 +74,11 @@ SHAPES = {
                                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                                        tie_word_embeddings=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
                                        rope_parameters=dict(rope_theta=1e6, rope_type="default"))),
+    # Llama-3.2-1B: 16 layers 2048 wide, MLP 8192, GQA 32/8 at head_dim 64 (1.1B parameters with this vocabulary)
+    "llama3.2-1b-shape": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                        num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                        tie_word_embeddings=True, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                                        rope_parameters=dict(rope_theta=5e5, rope_type="default"))),
     # Gemma-3-270M: head_dim 256, one KV head, five sliding-window layers (512 keys) to one global, GELU MLP
     "gemma3-270m-shape": ("gemma3_text", dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
                                               num_attention_heads=4, num_key_value_heads=1, head_dim=256,

@@ -23,7 +23,7 @@ import vs_vllm  # noqa: E402
 
 # what each preset is for: (model class, parameters in millions with a 49,152-token vocabulary)
 SHAPE_MODELS = {"qwen3-0.6b-shape": ("Qwen3ForCausalLM", 490.8), "gemma3-270m-shape": ("Gemma3ForCausalLM", 131.8),
-                "gemma2-small-shape": ("Gemma2ForCausalLM", 131.8)}
+                "gemma2-small-shape": ("Gemma2ForCausalLM", 131.8), "llama3.2-1b-shape": ("LlamaForCausalLM", 1073.8)}
 
 
 def test_vs_vllm_runs_paged_hf_and_hf_rows_without_vllm(tmp_path):
