@@ -72,6 +72,11 @@ constexpr int64_t QUERY_TILE = 32;  // query positions of a work item (times the
 constexpr int64_t KEY_TILE = 256;   // keys of a tile: one product for the scores, one for the values
 constexpr int64_t COLUMN_STEP = 32; // a tile's products are cut to the keys its rows see, in steps of this
 
+// The first key position the query at `pos` sees under a window (<= 0: none, so 0).
+inline int64_t first_visible_key(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
 // One chunk of the step: its queries' first row and count, its keys, and its packed tiles: tiles tile0 ..
 // tile0 + tiles - 1 of each KV head (tile0 > 0 where a window hides the first keys from every query), from `packed`.
 struct Chunk {
@@ -332,28 +337,23 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
       std::fill(peak, peak + M, -INFINITY);
       std::fill(total, total + M, 0.0f);
       const int64_t first_pos = c.ctx + item.start;
-      const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;  // the rows' lowest
-      for (int64_t tile = first_key / KEY_TILE; tile * KEY_TILE <= item.last; ++tile) {
+      for (int64_t tile = first_visible_key(first_pos, window) / KEY_TILE; tile * KEY_TILE <= item.last; ++tile) {
         const int64_t key0 = tile * KEY_TILE, width = std::min(KEY_TILE, item.last + 1 - key0);
         const int64_t cols = (width + COLUMN_STEP - 1) / COLUMN_STEP * COLUMN_STEP;
         const P* k_tile = packed_data + (c.packed + item.head * c.tiles + tile - c.tile0) * 2 * tile_elems;
         at::native::cpublas::brgemm(M, cols, D, D, KEY_TILE, KEY_TILE, false, q, k_tile, scores, vnni);
-        if (softcap > 0)
-          for (int64_t r = 0; r < M; ++r)
-            for (int64_t j = 0; j < cols; j += 16) {
-              float* s = scores + r * KEY_TILE + j;
-              store_row16(s, paged_hf_vec::tanh16(paged_hf_vec::load16(s) * cap_inner) * cap_outer);
-            }
         for (int64_t r = 0; r < M; ++r) {
           const int64_t pos = first_pos + r / group;
+          float* row_scores = scores + r * KEY_TILE;
           int64_t seen = std::min(width, pos + 1 - key0);  // keys of this tile row r sees: [below, seen)
-          if (window > 0) {
-            const int64_t below = std::min(seen, pos - window + 1 - key0);  // keys under the row's window
-            if (below >= seen) seen = 0;
-            else std::fill(scores + r * KEY_TILE, scores + r * KEY_TILE + std::max<int64_t>(below, 0), -INFINITY);
-          }
-          const float rescale = softmax_row(scores + r * KEY_TILE, probs + r * KEY_TILE, seen, cols, c_scale,
-                                            peak[r], total[r]);
+          const int64_t below = std::min(seen, first_visible_key(pos, window) - key0);  // keys under its window
+          if (below >= seen) seen = 0;
+          if (softcap > 0)
+            for (int64_t j = 0; j < seen; j += 16)
+              store_row16(row_scores + j, paged_hf_vec::tanh16(paged_hf_vec::load16(row_scores + j) * cap_inner) *
+                                              cap_outer);
+          if (below > 0 && seen > 0) std::fill(row_scores, row_scores + below, -INFINITY);
+          const float rescale = softmax_row(row_scores, probs + r * KEY_TILE, seen, cols, c_scale, peak[r], total[r]);
           if (rescale != 1.0f) {
             float* o = acc + r * D;
             for (int64_t d = 0; d < D; d += 16) {
@@ -406,6 +406,15 @@ std::tuple<at::Tensor, at::Tensor> flash(const at::Tensor& q, const at::Tensor& 
   return {std::get<0>(result), std::get<1>(result)};
 }
 
+// [rows, L] true where the query at position ctx + i must not see the key at position lo + j: a later key, or one
+// below its window (window <= 0: none).
+at::Tensor hidden_keys(int64_t ctx, int64_t rows, int64_t lo, int64_t L, int64_t window) {
+  const auto positions = at::arange(ctx, ctx + rows, at::kLong).unsqueeze(1);
+  const auto keys = at::arange(lo, lo + L, at::kLong).unsqueeze(0);
+  auto hidden = keys > positions;
+  return window > 0 ? hidden.logical_or_(keys <= positions - window) : hidden;
+}
+
 // out [1, H, n, D] (query dtype) and its log-sum-exp [1, H, n] of q ([1, H, n, D], positions ctx ..) over k, v
 // ([1, KH, L, D], positions lo ..) with softcapped scores, in float32, QUERY_TILE * 8 queries at a time (their scores
 // [H, rows, L] are the memory it takes).
@@ -415,15 +424,11 @@ std::tuple<at::Tensor, at::Tensor> capped_attention(const at::Tensor& q, const a
   const int64_t n = q.size(2), L = k.size(2), group = q.size(1) / k.size(1), rows_step = QUERY_TILE * 8;
   const auto keys = k.to(at::kFloat).repeat_interleave(group, 1).transpose(2, 3);  // [1, H, D, L]
   const auto values = v.to(at::kFloat).repeat_interleave(group, 1);
-  const auto key_positions = at::arange(lo, lo + L, at::kLong).unsqueeze(0);
   at::Tensor out = at::empty(q.sizes(), q.options()), lse = at::empty({1, q.size(1), n}, q.options().dtype(at::kFloat));
   for (int64_t a = 0; a < n; a += rows_step) {
     const int64_t rows = std::min(rows_step, n - a);
     auto scores = at::matmul(q.narrow(2, a, rows).to(at::kFloat), keys).mul_(scale / softcap).tanh_().mul_(softcap);
-    const auto positions = at::arange(ctx + a, ctx + a + rows, at::kLong).unsqueeze(1);
-    auto hidden = key_positions > positions;
-    if (window > 0) hidden.logical_or_(key_positions <= positions - window);
-    scores.masked_fill_(hidden, -INFINITY);
+    scores.masked_fill_(hidden_keys(ctx + a, rows, lo, L, window), -INFINITY);
     const auto row_lse = at::logsumexp(scores, -1);
     out.narrow(2, a, rows).copy_(at::matmul(scores.sub_(row_lse.unsqueeze(-1)).exp_(), values));
     lse.narrow(2, a, rows).copy_(row_lse);
@@ -472,7 +477,7 @@ at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const a
       for (int64_t b = 0; b < blocks; ++b)
         TORCH_CHECK(row[b] >= 0 && row[b] < key_cache.size(0), "paged_prefill: sequence ", s, " reads block ", row[b],
                     " of a pool of ", key_cache.size(0));
-      const int64_t tile0 = window > 0 ? std::max<int64_t>(0, ctx - window + 1) / KEY_TILE : 0;
+      const int64_t tile0 = first_visible_key(ctx, window) / KEY_TILE;
       const int64_t tiles = (len + KEY_TILE - 1) / KEY_TILE - tile0;
       chunks.push_back({first, n, len, ctx, tile0, tiles, packed, row});
       packed += tiles * KH;
@@ -496,7 +501,7 @@ at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const a
     TORCH_CHECK(blocks <= tables.size(1), "paged_prefill: sequence ", s, " needs ", blocks, " blocks, its table has ",
                 tables.size(1));
     // the keys from the chunk's first visible one (lo: 0 without a window), gathered from its block on
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window + 1) : 0, b0 = lo / B;
+    const int64_t lo = first_visible_key(ctx, window), b0 = lo / B;
     const auto ids = tables.select(0, s).narrow(0, b0, blocks - b0);
     // [1, KH, len - lo, D] views of the gathered blocks
     const auto k = key_cache.index_select(0, ids).view({(blocks - b0) * B, KH, D}).narrow(0, lo - b0 * B, len - lo)
@@ -508,10 +513,8 @@ at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const a
     if (softcap > 0) {
       std::tie(o, lse) = capped_attention(q, k, v, ctx, lo, window, scale, softcap);
     } else if (window > 0 && window < len) {  // one call under the window's and the causal rule's mask
-      const auto rows = at::arange(ctx, len, lens.options()).unsqueeze(1);
-      const auto keys = at::arange(lo, len, lens.options()).unsqueeze(0);
-      const auto hidden = (keys > rows).logical_or_(keys <= rows - window);
-      const auto mask = at::zeros({1, 1, n, len - lo}, query.options()).masked_fill_(hidden, -INFINITY);
+      const auto mask = at::zeros({1, 1, n, len - lo}, query.options())
+                            .masked_fill_(hidden_keys(ctx, n, lo, len - lo, window), -INFINITY);
       std::tie(o, lse) = flash(q, k, v, false, scale, mask);
     } else if (ctx == 0) {
       std::tie(o, lse) = flash(q, k, v, true, scale);

@@ -88,8 +88,6 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& stored, const at::T
   const at::Tensor& value_cache = pool(bound.values, layer);
   const int64_t S = seq_lens.size(0), d = num_decodes.item<int64_t>();
   TORCH_CHECK(d >= 0 && d <= S, "attend: num_decodes ", d, " of ", S, " sequences");
-  window = std::max<int64_t>(window, 0);
-  softcap = std::max(softcap, 0.0);
   if (d == S) return decode.call(query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap, sinks);
   if (d == 0) {
     return prefill.call(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sinks, window,
