@@ -57,6 +57,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "huge_buffer.h"
 #include "vec16.h"
 
 #if defined(__AVX512F__)
@@ -281,9 +282,8 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
   constexpr bool vnni = std::is_same_v<P, BF16>;  // bfloat16 products read VNNI-packed operands
   int64_t total_tiles = 0;
   for (const auto& c : chunks) total_tiles = std::max(total_tiles, c.packed + c.tiles * KH);
-  thread_local std::vector<P> packed;  // [tile][K: tile_elems, V: tile_elems], kept across calls
-  packed.resize(total_tiles * 2 * tile_elems);
-  P* packed_data = packed.data();
+  thread_local paged_hf_mem::HugeBuffer packed;  // [tile][K: tile_elems, V: tile_elems], kept across calls
+  P* packed_data = static_cast<P*>(packed.fit(total_tiles * 2 * tile_elems * sizeof(P)));
   const T* keys = key_cache.const_data_ptr<T>();
   const T* values = value_cache.const_data_ptr<T>();
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (chunk, head * tiles + tile)
