@@ -40,7 +40,7 @@ def prefill_cases(draw):
     if all(n == 0 for _, n in chunks):
         chunks[0] = (chunks[0][0], 1)
     return dict(chunks=chunks, num_kv_heads=draw(st.integers(1, 3)), group=draw(st.sampled_from([1, 2, 3])),
-                head_dim=draw(st.sampled_from([8, 16, 64])), block_size=draw(st.sampled_from([1, 4, 16])),
+                head_dim=draw(st.sampled_from([8, 16, 48, 64])), block_size=draw(st.sampled_from([1, 4, 16])),
                 dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])), sinks=draw(st.booleans()),
                 # windows of one key, inside a chunk, across chunks and key tiles, and wider than every sequence
                 window=draw(st.sampled_from([None, None, 1, 3, 30, 257, 600])),

@@ -49,6 +49,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -117,10 +118,51 @@ void copy_row(const T* from, P* to, int64_t D) {
   }
 }
 
+#if defined(__AVX512F__)
+// Sixteen rows of sixteen 32-bit values transposed in registers: r[i] lane j -> r[j] lane i.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // t[2i], t[2i + 1]: rows 2i and 2i + 1 interleaved by 32 bits
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + c], 128-bit lane L: column 4L + c of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4L + c gathers lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
+    const __m512i v0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+    const __m512i v1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+    t[c] = _mm512_shuffle_i32x4(u0, v0, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(u1, v1, 0x88);
+    t[8 + c] = _mm512_shuffle_i32x4(u0, v0, 0xDD);
+    t[12 + c] = _mm512_shuffle_i32x4(u1, v1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// 32-bit words w0 .. w0 + count - 1 (count <= 16, zeros past it) of a key row in the product's K^T layout: a word is
+// a pair of bfloat16 (VNNI) or one float32, read or widened from the pool's dtype T.
+template <typename T, typename P>
+inline __m512i key_words(const T* key, int64_t w0, int64_t count) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+  if constexpr (std::is_same_v<T, P>) {
+    return _mm512_maskz_loadu_epi32(mask, reinterpret_cast<const uint32_t*>(key) + w0);
+  } else {  // bfloat16 widened to float32
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, key + w0));
+    return _mm512_slli_epi32(wide, 16);
+  }
+}
+#endif
+
 // Keys tile*KEY_TILE .. of one KV head in the layouts the products read: bfloat16 (VNNI) K as [D/2][KEY_TILE][2]
 // (K^T, pairs of dims interleaved), V as [KEY_TILE/2][D][2]; float32 K as [D][KEY_TILE] (K^T), V as [KEY_TILE][D]
 // (from float32 pools, or widened from bfloat16 ones). Only the keys a product reads are written: the sequence's,
-// then zeros up to the next COLUMN_STEP. T: the pools' dtype; P: the products'.
+// then zeros up to the next COLUMN_STEP. T: the pools' dtype; P: the products'. K^T is written by 16 x 16 blocks of
+// 32-bit words transposed in registers (a key's words scattered one by one cost a tenth of the attention).
 template <typename T, typename P>
 void pack_tile(const T* key_cache, const T* value_cache, const Chunk& c, int64_t head, int64_t tile, int64_t B,
                int64_t KH, int64_t D, P* k_out, P* v_out) {
@@ -129,20 +171,42 @@ void pack_tile(const T* key_cache, const T* value_cache, const Chunk& c, int64_t
   auto row = [&](const T* cache, int64_t pos) -> const T* {
     return pos < c.len ? cache + ((c.table[pos / B] * B + pos % B) * KH + head) * D : nullptr;
   };
+  constexpr int64_t per_word = std::is_same_v<P, float> ? 1 : 2;  // elements of K in one 32-bit word of K^T
+  const int64_t words = D / per_word;
+  auto* k_words = reinterpret_cast<uint32_t*>(k_out);  // [words][KEY_TILE]
+#if defined(__AVX512F__)
+  for (int64_t j0 = 0; j0 < used; j0 += 16) {  // used % 16 == 0 (a multiple of COLUMN_STEP)
+    const T* keys[16];
+    for (int64_t i = 0; i < 16; ++i) keys[i] = row(key_cache, start + j0 + i);
+    for (int64_t w0 = 0; w0 < words; w0 += 16) {
+      const int64_t count = std::min<int64_t>(16, words - w0);
+      __m512i block[16];
+      for (int64_t i = 0; i < 16; ++i)
+        block[i] = keys[i] != nullptr ? key_words<T, P>(keys[i], w0, count) : _mm512_setzero_si512();
+      transpose16x16(block);
+      for (int64_t w = 0; w < count; ++w) _mm512_storeu_si512(k_words + (w0 + w) * KEY_TILE + j0, block[w]);
+    }
+  }
+#else
+  for (int64_t j = 0; j < used; ++j) {
+    const T* k = row(key_cache, start + j);
+    for (int64_t w = 0; w < words; ++w) {
+      uint32_t word = 0u;
+      if (k != nullptr) {
+        if constexpr (std::is_same_v<P, float>) word = std::bit_cast<uint32_t>(paged_hf_vec::to_float(k[w]));
+        else word = reinterpret_cast<const uint32_t*>(k)[w];
+      }
+      k_words[w * KEY_TILE + j] = word;
+    }
+  }
+#endif
   if constexpr (std::is_same_v<P, float>) {
     for (int64_t j = 0; j < used; ++j) {
-      const T* k = row(key_cache, start + j);
       const T* v = row(value_cache, start + j);
-      for (int64_t d = 0; d < D; ++d) k_out[d * KEY_TILE + j] = k ? paged_hf_vec::to_float(k[d]) : 0.0f;
       if (v) copy_row(v, v_out + j * D, D);
       else std::fill(v_out + j * D, v_out + (j + 1) * D, 0.0f);
     }
   } else {
-    auto* k_words = reinterpret_cast<uint32_t*>(k_out);  // a word: two consecutive bfloat16 of one key
-    for (int64_t j = 0; j < used; ++j) {
-      const auto* k = reinterpret_cast<const uint32_t*>(row(key_cache, start + j));
-      for (int64_t d = 0; d < D / 2; ++d) k_words[d * KEY_TILE + j] = k ? k[d] : 0u;
-    }
     static const uint16_t zeros[512] = {};  // a missing row (head dims up to 512)
     for (int64_t j = 0; j < used; j += 2) {  // word d of row pair j: V[j][d] low, V[j + 1][d] high
       const T* a = row(value_cache, start + j);
