@@ -34,8 +34,10 @@ def kernel():
 def prefill_cases(draw):
     num_chunks = draw(st.integers(1, 5))
     # (stored keys before the chunk, the chunk's queries): first chunks, later chunks, empty and one-token chunks
-    # (300, 520: past the bfloat16 kernel's first 256-key tiles)
-    chunks = [(draw(st.sampled_from([0, 0, 1, 5, 16, 37, 300, 520])), draw(st.integers(0, 40)))
+    # (300, 520: past the bfloat16 kernel's first 256-key tiles; 100, 200: chunks of several work items, which take
+    # 192 / group query positions)
+    chunks = [(draw(st.sampled_from([0, 0, 1, 5, 16, 37, 300, 520])),
+               draw(st.one_of(st.integers(0, 40), st.sampled_from([100, 200]))))
               for _ in range(num_chunks)]
     if all(n == 0 for _, n in chunks):
         chunks[0] = (chunks[0][0], 1)

@@ -21,9 +21,10 @@
 //   tile of KEY_TILE keys, into the layouts the products read (bfloat16: VNNI; read from the blocks where they lie,
 //   zero past the sequence). bfloat16 on an AVX-512 CPU without AMX (an AMD EPYC, a Xeon before Sapphire Rapids):
 //   the tiles and the query are widened to float32 as they are packed and the products run in float32 (torch's
-//   flash kernel there is 2x slower than the float32 products); only the output is rounded to bfloat16. A work
-//   item is one KV head and QUERY_TILE query positions of one chunk, all heads of the GQA group stacked as the
-//   rows of one product (the group shares every packed tile). Per key tile up to the item's last position:
+//   flash kernel there is 2x slower than the float32 products); only the output is rounded to bfloat16. The
+//   packed tiles lie on 2 MiB pages (huge_buffer.h). A work item is one KV head and ITEM_ROWS / group query
+//   positions of one chunk, all heads of the GQA group stacked as the rows of one product (the group shares every
+//   packed tile; 192 rows read each tile for more rows than 64 or 128 did, 1.05-1.28x). Per key tile up to the item's last position:
 //   scores = one brgemm, the online softmax in float32 (exp2 of the scores scaled by scale * log2(e), the causal
 //   cut per row, a row's reference maximum moved only when a tile outscores it by 2^8 (softmax_row); bfloat16
 //   products' probabilities rounded as torch's flash kernel rounds them), then one brgemm
@@ -38,7 +39,7 @@
 //   (a second call, whose top-left causal rule is exactly the new block's), the two merged by their log-sum-exps;
 //   a first chunk (ctx = 0) is one causal call. A window that cuts a sequence's keys: one call over the keys from the
 //   chunk's first visible one, under a mask of the window and the causal rule. A softcap (which torch's flash
-//   kernel lacks): the scores, capped and masked, softmax and the product with V in float32, QUERY_TILE * 8 queries
+//   kernel lacks): the scores, capped and masked, softmax and the product with V in float32, CAPPED_ROWS queries
 //   at a time.
 //
 // The caller takes this op for unquantized pools in the query's dtype.
@@ -70,7 +71,8 @@ namespace {
 using paged_hf_vec::f16v;
 using BF16 = c10::BFloat16;
 
-constexpr int64_t QUERY_TILE = 32;  // query positions of a work item (times the GQA group: its products' rows)
+constexpr int64_t ITEM_ROWS = 192;  // a work item's product rows: ITEM_ROWS / group query positions, each group's heads
+constexpr int64_t CAPPED_ROWS = 256; // the softcap fallback's query rows at a time
 constexpr int64_t KEY_TILE = 256;   // keys of a tile: one product for the scores, one for the values
 constexpr int64_t COLUMN_STEP = 32; // a tile's products are cut to the keys its rows see, in steps of this
 
@@ -366,10 +368,11 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
     int64_t chunk, head, start, last;  // start: the item's first query row in its chunk; last: its last position
   };
   std::vector<Item> items;
+  const int64_t positions = std::max<int64_t>(1, ITEM_ROWS / group);  // query positions of an item
   for (int64_t s = 0; s < static_cast<int64_t>(chunks.size()); ++s)
-    for (int64_t t = 0; t < chunks[s].n; t += QUERY_TILE)
+    for (int64_t t = 0; t < chunks[s].n; t += positions)
       for (int64_t h = 0; h < KH; ++h)
-        items.push_back({s, h, t, chunks[s].ctx + std::min(t + QUERY_TILE, chunks[s].n) - 1});
+        items.push_back({s, h, t, chunks[s].ctx + std::min(t + positions, chunks[s].n) - 1});
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.last > b.last; });
 
   const float log2e = 1.4426950408889634f, c_scale = static_cast<float>(scale) * log2e;
@@ -384,11 +387,11 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     thread_local Scratch<P> scratch;
-    scratch.fit(QUERY_TILE * group, D);
+    scratch.fit(positions * group, D);
     for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
       const Item& item = items[i];
       const Chunk& c = chunks[item.chunk];
-      const int64_t rows_t = std::min(QUERY_TILE, c.n - item.start), M = rows_t * group;
+      const int64_t rows_t = std::min(positions, c.n - item.start), M = rows_t * group;
       P* q = scratch.query.data();
       float *scores = scratch.scores.data(), *acc = scratch.acc.data(), *peak = scratch.peak.data(),
             *total = scratch.total.data();
@@ -480,12 +483,12 @@ at::Tensor hidden_keys(int64_t ctx, int64_t rows, int64_t lo, int64_t L, int64_t
 }
 
 // out [1, H, n, D] (query dtype) and its log-sum-exp [1, H, n] of q ([1, H, n, D], positions ctx ..) over k, v
-// ([1, KH, L, D], positions lo ..) with softcapped scores, in float32, QUERY_TILE * 8 queries at a time (their scores
+// ([1, KH, L, D], positions lo ..) with softcapped scores, in float32, CAPPED_ROWS queries at a time (their scores
 // [H, rows, L] are the memory it takes).
 std::tuple<at::Tensor, at::Tensor> capped_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     int64_t ctx, int64_t lo, int64_t window, double scale,
                                                     double softcap) {
-  const int64_t n = q.size(2), L = k.size(2), group = q.size(1) / k.size(1), rows_step = QUERY_TILE * 8;
+  const int64_t n = q.size(2), L = k.size(2), group = q.size(1) / k.size(1), rows_step = CAPPED_ROWS;
   const auto keys = k.to(at::kFloat).repeat_interleave(group, 1).transpose(2, 3);  // [1, H, D, L]
   const auto values = v.to(at::kFloat).repeat_interleave(group, 1);
   at::Tensor out = at::empty(q.sizes(), q.options()), lse = at::empty({1, q.size(1), n}, q.options().dtype(at::kFloat));
