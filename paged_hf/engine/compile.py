@@ -51,6 +51,8 @@ from ..kv.manager import KVManager
 from ..kv.sizing import allocate_all
 from ..metadata import AttentionMetadata, build_metadata
 from ..packed_linear import FusePackedLinears
+from .decompositions import engine_decompositions
+from .decompositions import uuid as decompositions_uuid
 from .forward_cache import EngineCache
 from .rotary_tables import RealizeRotaryTables
 
@@ -83,7 +85,8 @@ class _GraphPasses(CustomGraphPass):
             graph_pass(graph)
 
     def uuid(self) -> bytes:
-        return b"".join(graph_pass.uuid() for graph_pass in self.passes)
+        # inductor's compile caches key on this, not on the decomposition table: a changed table must miss them too
+        return b"".join(graph_pass.uuid() for graph_pass in self.passes) + decompositions_uuid()
 
 
 # Inductor with the engine's passes, one object for every engine: dynamo reuses a compiled graph only for the same
@@ -94,8 +97,9 @@ class _GraphPasses(CustomGraphPass):
 # prefill or mixed run). Each element's arithmetic is the same either way. ``size_asserts`` off, as vLLM compiles:
 # the wrapper checked every input's and every custom op output's sizes and strides each step (~600 calls for
 # SmolLM2, 0.35 ms of its 3 ms a decode step); the ops' fake implementations are what the graph was built from.
+# The decompositions are inductor's with the engine's own in place of a few (``decompositions.py``: gelu's tanh form).
 _INDUCTOR_SETTINGS = {"post_grad_custom_pre_pass": _GraphPasses(), "cpp.dynamic_threads": True, "size_asserts": False}
-_INDUCTOR = functools.partial(compile_fx, config_patches=_INDUCTOR_SETTINGS)
+_INDUCTOR = functools.partial(compile_fx, config_patches=_INDUCTOR_SETTINGS, decompositions=engine_decompositions())
 
 
 # Module API edits in this process (a submodule, parameter or buffer assigned), counted by the global registration

@@ -24,10 +24,10 @@
 //   flash kernel there is 2x slower than the float32 products); only the output is rounded to bfloat16. The
 //   packed tiles lie on 2 MiB pages (huge_buffer.h). A work item is one KV head and ITEM_ROWS / group query
 //   positions of one chunk, all heads of the GQA group stacked as the rows of one product (the group shares every
-//   packed tile; 192 rows read each tile for more rows than 64 or 128 did, 1.05-1.28x). Per key tile up to the item's last position:
-//   scores = one brgemm, the online softmax in float32 (exp2 of the scores scaled by scale * log2(e), the causal
-//   cut per row, a row's reference maximum moved only when a tile outscores it by 2^8 (softmax_row); bfloat16
-//   products' probabilities rounded as torch's flash kernel rounds them), then one brgemm
+//   packed tile; 192 rows read each tile for more rows than 64 or 128 did, 1.05-1.28x). Per key tile up to the
+//   item's last position: scores = one brgemm, the online softmax in float32 (exp2 of the scores scaled by
+//   scale * log2(e), the causal cut per row, a row's reference maximum moved only when a tile outscores it by 2^8
+//   (softmax_row); bfloat16 products' probabilities rounded as torch's flash kernel rounds them), then one brgemm
 //   adds probabilities x V into a float32 accumulator. A later chunk is one pass over stored and new
 //   keys (no second call, no merge). Items are taken longest first from a shared counter by torch's threads. Under
 //   a window only the tiles from the chunk's first visible key are packed, an item's products start at the tile of
