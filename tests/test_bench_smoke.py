@@ -25,6 +25,10 @@ SMOKE = {
     "cuda_graphs": (["--quick"], "decode tok/s"),  # on CPU: the padded static path against no graphs
     "cpu_attention": (["--threads", "1", "--repeats", "1", "--formats", "auto"], "prefill"),
     "cpu_prefill": (["--quick", "--threads", "1", "--repeats", "1"], "speed-up"),
+    # against this checkout's own source (a file: no git needed)
+    "prefill_ab": (["--against", str(Path(paged_hf_cli.BENCHMARKS_DIR).parent / "paged_hf/kernels/csrc" /
+                                     "paged_prefill.cpp"), "--quick", "--threads", "1", "--repeats", "1"],
+                   "largest difference"),
     "decode": (["--models", "stories260K", "--batches", "1", "--new-tokens", "3", "--repeats", "1", "--min-len", "4",
                 "--max-len", "8", "--threads", "1"], "DynamicCache"),
     "decode_linears": (["--rows", "1,33", "--layers", "1", "--repeats", "1", "--threads", "1"], "outputs differing"),
