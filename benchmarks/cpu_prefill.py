@@ -60,6 +60,14 @@ def step(chunks, num_kv_heads, group, head_dim, dtype, seed=0):
     return query, pools, tables, torch.tensor(lengths), cu
 
 
+def cases(quick: bool) -> tuple[dict, dict]:
+    """(heads, steps) to run: all, or SmolLM2's heads and the short prompts (``--quick``, a smoke run)."""
+    if not quick:
+        return HEADS, STEPS
+    return ({k: v for k, v in HEADS.items() if k.startswith("SmolLM2")},
+            {k: v for k, v in STEPS.items() if k.startswith("16 prompts")})
+
+
 def median_ms(calls: dict, repeats: int) -> dict:
     """Median wall milliseconds of each callable, run in turn (one warm-up call each first)."""
     for call in calls.values():
@@ -79,8 +87,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="SmolLM2's heads and the short prompts only (a smoke run)")
     args = parser.parse_args(argv)
-    heads = {k: v for k, v in HEADS.items() if not args.quick or k.startswith("SmolLM2")}
-    steps = {k: v for k, v in STEPS.items() if not args.quick or k.startswith("16 prompts")}
+    heads, steps = cases(args.quick)
     torch.set_num_threads(args.threads)
     if not cpu_ext.loaded():
         print("the C++ CPU kernels did not build here (no compiler?): nothing to compare")

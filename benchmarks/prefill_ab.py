@@ -5,8 +5,8 @@ Runs of one build in separate processes on the 2-core KVM guest differed by up t
 to 2 MiB pages, a process's luck of physical pages decided it); two builds in one process see the same machine. Each
 variant is ``paged_prefill.cpp`` with the headers beside it at that revision, compiled with the library's own
 flags into a library of its own whose ops live under another namespace. Steps and heads are ``cpu_prefill.py``'s.
-Columns: the best of ``--repeats`` rounds of each (ms) with its speed relative to this checkout's (> 1: faster),
-and the largest difference between their outputs.
+Columns: the median of ``--repeats`` alternating calls of each (ms) with its speed relative to this checkout's
+(> 1: faster), and the largest difference between their outputs.
 
     PYTHONPATH=. python benchmarks/prefill_ab.py --against HEAD~1                  # bfloat16, 2 threads
     PYTHONPATH=. python benchmarks/prefill_ab.py --against old=HEAD~3 --against /tmp/mine.cpp --dtype float32
@@ -16,11 +16,11 @@ and the largest difference between their outputs.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from _common import machine, markdown_table  # noqa: E402
-from cpu_prefill import HEADS, STEPS, step  # noqa: E402
+from cpu_prefill import cases, median_ms, step  # noqa: E402
 
 from paged_hf.kernels import cpu_ext  # noqa: E402
 
@@ -57,20 +57,13 @@ def sources_at(spec: str, folder: Path) -> Path:
 
 def build_variant(spec: str, namespace: str, folder: Path):
     """The prefill op of ``spec`` compiled as the library's own is, its ops registered under ``namespace``."""
-    from torch.utils.cpp_extension import include_paths  # noqa: PLC0415
-
     source = sources_at(spec, folder)
     text = source.read_text()
     if "TORCH_LIBRARY_FRAGMENT(paged_hf_cpu," not in text:
         raise SystemExit(f"{spec}: its paged_prefill.cpp registers no paged_hf_cpu ops to rename")
     source.write_text(text.replace("TORCH_LIBRARY_FRAGMENT(paged_hf_cpu,", f"TORCH_LIBRARY_FRAGMENT({namespace},"))
-    compiler = cpu_ext._compiler()
-    torch_lib = Path(torch.__file__).parent / "lib"
     library = folder / f"{namespace}.so"
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cpu_ext._run([compiler, *cpu_ext._flags(compiler), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                  *(f"-I{path}" for path in include_paths()), str(source), "-o", str(library), f"-L{torch_lib}",
-                  "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"])
+    cpu_ext.compile_library(cpu_ext._compiler(), [source], library, folder)
     torch.ops.load_library(str(library))
     return getattr(torch.ops, namespace).paged_prefill
 
@@ -81,11 +74,10 @@ def main(argv=None) -> int:
                         help="[NAME=]REV or [NAME=]FILE.cpp: a variant to run beside this checkout's (repeatable)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="SmolLM2's heads and the short prompts only (a smoke run)")
     args = parser.parse_args(argv)
-    heads = {k: v for k, v in HEADS.items() if not args.quick or k.startswith("SmolLM2")}
-    steps = {k: v for k, v in STEPS.items() if not args.quick or k.startswith("16 prompts")}
+    heads, steps = cases(args.quick)
     torch.set_num_threads(args.threads)
     if not cpu_ext.loaded():
         print("the C++ CPU kernels did not build here (no compiler?): nothing to compare")
@@ -99,7 +91,7 @@ def main(argv=None) -> int:
             variants[name or spec] = build_variant(spec, f"paged_hf_variant_{number}", folder)
         dtype = getattr(torch, args.dtype)
         print(f"# CPU prefill, this checkout beside {', '.join(list(variants)[1:])}: {args.dtype}, {args.threads} "
-              f"threads, best of {args.repeats} alternating rounds")
+              f"threads, median of {args.repeats} alternating calls")
         print(machine())
         rows = []
         for head_name, (num_kv_heads, group, head_dim) in heads.items():
@@ -108,16 +100,10 @@ def main(argv=None) -> int:
                 operands = (query, pools.key_cache, pools.value_cache, tables, seq_lens, cu, head_dim**-0.5, None)
                 outs = {name: op(*operands).float() for name, op in variants.items()}
                 first = outs["this checkout"]
-                best = dict.fromkeys(variants, float("inf"))
-                for _ in range(args.repeats):
-                    for name, op in variants.items():
-                        for _ in range(2):
-                            start = time.perf_counter()
-                            op(*operands)
-                            best[name] = min(best[name], time.perf_counter() - start)
-                base = best["this checkout"]
-                rows.append([head_name, step_name,
-                             *(f"{1e3 * best[name]:.2f} ({base / best[name]:.2f}x)" for name in variants),
+                ms = median_ms({name: functools.partial(op, *operands) for name, op in variants.items()},
+                               args.repeats)
+                base = ms["this checkout"]
+                rows.append([head_name, step_name, *(f"{ms[name]:.2f} ({base / ms[name]:.2f}x)" for name in variants),
                              f"{max((out - first).abs().max().item() for out in outs.values()):.1e}"])
         print(f"\nload average {os.getloadavg()[0]:.1f} at the end\n")
         print(markdown_table(["heads", "step", *(f"{name} ms" for name in variants), "largest difference"], rows))

@@ -175,7 +175,6 @@ def _build(compiler: str) -> Path:
     """The library for these sources, torch, compiler, target and CPU: built now unless already in the cache."""
     flags = _flags(compiler)
     source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), compiler.encode(), " ".join(flags).encode(),
                                       _compiler_version(compiler), _cpu_flags(), str(abi).encode()])).hexdigest()[:16]
@@ -188,30 +187,34 @@ def _build(compiler: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it
         if library.is_file():
             return library
-        from torch.utils.cpp_extension import include_paths  # noqa: PLC0415 - only when building
-
         begin = time.perf_counter()
         logger.info("paged_hf: building the CPU kernels (once per machine, into %s)", folder)
         with tempfile.TemporaryDirectory(dir=folder) as scratch:
-            compile_flags = [*flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{path}" for path in include_paths())]
-            objects = _compile_each(compiler, compile_flags, Path(scratch))
             partial = Path(scratch) / library.name
-            _run([compiler, *flags, *map(str, objects), "-o", str(partial), f"-L{torch_lib}", "-ltorch_cpu", "-lc10",
-                  f"-Wl,-rpath,{torch_lib}"])
+            compile_library(compiler, SOURCES, partial, Path(scratch))
             os.replace(partial, library)
         logger.info("paged_hf: built the CPU kernels in %.1f s", time.perf_counter() - begin)
     return library
 
 
-def _compile_each(compiler: str, flags: list[str], scratch: Path) -> list[Path]:
-    """Each source compiled to an object in `scratch`, as many at once as this process may use CPUs."""
-    objects = [scratch / f"{source.stem}.o" for source in SOURCES]
-    commands = [[compiler, *flags, "-c", str(source), "-o", str(obj)] for source, obj in zip(SOURCES, objects)]
+def compile_library(compiler: str, sources, library: Path, scratch: Path) -> None:
+    """`sources` compiled with this library's flags and target (each to an object in `scratch`, as many at once as
+    this process may use CPUs) and linked against the installed torch into `library`; RuntimeError if a step fails.
+    The library's own build, and ``benchmarks/prefill_ab.py``'s variants of a kernel."""
+    from torch.utils.cpp_extension import include_paths  # noqa: PLC0415 - only when building
+
+    flags = _flags(compiler)
+    torch_lib = Path(torch.__file__).parent / "lib"
+    compile_flags = [*flags, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                     *(f"-I{path}" for path in include_paths())]
+    objects = [scratch / f"{Path(source).stem}.o" for source in sources]
+    commands = [[compiler, *compile_flags, "-c", str(source), "-o", str(obj)] for source, obj in zip(sources, objects)]
     jobs = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(jobs, len(commands))) as pool:
         for future in [pool.submit(_run, command) for command in commands]:
             future.result()
-    return objects
+    _run([compiler, *flags, *map(str, objects), "-o", str(library), f"-L{torch_lib}", "-ltorch_cpu", "-lc10",
+          f"-Wl,-rpath,{torch_lib}"])
 
 
 def _run(command: list[str]) -> None:

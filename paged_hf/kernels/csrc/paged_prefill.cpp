@@ -488,12 +488,12 @@ at::Tensor hidden_keys(int64_t ctx, int64_t rows, int64_t lo, int64_t L, int64_t
 std::tuple<at::Tensor, at::Tensor> capped_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     int64_t ctx, int64_t lo, int64_t window, double scale,
                                                     double softcap) {
-  const int64_t n = q.size(2), L = k.size(2), group = q.size(1) / k.size(1), rows_step = CAPPED_ROWS;
+  const int64_t n = q.size(2), L = k.size(2), group = q.size(1) / k.size(1);
   const auto keys = k.to(at::kFloat).repeat_interleave(group, 1).transpose(2, 3);  // [1, H, D, L]
   const auto values = v.to(at::kFloat).repeat_interleave(group, 1);
   at::Tensor out = at::empty(q.sizes(), q.options()), lse = at::empty({1, q.size(1), n}, q.options().dtype(at::kFloat));
-  for (int64_t a = 0; a < n; a += rows_step) {
-    const int64_t rows = std::min(rows_step, n - a);
+  for (int64_t a = 0; a < n; a += CAPPED_ROWS) {
+    const int64_t rows = std::min(CAPPED_ROWS, n - a);
     auto scores = at::matmul(q.narrow(2, a, rows).to(at::kFloat), keys).mul_(scale / softcap).tanh_().mul_(softcap);
     scores.masked_fill_(hidden_keys(ctx + a, rows, lo, L, window), -INFINITY);
     const auto row_lse = at::logsumexp(scores, -1);
