@@ -49,7 +49,7 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_decode.cpp", "paged_prefill.cpp", "paged_step.cpp", "packed_linear.cpp",
                              "amx_linear.cpp", "pin_threads.cpp", "greedy.cpp"))
 HEADERS = tuple(Path(__file__).with_name("csrc") / name  # included by the sources: part of the build's hash
-                for name in ("vec16.h", "amx.h", "amx_linear.h", "huge_buffer.h"))
+                for name in ("vec16.h", "amx.h", "amx_linear.h", "huge_buffer.h", "paged_attention.h"))
 ARCH_VAR = "PAGED_HF_CPU_ARCH"  # the -march the library is built for (default native: this machine)
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w")
 

@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "amx.h"
+#include "paged_attention.h"
 #include "vec16.h"
 
 #include <algorithm>
@@ -586,9 +587,13 @@ void dispatch_indices(const at::Tensor& query, const at::Tensor& key_cache, cons
   else with_lens(block_tables.const_data_ptr<int64_t>());
 }
 
-at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-                        double softcap, const std::optional<at::Tensor>& sinks) {
+}  // namespace
+
+namespace paged_hf_attention {
+
+void decode_into(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                 double softcap, const std::optional<at::Tensor>& sinks, at::Tensor& out) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "paged_decode: query [S, H, D], "
               "pools [N, B, KH, D]");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
@@ -609,7 +614,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key_cache, co
     TORCH_CHECK(sink_values.numel() == query.size(1), "paged_decode: sinks [H]");
   }
   const float* sink_ptr = sink_values.defined() ? sink_values.const_data_ptr<float>() : nullptr;
-  at::Tensor out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  check_out("paged_decode", query, out);
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   switch (query.scalar_type()) {
     case at::kFloat:
@@ -622,6 +627,19 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key_cache, co
     default:
       TORCH_CHECK(false, "paged_decode: float32 or bfloat16, not ", query.scalar_type());
   }
+}
+
+}  // namespace paged_hf_attention
+
+namespace {
+
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                        double softcap, const std::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(query.dim() == 3, "paged_decode: query [S, H, D]");
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  paged_hf_attention::decode_into(query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap,
+                                  sinks, out);
   return out;
 }
 

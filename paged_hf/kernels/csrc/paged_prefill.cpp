@@ -60,6 +60,7 @@
 #include <vector>
 
 #include "huge_buffer.h"
+#include "paged_attention.h"
 #include "vec16.h"
 
 #if defined(__AVX512F__)
@@ -503,13 +504,14 @@ std::tuple<at::Tensor, at::Tensor> capped_attention(const at::Tensor& q, const a
   return {out, lse};
 }
 
-// `own`: the brgemm flash where it serves (paged_prefill); false: torch's flash kernel (paged_prefill_flash, for
-// benchmarks and tests that compare the two).
-at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_query_lens,
-                   double scale, const std::optional<at::Tensor>& sinks, int64_t window, double softcap, bool own) {
+// The attention into `out` (paged_attention.h). `own`: the brgemm flash where it serves (paged_prefill); false:
+// torch's flash kernel (paged_prefill_flash, for benchmarks and tests that compare the two).
+void prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_query_lens, double scale,
+             const std::optional<at::Tensor>& sinks, int64_t window, double softcap, bool own, at::Tensor& out) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "paged_prefill: query [T, H, D], "
               "pools [N, B, KH, D]");
+  paged_hf_attention::check_out("paged_prefill", query, out);
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
               "paged_prefill: query and pools must share one dtype");
   TORCH_CHECK(block_tables.dim() == 2 && seq_lens.dim() == 1 && cu_query_lens.dim() == 1 &&
@@ -549,7 +551,6 @@ at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const a
       chunks.push_back({first, n, len, ctx, tile0, tiles, packed, row});
       packed += tiles * KH;
     }
-    at::Tensor out = at::empty(query.sizes(), query.options());
     const at::Tensor sink_rows = sink_values.defined() ? sink_values.contiguous() : sink_values;
     if (query.scalar_type() == at::kFloat)
       brgemm_prefill<float, float>(query, key_cache, value_cache, chunks, scale, sink_rows, window, softcap, out);
@@ -557,9 +558,8 @@ at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const a
       brgemm_prefill<BF16, BF16>(query, key_cache, value_cache, chunks, scale, sink_rows, window, softcap, out);
     else
       brgemm_prefill<BF16, float>(query, key_cache, value_cache, chunks, scale, sink_rows, window, softcap, out);
-    return out;
+    return;
   }
-  at::Tensor out = at::empty_like(query);
   for (int64_t s = 0; s < S; ++s) {
     const int64_t first = start_of[s], n = start_of[s + 1] - first, len = len_of[s], ctx = len - n;
     if (n <= 0) continue;
@@ -598,22 +598,25 @@ at::Tensor prefill(const at::Tensor& query, const at::Tensor& key_cache, const a
     if (sink_values.defined()) o = o.to(at::kFloat).mul_(at::sigmoid(lse - sink_values).unsqueeze(-1));
     out.narrow(0, first, n).copy_(o.squeeze(0).transpose(0, 1));
   }
-  return out;
 }
 
 at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_query_lens,
                          double scale, const std::optional<at::Tensor>& sinks, int64_t window, double softcap) {
-  return prefill(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks, window, softcap,
-                 true);
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  prefill(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks, window, softcap, true,
+          out);
+  return out;
 }
 
 at::Tensor paged_prefill_flash(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                const at::Tensor& cu_query_lens, double scale, const std::optional<at::Tensor>& sinks,
                                int64_t window, double softcap) {
-  return prefill(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks, window, softcap,
-                 false);
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  prefill(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks, window, softcap, false,
+          out);
+  return out;
 }
 
 bool prefill_uses_brgemm(const at::Tensor& query, const at::Tensor& key_cache) {
@@ -621,6 +624,15 @@ bool prefill_uses_brgemm(const at::Tensor& query, const at::Tensor& key_cache) {
 }
 
 }  // namespace
+
+void paged_hf_attention::prefill_into(const at::Tensor& query, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                      const at::Tensor& seq_lens, const at::Tensor& cu_query_lens, double scale,
+                                      const std::optional<at::Tensor>& sinks, int64_t window, double softcap,
+                                      at::Tensor& out) {
+  prefill(query, key_cache, value_cache, block_tables, seq_lens, cu_query_lens, scale, sinks, window, softcap, true,
+          out);
+}
 
 TORCH_LIBRARY_FRAGMENT(paged_hf_cpu, m) {
   m.def("prefill_uses_brgemm(Tensor query, Tensor key_cache) -> bool");

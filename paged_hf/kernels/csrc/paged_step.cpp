@@ -14,8 +14,9 @@
 //     the first num_decodes sequences through paged_decode, the rest through paged_prefill (their queries from
 //     query_start_loc[num_decodes]), both under the sliding window where window > 0 and the softcap where > 0.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include "paged_attention.h"
 
 #include <cstdint>
 #include <cstring>
@@ -73,34 +74,24 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& stored, const at::T
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& num_decodes,
                   int64_t layer, double scale, const std::optional<at::Tensor>& sinks, int64_t window,
                   double softcap) {
-  static auto decode = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("paged_hf_cpu::paged_decode", "")
-                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                             const at::Tensor&, const at::Tensor&, double, int64_t, double,
-                                             const std::optional<at::Tensor>&)>();
-  static auto prefill = c10::Dispatcher::singleton()
-                            .findSchemaOrThrow("paged_hf_cpu::paged_prefill", "")
-                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                              const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                              const std::optional<at::Tensor>&, int64_t, double)>();
   (void)stored;
   const at::Tensor& key_cache = pool(bound.keys, layer);
   const at::Tensor& value_cache = pool(bound.values, layer);
-  const int64_t S = seq_lens.size(0), d = num_decodes.item<int64_t>();
+  const int64_t S = seq_lens.size(0), d = num_decodes.item<int64_t>(), T = query.size(0);
   TORCH_CHECK(d >= 0 && d <= S, "attend: num_decodes ", d, " of ", S, " sequences");
-  if (d == S) return decode.call(query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap, sinks);
-  if (d == 0) {
-    return prefill.call(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sinks, window,
-                        softcap);
+  TORCH_CHECK(query.dim() == 3, "attend: query [T, H, D]");
+  at::Tensor out = at::empty(query.sizes(), query.options());  // decodes' rows first, then the prefills'
+  if (d > 0) {
+    at::Tensor rows = out.narrow(0, 0, d);
+    paged_hf_attention::decode_into(query.narrow(0, 0, d), key_cache, value_cache, block_tables.narrow(0, 0, d),
+                                    seq_lens.narrow(0, 0, d), scale, window, softcap, sinks, rows);
   }
-  at::Tensor out = at::empty_like(query);
-  out.narrow(0, 0, d).copy_(decode.call(query.narrow(0, 0, d), key_cache, value_cache, block_tables.narrow(0, 0, d),
-                                         seq_lens.narrow(0, 0, d), scale, window, softcap, sinks));
-  const int64_t T = query.size(0);
-  out.narrow(0, d, T - d).copy_(prefill.call(query.narrow(0, d, T - d), key_cache, value_cache,
-                                             block_tables.narrow(0, d, S - d), seq_lens.narrow(0, d, S - d),
-                                             query_start_loc.narrow(0, d, S - d + 1) - d, scale, sinks, window,
-                                             softcap));
+  if (d < S) {
+    at::Tensor rows = out.narrow(0, d, T - d);
+    paged_hf_attention::prefill_into(query.narrow(0, d, T - d), key_cache, value_cache,
+                                     block_tables.narrow(0, d, S - d), seq_lens.narrow(0, d, S - d),
+                                     query_start_loc.narrow(0, d, S - d + 1) - d, scale, sinks, window, softcap, rows);
+  }
   return out;
 }
 
