@@ -100,9 +100,13 @@ def _plan(tail_slots, fill_blocks, fill_rows, fill_first, fill_tail) -> StorePla
 
 
 def _unaliased(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-    """A custom op may not return its input (``FreshKV`` is the input itself when no rotation or cast applies)."""
-    return out.clone() if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-                              for t in inputs) else out
+    """``out`` contiguous and not an input's storage: a custom op may not return its input (``FreshKV`` is the input
+    itself when no rotation or cast applies), and the ops' outputs are contiguous as their fakes say. An input may
+    be a strided view (a query made by ``cat``, Phi's partial rotary, is head-major once packed), and an output that
+    kept its strides would be read by the compiled graph in the fake's layout: wrong values, no error."""
+    if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in inputs):
+        return out.clone(memory_format=torch.contiguous_format)
+    return out.contiguous()
 
 
 @torch.library.custom_op("paged_hf::store_kv", mutates_args=())
@@ -145,7 +149,7 @@ def paged_attention(query: torch.Tensor, fresh_key: torch.Tensor, fresh_value: t
 
 @paged_attention.register_fake
 def _paged_attention_fake(query, *args, **kwargs):
-    return torch.empty_like(query)
+    return query.new_empty(query.shape)  # contiguous, whatever the query's strides (``_unaliased``)
 
 
 class OpStep(NamedTuple):

@@ -39,6 +39,8 @@ FAMILIES = {
          "query_pre_attn_scalar": 16},
     ),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {}),
+    # gelu_new written out in Python; partial rotary, whose cat makes the query head-major once packed
+    "phi": (transformers.PhiConfig, transformers.PhiForCausalLM, {"hidden_act": "gelu_new"}),
     "mixtral": (
         transformers.MixtralConfig, transformers.MixtralForCausalLM,
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},

@@ -54,7 +54,14 @@ def graphs_during(engine: PagedEngine, params=GREEDY, **kwargs) -> tuple[int, in
     return counters["stats"]["unique_graphs"] - before, counting.calls, out
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "qwen3_moe"])
+@pytest.fixture(autouse=True)
+def size_asserts(monkeypatch):
+    """The compiled graphs check every custom op's output sizes and strides against its fake, as the engine's do
+    not (``compile._INDUCTOR_SETTINGS``): a fake that disagrees with its op's layout gives wrong values, no error."""
+    monkeypatch.setitem(compile_module._INDUCTOR_SETTINGS, "size_asserts", True)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "qwen3_moe", "phi"])
 def test_compiled_engine_equals_eager_and_generate(family):
     """kv_cache_dtype="auto": greedy tokens compiled == eager == generate + DynamicCache (dense attention)."""
     model = tiny_model(family)
@@ -66,10 +73,12 @@ def test_compiled_engine_equals_eager_and_generate(family):
     assert calls > 5 and new_graphs == 0
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "fp8"])
-def test_compiled_quantized_formats_equal_eager(kv_cache_dtype):
-    """A quantized pool (int4: the tail rows written after the attention reads them) gives the eager tokens."""
-    model = tiny_model("llama")
+@pytest.mark.parametrize("family, kv_cache_dtype", [("llama", "int8"), ("llama", "int4"), ("llama", "fp8"),
+                                                    ("phi", "int8")])
+def test_compiled_quantized_formats_equal_eager(family, kv_cache_dtype):
+    """A quantized pool (int4: the tail rows written after the attention reads them) gives the eager tokens; Phi's
+    head-major query through the Python ops."""
+    model = tiny_model(family)
     options = dict(STEADY, kv_cache_dtype=kv_cache_dtype)
     eager = tokens(PagedEngine(model, None, enforce_eager=True, **options))
     new_graphs, calls, got = graphs_during(PagedEngine(model, None, **options))

@@ -40,13 +40,14 @@ import time
 import torch
 from torch._dynamo.exc import TorchDynamoException
 from torch._inductor.compile_fx import compile_fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx.experimental import _config as fx_config
 from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
 from tqdm.auto import tqdm
 
 from .. import ops
+from ..kernels import cpu_ext
 from ..kv.manager import KVManager
 from ..kv.sizing import allocate_all
 from ..metadata import AttentionMetadata, build_metadata
@@ -85,8 +86,10 @@ class _GraphPasses(CustomGraphPass):
             graph_pass(graph)
 
     def uuid(self) -> bytes:
-        # inductor's compile caches key on this, not on the decomposition table: a changed table must miss them too
-        return b"".join(graph_pass.uuid() for graph_pass in self.passes) + decompositions_uuid()
+        # inductor's compile caches key on this, not on the decomposition table nor on the custom ops' fakes (the
+        # layouts the graph was built for): a changed table or fake must miss them too
+        return (b"".join(graph_pass.uuid() for graph_pass in self.passes) + decompositions_uuid()
+                + get_hash_for_files((ops.__file__, cpu_ext.__file__)))
 
 
 # Inductor with the engine's passes, one object for every engine: dynamo reuses a compiled graph only for the same

@@ -118,7 +118,8 @@ def _register_fakes() -> None:
     fake("paged_hf_cpu::packed_linear_group")(
         lambda x, weights, biases, keys: x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights))))
     fake("paged_hf_cpu::store")(lambda key, value, slots, layer: key.new_empty((0,)))
-    fake("paged_hf_cpu::attend")(lambda query, *args: torch.empty_like(query))
+    # contiguous, as attend returns it, whatever the query's strides (empty_like would keep a head-major query's)
+    fake("paged_hf_cpu::attend")(lambda query, *args: query.new_empty(query.shape))
 
 
 def _compiler() -> str | None:
