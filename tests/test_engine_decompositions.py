@@ -1,5 +1,6 @@
 """The engine's own decompositions (``engine/decompositions.py``): gelu's tanh form computed through a sigmoid, within
-a few ulp of ``F.gelu``; the engine's backend uses it; the table leaves inductor's compile caches working."""
+a few ulp of ``F.gelu``; the engine's backend uses it; the table leaves inductor's compile caches working; the same
+form written out in a model's code (``1 + tanh(u)``) is rewritten too, and no other ``tanh``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch._inductor.utils import run_and_get_code
 
 from paged_hf.engine import compile as compile_module
 from paged_hf.engine.decompositions import engine_decompositions, gelu_tanh_by_sigmoid
+from transformers.activations import FastGELUActivation, NewGELUActivation
 
 
 def gelu_inputs(dtype: torch.dtype) -> torch.Tensor:
@@ -78,3 +80,40 @@ def test_the_table_keeps_inductors_compile_caches():
     compiled = torch.compile(lambda x: F.gelu(x @ x, approximate="tanh"), backend=compile_module._INDUCTOR)
     compiled(torch.randn(8, 8))
     assert counters["inductor"]["fxgraph_cache_bypass"] == before
+
+
+def engine_code(fn, *args):
+    """``fn``'s output compiled by the engine's backend now (no cached graph), and its generated code."""
+    compiled = torch.compile(fn, backend=compile_module._INDUCTOR, dynamic=False)
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        out, (code, *_) = run_and_get_code(compiled, *args)
+    return out, code
+
+
+@pytest.mark.parametrize("activation", [NewGELUActivation(), FastGELUActivation(), lambda x: (torch.tanh(
+    0.7978845608028654 * x * (1 + 0.044715 * x * x)) + 1.0) * x * 0.5], ids=["new", "fast", "bloom-like, tanh + 1"])
+def test_gelu_written_out_compiles_without_tanh_within_a_few_ulp(activation):
+    """GPT-2's, the "fast" and Bloom's gelu spell ``0.5 x (1 + tanh(u))`` in Python: in float32 within the ulp bounds
+    of ``gelu_tanh_by_sigmoid``, closer than eager in the tail; in bfloat16 the float32 value rounded once."""
+    x = gelu_inputs(torch.float32)
+    out, code = engine_code(activation, x)
+    assert "tanh" not in code and "exp" in code
+    ours, eager = ulps_off(out, x), ulps_off(activation(x), x)
+    assert ours.max() <= 256 and ours.max() < eager.max()  # u's own rounding, in each model's order, adds to 128
+    assert ulps_off(out[x.abs() <= 3], x[x.abs() <= 3]).max() <= 16
+    half = gelu_inputs(torch.bfloat16)
+    out, code = engine_code(activation, half)
+    assert "tanh" not in code and out.dtype == torch.bfloat16
+    assert ulps_off(out, half).max() <= 1.01  # a bfloat16 cube and product in the model's code: one rounding more
+
+
+def test_a_tanh_read_elsewhere_stays_and_a_softcap_is_left_alone():
+    x = torch.linspace(-6, 6, 1001)
+    out, code = engine_code(lambda x: (1 + torch.tanh(x), torch.tanh(x) * 30.0), x)
+    assert "tanh" in code
+    torch.testing.assert_close(out[0], 1 + torch.tanh(x), atol=1e-6, rtol=0)
+    torch.testing.assert_close(out[1], torch.tanh(x) * 30.0)  # inductor's tanh: an ulp from eager's here and there
+    out, code = engine_code(lambda x: (torch.tanh(x / 30.0) * 30.0, torch.tanh(x) + 2.0), x)  # a softcap; not 1 +
+    assert "tanh" in code
+    torch.testing.assert_close(out[0], torch.tanh(x / 30.0) * 30.0)
+    torch.testing.assert_close(out[1], torch.tanh(x) + 2.0)

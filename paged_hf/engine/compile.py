@@ -52,7 +52,7 @@ from ..kv.manager import KVManager
 from ..kv.sizing import allocate_all
 from ..metadata import AttentionMetadata, build_metadata
 from ..packed_linear import FusePackedLinears
-from .decompositions import engine_decompositions
+from .decompositions import SigmoidForOnePlusTanh, engine_decompositions
 from .decompositions import uuid as decompositions_uuid
 from .forward_cache import EngineCache
 from .rotary_tables import RealizeRotaryTables
@@ -77,9 +77,10 @@ _SHAPE_CONFIG = fx_config.patch(**_SHAPE_SETTINGS)
 
 class _GraphPasses(CustomGraphPass):
     """The engine's post-grad passes, in order: the q/k/v and gate/up products fused (``FusePackedLinears``), the
-    rotary tables computed once a step (``RealizeRotaryTables``)."""
+    rotary tables computed once a step (``RealizeRotaryTables``), ``1 + tanh(u)`` as ``2 sigmoid(2u)``
+    (``SigmoidForOnePlusTanh``: gelu's tanh form where a model writes it out)."""
 
-    passes = (FusePackedLinears(), RealizeRotaryTables())
+    passes = (FusePackedLinears(), RealizeRotaryTables(), SigmoidForOnePlusTanh())
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for graph_pass in self.passes:

@@ -8,6 +8,12 @@ shaped prefill. ``0.5 (1 + tanh(u))`` is ``sigmoid(2u)``, which inductor compute
 2.6 G elements/s for the same product. The identity is exact; in float32 the two roundings differ by a few ulp, and
 where ``x`` is very negative the sigmoid has the smaller error (``1 + tanh(u)`` cancels there). Computed in float32
 from a bfloat16 or float16 input and rounded once, as inductor computes the original.
+
+The same form written out in Python (GPT-2's ``NewGELUActivation``, ``FastGELUActivation``, Bloom's gelu: ``0.5 x
+(1 + tanh(u))`` in the model's own code) reaches inductor as ``add(tanh(u), 1)``, past any decomposition:
+``SigmoidForOnePlusTanh``, a post-grad pass of the engine's graphs, rewrites each such sum as ``2 sigmoid(2u)``
+(a bfloat16 ``NewGELUActivation`` of [2048, 4096], one thread: 0.39 -> 1.0 G elements/s). A ``tanh`` with other
+users stays for them; a ``tanh`` not added to 1 (a softcap) is left alone.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import functools
 import math
 
 import torch
-from torch._inductor.custom_graph_pass import get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.decomposition import select_decomp_table
 
 aten = torch.ops.aten
@@ -33,6 +39,47 @@ def gelu_tanh_by_sigmoid(x: torch.Tensor, approximate: str = "none") -> torch.Te
     wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
     inner = _TWO_SQRT_2_OVER_PI * (wide + _CUBIC * wide * wide * wide)
     return (wide * torch.sigmoid(inner)).to(x.dtype)
+
+
+def _is_one(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1
+
+
+def _tanh_plus_one(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The ``tanh`` node of ``add(tanh(u), 1)`` or ``add(1, tanh(u))``, else None."""
+    if node.op != "call_function" or node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
+        return None
+    for term, other in (node.args, node.args[::-1]):
+        if (isinstance(term, torch.fx.Node) and term.op == "call_function" and term.target is aten.tanh.default
+                and _is_one(other)):
+            return term
+    return None
+
+
+class SigmoidForOnePlusTanh(CustomGraphPass):
+    """Post-grad pass: each ``add(tanh(u), 1)`` becomes ``mul(sigmoid(mul(u, 2)), 2)`` (the same value; inductor's
+    vectorized ``exp`` instead of Sleef's ``tanh``), the ``tanh`` dropped where nothing else reads it."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in list(graph.nodes):
+            tanh = _tanh_plus_one(node)
+            if tanh is None:
+                continue
+            inner = tanh.args[0]
+            with graph.inserting_before(node):
+                doubled = graph.call_function(aten.mul.Tensor, (inner, 2.0))
+                doubled.meta["val"] = inner.meta["val"] * 2.0
+                squashed = graph.call_function(aten.sigmoid.default, (doubled,))
+                squashed.meta["val"] = torch.sigmoid(doubled.meta["val"])
+                twice = graph.call_function(aten.mul.Tensor, (squashed, 2.0))
+                twice.meta["val"] = squashed.meta["val"] * 2.0
+            node.replace_all_uses_with(twice)
+            graph.erase_node(node)
+            if not tanh.users:
+                graph.erase_node(tanh)
+
+    def uuid(self) -> bytes:
+        return uuid()
 
 
 class _Table(dict):
