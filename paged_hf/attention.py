@@ -22,7 +22,7 @@ from transformers.modeling_utils import AttentionInterface
 from . import ops
 from .patches import masks_v5
 from .kernels.attention_ref import paged_attention_core
-from .metadata import METADATA_KEY
+from .metadata import METADATA_KEY, take_step
 from .ops import OpStep
 from .rotation import rotate, unrotate
 
@@ -46,6 +46,8 @@ def paged_attention_forward(
     """HF attention signature. ``query`` is ``[B, heads, q, head_dim]``; returns ``[B, q, heads, head_dim]``."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     step = kwargs.get(METADATA_KEY)
+    if step is None:  # an update without kwargs (GPT-NeoX, Falcon)
+        step = take_step(getattr(module, "layer_idx", None))
     if isinstance(step, OpStep):  # the engine's compiled forward: the attention is one custom op
         return ops.attend(step, query, scale, softcap, s_aux), None
     if step is None:

@@ -17,7 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from . import ops
 from .kv.layer_groups import LayerGroup
-from .metadata import METADATA_KEY, AttentionMetadata, GroupMetadata, LayerStep, write_layer_kv
+from .metadata import METADATA_KEY, AttentionMetadata, GroupMetadata, LayerStep, hand_step, write_layer_kv
 
 
 class LayerSource(Protocol):
@@ -90,7 +90,8 @@ class PagedLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, kwargs: dict | None = None, **unused):
         """Stores ``key_states`` / ``value_states`` ``[B, kv_heads, q, head_dim]`` and returns what the attention
-        reads: the states themselves beside a ``LayerStep`` in ``kwargs``, or the source's dense K/V."""
+        reads: the states themselves beside a ``LayerStep`` in ``kwargs`` (without kwargs: handed to the
+        attention by layer index, ``metadata.hand_step``), or the source's dense K/V."""
         metadata = self.source.layer_metadata(self, key_states, kwargs)
         group = metadata.groups[self.group.index]
         if kwargs is not None and self.source.num_decodes is not None:  # compiled: the store and attention are ops
@@ -99,8 +100,12 @@ class PagedLayer(CacheLayerMixin):
             return key_states, value_states
         storage = self.group.storages[self.layer_idx]
         fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
-        if kwargs is not None and self.source.reads_blocks:
-            kwargs[METADATA_KEY] = LayerStep(metadata, group, self.group.index, storage, fresh)
+        if self.source.reads_blocks and (kwargs is not None or self.source.num_decodes is None):
+            step = LayerStep(metadata, group, self.group.index, storage, fresh)
+            if kwargs is not None:
+                kwargs[METADATA_KEY] = step
+            else:  # the attention takes it by layer index
+                hand_step(self.layer_idx, step)
             return key_states, value_states
         return self.source.dense_kv(self, storage, group, fresh)
 

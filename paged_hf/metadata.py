@@ -18,8 +18,10 @@ All of it is computed here, on the host, with a few vectorized ops per forward (
 from __future__ import annotations
 
 import array
+import contextlib
 import dataclasses
 import operator
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -118,6 +120,42 @@ class LayerStep(NamedTuple):
     group_index: int
     storage: object  # KVStorage
     fresh: object | None  # FreshKV
+
+
+class _HandedSteps(threading.local):
+    """``LayerStep``s that no layer kwargs could carry, by layer index, on this thread: GPT-NeoX's and Falcon's
+    attentions call ``cache.update`` without kwargs and pass the attention only their own. A layer's update hands
+    its step over just before its attention takes it, so an entry never outlives its layer's turn."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, LayerStep] = {}
+
+
+_handed = _HandedSteps()
+
+
+def hand_step(layer_idx: int, step: LayerStep) -> None:
+    """Keeps ``step`` for layer ``layer_idx``'s attention (``take_step``)."""
+    _handed.steps[layer_idx] = step
+
+
+def take_step(layer_idx: int | None) -> LayerStep | None:
+    """The step handed over for layer ``layer_idx`` (once), else None."""
+    return None if layer_idx is None else _handed.steps.pop(layer_idx, None)
+
+
+@contextlib.contextmanager
+def handed_steps():
+    """Around an engine forward: a step handed over but never taken (an attention other than the paged one read
+    the update's K/V, and its output ignored the blocks) fails the forward by name."""
+    _handed.steps.clear()
+    try:
+        yield
+        if _handed.steps:
+            raise RuntimeError(f"layers {sorted(_handed.steps)} stored their K/V without kwargs and their attention "
+                               f"never read the paged blocks; the engine needs attn_implementation='paged'")
+    finally:
+        _handed.steps.clear()
 
 
 def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], counts: list[int], num_decodes: int,

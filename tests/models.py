@@ -41,6 +41,10 @@ FAMILIES = {
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {}),
     # gelu_new written out in Python; partial rotary, whose cat makes the query head-major once packed
     "phi": (transformers.PhiConfig, transformers.PhiForCausalLM, {"hidden_act": "gelu_new"}),
+    # attentions that call cache.update without kwargs (the engine hands their step over by layer index)
+    "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM,
+                 {"num_key_value_heads": 4, "rotary_pct": 0.25}),
+    "falcon": (transformers.FalconConfig, transformers.FalconForCausalLM, {"num_key_value_heads": 1}),
     "mixtral": (
         transformers.MixtralConfig, transformers.MixtralForCausalLM,
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},

@@ -9,6 +9,9 @@ is recomputed (or swapped back) past its window.
 
 from __future__ import annotations
 
+import logging
+from unittest import mock
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -71,3 +74,27 @@ def test_engine_equals_generate(family, options):
         assert stats["num_swapped_out"] > 0 and stats["num_swapped_in"] == stats["num_swapped_out"]
     engine.check_invariants()
     assert stats["kv_cache_used"] == 0
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "falcon"])
+def test_an_attention_that_updates_its_cache_without_kwargs(family, caplog):
+    """GPT-NeoX and Falcon call ``cache.update`` without kwargs, so no ``LayerStep`` reaches their attention through
+    them: the eager engine hands it over by layer index (``metadata.hand_step``). Their forward does not compile
+    (the warm-up says why and the engine runs eagerly); tokens and logprobs equal generate's, chunked."""
+    with caplog.at_level(logging.WARNING, logger="paged_hf"):
+        engine = PagedEngine(tiny_model(family), None, num_blocks=128, block_size=4, max_num_batched_tokens=5)
+    assert engine.runner.compiled is None and "without kwargs" in caplog.text and "runs it eagerly" in caplog.text
+    outs = engine.generate(prompts(), GREEDY, use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outs, references(family)):
+        assert out.outputs[0].token_ids == tokens
+        torch.testing.assert_close(token_logprobs(out.outputs[0]), logprobs, atol=2e-5, rtol=0)
+    engine.check_invariants()
+
+
+def test_a_handed_step_no_attention_took_fails_the_forward():
+    """A layer that stored its K/V without kwargs while an attention other than the paged one ran (its output
+    would ignore the blocks): the step's forward fails, by name, and the request fails alone."""
+    engine = PagedEngine(tiny_model("gpt_neox"), None, num_blocks=128, block_size=4, enforce_eager=True)
+    with mock.patch("paged_hf.attention.take_step", lambda layer_idx: None):
+        out = engine.generate([prompts()[0]], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "error" and "never read the paged blocks" in out.error

@@ -158,6 +158,14 @@ def _skipped_guards():
             gc.enable()
 
 
+def _reason(error: TorchDynamoException) -> str:
+    """Dynamo's error in a line: its first, and for an exception the traced code raised ("Observed exception"),
+    that exception."""
+    lines = str(error).splitlines()
+    raised = [line.split("raised exception", 1)[1].strip() for line in lines if "raised exception" in line]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}" + (f": {raised[0]}" if raised else "")
+
+
 class CompileFailed(RuntimeError):
     """torch.compile could not compile the forward (the runner then runs it eagerly)."""
 
@@ -243,8 +251,7 @@ class CompiledForward:
                 full = True  # a size no graph's checked guards admit: compile the usual way
                 outputs = self._run(engine_cache, inputs, full)
         except TorchDynamoException as error:
-            raise CompileFailed(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") \
-                from error
+            raise CompileFailed(_reason(error)) from error
         finally:
             engine_cache.num_decodes = None
         if full:

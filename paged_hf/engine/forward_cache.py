@@ -43,8 +43,9 @@ class EngineCache(Cache):
 
     def dense_kv(self, layer: PagedLayer, storage, group, fresh):
         raise RuntimeError(
-            f"{type(self).__name__}: layer {layer.layer_idx} called cache.update without kwargs, so the paged "
-            f"attention cannot receive the step's block tables; the engine needs a model that passes kwargs"
+            f"{type(self).__name__}: layer {layer.layer_idx} called cache.update without kwargs, so the compiled "
+            f"forward cannot hand its attention the step's store and block tables (the eager forward hands them over "
+            f"by layer index)"
         )
 
     def dense_view(self, layer: PagedLayer, which: int) -> None:

@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 
 from ..distributed.group import TensorParallelError
 from ..kv.manager import KVManager
-from ..metadata import AttentionMetadata, build_metadata, decode_metadata, long_tensor
+from ..metadata import AttentionMetadata, build_metadata, decode_metadata, handed_steps, long_tensor
 from .compile import CompiledForward, CompileFailed
 from .cuda_graphs import DecodeGraphs, GraphOptions
 from .decode_batch import DecodeBatch
@@ -349,7 +349,7 @@ class ModelRunner:
         inputs = dict(**tokens, position_ids=positions, cache=self.cache, attention_mask=self.no_mask, use_cache=True,
                       **kwargs)
         try:
-            out = self.model(**inputs) if eager else self._forward(metadata, inputs)
+            out = self._eager(inputs) if eager else self._forward(metadata, inputs)
         except Exception as error:
             self._check_group(error)
             raise
@@ -377,7 +377,12 @@ class ModelRunner:
                 logger.warning("PagedEngine: torch.compile failed on a forward of %d tokens (%s); the engine runs "
                                "eagerly from now on", metadata.num_tokens, error)
                 self.compiled = None
-        return self.model(**inputs)
+        return self._eager(inputs)
+
+    def _eager(self, inputs: dict):
+        """The model's own forward, a layer that updates its cache without kwargs handed its step by index."""
+        with handed_steps():
+            return self.model(**inputs)
 
 
 def _prompt_positions(item) -> int:
