@@ -94,13 +94,17 @@ class PagedLayer(CacheLayerMixin):
         attention by layer index, ``metadata.hand_step``), or the source's dense K/V."""
         metadata = self.source.layer_metadata(self, key_states, kwargs)
         group = metadata.groups[self.group.index]
-        if kwargs is not None and self.source.num_decodes is not None:  # compiled: the store and attention are ops
-            kwargs[METADATA_KEY] = ops.store_layer(metadata, group, self.layer_idx, key_states, value_states,
-                                                   self.source.num_decodes, self.source.native_ops)
+        if self.source.num_decodes is not None:  # compiled: the store and attention are ops
+            step = ops.store_layer(metadata, group, self.layer_idx, key_states, value_states, self.source.num_decodes,
+                                   self.source.native_ops)
+            if kwargs is not None:
+                kwargs[METADATA_KEY] = step
+            else:  # the attention takes it by layer index
+                hand_step(self.layer_idx, step)
             return key_states, value_states
         storage = self.group.storages[self.layer_idx]
         fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
-        if self.source.reads_blocks and (kwargs is not None or self.source.num_decodes is None):
+        if self.source.reads_blocks:
             step = LayerStep(metadata, group, self.group.index, storage, fresh)
             if kwargs is not None:
                 kwargs[METADATA_KEY] = step

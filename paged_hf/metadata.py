@@ -132,30 +132,40 @@ class _HandedSteps(threading.local):
 
 
 _handed = _HandedSteps()
+# The same while dynamo traces the engine's forward (its steps are ``ops.OpStep``s): a plain dict, which dynamo
+# follows; each layer's entry is written and taken within the trace, so the compiled graph never touches it.
+_traced: dict = {}
 
 
-def hand_step(layer_idx: int, step: LayerStep) -> None:
-    """Keeps ``step`` for layer ``layer_idx``'s attention (``take_step``)."""
-    _handed.steps[layer_idx] = step
+def hand_step(layer_idx: int, step) -> None:
+    """Keeps ``step`` (a ``LayerStep``, or an ``OpStep`` while tracing) for layer ``layer_idx``'s attention."""
+    if torch.compiler.is_compiling():
+        _traced[layer_idx] = step
+    else:
+        _handed.steps[layer_idx] = step
 
 
-def take_step(layer_idx: int | None) -> LayerStep | None:
+def take_step(layer_idx: int | None):
     """The step handed over for layer ``layer_idx`` (once), else None."""
-    return None if layer_idx is None else _handed.steps.pop(layer_idx, None)
+    if layer_idx is None:
+        return None
+    return _traced.pop(layer_idx, None) if torch.compiler.is_compiling() else _handed.steps.pop(layer_idx, None)
 
 
 @contextlib.contextmanager
 def handed_steps():
-    """Around an engine forward: a step handed over but never taken (an attention other than the paged one read
-    the update's K/V, and its output ignored the blocks) fails the forward by name."""
+    """Around an engine forward, eager or compiled: a step handed over but never taken (an attention other than the
+    paged one read the update's K/V, and its output ignored the blocks) fails the forward by name."""
     _handed.steps.clear()
     try:
         yield
-        if _handed.steps:
-            raise RuntimeError(f"layers {sorted(_handed.steps)} stored their K/V without kwargs and their attention "
-                               f"never read the paged blocks; the engine needs attn_implementation='paged'")
+        left = sorted({*_handed.steps, *_traced})
+        if left:
+            raise RuntimeError(f"layers {left} stored their K/V without kwargs and their attention never read the "
+                               f"paged blocks; the engine needs attn_implementation='paged'")
     finally:
         _handed.steps.clear()
+        _traced.clear()
 
 
 def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], counts: list[int], num_decodes: int,

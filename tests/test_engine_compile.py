@@ -61,7 +61,7 @@ def size_asserts(monkeypatch):
     monkeypatch.setitem(compile_module._INDUCTOR_SETTINGS, "size_asserts", True)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "qwen3_moe", "phi"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "qwen3_moe", "phi", "gpt_neox"])
 def test_compiled_engine_equals_eager_and_generate(family):
     """kv_cache_dtype="auto": greedy tokens compiled == eager == generate + DynamicCache (dense attention)."""
     model = tiny_model(family)

@@ -9,7 +9,6 @@ is recomputed (or swapped back) past its window.
 
 from __future__ import annotations
 
-import logging
 from unittest import mock
 
 import pytest
@@ -76,14 +75,15 @@ def test_engine_equals_generate(family, options):
     assert stats["kv_cache_used"] == 0
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
 @pytest.mark.parametrize("family", ["gpt_neox", "falcon"])
-def test_an_attention_that_updates_its_cache_without_kwargs(family, caplog):
-    """GPT-NeoX and Falcon call ``cache.update`` without kwargs, so no ``LayerStep`` reaches their attention through
-    them: the eager engine hands it over by layer index (``metadata.hand_step``). Their forward does not compile
-    (the warm-up says why and the engine runs eagerly); tokens and logprobs equal generate's, chunked."""
-    with caplog.at_level(logging.WARNING, logger="paged_hf"):
-        engine = PagedEngine(tiny_model(family), None, num_blocks=128, block_size=4, max_num_batched_tokens=5)
-    assert engine.runner.compiled is None and "without kwargs" in caplog.text and "runs it eagerly" in caplog.text
+def test_an_attention_that_updates_its_cache_without_kwargs(family, compiled):
+    """GPT-NeoX and Falcon call ``cache.update`` without kwargs, so no step reaches their attention through them:
+    the engine hands it over by layer index (``metadata.hand_step``), compiled and eager; tokens and logprobs equal
+    generate's, chunked."""
+    engine = PagedEngine(tiny_model(family), None, num_blocks=128, block_size=4, max_num_batched_tokens=5,
+                         enforce_eager=not compiled)
+    assert (engine.runner.compiled is not None) == compiled
     outs = engine.generate(prompts(), GREEDY, use_tqdm=False)
     for out, (tokens, logprobs) in zip(outs, references(family)):
         assert out.outputs[0].token_ids == tokens

@@ -42,11 +42,8 @@ class EngineCache(Cache):
         return self.metadata
 
     def dense_kv(self, layer: PagedLayer, storage, group, fresh):
-        raise RuntimeError(
-            f"{type(self).__name__}: layer {layer.layer_idx} called cache.update without kwargs, so the compiled "
-            f"forward cannot hand its attention the step's store and block tables (the eager forward hands them over "
-            f"by layer index)"
-        )
+        raise RuntimeError(f"{type(self).__name__}: layer {layer.layer_idx} asked for dense K/V; the engine's "
+                           f"attention reads the blocks")
 
     def dense_view(self, layer: PagedLayer, which: int) -> None:
         """None: the engine's layers keep no dense K/V."""

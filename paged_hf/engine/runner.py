@@ -372,7 +372,8 @@ class ModelRunner:
     def _forward(self, metadata: AttentionMetadata, inputs: dict):
         if self.compiled is not None:
             try:
-                return self.compiled(self.cache, metadata, **inputs)
+                with handed_steps():
+                    return self.compiled(self.cache, metadata, **inputs)
             except CompileFailed as error:  # before anything of the forward ran: run it eagerly, from now on
                 logger.warning("PagedEngine: torch.compile failed on a forward of %d tokens (%s); the engine runs "
                                "eagerly from now on", metadata.num_tokens, error)
@@ -380,7 +381,7 @@ class ModelRunner:
         return self._eager(inputs)
 
     def _eager(self, inputs: dict):
-        """The model's own forward, a layer that updates its cache without kwargs handed its step by index."""
+        """The model's own forward (``handed_steps``: a layer that updates its cache without kwargs)."""
         with handed_steps():
             return self.model(**inputs)
 
