@@ -36,6 +36,7 @@ SMOKE = {
                       "| released | 1"),
     "engine_compile": (["--models", "stories260K", "--dtypes", "float32", "--requests", "2", "--max-out", "8",
                         "--rounds", "1", "--threads", "1"], "same tokens"),
+    "families": (["--families", "llama", "--tokens", "3"], "| llama  | yes      | True              | True"),
     "gemm": (["--shapes", "k/v", "--tokens", "1", "4", "--repeats", "1", "--iters", "2", "--threads", "1"],
              "fastest"),
     "fault_load": (["--clients", "8"], "idle"),

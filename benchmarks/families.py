@@ -1,0 +1,99 @@
+"""Decoder families transformers ships, on the engine: the compiled engine's greedy tokens against the eager
+engine's and against ``generate`` + ``DynamicCache``, for tiny random models of each family.
+
+Each model is built from its config class with a small shape (``--hidden`` wide, two layers, four heads, a 512-token
+vocabulary) and the family's own defaults otherwise (partial rotary, parallel attention, multi-query, ...). Three
+prompts of 5-30 tokens generate ``--tokens`` greedy tokens each, chunked in 9-token steps over 4-token blocks. The
+compiled graphs check their custom ops' output sizes and strides (inductor's size asserts, off in the engine
+itself): a fake that disagrees with its op fails by name instead of giving wrong values. A family the engine refuses
+(linear attention, an encoder-decoder) is listed with its error; a family transformers lacks is skipped.
+
+    PYTHONPATH=. python benchmarks/families.py
+    PYTHONPATH=. python benchmarks/families.py --families phi gpt_neox falcon
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+import paged_hf  # noqa: F401 - registers the "paged" attention
+from paged_hf import PagedEngine, SamplingParams
+from paged_hf.engine import compile as compile_module
+
+from _common import machine, markdown_table
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "stablelm", "olmo",
+            "olmo2", "cohere", "granite", "starcoder2", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_neox", "falcon",
+            "smollm3", "helium", "glm", "exaone4", "ernie4_5", "arcee", "apertus", "seed_oss", "hunyuan_v1_dense")
+PROMPT_LENGTHS = (5, 17, 30)
+ENGINE = dict(block_size=4, num_blocks=128, max_num_batched_tokens=9)
+
+
+def tiny(family: str, hidden: int):
+    """A seeded random ``family`` model, ``hidden`` wide, two layers, four heads (two KV heads where it has them)."""
+    config = AutoConfig.for_model(family, vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
+                                  num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    if hasattr(config, "num_key_value_heads") and family not in ("gpt_neox", "falcon"):
+        config.num_key_value_heads = 2
+    for name, value in (("head_dim", hidden // 4), ("moe_intermediate_size", hidden), ("num_experts", 4),
+                        ("num_local_experts", 4), ("num_experts_per_tok", 2)):
+        # a read-only property (Falcon's head_dim) stays as the config derives it
+        if hasattr(config, name) and not isinstance(getattr(type(config), name, None), property):
+            setattr(config, name, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")
+    return model
+
+
+def engine_tokens(model, prompts, params, **options) -> tuple[list[list[int]], bool]:
+    engine = PagedEngine(model, None, **ENGINE, **options)
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    errors = [out.error for out in outs if out.error]
+    if errors:
+        raise RuntimeError(errors[0])
+    return [out.outputs[0].token_ids for out in outs], engine.runner.compiled is not None
+
+
+def check(family: str, hidden: int, tokens: int) -> list:
+    """One table row: family, compiled, compiled == eager, eager == generate, note."""
+    try:
+        model = tiny(family, hidden)
+        prompts = [list(range(3, 3 + n)) for n in PROMPT_LENGTHS]
+        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+        reference = [model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]  # EOS ignored
+        eager, _ = engine_tokens(model, prompts, params, enforce_eager=True)
+        compiled, did_compile = engine_tokens(model, prompts, params)
+    except Exception as error:  # noqa: BLE001 - a family's failure is its row
+        return [family, "-", "-", "-", f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"]
+    return [family, "yes" if did_compile else "no (eager)", compiled == eager, eager == reference, ""]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES))
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=10)
+    args = parser.parse_args()
+    logging.getLogger("paged_hf").setLevel(logging.ERROR)
+    compile_module._INDUCTOR_SETTINGS["size_asserts"] = True
+    print(f"# the engine over tiny random models of each family\n{machine()}\n")
+    rows = []
+    for family in args.families:
+        if family not in CONFIG_MAPPING:
+            print(f"skipped {family}: this transformers has no such model type")
+            continue
+        rows.append(check(family, args.hidden, args.tokens))
+        print(f"{family}: done", flush=True)
+    print(markdown_table(["family", "compiled", "compiled == eager", "eager == generate", "error"], rows))
+
+
+if __name__ == "__main__":
+    main()
