@@ -34,7 +34,7 @@ from .kv.manager import KVManager
 from .kv.model_config import block_id_bytes, check_supported, local_kv_heads
 from .kv.sequence import SequenceKV
 from .kv_stats import PagedCacheStats
-from .metadata import METADATA_KEY, AttentionMetadata, table_width
+from .metadata import METADATA_KEY, AttentionMetadata, drop_handed_steps, table_width
 from .timeline import PaddedTimeline
 from .timeline_plan import dense_layout, plan_forward
 
@@ -159,6 +159,7 @@ class PagedCache(DynamicCache):
                 f"call cache.reset() to start a new batch"
             )
         self._masks = None
+        drop_handed_steps()
         self._metadata, self._dense_slots = plan_forward(self.kv, self.rows, self.timeline, new, device,
                                                          self._min_table_width, dense=not self.reads_blocks)
         self._written = set()

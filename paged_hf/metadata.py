@@ -152,11 +152,19 @@ def take_step(layer_idx: int | None):
     return _traced.pop(layer_idx, None) if torch.compiler.is_compiling() else _handed.steps.pop(layer_idx, None)
 
 
+def drop_handed_steps() -> None:
+    """Forgets this thread's untaken steps (a forward that raised between a layer's update and its attention), so
+    no later forward's attention takes one: ``PagedCache`` at each forward it plans, ``handed_steps`` around the
+    engine's."""
+    _handed.steps.clear()
+    _traced.clear()
+
+
 @contextlib.contextmanager
 def handed_steps():
     """Around an engine forward, eager or compiled: a step handed over but never taken (an attention other than the
     paged one read the update's K/V, and its output ignored the blocks) fails the forward by name."""
-    _handed.steps.clear()
+    drop_handed_steps()
     try:
         yield
         left = sorted({*_handed.steps, *_traced})
@@ -164,8 +172,7 @@ def handed_steps():
             raise RuntimeError(f"layers {left} stored their K/V without kwargs and their attention never read the "
                                f"paged blocks; the engine needs attn_implementation='paged'")
     finally:
-        _handed.steps.clear()
-        _traced.clear()
+        drop_handed_steps()
 
 
 def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], counts: list[int], num_decodes: int,

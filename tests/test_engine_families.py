@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from paged_hf import PagedEngine, SamplingParams
+from paged_hf import PagedEngine, SamplingParams, metadata
 from models import tiny_model, token_logprobs
 
 FAMILIES = ("llama", "mistral", "gemma2")  # llama: the full-attention baseline of the same checks
@@ -98,3 +98,14 @@ def test_a_handed_step_no_attention_took_fails_the_forward():
     with mock.patch("paged_hf.attention.take_step", lambda layer_idx: None):
         out = engine.generate([prompts()[0]], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "error" and "never read the paged blocks" in out.error
+
+
+def test_generate_forgets_a_step_a_failed_forward_left_behind():
+    """A forward that raised between a layer's update and its attention leaves that step handed over; the next
+    forward ``PagedCache`` plans drops it, so no attention of a later forward takes it (``drop_handed_steps``)."""
+    model = tiny_model("gpt_neox", "paged")
+    stale = object()
+    metadata.hand_step(7, stale)  # a layer index the model lacks: only the planning can drop it
+    ids = torch.tensor([prompts()[0]])
+    model.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="paged", pad_token_id=0)
+    assert metadata.take_step(7) is None
