@@ -440,6 +440,15 @@ HeadFn<T> head_kernel(int64_t D, int64_t G) {
     if (D == 128) { PAGED_HF_BF16_HEADS(4) }
     if (D == 32) { PAGED_HF_BF16_HEADS(1) }
 #undef PAGED_HF_BF16_HEADS
+    if (D == 256) {  // Gemma 2 and 3: the per-head arrays spill to L1, still far ahead of the generic loop
+      switch (G) {
+        case 1: return decode_heads_bf16<8, 1>;
+        case 2: return decode_heads_bf16<8, 2>;
+        case 4: return decode_heads_bf16<8, 4>;
+        case 8: return decode_heads_bf16<8, 8>;
+        default: break;
+      }
+    }
   }
 #endif
 #define PAGED_HF_HEADS(DV)                                                                     \
@@ -456,6 +465,15 @@ HeadFn<T> head_kernel(int64_t D, int64_t G) {
   if (D == 128) { PAGED_HF_HEADS(8) }
   if (D == 32) { PAGED_HF_HEADS(2) }
 #undef PAGED_HF_HEADS
+  if (D == 256) {  // as the bfloat16 case above
+    switch (G) {
+      case 1: return decode_heads<T, 16, 1>;
+      case 2: return decode_heads<T, 16, 2>;
+      case 4: return decode_heads<T, 16, 4>;
+      case 8: return decode_heads<T, 16, 8>;
+      default: break;
+    }
+  }
   return nullptr;
 }
 

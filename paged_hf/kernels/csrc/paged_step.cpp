@@ -14,6 +14,7 @@
 //     the first num_decodes sequences through paged_decode, the rest through paged_prefill (their queries from
 //     query_start_loc[num_decodes]), both under the sliding window where window > 0 and the softcap where > 0.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include "paged_attention.h"
@@ -81,12 +82,14 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& stored, const at::T
   TORCH_CHECK(d >= 0 && d <= S, "attend: num_decodes ", d, " of ", S, " sequences");
   TORCH_CHECK(query.dim() == 3, "attend: query [T, H, D]");
   at::Tensor out = at::empty(query.sizes(), query.options());  // decodes' rows first, then the prefills'
-  if (d > 0) {
+  if (d > 0) {  // each part under its op's name in torch.profiler's tables, as when it was called through the op
+    RECORD_FUNCTION("paged_hf_cpu::paged_decode", std::vector<c10::IValue>());
     at::Tensor rows = out.narrow(0, 0, d);
     paged_hf_attention::decode_into(query.narrow(0, 0, d), key_cache, value_cache, block_tables.narrow(0, 0, d),
                                     seq_lens.narrow(0, 0, d), scale, window, softcap, sinks, rows);
   }
   if (d < S) {
+    RECORD_FUNCTION("paged_hf_cpu::paged_prefill", std::vector<c10::IValue>());
     at::Tensor rows = out.narrow(0, d, T - d);
     paged_hf_attention::prefill_into(query.narrow(0, d, T - d), key_cache, value_cache,
                                      block_tables.narrow(0, d, S - d), seq_lens.narrow(0, d, S - d),
