@@ -374,32 +374,38 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
   }
   std::memset(out, 0, sizeof(float) * KHI * G * D);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  // 32-dim slices of the rows per sweep over a block's rows (L1-resident): all of them where the G heads'
+  // accumulators fit the registers, else as many as keep them to 16 (head dim 256 at groups 4 and 8)
+  constexpr int JS = 2 * DV2 * G <= 32 ? DV2 : (16 / (2 * G) >= 1 ? 16 / (2 * G) : 1);
+  static_assert(DV2 % JS == 0, "slices must tile the head dim");
   for_each_block(true, key_blocks, value_blocks, first, len, B, row_stride, KHI * D,
                  [&](int64_t b, int64_t start, int64_t stop) {  // pass 2: the weighted values
     for (int64_t h = 0; h < KHI; ++h) {
-      __m512 acc[G][2 * DV2];
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < 2 * DV2; ++j) acc[g][j] = _mm512_loadu_ps(out + (h * G + g) * D + j * 16);
       const c10::BFloat16* rows = value_blocks[b] + h * D;
       const float* sc = scores + h * G * n - first;
-      for (int64_t p = start; p < stop; ++p) {
-        const c10::BFloat16* v = rows + (p - b * B) * row_stride;
-        __m512 even[DV2], odd[DV2];
-        for (int j = 0; j < DV2; ++j) {
-          const __m512i raw = _mm512_loadu_si512(v + j * 32);
-          even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-          odd[j] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
-        }
-        for (int g = 0; g < G; ++g) {
-          const __m512 w = _mm512_set1_ps(sc[g * n + p]);
-          for (int j = 0; j < DV2; ++j) {
-            acc[g][2 * j] = _mm512_fmadd_ps(w, even[j], acc[g][2 * j]);
-            acc[g][2 * j + 1] = _mm512_fmadd_ps(w, odd[j], acc[g][2 * j + 1]);
+      for (int j0 = 0; j0 < DV2; j0 += JS) {
+        __m512 acc[G][2 * JS];
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < 2 * JS; ++j) acc[g][j] = _mm512_loadu_ps(out + (h * G + g) * D + j0 * 32 + j * 16);
+        for (int64_t p = start; p < stop; ++p) {
+          const c10::BFloat16* v = rows + (p - b * B) * row_stride + j0 * 32;
+          __m512 even[JS], odd[JS];
+          for (int j = 0; j < JS; ++j) {
+            const __m512i raw = _mm512_loadu_si512(v + j * 32);
+            even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+            odd[j] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+          }
+          for (int g = 0; g < G; ++g) {
+            const __m512 w = _mm512_set1_ps(sc[g * n + p]);
+            for (int j = 0; j < JS; ++j) {
+              acc[g][2 * j] = _mm512_fmadd_ps(w, even[j], acc[g][2 * j]);
+              acc[g][2 * j + 1] = _mm512_fmadd_ps(w, odd[j], acc[g][2 * j + 1]);
+            }
           }
         }
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < 2 * JS; ++j) _mm512_storeu_ps(out + (h * G + g) * D + j0 * 32 + j * 16, acc[g][j]);
       }
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < 2 * DV2; ++j) _mm512_storeu_ps(out + (h * G + g) * D + j * 16, acc[g][j]);
     }
   });
   for (int64_t i = 0; i < KHI * G; ++i) {  // normalized, each slice's even and odd elements interleaved again
