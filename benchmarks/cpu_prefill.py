@@ -81,16 +81,28 @@ def median_ms(calls: dict, repeats: int) -> dict:
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options this script shares with ``prefill_ab.py``: threads, repeats, the quick subset."""
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="SmolLM2's heads and the short prompts only (a smoke run)")
-    args = parser.parse_args(argv)
-    heads, steps = cases(args.quick)
+
+
+def kernels_ready(args) -> bool:
+    """Sets torch's threads to ``args.threads``; whether the C++ kernels are built here (else says so)."""
     torch.set_num_threads(args.threads)
     if not cpu_ext.loaded():
         print("the C++ CPU kernels did not build here (no compiler?): nothing to compare")
+        return False
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(parser)
+    args = parser.parse_args(argv)
+    heads, steps = cases(args.quick)
+    if not kernels_ready(args):
         return 1
     own, flash, uses = (torch.ops.paged_hf_cpu.paged_prefill, torch.ops.paged_hf_cpu.paged_prefill_flash,
                         torch.ops.paged_hf_cpu.prefill_uses_brgemm)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from _common import machine, markdown_table  # noqa: E402
-from cpu_prefill import cases, median_ms, step  # noqa: E402
+from cpu_prefill import add_run_arguments, cases, kernels_ready, median_ms, step  # noqa: E402
 
 from paged_hf.kernels import cpu_ext  # noqa: E402
 
@@ -73,14 +73,10 @@ def main(argv=None) -> int:
     parser.add_argument("--against", action="append", required=True,
                         help="[NAME=]REV or [NAME=]FILE.cpp: a variant to run beside this checkout's (repeatable)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--quick", action="store_true", help="SmolLM2's heads and the short prompts only (a smoke run)")
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
     heads, steps = cases(args.quick)
-    torch.set_num_threads(args.threads)
-    if not cpu_ext.loaded():
-        print("the C++ CPU kernels did not build here (no compiler?): nothing to compare")
+    if not kernels_ready(args):
         return 1
     variants = {"this checkout": torch.ops.paged_hf_cpu.paged_prefill}
     with tempfile.TemporaryDirectory() as scratch:

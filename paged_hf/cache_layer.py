@@ -95,23 +95,22 @@ class PagedLayer(CacheLayerMixin):
         metadata = self.source.layer_metadata(self, key_states, kwargs)
         group = metadata.groups[self.group.index]
         if self.source.num_decodes is not None:  # compiled: the store and attention are ops
-            step = ops.store_layer(metadata, group, self.layer_idx, key_states, value_states, self.source.num_decodes,
-                                   self.source.native_ops)
-            if kwargs is not None:
-                kwargs[METADATA_KEY] = step
-            else:  # the attention takes it by layer index
-                hand_step(self.layer_idx, step)
+            self._hand_over(kwargs, ops.store_layer(metadata, group, self.layer_idx, key_states, value_states,
+                                                    self.source.num_decodes, self.source.native_ops))
             return key_states, value_states
         storage = self.group.storages[self.layer_idx]
         fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
         if self.source.reads_blocks:
-            step = LayerStep(metadata, group, self.group.index, storage, fresh)
-            if kwargs is not None:
-                kwargs[METADATA_KEY] = step
-            else:  # the attention takes it by layer index
-                hand_step(self.layer_idx, step)
+            self._hand_over(kwargs, LayerStep(metadata, group, self.group.index, storage, fresh))
             return key_states, value_states
         return self.source.dense_kv(self, storage, group, fresh)
+
+    def _hand_over(self, kwargs: dict | None, step) -> None:
+        """``step`` to this layer's attention: in its kwargs, or by layer index where the model passed none."""
+        if kwargs is not None:
+            kwargs[METADATA_KEY] = step
+        else:
+            hand_step(self.layer_idx, step)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         seen = self.source.get_seq_length()

@@ -52,8 +52,8 @@ from ..kv.manager import KVManager
 from ..kv.sizing import allocate_all
 from ..metadata import AttentionMetadata, build_metadata
 from ..packed_linear import FusePackedLinears
+from . import decompositions
 from .decompositions import SigmoidForOnePlusTanh, engine_decompositions
-from .decompositions import uuid as decompositions_uuid
 from .forward_cache import EngineCache
 from .rotary_tables import RealizeRotaryTables
 
@@ -89,8 +89,8 @@ class _GraphPasses(CustomGraphPass):
     def uuid(self) -> bytes:
         # inductor's compile caches key on this, not on the decomposition table nor on the custom ops' fakes (the
         # layouts the graph was built for): a changed table or fake must miss them too
-        return (b"".join(graph_pass.uuid() for graph_pass in self.passes) + decompositions_uuid()
-                + get_hash_for_files((ops.__file__, cpu_ext.__file__)))
+        return (b"".join(graph_pass.uuid() for graph_pass in self.passes)
+                + get_hash_for_files((decompositions.__file__, ops.__file__, cpu_ext.__file__)))
 
 
 # Inductor with the engine's passes, one object for every engine: dynamo reuses a compiled graph only for the same

@@ -376,7 +376,7 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   // 32-dim slices of the rows per sweep over a block's rows (L1-resident): all of them where the G heads'
   // accumulators fit the registers, else as many as keep them to 16 (head dim 256 at groups 4 and 8)
-  constexpr int JS = 2 * DV2 * G <= 32 ? DV2 : (16 / (2 * G) >= 1 ? 16 / (2 * G) : 1);
+  constexpr int JS = 2 * DV2 * G <= 32 ? DV2 : std::max(1, 8 / G);
   static_assert(DV2 % JS == 0, "slices must tile the head dim");
   for_each_block(true, key_blocks, value_blocks, first, len, B, row_stride, KHI * D,
                  [&](int64_t b, int64_t start, int64_t stop) {  // pass 2: the weighted values
@@ -660,7 +660,6 @@ namespace {
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
                         double softcap, const std::optional<at::Tensor>& sinks) {
-  TORCH_CHECK(query.dim() == 3, "paged_decode: query [S, H, D]");
   at::Tensor out = at::empty(query.sizes(), query.options());
   paged_hf_attention::decode_into(query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap,
                                   sinks, out);
