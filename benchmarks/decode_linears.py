@@ -9,7 +9,8 @@ not from a warm cache as one shape timed alone would). For each ``M`` the two wa
 - ``paged_hf``: ``PackedLinear`` modules (``pack_linears``): the AMX tile copy for 64 rows or fewer where the CPU has
   AMX (``linear_tile_copies``), else oneDNN's packed product (a float32 copy on a CPU without bfloat16 products);
 - ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` over each weight reordered once (what ``paged_hf`` ran before
-  the tile path, and what vLLM's CPU build runs).
+  the tile path, and what vLLM's CPU build runs); on a CPU without oneDNN's bfloat16 products, over a float32 copy
+  (the input widened, the product rounded to bfloat16), as ``paged_hf`` packs there.
 
 The table shows each way's best milliseconds per step, the weight bytes it read per second, their ratio, and how
 many outputs of the step differ between the two (bfloat16: by one ulp where the sums' order differs).
@@ -26,7 +27,7 @@ import time
 import torch
 
 from paged_hf.kernels import cpu_ext
-from paged_hf.packed_linear import pack_linears
+from paged_hf.packed_linear import pack_linears, widens
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of one layer's products, in step order
 HEAD = (49152, 576)
@@ -43,17 +44,23 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     shapes = [*SHAPES * args.layers, HEAD]
     modules = [torch.nn.Linear(n_in, n_out, bias=False).to(torch.bfloat16) for n_out, n_in in shapes]
-    reordered = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 32) for m in modules]
+    widen = bool(widens(torch.bfloat16))  # no bfloat16 products in oneDNN here: both ways run a float32 copy
+    reordered = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().float() if widen else m.weight.detach(), 32)
+                 for m in modules]
     pack_linears(torch.nn.ModuleList(modules))
     tiles = cpu_ext.loaded() and torch.ops.paged_hf_cpu.linear_tile_copies()
     weight_bytes = sum(n_out * n_in * 2 for n_out, n_in in shapes)
     print(f"{len(shapes)} weights, {weight_bytes / 2**20:.0f} MiB of bfloat16; AMX tile copies: {tiles}; "
+          f"oneDNN: {'a float32 copy (no bfloat16 products on this CPU)' if widen else 'bfloat16'}; "
           f"threads {args.threads}; load {os.getloadavg()[0]:.2f}")
 
     def packed_step(inputs):
         return [m(inputs[m.in_features]) for m in modules]
 
     def onednn_step(inputs):
+        if widen:
+            return [torch.ops.mkldnn._linear_pointwise(inputs[m.in_features].float(), w, None, "none", [], "").to(
+                torch.bfloat16) for m, w in zip(modules, reordered)]
         return [torch.ops.mkldnn._linear_pointwise(inputs[m.in_features], w, None, "none", [], "")
                 for m, w in zip(modules, reordered)]
 
