@@ -6,7 +6,8 @@ vocabulary) and the family's own defaults otherwise (partial rotary, parallel at
 prompts of 5-30 tokens generate ``--tokens`` greedy tokens each, chunked in 9-token steps over 4-token blocks. The
 compiled graphs check their custom ops' output sizes and strides (inductor's size asserts, off in the engine
 itself): a fake that disagrees with its op fails by name instead of giving wrong values. A family the engine refuses
-(linear attention, an encoder-decoder) is listed with its error; a family transformers lacks is skipped.
+(attention in the model's own code, K/V changed after the cache update, latent attention, linear or convolution
+layers) is listed with its error; a family transformers lacks is skipped.
 
     PYTHONPATH=. python benchmarks/families.py
     PYTHONPATH=. python benchmarks/families.py --families phi gpt_neox falcon
@@ -27,24 +28,48 @@ from paged_hf.engine import compile as compile_module
 
 from _common import machine, markdown_table
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "stablelm", "olmo",
-            "olmo2", "cohere", "granite", "starcoder2", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_neox", "falcon",
-            "smollm3", "helium", "glm", "exaone4", "ernie4_5", "arcee", "apertus", "seed_oss", "hunyuan_v1_dense")
+FAMILIES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3",
+            "stablelm", "olmo", "olmo2", "olmo3", "flex_olmo", "cohere", "cohere2", "granite", "starcoder2", "mixtral",
+            "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "phimoe", "hunyuan_v1_moe", "glm4_moe",
+            "dots1", "afmoe", "gpt_oss", "gpt_neox", "falcon", "gpt2", "gpt_bigcode", "gptj", "codegen", "opt",
+            "biogpt", "persimmon", "nemotron", "smollm3", "helium", "glm", "glm4", "exaone4", "ernie4_5", "arcee",
+            "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "doge",
+            # refused by name: attention in the model's own code, K/V changed after the update, MLA, layers that
+            # are not (full or sliding) attention
+            "mpt", "bloom", "xglm", "gpt_neo", "jetmoe", "deepseek_v3", "llama4_text", "lfm2", "qwen3_next",
+            "falcon_h1", "minimax")
+# What a family's defaults need to fit the tiny shape (rotary wider than a head, a layer pattern per layer, MLA's
+# and the MoE's sizes); a family whose KV heads follow another field (GPT-BigCode's multi_query) keeps them.
+OVERRIDES = {
+    "gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8),
+    "gpt_neo": dict(num_layers=2, attention_types=[[["global", "local"], 1]], window_size=8),
+    # hybrids: two layers of their default pattern would all be linear-attention layers
+    **{name: dict(num_hidden_layers=4) for name in ("qwen3_next", "jamba", "bamba", "recurrent_gemma")},
+    "lfm2": dict(num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2),
+    "deepseek_v2": dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16,
+                        v_head_dim=16, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                        topk_group=1),
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
+}
+OWN_KV_HEADS = ("gpt_neox", "falcon", "gpt_bigcode", "deepseek_v2", "deepseek_v3")
 PROMPT_LENGTHS = (5, 17, 30)
 ENGINE = dict(block_size=4, num_blocks=128, max_num_batched_tokens=9)
 
 
 def tiny(family: str, hidden: int):
     """A seeded random ``family`` model, ``hidden`` wide, two layers, four heads (two KV heads where it has them)."""
-    config = AutoConfig.for_model(family, vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
-                                  num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
-                                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    if hasattr(config, "num_key_value_heads") and family not in ("gpt_neox", "falcon"):
+    overrides = OVERRIDES.get(family, OVERRIDES["deepseek_v2"] if family == "deepseek_v3" else {})
+    config = AutoConfig.for_model(family, **{**dict(
+        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False),
+        **overrides})
+    if hasattr(config, "num_key_value_heads") and family not in OWN_KV_HEADS:
         config.num_key_value_heads = 2
     for name, value in (("head_dim", hidden // 4), ("moe_intermediate_size", hidden), ("num_experts", 4),
                         ("num_local_experts", 4), ("num_experts_per_tok", 2)):
         # a read-only property (Falcon's head_dim) stays as the config derives it
-        if hasattr(config, name) and not isinstance(getattr(type(config), name, None), property):
+        if hasattr(config, name) and not isinstance(getattr(type(config), name, None), property) and \
+                name not in overrides:
             setattr(config, name, value)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()

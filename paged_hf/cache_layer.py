@@ -94,6 +94,7 @@ class PagedLayer(CacheLayerMixin):
         attention by layer index, ``metadata.hand_step``), or the source's dense K/V."""
         metadata = self.source.layer_metadata(self, key_states, kwargs)
         group = metadata.groups[self.group.index]
+        stored = (key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
         if self.source.num_decodes is not None:  # compiled: the store and attention are ops
             self._hand_over(kwargs, ops.store_layer(metadata, group, self.layer_idx, key_states, value_states,
                                                     self.source.num_decodes, self.source.native_ops))
@@ -101,16 +102,17 @@ class PagedLayer(CacheLayerMixin):
         storage = self.group.storages[self.layer_idx]
         fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
         if self.source.reads_blocks:
-            self._hand_over(kwargs, LayerStep(metadata, group, self.group.index, storage, fresh))
+            self._hand_over(kwargs, LayerStep(metadata, group, self.group.index, storage, fresh, self.layer_idx,
+                                              stored))
             return key_states, value_states
         return self.source.dense_kv(self, storage, group, fresh)
 
     def _hand_over(self, kwargs: dict | None, step) -> None:
-        """``step`` to this layer's attention: in its kwargs, or by layer index where the model passed none."""
+        """``step`` to this layer's attention: by layer index (``hand_step``: also how a forward finds an attention
+        that never took its step), and in its kwargs where the model passes them."""
+        hand_step(self.layer_idx, step)
         if kwargs is not None:
             kwargs[METADATA_KEY] = step
-        else:
-            hand_step(self.layer_idx, step)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         seen = self.source.get_seq_length()

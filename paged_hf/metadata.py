@@ -113,19 +113,28 @@ class AttentionMetadata:
 class LayerStep(NamedTuple):
     """What one layer's cache update hands its ``"paged"`` attention (the layer kwargs' ``METADATA_KEY``): the
     forward's metadata, the layer's group (and its index in ``metadata.groups``), the layer's storage, and, for a
-    tail format, the forward's new K/V (``storage.FreshKV``: the attention writes the tails after it reads)."""
+    tail format, the forward's new K/V (``storage.FreshKV``: the attention writes the tails after it reads);
+    ``layer``: the layer's index; ``stored``: the stored K/V's (kv_heads, key head_dim, value head_dim)."""
 
     metadata: AttentionMetadata
     group: GroupMetadata
     group_index: int
     storage: object  # KVStorage
     fresh: object | None  # FreshKV
+    layer: int
+    stored: tuple[int, int, int]
+
+
+class AttentionBypassed(NotImplementedError):
+    """A layer's attention did not read the paged blocks its cache update wrote (it is not the ``"paged"``
+    attention, or it was handed K/V that the model changed after storing them): its output would be wrong."""
 
 
 class _HandedSteps(threading.local):
-    """``LayerStep``s that no layer kwargs could carry, by layer index, on this thread: GPT-NeoX's and Falcon's
-    attentions call ``cache.update`` without kwargs and pass the attention only their own. A layer's update hands
-    its step over just before its attention takes it, so an entry never outlives its layer's turn."""
+    """The steps handed over and not yet taken, by layer index, on this thread. Every layer's update hands its step
+    over here (and in its kwargs where the model passes them: GPT-NeoX's and Falcon's attentions call
+    ``cache.update`` without kwargs), and its attention takes it: layers run one after another, so a step still
+    here at the next layer's update was never read (``hand_step`` fails the forward by name)."""
 
     def __init__(self) -> None:
         self.steps: dict[int, LayerStep] = {}
@@ -137,12 +146,22 @@ _handed = _HandedSteps()
 _traced: dict = {}
 
 
+def _bypassed(layers) -> AttentionBypassed:
+    return AttentionBypassed(
+        f"layers {sorted(layers)} stored their K/V in the paged cache but their attention never read the paged "
+        f"blocks: the model computes its attention outside transformers' attention interface, or not with "
+        f"attn_implementation='paged', and would attend over the forward's new tokens alone. PagedEngine cannot "
+        f"serve it; generate runs it on the PagedCache with a dense attention (attn_implementation='sdpa' or "
+        f"'eager')")
+
+
 def hand_step(layer_idx: int, step) -> None:
-    """Keeps ``step`` (a ``LayerStep``, or an ``OpStep`` while tracing) for layer ``layer_idx``'s attention."""
-    if torch.compiler.is_compiling():
-        _traced[layer_idx] = step
-    else:
-        _handed.steps[layer_idx] = step
+    """Keeps ``step`` (a ``LayerStep``, or an ``OpStep`` while tracing) for layer ``layer_idx``'s attention;
+    ``AttentionBypassed`` when an earlier layer's step is still untaken."""
+    steps = _traced if torch.compiler.is_compiling() else _handed.steps
+    if steps:
+        raise _bypassed(steps)
+    steps[layer_idx] = step
 
 
 def take_step(layer_idx: int | None):
@@ -162,15 +181,14 @@ def drop_handed_steps() -> None:
 
 @contextlib.contextmanager
 def handed_steps():
-    """Around an engine forward, eager or compiled: a step handed over but never taken (an attention other than the
-    paged one read the update's K/V, and its output ignored the blocks) fails the forward by name."""
+    """Around an engine forward, eager or compiled: a step handed over but never taken (the last layer's: each
+    earlier one is checked at the next update) fails the forward by name."""
     drop_handed_steps()
     try:
         yield
-        left = sorted({*_handed.steps, *_traced})
+        left = {*_handed.steps, *_traced}
         if left:
-            raise RuntimeError(f"layers {left} stored their K/V without kwargs and their attention never read the "
-                               f"paged blocks; the engine needs attn_implementation='paged'")
+            raise _bypassed(left)
     finally:
         drop_handed_steps()
 

@@ -166,6 +166,7 @@ class OpStep(NamedTuple):
     plan: tuple  # the StorePlan's five tensors, or five Nones
     layer: int
     window: int | None
+    stored: tuple[int, int, int]  # the stored K/V's kv_heads, key head_dim, value head_dim (``LayerStep.stored``)
     native: bool = False  # stored by paged_hf_cpu::store (fresh_key, fresh_value: its empty output)
 
 
@@ -188,13 +189,14 @@ def store_layer(metadata, group, layer: int, key_states: torch.Tensor, value_sta
         group.store_plan.tail_slots, group.store_plan.fill_blocks, group.store_plan.fill_rows,
         group.store_plan.fill_first, group.store_plan.fill_tail)
     key, value = _packed(key_states), _packed(value_states)
+    shapes = (key.shape[1], key.shape[2], value.shape[2])
     if native and group.store_plan is None and key.device.type == "cpu" and key.dtype in _NATIVE_DTYPES:
         stored = torch.ops.paged_hf_cpu.store(key, value, group.slot_mapping, layer)
         return OpStep(stored, stored, group.block_tables, metadata.seq_lens, metadata.query_start_loc, num_decodes,
-                      metadata.tail_rows, plan, layer, group.window, native=True)
+                      metadata.tail_rows, plan, layer, group.window, shapes, native=True)
     fresh_key, fresh_value = torch.ops.paged_hf.store_kv(key, value, group.slot_mapping, *plan, layer)
     return OpStep(fresh_key, fresh_value, group.block_tables, metadata.seq_lens, metadata.query_start_loc,
-                  num_decodes, metadata.tail_rows, plan, layer, group.window)
+                  num_decodes, metadata.tail_rows, plan, layer, group.window, shapes)
 
 
 def attend(step: OpStep, query: torch.Tensor, scale: float, softcap: float | None,

@@ -160,6 +160,14 @@ def test_unsupported_models_raise_not_implemented():
     model = transformers.MambaForCausalLM(mamba).eval()
     with pytest.raises(NotImplementedError, match="state-space"):
         model.generate(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=2, cache_implementation="paged")
+    # DeepSeek's MLA caches a latent and a rotary key of other widths; Gemma 3n's last layers read earlier layers' K/V
+    deepseek = transformers.DeepseekV3Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, kv_lora_rank=16)
+    with pytest.raises(NotImplementedError, match="multi-head latent attention.*kv_lora_rank=16"):
+        paged_hf.PagedCache(deepseek)
+    gemma3n = transformers.Gemma3nTextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4,
+                                             num_kv_shared_layers=2, layer_types=["sliding_attention"] * 4)
+    with pytest.raises(NotImplementedError, match="last 2 layers .num_kv_shared_layers. read the K/V"):
+        paged_hf.PagedCache(gemma3n)
 
 
 def test_register_is_idempotent_and_unregister_restores_transformers():

@@ -100,6 +100,40 @@ def test_a_handed_step_no_attention_took_fails_the_forward():
     assert out.outputs[0].finish_reason == "error" and "never read the paged blocks" in out.error
 
 
+@pytest.mark.parametrize("family, reason", [
+    ("mpt", "its attention is its own code"),  # transformers cannot switch its attention
+    ("xglm", "its attention is its own code"),
+    ("jetmoe", r"JetMoeAttention hands its attention K/V of 4 heads x 16 dims \(values 16\) but stored 2 heads"),
+])
+def test_a_model_whose_attention_cannot_read_the_blocks_is_refused(family, reason):
+    """An attention the paged blocks cannot serve gave wrong tokens from the first one, with no error: MPT and XGLM
+    compute attention in their own code (on the update's new K/V alone), JetMoE tiles its K/V heads after storing
+    them (its query heads map to KV heads unlike the paged kernels' groups). The engine refuses them, by name."""
+    with pytest.raises(NotImplementedError, match=f"PagedEngine cannot serve .*{reason}"):
+        PagedEngine(tiny_model(family), None, num_blocks=64, enforce_eager=True)
+
+
+def test_an_attention_that_never_reads_the_blocks_is_refused_at_start():
+    """XGLM and MPT loaded with ``attn_implementation="paged"`` (their configs take the name, their code ignores
+    it): layer 1's update finds layer 0's step untaken. ``generate`` on the ``PagedCache`` fails there instead of
+    attending over the new tokens alone (with its own dense attention it equals ``DynamicCache``); the engine's
+    first forward, before any request, refuses the model."""
+    model = tiny_model("xglm")
+    ids = torch.tensor([prompts()[2]])
+    reference = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    dense = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0,
+                           cache_implementation="paged")
+    assert torch.equal(dense, reference)
+    model.config._attn_implementation = "paged"
+    with pytest.raises(metadata.AttentionBypassed, match=r"layers \[0\] stored their K/V .* never read the paged"):
+        model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0,
+                       cache_implementation="paged")
+    mpt = tiny_model("mpt")
+    mpt.config._attn_implementation = "paged"
+    with pytest.raises(NotImplementedError, match=r"cannot serve MptForCausalLM: layers \[0\] stored their K/V"):
+        PagedEngine(mpt, None, num_blocks=64, enforce_eager=True)
+
+
 def test_generate_forgets_a_step_a_failed_forward_left_behind():
     """A forward that raised between a layer's update and its attention leaves that step handed over; the next
     forward ``PagedCache`` plans drops it, so no attention of a later forward takes it (``drop_handed_steps``)."""

@@ -49,13 +49,13 @@ from tqdm.auto import tqdm
 from .. import ops
 from ..kernels import cpu_ext
 from ..kv.manager import KVManager
-from ..kv.sizing import allocate_all
-from ..metadata import AttentionMetadata, build_metadata
+from ..metadata import AttentionMetadata
 from ..packed_linear import FusePackedLinears
 from . import decompositions
 from .decompositions import SigmoidForOnePlusTanh, engine_decompositions
 from .forward_cache import EngineCache
 from .rotary_tables import RealizeRotaryTables
+from .scratch import ScratchForwards
 
 logger = logging.getLogger("paged_hf")
 
@@ -282,28 +282,11 @@ class CompiledForward:
         same tensor kind as every step's); returns the seconds it took.
         ``CompileFailed`` as ``__call__``."""
         begin = time.perf_counter()
-        scratch = KVManager(kv.text_config, kv.block_size, kv.kv_cache_dtype, num_blocks=16,
-                            num_kv_heads=kv.num_kv_heads)
-        allocate_all(scratch, self.model.dtype, device)
-        cache = EngineCache(scratch)
+        scratch = ScratchForwards(kv, self.model.dtype, device)
         bar = tqdm(WARMUP_STEPS, desc="Compiling the engine's forward", unit="shape", leave=False)
         for starts, counts, num_decodes in bar:
-            seqs = [scratch.new_sequence() for _ in starts]
-            for seq, start, count in zip(seqs, starts, counts):
-                scratch.append(seq, start + count)
-            metadata = build_metadata(scratch, seqs, list(starts), list(counts), num_decodes, device)
-            inputs = dict(input_ids=torch.ones((1, metadata.num_tokens), dtype=torch.long, device=device),
-                          position_ids=metadata.positions.unsqueeze(0), cache=cache,
-                          attention_mask=attention_mask, use_cache=True)
-            if keeps_logits:
-                inputs["logits_to_keep"] = metadata.query_start_loc[1:] - 1
-            cache.metadata = metadata
-            try:
-                self.forward(cache, metadata, inputs, every_guard=True)  # each shape's failed guards recorded
-            finally:
-                cache.metadata = None
-                for seq in seqs:
-                    scratch.free(seq)
+            with scratch.step(starts, counts, num_decodes, attention_mask, keeps_logits) as (metadata, inputs):
+                self.forward(scratch.cache, metadata, inputs, every_guard=True)  # each shape's failed guards recorded
         bar.close()
         return time.perf_counter() - begin
 

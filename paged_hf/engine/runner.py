@@ -21,7 +21,8 @@ from torch._dynamo.utils import counters
 
 from ..distributed.group import TensorParallelError
 from ..kv.manager import KVManager
-from ..metadata import AttentionMetadata, build_metadata, decode_metadata, handed_steps, long_tensor
+from ..metadata import (AttentionBypassed, AttentionMetadata, build_metadata, decode_metadata, handed_steps,
+                        long_tensor)
 from .compile import CompiledForward, CompileFailed
 from .cuda_graphs import DecodeGraphs, GraphOptions
 from .decode_batch import DecodeBatch
@@ -31,6 +32,7 @@ from .model_output import ModelOutput
 from .image_encoder import ImageEncoder
 from .multimodal import image_token_id
 from .request import PositionLogprobs, Request, Sequence
+from .scratch import ScratchForwards
 from .sampler import position_logprobs, sample
 from .scheduled import ScheduledSequence, SchedulerOutput
 from .spec.verify import VerifiedRun, verify
@@ -108,6 +110,7 @@ class ModelRunner:
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self.last_broadcast = time.monotonic()
+        self._probe()
         self.compiled: CompiledForward | None = self._compile() if compile else None
         self.graphs: DecodeGraphs | None = None
         if graphs is not None:
@@ -115,6 +118,18 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(kv, self._static_forward, graphs, self.device)
         self.images = ImageEncoder(model) if image_token_id(model) is not None else None
         self.batch: DecodeBatch | None = None  # the last step's, when it was a steady decode step
+
+    @torch.inference_mode()
+    def _probe(self) -> None:
+        """One eager forward on scratch pools (a decode beside a prefill chunk) before anything is served: a model
+        whose attention does not read the paged blocks (``AttentionBypassed``: it computes attention in its own
+        code, or changes its K/V after storing them) is refused here, by name, instead of serving wrong tokens."""
+        scratch = ScratchForwards(self.kv, self.model.dtype, self.device)
+        with scratch.step((3, 0), (1, 3), 1, self.no_mask, self.keeps_logits) as (_, inputs):
+            try:
+                self._eager(inputs)
+            except AttentionBypassed as error:
+                raise NotImplementedError(f"PagedEngine cannot serve {type(self.model).__name__}: {error}") from error
 
     def _compile(self) -> CompiledForward | None:
         graphs = counters["stats"]["unique_graphs"]

@@ -29,11 +29,17 @@ logger = logging.getLogger("paged_hf")
 def prepare_model(model):
     """``model`` switched to the ``"paged"`` attention, in eval mode, its bfloat16 and float32 CPU linears packed
     for oneDNN (``packed_linear``);
-    NotImplementedError for encoder-decoders."""
+    NotImplementedError for encoder-decoders and for a model transformers cannot switch (its attention is its own
+    code: MPT, Bloom)."""
     if getattr(model.config, "is_encoder_decoder", False):
         raise NotImplementedError(f"PagedEngine serves decoder-only models; {type(model).__name__} is not")
     if model.config._attn_implementation != "paged":
         model.set_attn_implementation("paged")
+        if model.config._attn_implementation != "paged":
+            raise NotImplementedError(
+                f"PagedEngine cannot serve {type(model).__name__}: its attention is its own code, outside "
+                f"transformers' attention interface, so it cannot read the paged blocks (attn_implementation stays "
+                f"{model.config._attn_implementation!r})")
     pack_linears(model, available_memory(model.device))
     return model.eval()
 

@@ -65,7 +65,8 @@ def available_memory(device: torch.device) -> int:
 
 
 def check_supported(text_config, config=None) -> None:
-    """NotImplementedError for models the paged cache cannot serve: encoder-decoder and state-space models."""
+    """NotImplementedError for models the paged cache cannot serve: encoder-decoder and state-space models,
+    multi-head latent attention (DeepSeek V2/V3) and layers that read another layer's K/V (Gemma 3n)."""
     if getattr(config, "is_encoder_decoder", False):
         raise NotImplementedError(
             f"PagedCache supports decoder-only models; {type(config).__name__} is an encoder-decoder model"
@@ -77,3 +78,12 @@ def check_supported(text_config, config=None) -> None:
         raise NotImplementedError(
             f"PagedCache holds attention K/V; {model_type!r} is a state-space model with no KV cache to page"
         )
+    if getattr(text_config, "kv_lora_rank", None):
+        raise NotImplementedError(
+            f"PagedCache pages each layer's keys and values per KV head; {model_type!r} uses multi-head latent "
+            f"attention (kv_lora_rank={text_config.kv_lora_rank}): its layers cache a compressed latent and a rotary "
+            f"key, which the paged pools do not hold")
+    if getattr(text_config, "num_kv_shared_layers", 0):
+        raise NotImplementedError(
+            f"PagedCache gives every layer its own K/V; {model_type!r}'s last {text_config.num_kv_shared_layers} "
+            f"layers (num_kv_shared_layers) read the K/V of earlier layers")

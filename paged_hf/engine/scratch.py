@@ -1,0 +1,50 @@
+"""Forwards the engine runs before serving (the compile warm-up, the attention probe) on scratch pools shaped as
+the engine's: a few blocks of their own, so the engine's pools and prefix cache stay untouched."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..kv.manager import KVManager
+from ..kv.sizing import allocate_all
+from ..metadata import AttentionMetadata, build_metadata
+from .forward_cache import EngineCache
+
+SCRATCH_BLOCKS = 16
+
+
+class ScratchForwards:
+    """Scratch pools shaped as ``kv``'s (``SCRATCH_BLOCKS`` blocks) and an ``EngineCache`` over them."""
+
+    def __init__(self, kv: KVManager, dtype: torch.dtype, device) -> None:
+        self.kv = KVManager(kv.text_config, kv.block_size, kv.kv_cache_dtype, num_blocks=SCRATCH_BLOCKS,
+                            num_kv_heads=kv.num_kv_heads)
+        allocate_all(self.kv, dtype, device)
+        self.cache = EngineCache(self.kv)
+        self.device = device
+
+    @contextlib.contextmanager
+    def step(self, starts: tuple[int, ...], counts: tuple[int, ...], num_decodes: int,
+             attention_mask: torch.Tensor, keeps_logits: bool):
+        """The metadata and model inputs of a step whose sequence ``s`` holds ``starts[s]`` tokens and adds
+        ``counts[s]`` (the first ``num_decodes`` add one), token ids all 1, the cache holding the metadata; its
+        sequences are freed after."""
+        seqs = [self.kv.new_sequence() for _ in starts]
+        for seq, start, count in zip(seqs, starts, counts):
+            self.kv.append(seq, start + count)
+        metadata: AttentionMetadata = build_metadata(self.kv, seqs, list(starts), list(counts), num_decodes,
+                                                     self.device)
+        inputs = dict(input_ids=torch.ones((1, metadata.num_tokens), dtype=torch.long, device=self.device),
+                      position_ids=metadata.positions.unsqueeze(0), cache=self.cache,
+                      attention_mask=attention_mask, use_cache=True)
+        if keeps_logits:
+            inputs["logits_to_keep"] = metadata.query_start_loc[1:] - 1
+        self.cache.metadata = metadata
+        try:
+            yield metadata, inputs
+        finally:
+            self.cache.metadata = None
+            for seq in seqs:
+                self.kv.free(seq)
