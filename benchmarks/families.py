@@ -46,9 +46,9 @@ OVERRIDES = {
     # hybrids: two layers of their default pattern would all be linear-attention layers
     **{name: dict(num_hidden_layers=4) for name in ("qwen3_next", "jamba", "bamba", "recurrent_gemma")},
     "lfm2": dict(num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2),
-    "deepseek_v2": dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16,
-                        v_head_dim=16, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
-                        topk_group=1),
+    **{name: dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16,
+                  v_head_dim=16, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                  topk_group=1) for name in ("deepseek_v2", "deepseek_v3")},
     "dots1": dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
 }
 OWN_KV_HEADS = ("gpt_neox", "falcon", "gpt_bigcode", "deepseek_v2", "deepseek_v3")
@@ -58,7 +58,7 @@ ENGINE = dict(block_size=4, num_blocks=128, max_num_batched_tokens=9)
 
 def tiny(family: str, hidden: int):
     """A seeded random ``family`` model, ``hidden`` wide, two layers, four heads (two KV heads where it has them)."""
-    overrides = OVERRIDES.get(family, OVERRIDES["deepseek_v2"] if family == "deepseek_v3" else {})
+    overrides = OVERRIDES.get(family, {})
     config = AutoConfig.for_model(family, **{**dict(
         vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False),

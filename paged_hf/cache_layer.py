@@ -94,7 +94,6 @@ class PagedLayer(CacheLayerMixin):
         attention by layer index, ``metadata.hand_step``), or the source's dense K/V."""
         metadata = self.source.layer_metadata(self, key_states, kwargs)
         group = metadata.groups[self.group.index]
-        stored = (key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
         if self.source.num_decodes is not None:  # compiled: the store and attention are ops
             self._hand_over(kwargs, ops.store_layer(metadata, group, self.layer_idx, key_states, value_states,
                                                     self.source.num_decodes, self.source.native_ops))
@@ -102,6 +101,7 @@ class PagedLayer(CacheLayerMixin):
         storage = self.group.storages[self.layer_idx]
         fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
         if self.source.reads_blocks:
+            stored = (key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
             self._hand_over(kwargs, LayerStep(metadata, group, self.group.index, storage, fresh, self.layer_idx,
                                               stored))
             return key_states, value_states

@@ -48,7 +48,6 @@ from tqdm.auto import tqdm
 
 from .. import ops
 from ..kernels import cpu_ext
-from ..kv.manager import KVManager
 from ..metadata import AttentionMetadata
 from ..packed_linear import FusePackedLinears
 from . import decompositions
@@ -276,13 +275,12 @@ class CompiledForward:
             return self.compiled(**inputs)
 
     @torch.inference_mode()  # the engine's steps run in it: tensors made outside would not match the guards
-    def warm_up(self, kv: KVManager, keeps_logits: bool, attention_mask: torch.Tensor, device) -> float:
-        """Compiles the forward on scratch pools shaped as ``kv``'s (a few blocks: the engine's pools and prefix
-        cache stay untouched), one forward per ``WARMUP_STEPS`` entry, with the runner's ``attention_mask`` (the
+    def warm_up(self, scratch: ScratchForwards, keeps_logits: bool, attention_mask: torch.Tensor) -> float:
+        """Compiles the forward on ``scratch`` (pools shaped as the engine's: its own pools and prefix cache stay
+        untouched), one forward per ``WARMUP_STEPS`` entry, with the runner's ``attention_mask`` (the
         same tensor kind as every step's); returns the seconds it took.
         ``CompileFailed`` as ``__call__``."""
         begin = time.perf_counter()
-        scratch = ScratchForwards(kv, self.model.dtype, device)
         bar = tqdm(WARMUP_STEPS, desc="Compiling the engine's forward", unit="shape", leave=False)
         for starts, counts, num_decodes in bar:
             with scratch.step(starts, counts, num_decodes, attention_mask, keeps_logits) as (metadata, inputs):

@@ -110,8 +110,9 @@ class ModelRunner:
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self.last_broadcast = time.monotonic()
-        self._probe()
-        self.compiled: CompiledForward | None = self._compile() if compile else None
+        scratch = ScratchForwards(kv, model.dtype, self.device)  # the start probe's and the warm-up's pools
+        self._probe(scratch)
+        self.compiled: CompiledForward | None = self._compile(scratch) if compile else None
         self.graphs: DecodeGraphs | None = None
         if graphs is not None:
             with torch.inference_mode():
@@ -120,24 +121,23 @@ class ModelRunner:
         self.batch: DecodeBatch | None = None  # the last step's, when it was a steady decode step
 
     @torch.inference_mode()
-    def _probe(self) -> None:
+    def _probe(self, scratch: ScratchForwards) -> None:
         """One eager forward on scratch pools (a decode beside a prefill chunk) before anything is served: a model
         whose attention does not read the paged blocks (``AttentionBypassed``: it computes attention in its own
         code, or changes its K/V after storing them) is refused here, by name, instead of serving wrong tokens."""
-        scratch = ScratchForwards(self.kv, self.model.dtype, self.device)
         with scratch.step((3, 0), (1, 3), 1, self.no_mask, self.keeps_logits) as (_, inputs):
             try:
                 self._eager(inputs)
             except AttentionBypassed as error:
                 raise NotImplementedError(f"PagedEngine cannot serve {type(self.model).__name__}: {error}") from error
 
-    def _compile(self) -> CompiledForward | None:
+    def _compile(self, scratch: ScratchForwards) -> CompiledForward | None:
         graphs = counters["stats"]["unique_graphs"]
         try:
             compiled = CompiledForward(self.model)
             logger.info("PagedEngine: compiling the forward of %s (torch.compile, %s; enforce_eager=True skips it)",
                         type(self.model).__name__, compiled.backend)
-            seconds = compiled.warm_up(self.kv, self.keeps_logits, self.no_mask, self.device)
+            seconds = compiled.warm_up(scratch, self.keeps_logits, self.no_mask)
         except CompileFailed as error:
             logger.warning("PagedEngine: torch.compile cannot compile %s (%s); the engine runs it eagerly",
                            type(self.model).__name__, error)
