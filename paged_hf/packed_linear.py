@@ -36,6 +36,13 @@ products over it, each thread streaming its share of the weight once (17-21 GB/s
 to end): float32 sums of exact products, rounded to bfloat16 once, within the bound above of ``F.linear`` (oneDNN's
 bits on most outputs, one bfloat16 ulp away on a few).
 
+A library built for AVX2 without AVX-512 (an AMD EPYC Zen 3, an older Xeon) keeps its copy in 16-feature panels
+instead of oneDNN's layout and multiplies it by its own AVX2 kernel (``csrc/avx2_linear.cpp``) at every row count:
+oneDNN's inner product reaches 110-150 GFLOP/s of such a CPU's ~175 at 16-64 rows and streams a decode step's weights
+well below the memory's speed; the panel product reaches 150-180 and streams at 34 GB/s (1.04-3x oneDNN's, SmolLM2's
+shapes, ``benchmarks/gemm.py``). It sums each output in input order whatever the rows around it, so a row's bits do
+not depend on its batch.
+
 bfloat16 engine logits are bounded, not exact (``test_cpu_bf16.py``). The packed copy is kept beside the model's
 own weight (a stock model's parameters stay the user's: ``state_dict``, tied embeddings, ``.to()``): at most one
 more copy of the linear weights, twice their size when widened, and the AMX tile copy beside it (SmolLM2-135M's

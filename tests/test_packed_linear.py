@@ -98,6 +98,60 @@ def test_the_tile_copy_is_made_where_the_cpu_has_amx():
     assert torch.ops.paged_hf_cpu.linear_tile_copies() is (amx and NATIVE_BF16)
 
 
+def test_the_panel_product_serves_where_the_build_is_avx2_without_avx512():
+    if not packed_linear.cpu_ext.loaded():
+        pytest.skip("no C++ kernels here")
+    defines = target_defines()
+    avx2_alone = {"__AVX2__", "__FMA__"} <= defines and "__AVX512F__" not in defines
+    assert torch.ops.paged_hf_cpu.linear_panels() is avx2_alone
+
+
+def panel_build() -> None:
+    if not (packed_linear.cpu_ext.loaded() and torch.ops.paged_hf_cpu.linear_panels()):
+        pytest.skip("packed copies are oneDNN's here (not a build for AVX2 without AVX-512)")
+
+
+@pytest.mark.parametrize("n_in, n_out, bias", [(600, 1000, True), (576, 37, False), (40, 16, True), (1, 5, True)])
+def test_panel_products_give_each_row_the_same_bits_whatever_its_neighbours(n_in, n_out, bias):
+    """The AVX2 panel product sums each output in input order whatever the row count (groups of six rows, passes of
+    64, several feature blocks a pass for 1-3 rows), the thread count or the row stride: a sequence's logits do not
+    depend on the batch it decodes in. Inputs past a 256-input chunk, features past a 16-feature block."""
+    panel_build()
+    module = linear(n_in, n_out, bias, dtype=torch.float32)
+    pack_linears(module)
+    wide = torch.randn(70, n_in + 3)
+    x = wide[:, :n_in]  # rows strided past their width
+    whole = module(x)
+    assert_like_f_linear(whole, x, module.weight, module.bias)
+    start = 0
+    for rows in (1, 2, 3, 4, 6, 7, 12, 13, 22):  # 70 rows in batches of every size class
+        assert torch.equal(module(x[start:start + rows].contiguous()), whole[start:start + rows]), rows
+        start += rows
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(module(x), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_widened_bfloat16_panel_products_round_once():
+    """A bfloat16 weight on this CPU is a float32 panel copy: the product in float32, rounded to bfloat16 once."""
+    panel_build()
+    module = linear(300, 40, True)
+    pack_linears(module)
+    x = torch.randn(9, 300).to(torch.bfloat16)
+    got = module(x)
+    assert got.dtype == torch.bfloat16
+    assert_like_f_linear(got, x, module.weight, module.bias)
+    as_float32 = linear(300, 40, True, dtype=torch.float32)
+    with torch.no_grad():
+        as_float32.weight.copy_(module.weight.float())
+        as_float32.bias.copy_(module.bias.float())
+    pack_linears(as_float32)
+    assert torch.equal(got, as_float32(x.float()).to(torch.bfloat16))
+
+
 def test_widening_is_chosen_where_onednn_has_no_bfloat16():
     assert packed_linear.widens(torch.bfloat16) is (not NATIVE_BF16)
     assert packed_linear.widens(torch.float32) is False and packed_linear.widens(torch.float16) is None

@@ -8,8 +8,9 @@ float32 products on AVX-512; float32: AVX-512; the K/V tiles packed once per cal
 torch's causal flash kernel; ``store``/``attend`` (``csrc/paged_step.cpp``) are the compiled forward's KV store and
 attention over such pools (``paged_hf.ops``); ``packed_linear`` (``csrc/packed_linear.cpp``) is the
 oneDNN linear of ``paged_hf.packed_linear``, whose bfloat16 products of a few rows run ``csrc/amx_linear.cpp``'s AMX
-tiles where the CPU has them; ``pin_threads`` (``csrc/pin_threads.cpp``) binds each of torch's
-intra-op threads to its own CPU; ``greedy`` (``csrc/greedy.cpp``) is the sampler's argmax over a step's logits.
+tiles where the CPU has them, and whose products on a CPU with AVX2 but no AVX-512 run
+``csrc/avx2_linear.cpp``; ``pin_threads`` (``csrc/pin_threads.cpp``) binds each of torch's intra-op threads to
+its own CPU; ``greedy`` (``csrc/greedy.cpp``) is the sampler's argmax over a step's logits.
 The library is compiled once per machine with the system's C++ compiler (``$CXX`` or ``c++``) against the installed
 torch (``FLAGS``, with ``-march=native`` unless ``$PAGED_HF_CPU_ARCH`` names another target; ``-fopenmp`` so
 ``at::parallel_for`` runs on torch's own OpenMP threads: the soname resolves to torch's runtime), into
@@ -47,9 +48,10 @@ logger = logging.getLogger("paged_hf")
 ENV_VAR = "PAGED_HF_CPU_KERNELS"
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_decode.cpp", "paged_prefill.cpp", "paged_step.cpp", "packed_linear.cpp",
-                             "amx_linear.cpp", "pin_threads.cpp", "greedy.cpp"))
+                             "amx_linear.cpp", "avx2_linear.cpp", "pin_threads.cpp", "greedy.cpp"))
 HEADERS = tuple(Path(__file__).with_name("csrc") / name  # included by the sources: part of the build's hash
-                for name in ("vec16.h", "amx.h", "amx_linear.h", "huge_buffer.h", "paged_attention.h"))
+                for name in ("vec16.h", "amx.h", "amx_linear.h", "avx2_linear.h", "huge_buffer.h",
+                             "paged_attention.h"))
 ARCH_VAR = "PAGED_HF_CPU_ARCH"  # the -march the library is built for (default native: this machine)
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w")
 

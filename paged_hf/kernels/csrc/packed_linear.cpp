@@ -9,6 +9,7 @@
 //     bfloat16 weight may also get the AMX tile copy (where linear_tile_copies(); groups follow their first member)
 // paged_hf_cpu::unpack_linear(int key) -> ()                                 drops it (its module was collected)
 // paged_hf_cpu::linear_tile_copies() -> bool     whether pack_linear makes AMX tile copies of bfloat16 weights here
+// paged_hf_cpu::linear_panels() -> bool     whether packed copies are avx2_linear's panels here (AVX2, no AVX-512)
 // paged_hf_cpu::packed_linear(Tensor x [..., in], Tensor weight [out, in], Tensor? bias, Tensor key) -> [..., out]
 //     `key` a 0-d int64 tensor (a module buffer: an int attribute would be a constant of the compiled graph, and
 //     every new model's keys would compile it again)
@@ -24,14 +25,17 @@
 // data pointer and version counter), packs it again when the weight was changed in place or replaced by another
 // CPU tensor of its dtype, and runs F.linear itself when no copy is kept under `key`, x's dtype differs, or the
 // weight is no longer a bfloat16 or float32 CPU tensor. The packed copy is in oneDNN's blocked layout
-// (mkldnn::_reorder_linear_weight), multiplied by mkldnn::_linear_pointwise (AMX where the CPU has it). A bfloat16
-// weight oneDNN multiplies natively gets a second copy in AMX tile order where the CPU has AMX (amx_linear.h):
-// products of at most AMX_LINEAR_ROWS rows (a decode step's) run over it, streaming the weight faster.
+// (mkldnn::_reorder_linear_weight), multiplied by mkldnn::_linear_pointwise (AMX where the CPU has it); in a build
+// for AVX2 without AVX-512 it is avx2_linear's float32 panels instead, multiplied by avx2_linear at every row count
+// (1.04-3x oneDNN's product on an AVX2 EPYC, benchmarks/gemm.py), every output's bits independent of the others.
+// A bfloat16 weight oneDNN multiplies natively gets a second copy in AMX tile order where the CPU has AMX
+// (amx_linear.h): products of at most AMX_LINEAR_ROWS rows (a decode step's) run over it, streaming the weight faster.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "amx_linear.h"
+#include "avx2_linear.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -61,7 +65,11 @@ std::unordered_map<int64_t, Packed>& packs() {
   return *table;
 }
 
+// Whether packed copies are avx2_linear's panels here (an AVX2 build without AVX-512) rather than oneDNN's layout.
+bool panels() { return paged_hf_linear::avx2_linear_available(); }
+
 at::Tensor reorder(const at::Tensor& weight, int64_t batch_hint, bool widen) {
+  if (panels()) return paged_hf_linear::avx2_pack_weight(weight);  // float32, widened if bfloat16
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
                        .typed<at::Tensor(const at::Tensor&, std::optional<int64_t>)>();
@@ -110,9 +118,14 @@ at::Tensor linear_pointwise_raw(const at::Tensor& x, const at::Tensor& packed,
   return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
 }
 
-// x [rows, in] times the packed weight; widened: in float32, the result rounded to x's dtype.
+// x [rows, in] times the packed weight of `out` features; widened: in float32, the result rounded to x's dtype.
 at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                            bool widen) {
+                            bool widen, int64_t out) {
+  if (panels()) {
+    const at::Tensor rows = widen ? x.to(at::kFloat) : x.stride(-1) == 1 ? x : x.contiguous();
+    const at::Tensor product = paged_hf_linear::avx2_linear(rows, packed, bias, out);
+    return widen ? product.to(x.scalar_type()) : product;
+  }
   if (!widen) return linear_pointwise_raw(x, packed, bias);
   std::optional<at::Tensor> wide_bias;
   if (bias.has_value() && bias->defined()) wide_bias = bias->to(at::kFloat);
@@ -296,7 +309,7 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& packed, const at::Tens
                    const std::optional<at::Tensor>& bias, bool widen, int64_t out) {
   if (tiles.defined() && tile_rows(x) && x.stride(-1) == 1)
     return paged_hf_linear::amx_linear(x, tiles, bias, out);
-  return linear_pointwise(x, packed, bias, widen);
+  return linear_pointwise(x, packed, bias, widen, out);
 }
 
 void forget_groups(int64_t key) {  // a member's module was collected: drop every group it is in
@@ -314,6 +327,8 @@ TORCH_LIBRARY_FRAGMENT(paged_hf_cpu, m) {
   m.def("unpack_linear(int key) -> ()");
   m.def("linear_tile_copies() -> bool");
   m.impl("linear_tile_copies", TORCH_FN(linear_tile_copies));
+  m.def("linear_panels() -> bool");
+  m.impl("linear_panels", TORCH_FN(panels));
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, Tensor key) -> Tensor");
   m.def("packed_linear_group(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor[] keys) -> Tensor");
   m.impl("packed_linear_group", c10::DispatchKey::CPU, TORCH_FN(packed_linear_group));

@@ -1,0 +1,226 @@
+// The float32 linear of an AVX2 CPU over panels of 16 features (declarations and contract: avx2_linear.h).
+//
+// Each thread takes a contiguous range of 16-feature blocks and streams them front to back. A block's K inputs are
+// cut into chunks of KC (16 KiB of weight, kept in L1), and each chunk meets the rows in groups of at most six: six
+// rows x two 8-float halves = 12 accumulators in registers, 12 FMAs for every two weight loads and six broadcasts.
+// Rows past 64 start another pass over the thread's blocks (the rows of a chunk stay in L2). While a chunk serves
+// its later row groups, each group requests its share of the next chunk's lines, so the DRAM stream keeps flowing
+// between the first group's reads. A product of 1-3 rows has too few accumulators to keep both FMA units busy: it
+// takes 2-4 feature blocks a pass instead. Every output is the FMA chain of its K products in input order (the
+// running sums are stored and reloaded between chunks, which is exact), then its bias: the same bits whatever the
+// row count, the thread count or the row's neighbours.
+#include "avx2_linear.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define PAGED_HF_AVX2_LINEAR 1
+#include <immintrin.h>
+#endif
+
+namespace paged_hf_linear {
+
+#if defined(PAGED_HF_AVX2_LINEAR)
+namespace {
+
+constexpr int64_t BLOCK = 16;     // features of a panel
+constexpr int64_t KC = 256;       // inputs of a chunk: 256 * 64 bytes of a block's weight
+constexpr int64_t MC = 64;        // rows of a pass
+constexpr int64_t MAX_ROWS = 6;   // rows of a group
+constexpr int64_t MAX_BLOCKS = 4; // feature blocks of a pass
+
+// The accumulators of group row r and feature block f: a<r><f>0 (features 0..7) and a<r><f>1 (8..15).
+#define PHF_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define PHF_BLOCKS(X, r) X(r, 0) X(r, 1) X(r, 2) X(r, 3)
+
+// Chunk [k0, k0 + kc) of feature blocks w + f * block_stride (f < FB) times rows x + r * ldx (r < MR), added to
+// (first: written into) the running sums c[r * ldc + f * 16 + 0..15]; `ahead` lines of the weight stream from
+// w + ahead_offset bytes on are requested into L1 meanwhile, one per input.
+template <int MR, int FB>
+void chunk(const float* __restrict w, int64_t block_stride, const float* __restrict x, int64_t ldx, int64_t kc,
+           float* __restrict c, int64_t ldc, bool first, int64_t ahead, int64_t ahead_offset) {
+#define PHF_DECLARE_RF(r, f) __m256 a##r##f##0 = _mm256_setzero_ps(), a##r##f##1 = _mm256_setzero_ps();
+#define PHF_DECLARE(r) PHF_BLOCKS(PHF_DECLARE_RF, r)
+  PHF_ROWS(PHF_DECLARE)
+#define PHF_LOAD_RF(r, f)                                        \
+  if constexpr (MR > r && FB > f) {                              \
+    a##r##f##0 = _mm256_loadu_ps(c + r * ldc + f * BLOCK);       \
+    a##r##f##1 = _mm256_loadu_ps(c + r * ldc + f * BLOCK + 8);   \
+  }
+#define PHF_LOAD(r) PHF_BLOCKS(PHF_LOAD_RF, r)
+  if (!first) {
+    PHF_ROWS(PHF_LOAD)
+  }
+  const float* w0 = w;
+  const float* w1 = w + block_stride;
+  const float* w2 = w + 2 * block_stride;
+  const float* w3 = w + 3 * block_stride;
+  const float* x0 = x;
+  const float* x1 = x + ldx;
+  const float* x2 = x + 2 * ldx;
+  const float* x3 = x + 3 * ldx;
+  const float* x4 = x + 4 * ldx;
+  const float* x5 = x + 5 * ldx;
+#define PHF_WEIGHT(f)                                          \
+  __m256 v##f##0, v##f##1;                                     \
+  if constexpr (FB > f) {                                      \
+    v##f##0 = _mm256_load_ps(w##f + k * BLOCK);                \
+    v##f##1 = _mm256_load_ps(w##f + k * BLOCK + 8);            \
+  }
+#define PHF_FMA_RF(r, f)                                        \
+  if constexpr (FB > f) {                                       \
+    a##r##f##0 = _mm256_fmadd_ps(x##r##k, v##f##0, a##r##f##0); \
+    a##r##f##1 = _mm256_fmadd_ps(x##r##k, v##f##1, a##r##f##1); \
+  }
+#define PHF_FMA(r)                                       \
+  if constexpr (MR > r) {                                \
+    const __m256 x##r##k = _mm256_broadcast_ss(x##r + k); \
+    PHF_BLOCKS(PHF_FMA_RF, r)                            \
+  }
+#define PHF_STEP \
+  PHF_WEIGHT(0)  \
+  PHF_WEIGHT(1)  \
+  PHF_WEIGHT(2)  \
+  PHF_WEIGHT(3)  \
+  PHF_ROWS(PHF_FMA)
+  int64_t k = 0;
+  const char* next = reinterpret_cast<const char*>(w) + ahead_offset;
+  for (const int64_t asked = std::min(ahead, kc); k < asked; ++k) {
+    _mm_prefetch(next + k * 64, _MM_HINT_T0);
+    PHF_STEP
+  }
+  for (; k < kc; ++k) {
+    PHF_STEP
+  }
+#define PHF_STORE_RF(r, f)                                      \
+  if constexpr (MR > r && FB > f) {                             \
+    _mm256_storeu_ps(c + r * ldc + f * BLOCK, a##r##f##0);      \
+    _mm256_storeu_ps(c + r * ldc + f * BLOCK + 8, a##r##f##1);  \
+  }
+#define PHF_STORE(r) PHF_BLOCKS(PHF_STORE_RF, r)
+  PHF_ROWS(PHF_STORE)
+}
+
+using Chunk = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, bool, int64_t, int64_t);
+
+template <int MR, int... FB>
+constexpr std::array<Chunk, MAX_BLOCKS> row_chunks(std::integer_sequence<int, FB...>) {
+  return {chunk<MR, FB + 1>...};
+}
+
+// CHUNKS[MR - 1][FB - 1]
+const std::array<std::array<Chunk, MAX_BLOCKS>, MAX_ROWS> CHUNKS = {
+    row_chunks<1>(std::make_integer_sequence<int, MAX_BLOCKS>{}),
+    row_chunks<2>(std::make_integer_sequence<int, MAX_BLOCKS>{}),
+    row_chunks<3>(std::make_integer_sequence<int, MAX_BLOCKS>{}),
+    row_chunks<4>(std::make_integer_sequence<int, MAX_BLOCKS>{}),
+    row_chunks<5>(std::make_integer_sequence<int, MAX_BLOCKS>{}),
+    row_chunks<6>(std::make_integer_sequence<int, MAX_BLOCKS>{}),
+};
+
+// Feature blocks a pass for a product of M rows: enough accumulators for both FMA units.
+int64_t blocks_per_pass(int64_t M) { return M == 1 ? 4 : M == 2 ? 3 : M == 3 ? 2 : 1; }
+
+// Rows [m0, m0 + rows) (rows <= MC) times feature blocks [block, block + fb) -> out, through the sums in `sums`.
+void pass(const float* weight, int64_t K, const float* x, int64_t ldx, int64_t m0, int64_t rows, int64_t block,
+          int64_t fb, int64_t N, const float* bias, float* out, float* sums) {
+  const int64_t ldc = fb * BLOCK, groups = (rows + MAX_ROWS - 1) / MAX_ROWS;
+  const float* w = weight + block * K * BLOCK;
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = std::min(KC, K - k0);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r0 = g * MAX_ROWS, mr = std::min(MAX_ROWS, rows - r0);
+      // group g's share of the next chunk's lines (the stream runs on past this block: blocks are contiguous);
+      // a single group leaves the stream to the hardware prefetcher
+      const int64_t line0 = g * kc / groups, line1 = (g + 1) * kc / groups;
+      CHUNKS[mr - 1][fb - 1](w + k0 * BLOCK, K * BLOCK, x + (m0 + r0) * ldx + k0, ldx, kc, sums + r0 * ldc, ldc,
+                             k0 == 0, groups > 1 ? line1 - line0 : 0, (kc + line0) * 64);
+    }
+  }
+  for (int64_t f = 0; f < fb; ++f) {
+    const int64_t feature0 = (block + f) * BLOCK, cols = std::min(BLOCK, N - feature0);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = out + (m0 + r) * N + feature0;
+      const float* src = sums + r * ldc + f * BLOCK;
+      if (bias == nullptr) {
+        std::memcpy(dst, src, cols * sizeof(float));
+      } else {
+        for (int64_t j = 0; j < cols; ++j) dst[j] = src[j] + bias[feature0 + j];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool avx2_linear_available() { return true; }
+
+at::Tensor avx2_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "avx2_pack_weight: a 2-d float32 or bfloat16 weight, not ", weight.scalar_type(), " ", weight.dim(),
+              "-d");
+  const at::Tensor dense = weight.to(at::kFloat).contiguous();
+  const int64_t N = dense.size(0), K = dense.size(1), NB = (N + BLOCK - 1) / BLOCK;
+  at::Tensor packed = at::zeros({NB, K, BLOCK}, dense.options());
+  const float* src = dense.const_data_ptr<float>();
+  float* dst = packed.mutable_data_ptr<float>();
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin * BLOCK; n < std::min(N, end * BLOCK); ++n)
+      for (int64_t k = 0; k < K; ++k) dst[(n / BLOCK * K + k) * BLOCK + n % BLOCK] = src[n * K + k];
+  });
+  return packed;
+}
+
+at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                       int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && (x.stride(1) == 1 || x.size(1) <= 1) &&
+                  packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  packed.size(2) == BLOCK && packed.size(1) == x.size(1) && (N + BLOCK - 1) / BLOCK == packed.size(0),
+              "avx2_linear: x [M, K] float32 against a weight packed for [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return bias.has_value() && bias->defined() ? out.copy_(bias->expand({M, N})) : out.zero_();
+  at::Tensor bias32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "avx2_linear: bias [", N, "], not ", bias->sizes());
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  const float* b = bias32.defined() ? bias32.const_data_ptr<float>() : nullptr;
+  const float* xs = x.const_data_ptr<float>();
+  const float* w = packed.const_data_ptr<float>();
+  float* o = out.mutable_data_ptr<float>();
+  const int64_t ldx = x.stride(0), fb = blocks_per_pass(M);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), NB));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[MC * BLOCK];  // a pass's running sums: rows x (fb * 16) features, fb > 1 only for M <= 3
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block0 = NB * t / threads, block1 = NB * (t + 1) / threads;
+      for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t rows = std::min(MC, M - m0);
+        for (int64_t block = block0; block < block1; block += fb)
+          pass(w, K, xs, ldx, m0, rows, block, std::min(fb, block1 - block), N, b, o, sums);
+      }
+    }
+  });
+  return out;
+}
+
+#else  // not an AVX2-only build: packed_linear keeps oneDNN's product
+
+bool avx2_linear_available() { return false; }
+
+at::Tensor avx2_pack_weight(const at::Tensor&) { TORCH_CHECK(false, "avx2_pack_weight: not built for AVX2 alone"); }
+
+at::Tensor avx2_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t) {
+  TORCH_CHECK(false, "avx2_linear: not built for AVX2 alone");
+}
+
+#endif
+
+}  // namespace paged_hf_linear

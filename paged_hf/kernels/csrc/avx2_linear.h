@@ -1,0 +1,28 @@
+// The float32 linear of a CPU with AVX2 and FMA but no AVX-512, over a weight packed once for it (avx2_linear.cpp):
+// what packed_linear runs there in place of oneDNN's inner product, which reaches 110-150 GFLOP/s of the two cores'
+// ~175 at the engine's row counts, where this reaches 150-180 (benchmarks/gemm.py).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace paged_hf_linear {
+
+// Whether this build runs avx2_linear: compiled for AVX2 and FMA, and not for AVX-512 (whose CPUs keep oneDNN's).
+bool avx2_linear_available();
+
+// weight [N, K] float32 (a bfloat16 one is widened) -> its panel layout [ceil(N / 16), K, 16] float32: for each
+// block of 16 output features, row k holds input k of each feature in turn, zero-padded past N. A block lies
+// contiguous over all K (K * 64 bytes: one cache line per input), so a thread streams its features' weights front
+// to back.
+at::Tensor avx2_pack_weight(const at::Tensor& weight);
+
+// x [M, K] float32 (last dimension contiguous) times the packed weight of N features, plus bias [N] (any float dtype,
+// or none) -> [M, N] float32. Each output is the float32 sum of its K products in one fixed order (two interleaved
+// partial sums for rows of a product of at most 3 rows), then the bias: within 2 K u sum|x w| of F.linear.
+at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                       int64_t N);
+
+}  // namespace paged_hf_linear
