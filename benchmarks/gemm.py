@@ -12,7 +12,11 @@ For each weight shape (SmolLM2-135M's by default: q/o ``576x576``, k/v ``192x576
 - ``packed``: ``torch.ops.mkldnn._linear_pointwise`` called directly on a weight reordered once by
   ``torch.ops.mkldnn._reorder_linear_weight`` (oneDNN, AMX where the CPU has it; bfloat16 on a CPU without bfloat16
   dot products: a float32 copy, the input widened and the product rounded back, as the engine does);
-- ``mkl_packed`` (float32 only): ``torch.ops.mkl._mkl_linear`` over ``_mkl_reorder_linear_weight`` (packed sgemm).
+- ``mkl_packed`` (float32 only): ``torch.ops.mkl._mkl_linear`` over ``_mkl_reorder_linear_weight`` (packed sgemm);
+- ``engine``: the engine's own linear, ``paged_hf_cpu::packed_linear`` over a weight ``pack_linears`` packed (with
+  ``PAGED_HF_PACKED_LINEAR=all``): oneDNN's product as ``packed``, AMX tiles for bfloat16 products of at most 64
+  rows where the CPU has AMX, and on a library built for AVX2 without AVX-512 the panel product of
+  ``csrc/avx2_linear.cpp`` (float32, and bfloat16 widened) at every row count.
 
 ``--vllm-python PATH`` (the interpreter of a vLLM CPU build's virtual environment) adds ``vllm``: vLLM's own
 ``onednn_mm`` over ``create_onednn_mm(weight.t(), 32)`` (its CPU linear), timed the same way in a child process run
@@ -41,7 +45,7 @@ import torch.nn.functional as F
 SMOLLM2 = {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536),
            "qkv": (960, 576), "gate_up": (3072, 576), "lm_head": (49152, 576)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-VARIANTS = ("eager", "compiled", "frozen", "packed", "mkl_packed")
+VARIANTS = ("eager", "compiled", "frozen", "packed", "mkl_packed", "engine")
 
 
 def load() -> str:
@@ -82,7 +86,21 @@ def variants(weight: torch.Tensor, dtype_name: str, names: list[str], hint: int)
         elif name == "mkl_packed" and dtype_name == "float32" and torch.backends.mkl.is_available():
             packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, hint)
             calls[name] = lambda x, packed=packed: torch.ops.mkl._mkl_linear(x, packed, weight, None, hint)
+        elif name == "engine":
+            calls[name] = engine_linear(weight)
     return calls
+
+
+def engine_linear(weight: torch.Tensor):
+    """The engine's ``PackedLinear`` over ``weight`` (the C++ op where the kernels build), packed as the engine packs."""
+    from paged_hf import packed_linear  # noqa: PLC0415 - not in vLLM's environment
+
+    os.environ[packed_linear.ENV] = "all"
+    module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+    packed_linear.pack_linears(module)
+    return module
 
 
 def time_call(call, x: torch.Tensor, iters: int) -> float:

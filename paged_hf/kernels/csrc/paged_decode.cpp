@@ -10,7 +10,9 @@
 // softmax and the output accumulate in float32; the output is rounded to the query's dtype once. Two passes over
 // the keys: the scores (kept in a per-thread buffer; bfloat16 pools on a CPU with AMX: by tile products, amx_scores),
 // then the values weighted by exp(score - max); each block's rows are requested PREFETCH_BLOCKS blocks before they
-// are read. Items are spread over torch's intra-op threads (at::parallel_for), so torch.set_num_threads governs this
+// are read. A build for AVX2 without AVX-512 runs decode_heads_avx2 instead of decode_heads, whose sixteen-float
+// vectors of a KV head's G queries spill out of AVX2's sixteen registers (SmolLM2's shapes: 6 GB/s of K/V read
+// against 25). Items are spread over torch's intra-op threads (at::parallel_for), so torch.set_num_threads governs this
 // kernel as every other op.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -423,6 +425,120 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define PAGED_HF_AVX2_DECODE 1
+#include <immintrin.h>
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// Eight vectors of partial sums -> one vector of their totals (lane t: the sum of v[t]'s lanes).
+inline __m256 sum8x8(const __m256* v) {
+  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+// decode_heads for a CPU with AVX2 and no AVX-512 (sixteen 8-float registers, where decode_heads' sixteen-float
+// vectors of G query heads spill): head dim D = 8 * DV8, the same contract and the same two passes block by block.
+// Pass 1 takes one query head at a time, its D floats in registers where D <= 64 (else read from L1), against each
+// of the block's rows (L1-resident after the first head), eight rows' partial sums reduced at once (sum8x8). Pass 2
+// takes one query head and up to 64 of its output dims at a time in registers over the block's value rows. Products
+// and sums in float32, in another order than decode_heads'.
+template <typename T, int DV8>
+void decode_heads_avx2(const T* const* key_blocks, const T* const* value_blocks, int64_t first, int64_t len,
+                       int64_t B, int64_t row_stride, int64_t KHI, const float* q, const T* /*q_rows*/,
+                       int64_t /*q_row_stride*/, float /*scale*/, float softcap, float* scores, float* total,
+                       float* out, int64_t G) {
+  constexpr int64_t D = DV8 * 8;
+  constexpr int HELD = DV8 <= 8 ? DV8 : 8;  // query / output vectors held in registers per sweep
+  static_assert(DV8 % HELD == 0 && HELD % 2 == 0, "sweeps of an even number of vectors must tile the head dim");
+  const int64_t n = len - first;
+  for_each_block(false, key_blocks, value_blocks, first, len, B, row_stride, KHI * D,
+                 [&](int64_t b, int64_t start, int64_t stop) {  // pass 1: the scores
+    for (int64_t h = 0; h < KHI; ++h) {
+      const T* rows = key_blocks[b] + h * D + (start - b * B) * row_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + (h * G + g) * D;
+        float* sc = scores + (h * G + g) * n + start - first;
+        __m256 qv[HELD];
+        for (int j = 0; j < HELD; ++j) qv[j] = load8(qg + j * 8);
+        for (int64_t p = 0; p < stop - start; p += 8) {  // eight rows (fewer at a block's end) a chunk
+          const int64_t m = std::min<int64_t>(8, stop - start - p);
+          alignas(32) __m256 part[8];
+          const T* k = rows + p * row_stride;
+          for (int64_t t = 0; t < m; ++t, k += row_stride) {
+            __m256 even = _mm256_mul_ps(qv[0], load8(k));
+            __m256 odd = _mm256_mul_ps(qv[1], load8(k + 8));
+            for (int j = 2; j < HELD; j += 2) {
+              even = _mm256_fmadd_ps(qv[j], load8(k + j * 8), even);
+              odd = _mm256_fmadd_ps(qv[j + 1], load8(k + (j + 1) * 8), odd);
+            }
+            for (int j = HELD; j < DV8; j += 2) {  // D > 64: the rest of the query from L1
+              even = _mm256_fmadd_ps(load8(qg + j * 8), load8(k + j * 8), even);
+              odd = _mm256_fmadd_ps(load8(qg + (j + 1) * 8), load8(k + (j + 1) * 8), odd);
+            }
+            part[t] = _mm256_add_ps(even, odd);
+          }
+          for (int64_t t = m; t < 8; ++t) part[t] = _mm256_setzero_ps();
+          const __m256 x = sum8x8(part);
+          if (m == 8) {
+            _mm256_storeu_ps(sc + p, x);
+          } else {
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, x);
+            for (int64_t t = 0; t < m; ++t) sc[p + t] = lanes[t];
+          }
+        }
+      }
+    }
+  });
+  for (int64_t i = 0; i < KHI * G; ++i) {
+    if (softcap > 0.f) cap_in_place(scores + i * n, n, softcap);
+    total[i] = softmax_in_place(scores + i * n, n, total[i]);
+  }
+  std::memset(out, 0, sizeof(float) * KHI * G * D);
+  for_each_block(true, key_blocks, value_blocks, first, len, B, row_stride, KHI * D,
+                 [&](int64_t b, int64_t start, int64_t stop) {  // pass 2: the weighted values
+    for (int64_t h = 0; h < KHI; ++h) {
+      const T* rows = value_blocks[b] + h * D + (start - b * B) * row_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* sc = scores + (h * G + g) * n + start - first;
+        float* o = out + (h * G + g) * D;
+        for (int j0 = 0; j0 < DV8; j0 += HELD) {
+          __m256 acc[HELD];
+          for (int j = 0; j < HELD; ++j) acc[j] = _mm256_loadu_ps(o + (j0 + j) * 8);
+          const T* v = rows + j0 * 8;
+          for (int64_t t = 0; t < stop - start; ++t, v += row_stride) {
+            const __m256 w = _mm256_broadcast_ss(sc + t);
+            for (int j = 0; j < HELD; ++j) acc[j] = _mm256_fmadd_ps(w, load8(v + j * 8), acc[j]);
+          }
+          for (int j = 0; j < HELD; ++j) _mm256_storeu_ps(o + (j0 + j) * 8, acc[j]);
+        }
+      }
+    }
+  });
+  for (int64_t i = 0; i < KHI * G; ++i) {
+    const __m256 inv = _mm256_set1_ps(1.f / total[i]);
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(out + i * D + d, _mm256_mul_ps(inv, _mm256_loadu_ps(out + i * D + d)));
+  }
+}
+
+// decode_heads_avx2 as a HeadFn: G query heads per KV head.
+template <typename T, int DV8, int G>
+void decode_heads_avx2_group(const T* const* key_blocks, const T* const* value_blocks, int64_t first, int64_t len,
+                             int64_t B, int64_t row_stride, int64_t KHI, const float* q, const T* q_rows,
+                             int64_t q_row_stride, float scale, float softcap, float* scores, float* total,
+                             float* out) {
+  decode_heads_avx2<T, DV8>(key_blocks, value_blocks, first, len, B, row_stride, KHI, q, q_rows, q_row_stride, scale,
+                            softcap, scores, total, out, G);
+}
+#endif
+
 template <typename T>
 using HeadFn = void (*)(const T* const*, const T* const*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*,
                         const T*, int64_t, float, float, float*, float*, float*);
@@ -430,6 +546,26 @@ using HeadFn = void (*)(const T* const*, const T* const*, int64_t, int64_t, int6
 // decode_heads for (D, G), or nullptr where it does not apply.
 template <typename T>
 HeadFn<T> head_kernel(int64_t D, int64_t G) {
+#if defined(PAGED_HF_AVX2_DECODE)
+#define PAGED_HF_AVX2_HEADS(DV8)                              \
+  switch (G) {                                                \
+    case 1: return decode_heads_avx2_group<T, DV8, 1>;        \
+    case 2: return decode_heads_avx2_group<T, DV8, 2>;        \
+    case 3: return decode_heads_avx2_group<T, DV8, 3>;        \
+    case 4: return decode_heads_avx2_group<T, DV8, 4>;        \
+    case 5: return decode_heads_avx2_group<T, DV8, 5>;        \
+    case 6: return decode_heads_avx2_group<T, DV8, 6>;        \
+    case 7: return decode_heads_avx2_group<T, DV8, 7>;        \
+    case 8: return decode_heads_avx2_group<T, DV8, 8>;        \
+    default: return nullptr;                                  \
+  }
+  if (D == 64) { PAGED_HF_AVX2_HEADS(8) }
+  if (D == 128) { PAGED_HF_AVX2_HEADS(16) }
+  if (D == 32) { PAGED_HF_AVX2_HEADS(4) }
+  if (D == 256) { PAGED_HF_AVX2_HEADS(32) }
+#undef PAGED_HF_AVX2_HEADS
+  return nullptr;
+#endif
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
 #define PAGED_HF_BF16_HEADS(DV2)                                                               \
