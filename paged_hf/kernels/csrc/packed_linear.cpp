@@ -122,7 +122,8 @@ at::Tensor linear_pointwise_raw(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                             bool widen, int64_t out) {
   if (panels()) {
-    const at::Tensor rows = widen ? x.to(at::kFloat) : x.stride(-1) == 1 ? x : x.contiguous();
+    at::Tensor rows = widen ? x.to(at::kFloat) : x;
+    if (rows.stride(-1) != 1) rows = rows.contiguous();
     const at::Tensor product = paged_hf_linear::avx2_linear(rows, packed, bias, out);
     return widen ? product.to(x.scalar_type()) : product;
   }
