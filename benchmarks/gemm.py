@@ -96,8 +96,8 @@ def engine_linear(weight: torch.Tensor):
     from paged_hf import packed_linear  # noqa: PLC0415 - not in vLLM's environment
 
     os.environ[packed_linear.ENV] = "all"
-    module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():  # a parameter with a version counter, as a model's
+        module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
         module.weight.copy_(weight)
     packed_linear.pack_linears(module)
     return module
