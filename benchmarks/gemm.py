@@ -92,7 +92,8 @@ def variants(weight: torch.Tensor, dtype_name: str, names: list[str], hint: int)
 
 
 def engine_linear(weight: torch.Tensor):
-    """The engine's ``PackedLinear`` over ``weight`` (the C++ op where the kernels build), packed as the engine packs."""
+    """The engine's ``PackedLinear`` over ``weight`` (the C++ op where the kernels build), packed as the engine
+    packs."""
     from paged_hf import packed_linear  # noqa: PLC0415 - not in vLLM's environment
 
     os.environ[packed_linear.ENV] = "all"
