@@ -119,6 +119,23 @@ inline float softmax_in_place(float* sc, int64_t n, float sink) {
 }
 
 
+// Between the two passes over n keys of `heads` query heads: each row scores[h * n .. + n) softcapped (softcap > 0),
+// then exp(score - max) in place; total[h] (in: the head's sink, -inf for none) becomes its softmax's denominator.
+inline void softmax_heads(float* scores, int64_t n, int64_t heads, float softcap, float* total) {
+  for (int64_t h = 0; h < heads; ++h) {
+    if (softcap > 0.f) cap_in_place(scores + h * n, n, softcap);
+    total[h] = softmax_in_place(scores + h * n, n, total[h]);
+  }
+}
+
+// The softmax's normalization, once at the end: row h of out [heads, D] divided by total[h].
+inline void normalize_heads(float* out, int64_t heads, int64_t D, const float* total) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = 1.f / total[h];
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] *= inv;
+  }
+}
+
 // How many blocks ahead of the one being read decode_heads asks the memory system for (the blocks lie anywhere in the
 // pool, so no hardware prefetcher can guess where the next one starts): pass 1 runs over the keys' blocks, then the
 // values' (pass 2), and block i of that run of 2 * blocks is requested while block i - PREFETCH_BLOCKS is read.
@@ -223,10 +240,7 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
       }
     }
   });
-  for (int64_t i = 0; i < KHI * G; ++i) {
-    if (softcap > 0.f) cap_in_place(scores + i * n, n, softcap);
-    total[i] = softmax_in_place(scores + i * n, n, total[i]);
-  }
+  softmax_heads(scores, n, KHI * G, softcap, total);
   std::memset(out, 0, sizeof(float) * KHI * G * D);
   for_each_block(true, key_blocks, value_blocks, first, len, B, row_stride, KHI * D,
                  [&](int64_t b, int64_t start, int64_t stop) {  // pass 2: the weighted values
@@ -249,10 +263,7 @@ void decode_heads(const T* const* key_blocks, const T* const* value_blocks, int6
         for (int j = 0; j < DV; ++j) std::memcpy(out + (h * G + g) * D + j * LANES, &acc[g][j], sizeof(f16v));
     }
   });
-  for (int64_t i = 0; i < KHI * G; ++i) {
-    const float inv = 1.f / total[i];
-    for (int64_t d = 0; d < D; ++d) out[i * D + d] *= inv;
-  }
+  normalize_heads(out, KHI * G, D, total);
 }
 
 #if defined(PAGED_HF_AMX)
@@ -370,10 +381,7 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
       }
     });
   }
-  for (int64_t i = 0; i < KHI * G; ++i) {
-    if (softcap > 0.f) cap_in_place(scores + i * n, n, softcap);
-    total[i] = softmax_in_place(scores + i * n, n, total[i]);
-  }
+  softmax_heads(scores, n, KHI * G, softcap, total);
   std::memset(out, 0, sizeof(float) * KHI * G * D);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   // 32-dim slices of the rows per sweep over a block's rows (L1-resident): all of them where the G heads'
@@ -496,10 +504,7 @@ void decode_heads_avx2(const T* const* key_blocks, const T* const* value_blocks,
       }
     }
   });
-  for (int64_t i = 0; i < KHI * G; ++i) {
-    if (softcap > 0.f) cap_in_place(scores + i * n, n, softcap);
-    total[i] = softmax_in_place(scores + i * n, n, total[i]);
-  }
+  softmax_heads(scores, n, KHI * G, softcap, total);
   std::memset(out, 0, sizeof(float) * KHI * G * D);
   for_each_block(true, key_blocks, value_blocks, first, len, B, row_stride, KHI * D,
                  [&](int64_t b, int64_t start, int64_t stop) {  // pass 2: the weighted values
@@ -521,11 +526,7 @@ void decode_heads_avx2(const T* const* key_blocks, const T* const* value_blocks,
       }
     }
   });
-  for (int64_t i = 0; i < KHI * G; ++i) {
-    const __m256 inv = _mm256_set1_ps(1.f / total[i]);
-    for (int64_t d = 0; d < D; d += 8)
-      _mm256_storeu_ps(out + i * D + d, _mm256_mul_ps(inv, _mm256_loadu_ps(out + i * D + d)));
-  }
+  normalize_heads(out, KHI * G, D, total);
 }
 
 // decode_heads_avx2 as a HeadFn: G query heads per KV head.
@@ -674,17 +675,11 @@ void decode_item(int64_t s, int64_t k0, int64_t k1, const T* query, const T* key
         scores[h * n + t] = dot(q + h * D, kv + (h / G) * D, D);
       }
     });
-    for (int64_t h = 0; h < heads; ++h) {
-      if (softcap > 0.f) cap_in_place(scores + h * n, n, softcap);
-      scratch.total[h] = softmax_in_place(scores + h * n, n, scratch.total[h]);
-    }
+    softmax_heads(scores, n, heads, softcap, scratch.total.data());
     for_each_row(value_cache, table, first, len, B, row, k0 * D, width, kv, [&](int64_t t) {  // pass 2: acc[h]
       for (int64_t h = 0; h < heads; ++h) axpy(scores[h * n + t], kv + (h / G) * D, acc + h * D, D);
     });
-    for (int64_t h = 0; h < heads; ++h) {
-      const float inv = 1.f / scratch.total[h];
-      for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= inv;
-    }
+    normalize_heads(acc, heads, D, scratch.total.data());
   }
   for (int64_t i = 0; i < heads * D; ++i) o[i] = T(acc[i]);
 }
