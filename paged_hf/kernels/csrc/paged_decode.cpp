@@ -82,40 +82,39 @@ inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_
   for (; d < D; ++d) y[d] += w * x[d];
 }
 
-// The softcap c > 0 in place over n scaled scores: x -> c * tanh(x / c), sixteen at a time.
+// The softcap c > 0 in place over n scaled scores: x -> c * tanh(x / c), a register at a time.
 inline void cap_in_place(float* sc, int64_t n, float softcap) {
+  using paged_hf_vec::fnv, paged_hf_vec::loadn, paged_hf_vec::NATIVE;
   int64_t t = 0;
-  for (; t + LANES <= n; t += LANES) {
-    const f16v x = paged_hf_vec::tanh16(load16(sc + t) * (1.f / softcap)) * softcap;
-    std::memcpy(sc + t, &x, sizeof(x));
-  }
+  for (; t + NATIVE <= n; t += NATIVE)
+    paged_hf_vec::storen(sc + t, paged_hf_vec::tanh_lanes(loadn(sc + t) * (1.f / softcap)) * softcap);
   for (; t < n; ++t) sc[t] = std::tanh(sc[t] / softcap) * softcap;
 }
 
 // exp(score - max) in place over n scores; returns their sum plus exp(sink - max) (sink = -inf: none), the softmax's
-// denominator.
+// denominator. A register at a time: its maxima compare lanes (see vec16.h).
 inline float softmax_in_place(float* sc, int64_t n, float sink) {
-  f16v peaks = f16v{} + sink;
+  using paged_hf_vec::fnv, paged_hf_vec::loadn, paged_hf_vec::NATIVE;
+  fnv peaks = fnv{} + sink;
   int64_t t = 0;
-  for (; t + LANES <= n; t += LANES) {
-    const f16v x = load16(sc + t);
+  for (; t + NATIVE <= n; t += NATIVE) {
+    const fnv x = loadn(sc + t);
     peaks = x > peaks ? x : peaks;
   }
-  float peak = peaks[0];
-  for (int64_t i = 1; i < LANES; ++i) peak = std::max(peak, peaks[i]);
+  float peak = paged_hf_vec::max_of(peaks);
   for (; t < n; ++t) peak = std::max(peak, sc[t]);
   float sum = std::isinf(sink) ? 0.f : std::exp(sink - peak);
-  f16v sums = {};
-  for (t = 0; t + LANES <= n; t += LANES) {
-    const f16v e = exp16(load16(sc + t) - peak);
-    std::memcpy(sc + t, &e, sizeof(e));
+  fnv sums = {};
+  for (t = 0; t + NATIVE <= n; t += NATIVE) {
+    const fnv e = paged_hf_vec::exp_lanes(loadn(sc + t) - peak);
+    paged_hf_vec::storen(sc + t, e);
     sums += e;
   }
   for (; t < n; ++t) {
     sc[t] = std::exp(sc[t] - peak);
     sum += sc[t];
   }
-  return sum + reduce16(sums);
+  return sum + paged_hf_vec::reducen(sums);
 }
 
 

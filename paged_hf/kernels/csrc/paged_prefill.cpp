@@ -297,29 +297,31 @@ inline float softmax_row(const float* s, P* p, int64_t seen, int64_t cols, float
   return rescale;
 }
 #else
+// A register at a time (see vec16.h: its maxima and the masks compare lanes); cols is a multiple of 16.
 template <typename P>
 inline float softmax_row(float* s, P* p, int64_t seen, int64_t cols, float c_scale, float& peak, float& total) {
+  using paged_hf_vec::fnv, paged_hf_vec::loadn, paged_hf_vec::NATIVE;
   if (seen <= 0) {
     std::fill(p, p + cols, P(0.0f));
     return 1.0f;
   }
   for (int64_t j = seen; j < cols; ++j) s[j] = -INFINITY;
-  f16v high = paged_hf_vec::splat(-INFINITY);
-  for (int64_t j = 0; j < cols; j += 16) {
-    const f16v v = paged_hf_vec::load16(s + j);
+  fnv high = fnv{} - INFINITY;
+  for (int64_t j = 0; j < cols; j += NATIVE) {
+    const fnv v = loadn(s + j);
     high = v > high ? v : high;
   }
   const float tile_peak = paged_hf_vec::max_of(high) * c_scale;
   const float rescale = move_peak(tile_peak, peak);
-  f16v sum = paged_hf_vec::splat(0.0f);
-  for (int64_t j = 0; j < cols; j += 16) {
-    const f16v y = paged_hf_vec::load16(s + j) * c_scale - peak;
-    f16v e = paged_hf_vec::exp2_16(y);
-    e = y < -126.0f ? paged_hf_vec::splat(0.0f) : e;
+  fnv sum = {};
+  for (int64_t j = 0; j < cols; j += NATIVE) {
+    const fnv y = loadn(s + j) * c_scale - peak;
+    fnv e = paged_hf_vec::exp2_lanes(y);
+    e = y < -126.0f ? fnv{} : e;
     sum += e;
-    store_row16(p + j, e);
+    paged_hf_vec::storen(p + j, e);
   }
-  total = total * rescale + paged_hf_vec::reduce16(sum);
+  total = total * rescale + paged_hf_vec::reducen(sum);
   return rescale;
 }
 #endif
@@ -417,9 +419,9 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
           const int64_t below = std::min(seen, first_visible_key(pos, window) - key0);  // keys under its window
           if (below >= seen) seen = 0;
           if (softcap > 0)
-            for (int64_t j = 0; j < seen; j += 16)
-              store_row16(row_scores + j, paged_hf_vec::tanh16(paged_hf_vec::load16(row_scores + j) * cap_inner) *
-                                              cap_outer);
+            for (int64_t j = 0; j < seen; j += paged_hf_vec::NATIVE)
+              paged_hf_vec::storen(row_scores + j, paged_hf_vec::tanh_lanes(paged_hf_vec::loadn(row_scores + j) *
+                                                                            cap_inner) * cap_outer);
           if (below > 0 && seen > 0) std::fill(row_scores, row_scores + below, -INFINITY);
           const float rescale = softmax_row(row_scores, probs + r * KEY_TILE, seen, cols, c_scale, peak[r], total[r]);
           if (rescale != 1.0f) {

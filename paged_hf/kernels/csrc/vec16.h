@@ -1,7 +1,12 @@
-// Sixteen-float vectors for the CPU kernels: GCC/Clang vector extensions, lowered to the widest SIMD the compiler
-// targets (-march=native here), so one source serves AVX-512, AVX2 or plain SSE machines; loads of sixteen float32
-// or bfloat16 values as floats (a bfloat16 is the high half of its float32); exp / exp2, lane reductions and
-// bfloat16 stores shared by the attention kernels.
+// Float vectors for the CPU kernels: GCC/Clang vector extensions, lowered to the widest SIMD the compiler targets
+// (-march=native here), so one source serves AVX-512, AVX2 or plain SSE machines; loads of float32 or bfloat16
+// values as floats (a bfloat16 is the high half of its float32); exp / exp2 / tanh, lane reductions and bfloat16
+// stores shared by the attention kernels.
+//
+// Two widths. f16v (sixteen floats) is for arithmetic: a product or sum wider than the registers becomes one
+// instruction per register. fnv (NATIVE floats: one register, sixteen on AVX-512, eight on AVX2) is for anything
+// that compares or selects: GCC 12 lowers a compare or select of a vector wider than the registers lane by lane, in
+// scalar code (on AVX2, a greedy scan of sixteen-float vectors ran at a sixteenth of the eight-float one's speed).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -22,6 +27,15 @@ typedef uint32_t u32v __attribute__((vector_size(64)));
 typedef int32_t i32v __attribute__((vector_size(64)));
 constexpr int64_t LANES = 16;
 
+#if defined(__AVX512F__)
+constexpr int64_t NATIVE = 16;
+#else
+constexpr int64_t NATIVE = 8;
+#endif
+typedef float fnv __attribute__((vector_size(4 * NATIVE)));
+typedef uint32_t unv __attribute__((vector_size(4 * NATIVE)));
+typedef uint16_t hnv __attribute__((vector_size(2 * NATIVE)));
+
 inline f16v load16(const float* p) {
   f16v v;
   std::memcpy(&v, p, sizeof(v));
@@ -35,46 +49,64 @@ inline f16v load16(const c10::BFloat16* p) {
   std::memcpy(&v, &wide, sizeof(v));
   return v;
 }
+inline fnv loadn(const float* p) {
+  fnv v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline fnv loadn(const c10::BFloat16* p) {
+  hnv raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  unv wide = __builtin_convertvector(raw, unv) << 16;
+  fnv v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
 
 
 inline f16v splat(float x) { return f16v{} + x; }
 
-// 2^t for 16 lanes, t <= 0: 2^n * 2^f with n = round(t), |f| <= 1/2, and 2^f by its degree-6 Taylor polynomial in
-// f ln 2 (relative error below 2e-7, float32's own rounding); t below -126 gives 2^-126 (a caller that needs an
-// exact 0 there masks it).
-inline f16v exp2_16(f16v t) {
-  const f16v low = f16v{} - 126.f;
+// 2^t for each lane of V (fnv, or f16v on AVX-512), t <= 0: 2^n * 2^f with n = round(t), |f| <= 1/2, and 2^f by
+// its degree-6 Taylor polynomial in f ln 2 (relative error below 2e-7, float32's own rounding); t below -126 gives
+// 2^-126 (a caller that needs an exact 0 there masks it).
+template <typename V>
+inline V exp2_lanes(V t) {
+  using I = decltype(t < t);  // the integer vector of V's lanes
+  const V low = V{} - 126.f;
   t = t < low ? low : t;
-  const f16v magic = f16v{} + 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const f16v n = (t + magic) - magic;
-  const f16v r = (t - n) * 0.693147180559945309f;
-  f16v p = f16v{} + (1.f / 720.f);
+  const V magic = V{} + 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const V n = (t + magic) - magic;
+  const V r = (t - n) * 0.693147180559945309f;
+  V p = V{} + (1.f / 720.f);
   p = p * r + (1.f / 120.f);
   p = p * r + (1.f / 24.f);
   p = p * r + (1.f / 6.f);
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const i32v bits = (__builtin_convertvector(n, i32v) + 127) << 23;
-  f16v scale;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
 
-// exp(x) for 16 lanes, x <= 0 (scores minus their maximum); x below -87 gives 2^-126, which the sums ignore as they
+// exp(x) for each lane, x <= 0 (scores minus their maximum); x below -87 gives 2^-126, which the sums ignore as they
 // would exp(x).
-inline f16v exp16(f16v x) {
-  const f16v low = f16v{} - 87.f;
-  return exp2_16((x < low ? low : x) * 1.44269504088896341f);
+template <typename V>
+inline V exp_lanes(V x) {
+  const V low = V{} - 87.f;
+  return exp2_lanes((x < low ? low : x) * 1.44269504088896341f);
 }
 
-// tanh(x) for 16 lanes: sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) (absolute error about 1e-7; |x| past 44: +-1).
-inline f16v tanh16(f16v x) {
-  const f16v magnitude = x < 0.f ? -x : x;
-  const f16v e = exp2_16(magnitude * (-2.f * 1.44269504088896341f));
-  const f16v t = (1.f - e) / (1.f + e);
+// tanh(x) for each lane: sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) (absolute error about 1e-7; |x| past 44:
+// +-1).
+template <typename V>
+inline V tanh_lanes(V x) {
+  const V magnitude = x < 0.f ? -x : x;
+  const V e = exp2_lanes(magnitude * (-2.f * 1.44269504088896341f));
+  const V t = (1.f - e) / (1.f + e);
   return x < 0.f ? -t : t;
 }
 
@@ -102,6 +134,31 @@ inline void store16(c10::BFloat16* p, f16v v) {
 #endif
 }
 
+// NATIVE floats rounded to bfloat16, to nearest, ties to even (finite values, as store16's fallback).
+inline void storen(c10::BFloat16* p, fnv v) {
+#if defined(__AVX512BF16__)
+  store16(p, v);
+#else
+  unv bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  const hnv rounded = __builtin_convertvector(bits >> 16, hnv);
+  std::memcpy(p, &rounded, sizeof(rounded));
+#endif
+}
+inline void storen(float* p, fnv v) { std::memcpy(p, &v, sizeof(v)); }
+
+// The sum and the largest of a register's lanes.
+inline float reducen(fnv v) {
+#if defined(__AVX512F__)
+  return reduce16(v);
+#else
+  typedef float f4v __attribute__((vector_size(16)));
+  const f4v b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+#endif
+}
+
 // Asks the memory system for the 64-byte line holding p (x86: prefetcht0, into every cache level). An asm statement,
 // not __builtin_prefetch: GCC 12 finds a function whose only effect is __builtin_prefetch calls pure, and deletes
 // every call to it (the decode's block prefetch never reached the binary until this; objdump counted no prefetcht0).
@@ -114,12 +171,12 @@ inline void prefetch_line(const void* p) {
 #endif
 }
 
-inline float max_of(f16v v) {
+inline float max_of(fnv v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
 #else
   float m = v[0];
-  for (int i = 1; i < LANES; ++i) m = v[i] > m ? v[i] : m;
+  for (int i = 1; i < NATIVE; ++i) m = v[i] > m ? v[i] : m;
   return m;
 #endif
 }
