@@ -65,19 +65,24 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what paged_hf_cpu's store an
 
 def _native(storage) -> bool:
     """Whether ``paged_hf_cpu``'s store and attention (``csrc/paged_step.cpp``) serve this layer's storage: unquantized
-    CPU pools ("auto": no rotation, no tail) in float32 or bfloat16, the C++ library built: what ``store_layer``
-    decided when dynamo traced, from ``EngineCache.native_ops`` and the states' dtype and device (for "auto" pools
-    the compute dtype is the pools'). A layer the graph stores natively but that is not bound here fails its step
-    with "no pools bound", never silently."""
-    return (type(storage) is KVStorage and storage.device.type == "cpu" and storage.dtype in _NATIVE_DTYPES
-            and cpu_ext.loaded())
+    CPU pools ("auto": no rotation, no tail) in float32 or bfloat16 (the C++ library built: the caller asks): what
+    ``store_layer`` decided when dynamo traced, from ``EngineCache.native_ops`` and the states' dtype and device (for
+    "auto" pools the compute dtype is the pools'). A layer the graph stores natively but that is not bound here fails
+    its step with "no pools bound", never silently. Reads the tensor's own flags: ``storage.device`` makes a
+    ``torch.device`` each time, and this runs for every layer twice a step."""
+    if type(storage) is not KVStorage:
+        return False
+    key = storage.key_cache
+    return key.is_cpu and key.dtype in _NATIVE_DTYPES
 
 
 def _bind_native(storages: dict) -> bool:
     """Binds ``storages``' C++-served pools for ``paged_hf_cpu`` (by layer index; empty where another path serves);
     returns whether any was bound."""
-    layers = [layer for layer, storage in storages.items() if _native(storage)]
+    layers = [layer for layer, storage in storages.items() if _native(storage)] if storages else []
     if not layers and not getattr(_bound, "native", False):
+        return False
+    if layers and not cpu_ext.loaded():
         return False
     empty = torch.empty(0)
     keys, values = [empty] * (max(layers, default=-1) + 1), [empty] * (max(layers, default=-1) + 1)
