@@ -243,7 +243,8 @@ def mkl_sgemm_is_native() -> bool:
 
 
 def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> int:
-    """Packs every bfloat16 or float32 CPU ``nn.Linear`` of ``model`` for oneDNN (idempotent; ``widens`` says how);
+    """Packs every bfloat16 or float32 CPU ``nn.Linear`` of ``model`` once (idempotent; ``widens`` says how): into
+    oneDNN's layout, or the AVX2 panels where the C++ library is built for AVX2 without AVX-512;
     returns how many were packed now. Nothing where ``PAGED_HF_PACKED_LINEAR=0``, or where the packed copies would
     take more than half of ``available_bytes`` (the memory free now, as the caller measured it; None: no bound),
     which is logged; no AMX tile copies where only they would cross that line."""
@@ -264,7 +265,7 @@ def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> 
                     len(linears), tile_bytes / 2**20, available_bytes / 2**20)
     needed += tile_bytes if tiles else 0
     if linears and available_bytes is not None and needed > available_bytes // 2:
-        logger.warning("not packing %d %s linear weights for oneDNN: their copy (%.0f MiB) is over half the "
+        logger.warning("not packing %d %s linear weights: their copy (%.0f MiB) is over half the "
                        "available memory (%.0f MiB); they run through F.linear", len(linears), dtypes,
                        needed / 2**20, available_bytes / 2**20)
         return 0
@@ -284,6 +285,7 @@ def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> 
                else "once")
         if any(dense_rows(m.weight.dtype) for m in linears):
             how += f" (float32 products of fewer than {MKL_ROWS} rows stay MKL's)"
-        logger.info("packed %d %s linear weights for oneDNN %s (at most %.0f MiB more; %s=0 turns it off)",
-                    len(linears), dtypes, how, needed / 2**20, ENV)
+        layout = "AVX2 panels" if cpp and torch.ops.paged_hf_cpu.linear_panels() else "oneDNN"
+        logger.info("packed %d %s linear weights for %s %s (at most %.0f MiB more; %s=0 turns it off)",
+                    len(linears), dtypes, layout, how, needed / 2**20, ENV)
     return len(linears)
