@@ -17,8 +17,9 @@ kernel.
   fewer) sum in another order, so a few outputs differ by one bfloat16 ulp (``benchmarks/gemm.py`` prints the
   difference).
 - bfloat16 on a CPU without them (AVX2: oneDNN's and torch's bfloat16 products run 4-5x slower than float32 there):
-  the copy is float32, the input is widened, the product runs in float32 and is rounded to bfloat16 once, which is
-  what a bfloat16 product with float32 sums does, in another summation order (``widens``).
+  the weight is widened (oneDNN's copy is float32; the AVX2 panels below widen in registers), the input too, the
+  product runs in float32 and is rounded to bfloat16 once, which is what a bfloat16 product with float32 sums does,
+  in another summation order (``widens``).
 - float32: oneDNN sums in another order than MKL: per output within ``2 K u sum|x w|`` of ``F.linear`` (tested); on
   SmolLM2 the logits move by up to 1.2e-4 at magnitude 35 (3.5e-6 relative, greedy argmax unchanged on 200 of 200
   positions), the size of the distance between the paged attention's and sdpa's sums (``README``). MKL's sgemm
@@ -41,11 +42,13 @@ instead of oneDNN's layout and multiplies it by its own AVX2 kernel (``csrc/avx2
 oneDNN's inner product reaches 110-150 GFLOP/s of such a CPU's ~175 at 16-64 rows and streams a decode step's weights
 well below the memory's speed; the panel product reaches 150-180 and streams at 34 GB/s (1.04-3x oneDNN's, SmolLM2's
 shapes, ``benchmarks/gemm.py``). It sums each output in input order whatever the rows around it, so a row's bits do
-not depend on its batch.
+not depend on its batch. A bfloat16 weight's panels stay bfloat16 and are widened in registers: the products of its
+float32 copy, bit for bit, with half the bytes to read (a decode step's products 1.1-1.7x faster than over float32
+panels).
 
 bfloat16 engine logits are bounded, not exact (``test_cpu_bf16.py``). The packed copy is kept beside the model's
 own weight (a stock model's parameters stay the user's: ``state_dict``, tied embeddings, ``.to()``): at most one
-more copy of the linear weights, twice their size when widened, and the AMX tile copy beside it (SmolLM2-135M's
+more copy of the linear weights, twice their size when widened into oneDNN's layout, and the AMX tile copy beside it (SmolLM2-135M's
 bfloat16 engine, 256 MiB of linear weights, measured on AMX: 1,110 MiB of RSS unpacked, 1,360 with oneDNN's copies,
 1,719 with the tile copies too; ``pack_linears`` leaves the tile copies out first when memory is short). The op checks
 that the weight is still the one packed (same storage, same version counter, its dtype on the CPU): a weight loaded
@@ -85,7 +88,7 @@ class _Packed(NamedTuple):
     weight: torch.Tensor  # oneDNN's opaque layout
     data_ptr: int  # the dense weight it was made from, and that weight's version counter then
     version: int
-    widen: bool  # a float32 copy of a bfloat16 weight
+    widen: bool  # a bfloat16 weight multiplied in float32 (this copy: float32)
     dense_below: int  # fewer rows than this: F.linear on the dense weight
 
 
@@ -107,9 +110,10 @@ def _packable(weight: torch.Tensor) -> bool:
 
 
 def widens(dtype: torch.dtype) -> bool | None:
-    """How a CPU linear of ``dtype`` is packed: False (oneDNN in that dtype), True (a bfloat16 weight kept as a
-    float32 copy, the product in float32 and rounded to bfloat16 once: a CPU without bfloat16 dot products, where
-    oneDNN's bfloat16 product is several times slower than its float32 one), None (not packed)."""
+    """How a CPU linear of ``dtype`` is packed: False (multiplied in that dtype), True (a bfloat16 weight multiplied
+    in float32, rounded to bfloat16 once: a CPU without bfloat16 dot products, where oneDNN's bfloat16 product is
+    several times slower than its float32 one; oneDNN's copy is then float32, the AVX2 panels stay bfloat16 and
+    widen in registers), None (not packed)."""
     if dtype == torch.bfloat16:
         return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return False if dtype == torch.float32 else None
@@ -252,8 +256,11 @@ def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> 
         return 0
     linears = [m for m in model.modules()
                if type(m) is torch.nn.Linear and _packable(m.weight) and packs_dtype(m.weight.dtype)]
-    needed = sum(m.weight.numel() * (4 if widens(m.weight.dtype) else m.weight.element_size()) for m in linears)
     cpp = bool(linears) and cpu_ext.loaded()
+    panels = cpp and torch.ops.paged_hf_cpu.linear_panels()
+    # widened into oneDNN's layout, a bfloat16 weight's copy is float32; the AVX2 panels keep bfloat16
+    needed = sum(m.weight.numel() * (4 if widens(m.weight.dtype) and not panels else m.weight.element_size())
+                 for m in linears)
     tile_bytes = sum(m.weight.numel() * 2 for m in linears if m.weight.dtype == torch.bfloat16) \
         if cpp and torch.ops.paged_hf_cpu.linear_tile_copies() else 0  # the AMX tile copies of bfloat16 weights
     dtypes = "/".join(sorted({str(m.weight.dtype).removeprefix("torch.") for m in linears}))
@@ -281,11 +288,13 @@ def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> 
         module._cpp = cpp
         module.__class__ = PackedLinear
     if linears:
-        how = ("as float32 copies: this CPU has no bfloat16 dot products" if any(widens(m.weight.dtype) for m in linears)
-               else "once")
+        how = "once"
+        if any(widens(m.weight.dtype) for m in linears):
+            how = ("widened to float32 in the product: this CPU has no bfloat16 dot products" if panels
+                   else "as float32 copies: this CPU has no bfloat16 dot products")
         if any(dense_rows(m.weight.dtype) for m in linears):
             how += f" (float32 products of fewer than {MKL_ROWS} rows stay MKL's)"
-        layout = "AVX2 panels" if cpp and torch.ops.paged_hf_cpu.linear_panels() else "oneDNN"
+        layout = "AVX2 panels" if panels else "oneDNN"
         logger.info("packed %d %s linear weights for %s %s (at most %.0f MiB more; %s=0 turns it off)",
                     len(linears), dtypes, layout, how, needed / 2**20, ENV)
     return len(linears)

@@ -13,10 +13,11 @@ namespace paged_hf_linear {
 // Whether this build runs avx2_linear: compiled for AVX2 and FMA, and not for AVX-512 (whose CPUs keep oneDNN's).
 bool avx2_linear_available();
 
-// weight [N, K] float32 (a bfloat16 one is widened) -> its panel layout [ceil(N / 16), K, 16] float32: for each
-// block of 16 output features, row k holds input k of each feature in turn, zero-padded past N. A block lies
-// contiguous over all K (K * 64 bytes: one cache line per input), so a thread streams its features' weights front
-// to back.
+// weight [N, K] float32 or bfloat16 -> its panel layout [ceil(N / 16), K, 16] in the weight's dtype: for each block
+// of 16 output features, row k holds input k of each feature (a bfloat16 row in the order 0-3, 8-11, 4-7, 12-15,
+// which the kernel's widening undoes), zero-padded past N. A block lies contiguous over all K (one cache line per
+// input in float32, half a line in bfloat16), so a thread streams its features' weights front to back. A bfloat16
+// panel is widened in registers: the products are those of its float32 copy, with half the bytes to read.
 at::Tensor avx2_pack_weight(const at::Tensor& weight);
 
 // x [M, K] float32 (last dimension contiguous) times the packed weight of N features, plus bias [N] (any float dtype,

@@ -26,7 +26,8 @@
 // CPU tensor of its dtype, and runs F.linear itself when no copy is kept under `key`, x's dtype differs, or the
 // weight is no longer a bfloat16 or float32 CPU tensor. The packed copy is in oneDNN's blocked layout
 // (mkldnn::_reorder_linear_weight), multiplied by mkldnn::_linear_pointwise (AMX where the CPU has it); in a build
-// for AVX2 without AVX-512 it is avx2_linear's float32 panels instead, multiplied by avx2_linear at every row count
+// for AVX2 without AVX-512 it is avx2_linear's panels instead (in the weight's dtype: a bfloat16 one is widened in
+// registers), multiplied by avx2_linear at every row count
 // (1.04-3x oneDNN's product on an AVX2 EPYC, benchmarks/gemm.py), every output's bits independent of the others.
 // A bfloat16 weight oneDNN multiplies natively gets a second copy in AMX tile order where the CPU has AMX
 // (amx_linear.h): products of at most AMX_LINEAR_ROWS rows (a decode step's) run over it, streaming the weight faster.
@@ -54,7 +55,7 @@ struct Packed {
   const void* data = nullptr;  // the dense weight it was made from, and that weight's version counter then
   uint32_t version = 0;
   int64_t batch_hint = 32;
-  bool widen = false;  // a float32 copy of a bfloat16 weight: x goes in as float32, the product back to bfloat16
+  bool widen = false;  // a bfloat16 weight multiplied in float32: x goes in as float32, the product back to bfloat16
   int64_t dense_below = 0;  // fewer rows than this: F.linear on the dense weight
   bool with_tiles = true;   // whether the weight may have a tile copy (pack_linear's `tiles`)
 };
@@ -69,7 +70,7 @@ std::unordered_map<int64_t, Packed>& packs() {
 bool panels() { return paged_hf_linear::avx2_linear_available(); }
 
 at::Tensor reorder(const at::Tensor& weight, int64_t batch_hint, bool widen) {
-  if (panels()) return paged_hf_linear::avx2_pack_weight(weight);  // float32, widened if bfloat16
+  if (panels()) return paged_hf_linear::avx2_pack_weight(weight);  // in the weight's dtype, widened in registers
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
                        .typed<at::Tensor(const at::Tensor&, std::optional<int64_t>)>();
