@@ -24,40 +24,17 @@ inline bool before(float a, int64_t i, float b, int64_t j) {
   return a > b || (a == b && i < j);
 }
 
-// The vectors of the scan: one register of the widest SIMD the target has (sixteen floats on AVX-512, eight on
-// AVX2/SSE). Wider vector-extension types than the registers are split by the compiler, and it lowered their selects
-// lane by lane: on AVX2 the sixteen-float version of this scan took 45 ms for 256 rows of a 49,152-token vocabulary,
-// four times torch.max.
-#if defined(__AVX512F__)
-constexpr int64_t W = 16;
-#else
-constexpr int64_t W = 8;
-#endif
-typedef float fv __attribute__((vector_size(4 * W)));
-typedef int32_t iv __attribute__((vector_size(4 * W)));
-typedef uint32_t uv __attribute__((vector_size(4 * W)));
-typedef uint16_t hv __attribute__((vector_size(2 * W)));
-
-inline fv load(const float* p) {
-  fv v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline fv load(const c10::BFloat16* p) {
-  hv raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  const uv wide = __builtin_convertvector(raw, uv) << 16;
-  fv v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
-}
+// The scan runs a register at a time (vec16.h's fnv: NATIVE lanes): its selects, sixteen lanes wide on AVX2, were
+// scalar code there (45 ms for 256 rows of a 49,152-token vocabulary, four times torch.max).
+using iv = decltype(fnv{} < fnv{});  // the lanes' indices
+constexpr int64_t W = NATIVE;
 
 // One lane set's running best: each lane keeps its largest value (its first NaN, once it meets one) and that value's
 // first index.
 struct Lanes {
-  fv best;
+  fnv best;
   iv index;
-  void take(fv x, iv at) {
+  void take(fnv x, iv at) {
     // replace where x is larger, or x is a NaN and the lane's best is not
     const iv larger = (x > best) | ((x != x) & (best == best));
     best = larger ? x : best;
@@ -77,10 +54,10 @@ int64_t row_argmax(const T* row, int64_t V) {
     iv ids;
     for (int l = 0; l < W; ++l) ids[l] = l;
     // two independent lane sets (even and odd vectors), so each compare-and-select waits on the one before last
-    Lanes even{load(row), ids}, odd{load(row + W), ids + static_cast<int32_t>(W)};
+    Lanes even{loadn(row), ids}, odd{loadn(row + W), ids + static_cast<int32_t>(W)};
     for (v = 2 * W; v + 2 * W <= V; v += 2 * W) {  // V < 2^31: a vocabulary's size
-      even.take(load(row + v), ids + static_cast<int32_t>(v));
-      odd.take(load(row + v + W), ids + static_cast<int32_t>(v + W));
+      even.take(loadn(row + v), ids + static_cast<int32_t>(v));
+      odd.take(loadn(row + v + W), ids + static_cast<int32_t>(v + W));
     }
     for (int l = 0; l < W; ++l) consider(even.best[l], even.index[l]), consider(odd.best[l], odd.index[l]);
   }
