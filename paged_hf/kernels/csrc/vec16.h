@@ -22,8 +22,6 @@
 namespace paged_hf_vec {
 
 typedef float f16v __attribute__((vector_size(64)));
-typedef uint16_t u16v __attribute__((vector_size(32)));
-typedef uint32_t u32v __attribute__((vector_size(64)));
 typedef int32_t i32v __attribute__((vector_size(64)));
 constexpr int64_t LANES = 16;
 
@@ -33,35 +31,45 @@ constexpr int64_t NATIVE = 16;
 constexpr int64_t NATIVE = 8;
 #endif
 typedef float fnv __attribute__((vector_size(4 * NATIVE)));
-typedef uint32_t unv __attribute__((vector_size(4 * NATIVE)));
-typedef uint16_t hnv __attribute__((vector_size(2 * NATIVE)));
 
-inline f16v load16(const float* p) {
-  f16v v;
+// The unsigned 16- and 32-bit vectors with as many lanes as the float vector V.
+template <typename V>
+struct LaneBits {
+  typedef uint16_t half __attribute__((vector_size(sizeof(V) / 2)));
+  typedef uint32_t word __attribute__((vector_size(sizeof(V))));
+};
+
+// V (f16v or fnv) from float32 values, or from bfloat16 ones (each the high half of its float32).
+template <typename V>
+inline V load_lanes(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline f16v load16(const c10::BFloat16* p) {
-  u16v raw;
+template <typename V>
+inline V load_lanes(const c10::BFloat16* p) {
+  typename LaneBits<V>::half raw;
   std::memcpy(&raw, p, sizeof(raw));
-  u32v wide = __builtin_convertvector(raw, u32v) << 16;
-  f16v v;
+  const auto wide = __builtin_convertvector(raw, typename LaneBits<V>::word) << 16;
+  V v;
   std::memcpy(&v, &wide, sizeof(v));
   return v;
 }
-inline fnv loadn(const float* p) {
-  fnv v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
+template <typename T>
+inline f16v load16(const T* p) { return load_lanes<f16v>(p); }
+template <typename T>
+inline fnv loadn(const T* p) { return load_lanes<fnv>(p); }
+
+// V's floats rounded to bfloat16, to nearest, ties to even (no NaN handling: the kernels' values are finite).
+template <typename V>
+inline void store_rounded(c10::BFloat16* p, V v) {
+  typename LaneBits<V>::word bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  const auto rounded = __builtin_convertvector(bits >> 16, typename LaneBits<V>::half);
+  std::memcpy(p, &rounded, sizeof(rounded));
 }
-inline fnv loadn(const c10::BFloat16* p) {
-  hnv raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  unv wide = __builtin_convertvector(raw, unv) << 16;
-  fnv v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
-}
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
 
@@ -126,24 +134,16 @@ inline void store16(c10::BFloat16* p, f16v v) {
   const __m256bh rounded = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(v));
   std::memcpy(p, &rounded, sizeof(rounded));
 #else
-  u32v bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  const u16v rounded = __builtin_convertvector(bits >> 16, u16v);
-  std::memcpy(p, &rounded, sizeof(rounded));
+  store_rounded(p, v);
 #endif
 }
 
-// NATIVE floats rounded to bfloat16, to nearest, ties to even (finite values, as store16's fallback).
+// NATIVE floats rounded to bfloat16 (as store16).
 inline void storen(c10::BFloat16* p, fnv v) {
 #if defined(__AVX512BF16__)
   store16(p, v);
 #else
-  unv bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  const hnv rounded = __builtin_convertvector(bits >> 16, hnv);
-  std::memcpy(p, &rounded, sizeof(rounded));
+  store_rounded(p, v);
 #endif
 }
 inline void storen(float* p, fnv v) { std::memcpy(p, &v, sizeof(v)); }
