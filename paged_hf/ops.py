@@ -79,7 +79,7 @@ def _native(storage) -> bool:
 def _bind_native(storages: dict) -> bool:
     """Binds ``storages``' C++-served pools for ``paged_hf_cpu`` (by layer index; empty where another path serves);
     returns whether any was bound."""
-    layers = [layer for layer, storage in storages.items() if _native(storage)] if storages else []
+    layers = [layer for layer, storage in storages.items() if _native(storage)]
     if not layers and not getattr(_bound, "native", False):
         return False
     if layers and not cpu_ext.loaded():

@@ -48,12 +48,12 @@ panels).
 
 bfloat16 engine logits are bounded, not exact (``test_cpu_bf16.py``). The packed copy is kept beside the model's
 own weight (a stock model's parameters stay the user's: ``state_dict``, tied embeddings, ``.to()``): at most one
-more copy of the linear weights, twice their size when widened into oneDNN's layout, and the AMX tile copy beside it (SmolLM2-135M's
-bfloat16 engine, 256 MiB of linear weights, measured on AMX: 1,110 MiB of RSS unpacked, 1,360 with oneDNN's copies,
-1,719 with the tile copies too; ``pack_linears`` leaves the tile copies out first when memory is short). The op checks
-that the weight is still the one packed (same storage, same version counter, its dtype on the CPU): a weight loaded
-or changed in place is packed again at its next call, any other dtype or device runs ``F.linear``: a packed copy is
-never stale.
+more copy of the linear weights, twice their size when widened into oneDNN's layout, and the AMX tile copy beside
+it (SmolLM2-135M's bfloat16 engine, 256 MiB of linear weights, measured on AMX: 1,110 MiB of RSS unpacked, 1,360
+with oneDNN's copies, 1,719 with the tile copies too; ``pack_linears`` leaves the tile copies out first when memory
+is short). The op checks that the weight is still the one packed (same storage, same version counter, its dtype on
+the CPU): a weight loaded or changed in place is packed again at its next call, any other dtype or device runs
+``F.linear``: a packed copy is never stale.
 """
 
 from __future__ import annotations

@@ -118,13 +118,16 @@ inline V tanh_lanes(V x) {
   return x < 0.f ? -t : t;
 }
 
-// The sum of the 16 lanes (a tree of halves).
-inline float reduce16(f16v v) {
-  typedef float f8v __attribute__((vector_size(32)));
+// The sum of 8 lanes, then of 16 (a tree of halves).
+typedef float f8v __attribute__((vector_size(32)));
+inline float reduce8(f8v a) {
   typedef float f4v __attribute__((vector_size(16)));
-  f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+}
+inline float reduce16(f16v v) {
+  return reduce8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
 // Sixteen floats rounded to bfloat16, to nearest, ties to even (AVX512-BF16's instruction where the CPU has it; the
@@ -153,9 +156,7 @@ inline float reducen(fnv v) {
 #if defined(__AVX512F__)
   return reduce16(v);
 #else
-  typedef float f4v __attribute__((vector_size(16)));
-  const f4v b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+  return reduce8(v);
 #endif
 }
 
