@@ -1,11 +1,12 @@
-"""The C++ CPU prefill attention's two paths side by side: its own brgemm flash attention (``paged_prefill``, where
-the CPU has the products) against torch's flash kernel over gathered blocks (``paged_prefill_flash``, the path it
-replaced), on the same steps, in one process, calls alternating.
+"""The C++ CPU prefill attention's two paths side by side: its own flash attention (``paged_prefill``, where the CPU
+has the products: oneDNN's brgemm on AVX-512 or AMX, the AVX2 panels on AVX2) against torch's flash kernel over
+gathered blocks (``paged_prefill_flash``, the path it replaced), on the same steps, in one process, calls
+alternating.
 
 Steps: SmolLM2-135M's heads (9 query heads, 3 KV heads, head_dim 64) and a Llama-shaped GQA-4 (32 / 8, head_dim
 128), block size 16, block tables a random permutation of the pool; first chunks (as in a prefill-heavy workload:
 one step of 2,048 tokens over 2-3 prompts), later chunks after stored keys (chunked prefill, prefix hits), and many
-short prompts. float32 and bfloat16. Columns: median wall ms of each path, the ratio (flash / brgemm: > 1 is the
+short prompts. float32 and bfloat16. Columns: median wall ms of each path, the ratio (flash / own: > 1 is the
 new path faster), and each path's largest distance to the float32 oracle (``paged_prefill_attention_ref``).
 
     PYTHONPATH=. python benchmarks/cpu_prefill.py                 # 2 threads
@@ -105,8 +106,8 @@ def main(argv=None) -> int:
     if not kernels_ready(args):
         return 1
     own, flash, uses = (torch.ops.paged_hf_cpu.paged_prefill, torch.ops.paged_hf_cpu.paged_prefill_flash,
-                        torch.ops.paged_hf_cpu.prefill_uses_brgemm)
-    print(f"# CPU prefill attention: the brgemm flash vs torch's flash kernel, {args.threads} threads")
+                        torch.ops.paged_hf_cpu.prefill_uses_own_flash)
+    print(f"# CPU prefill attention: its own flash vs torch's flash kernel, {args.threads} threads")
     print(machine())
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -126,8 +127,8 @@ def main(argv=None) -> int:
                              f"{ms['own']:.2f}", f"{ms['flash'] / ms['own']:.2f}x", f"{error['flash']:.1e}",
                              f"{error['own']:.1e}"])
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end\n")
-    print(markdown_table(["dtype", "heads", "step", "torch flash ms", "brgemm ms", "speed-up", "flash max err",
-                          "brgemm max err"], rows))
+    print(markdown_table(["dtype", "heads", "step", "torch flash ms", "own ms", "speed-up", "flash max err",
+                          "own max err"], rows))
     return 0
 
 

@@ -1,7 +1,7 @@
 """The C++ CPU prefill (``kernels/cpu_ext``, ``csrc/paged_prefill.cpp``) against the float32 oracle, over random
 steps (hypothesis): chunks that start a sequence and chunks after stored keys, empty chunks, one-token chunks,
 GQA groups, block sizes, head dims, sinks, sliding windows, softcaps, int32 and int64 tables, float32 and bfloat16 (its own
-brgemm flash where the CPU has the products, across several key tiles); plus where the production path takes it (and where it keeps
+flash where the CPU has the products, across several key tiles); plus where the production path takes it (and where it keeps
 the torch path), and an engine's greedy tokens with it equal to the torch path's."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def test_kernel_matches_the_oracle(kernel, case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [1, 30, 255, 256, 257, 700])
 def test_windows_across_key_tiles(kernel, dtype, window):
-    """Sliding windows whose first keys fall on either side of the brgemm flash's 256-key tiles: a first chunk of
+    """Sliding windows whose first keys fall on either side of the own flash's 256-key tiles: a first chunk of
     600 keys, a chunk of 60 after 500 stored keys (its rows' windows start in one tile and end in the next) and
     one of 3 after 1,000; both paths of the op against the oracle."""
     gen = torch.Generator().manual_seed(window)
@@ -125,17 +125,19 @@ def test_later_key_tiles_that_outscore_the_first(kernel, dtype, growth):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-def test_the_brgemm_flash_serves_where_the_cpu_has_its_products(kernel):
-    """The kernel's own flash attention (oneDNN brgemm) serves head dims a multiple of 16: float32 where the library
-    targets AVX-512, bfloat16 where oneDNN has AMX or (widened to float32 products) the library targets AVX-512; the
-    rest keeps torch's flash kernel (both checked against the oracle above)."""
+def test_the_own_flash_serves_where_the_cpu_has_its_products(kernel):
+    """The kernel's own flash attention serves head dims a multiple of 16 where it has products: float32 where the
+    library targets AVX-512 (oneDNN's brgemm) or AVX2 with FMA (the AVX2 linear's panels), bfloat16 there too
+    (widened to float32 products) and wherever oneDNN has AMX; the rest keeps torch's flash kernel (both checked
+    against the oracle above)."""
     pools = random_pools("auto", 4, 4, 2, 64, dtype=torch.bfloat16)
     query = torch.randn(3, 4, 64).bfloat16()
-    uses = torch.ops.paged_hf_cpu.prefill_uses_brgemm
-    avx512 = "__AVX512F__" in target_defines()
+    uses = torch.ops.paged_hf_cpu.prefill_uses_own_flash
+    defines = target_defines()
+    float32_products = "__AVX512F__" in defines or ("__AVX2__" in defines and "__FMA__" in defines)
     assert not uses(query[..., :8], pools["key_cache"][..., :8].contiguous())
-    assert uses(query, pools["key_cache"]) == ("amx_bf16" in cpu_flags() or avx512)
-    assert uses(query.float(), pools["key_cache"].float()) == avx512
+    assert uses(query, pools["key_cache"]) == ("amx_bf16" in cpu_flags() or float32_products)
+    assert uses(query.float(), pools["key_cache"].float()) == float32_products
 
 
 def test_kernel_refuses_what_it_cannot_read(kernel):

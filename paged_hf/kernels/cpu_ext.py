@@ -3,9 +3,9 @@
 ``paged_decode`` (``csrc/paged_decode.cpp``) reads each sequence's K/V where they lie in the block pools (no
 gathered copy), in the pools' dtype (float32 or bfloat16), accumulating in float32; ``paged_prefill``
 (``csrc/paged_prefill.cpp``) attends each prefill chunk to its own sequence's blocks (no padding to the longest
-chunk, no mask): a flash attention of its own over oneDNN's brgemm where the CPU has its products (bfloat16: AMX, or
-float32 products on AVX-512; float32: AVX-512; the K/V tiles packed once per call and shared by each GQA group), else
-torch's causal flash kernel; ``store``/``attend`` (``csrc/paged_step.cpp``) are the compiled forward's KV store and
+chunk, no mask): a flash attention of its own where the CPU has its products (oneDNN's brgemm on AMX or AVX-512,
+the AVX2 linear's panel micro-kernel on AVX2; bfloat16 without AMX widened to float32 products; the K/V tiles packed
+once per call and shared by each GQA group), else torch's causal flash kernel; ``store``/``attend`` (``csrc/paged_step.cpp``) are the compiled forward's KV store and
 attention over such pools (``paged_hf.ops``); ``packed_linear`` (``csrc/packed_linear.cpp``) is the
 oneDNN linear of ``paged_hf.packed_linear``, whose bfloat16 products of a few rows run ``csrc/amx_linear.cpp``'s AMX
 tiles where the CPU has them, and whose products on a CPU with AVX2 but no AVX-512 run

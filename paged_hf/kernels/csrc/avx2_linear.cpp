@@ -19,14 +19,13 @@
 #include <cstring>
 #include <utility>
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define PAGED_HF_AVX2_LINEAR 1
+#if defined(PAGED_HF_AVX2_PANELS)
 #include <immintrin.h>
 #endif
 
 namespace paged_hf_linear {
 
-#if defined(PAGED_HF_AVX2_LINEAR)
+#if defined(PAGED_HF_AVX2_PANELS)
 namespace {
 
 constexpr int64_t BLOCK = 16;     // features of a panel
@@ -244,6 +243,22 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   return out;
 }
 
+void avx2_panel_product(const float* x, int64_t ldx, int64_t M, const float* panels, int64_t panel_stride,
+                        int64_t blocks, int64_t K, float* c, int64_t ldc, bool add) {
+  const auto& table = chunks<float>();
+  // one row group (M <= 6) takes as many panels at once as blocks_per_pass gives it; several take a panel at a time,
+  // which stays in L1 while every group meets it
+  const int64_t step = M > MAX_ROWS ? 1 : blocks_per_pass(M);
+  for (int64_t f = 0; f < blocks; f += step) {
+    const int64_t fb = std::min(step, blocks - f);
+    for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
+      const int64_t mr = std::min(MAX_ROWS, M - r0);
+      table[mr - 1][fb - 1](panels + f * panel_stride, panel_stride, x + r0 * ldx, ldx, K, c + r0 * ldc + f * BLOCK,
+                            ldc, !add, 0, 0);
+    }
+  }
+}
+
 #else  // not an AVX2-only build: packed_linear keeps oneDNN's product
 
 bool avx2_linear_available() { return false; }
@@ -252,6 +267,11 @@ at::Tensor avx2_pack_weight(const at::Tensor&) { TORCH_CHECK(false, "avx2_pack_w
 
 at::Tensor avx2_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t) {
   TORCH_CHECK(false, "avx2_linear: not built for AVX2 alone");
+}
+
+void avx2_panel_product(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t,
+                        bool) {
+  TORCH_CHECK(false, "avx2_panel_product: not built for AVX2 alone");
 }
 
 #endif

@@ -8,6 +8,10 @@
 #include <cstdint>
 #include <optional>
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define PAGED_HF_AVX2_PANELS 1  // this build runs the panel products below (else they refuse)
+#endif
+
 namespace paged_hf_linear {
 
 // Whether this build runs avx2_linear: compiled for AVX2 and FMA, and not for AVX-512 (whose CPUs keep oneDNN's).
@@ -25,5 +29,12 @@ at::Tensor avx2_pack_weight(const at::Tensor& weight);
 // partial sums for rows of a product of at most 3 rows), then the bias: within 2 K u sum|x w| of F.linear.
 at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                        int64_t N);
+
+// The panel product on the calling thread: c [M, 16 * blocks] (row stride ldc) = x [M, K] (row stride ldx) times
+// `blocks` float32 panels [K][16] (panel f at panels + f * panel_stride, 32-byte aligned), or added to c where `add`.
+// The linear's micro-kernel (six rows x 16 features in registers); for products whose operands the caller packs
+// itself (the prefill attention's Q K^T and P V).
+void avx2_panel_product(const float* x, int64_t ldx, int64_t M, const float* panels, int64_t panel_stride,
+                        int64_t blocks, int64_t K, float* c, int64_t ldc, bool add);
 
 }  // namespace paged_hf_linear

@@ -6,7 +6,7 @@
 //                             scale, sinks [H] float32 or None, window (<= 0: none), softcap (<= 0: none))
 //                             -> [T, H, D]
 // paged_hf_cpu::paged_prefill_flash(the same) -> [T, H, D]: always the second path below (for comparisons)
-// paged_hf_cpu::prefill_uses_brgemm(query, key_cache) -> bool: whether paged_prefill takes the first path
+// paged_hf_cpu::prefill_uses_own_flash(query, key_cache) -> bool: whether paged_prefill takes the first path
 // paged_hf_cpu::flash_groups_heads() -> bool: whether torch's CPU flash attention takes fewer KV heads than query
 //     heads (else the second path repeats them)
 //
@@ -16,18 +16,20 @@
 // c > 0 caps each scaled score x as c * tanh(x / c) (Gemma 2). Sinks join the denominator: out * sigmoid(lse - sink).
 // Two paths, the same attention:
 //
-// - where oneDNN's brgemm has the products (bfloat16: AMX, cpublas::could_pack; float32: AVX-512) and
-//   D % 16 == 0: a flash attention of our own. Each sequence's keys are packed once per call, per KV head and
-//   tile of KEY_TILE keys, into the layouts the products read (bfloat16: VNNI; read from the blocks where they lie,
-//   zero past the sequence). bfloat16 on an AVX-512 CPU without AMX (an AMD EPYC, a Xeon before Sapphire Rapids):
-//   the tiles and the query are widened to float32 as they are packed and the products run in float32 (torch's
-//   flash kernel there is 2x slower than the float32 products); only the output is rounded to bfloat16. The
+// - where the CPU has the products and D % 16 == 0: a flash attention of our own. The products are oneDNN's brgemm
+//   (bfloat16: AMX, cpublas::could_pack; float32: AVX-512), or on a CPU with AVX2 and FMA but no AVX-512 (an AMD
+//   EPYC Zen 3, a Xeon before Skylake-SP) the AVX2 linear's panel micro-kernel (avx2_linear.h: six rows x 16
+//   columns in registers). Each sequence's keys are packed once per call, per KV head and tile of KEY_TILE keys,
+//   into the layouts the products read (brgemm: K^T, bfloat16 in VNNI pairs; AVX2: panels of 16 keys and of 16
+//   dims), read from the blocks where they lie, zero past the sequence. bfloat16 without AMX (an AMD EPYC, a Xeon
+//   before Sapphire Rapids): the tiles and the query are widened to float32 as they are packed and the products run
+//   in float32 (torch's flash kernel there is 1.4-2x slower); only the output is rounded to bfloat16. The
 //   packed tiles lie on 2 MiB pages (huge_buffer.h). A work item is one KV head and ITEM_ROWS / group query
 //   positions of one chunk, all heads of the GQA group stacked as the rows of one product (the group shares every
 //   packed tile; 192 rows read each tile for more rows than 64 or 128 did, 1.05-1.28x). Per key tile up to the
-//   item's last position: scores = one brgemm, the online softmax in float32 (exp2 of the scores scaled by
+//   item's last position: scores = one product, the online softmax in float32 (exp2 of the scores scaled by
 //   scale * log2(e), the causal cut per row, a row's reference maximum moved only when a tile outscores it by 2^8
-//   (softmax_row); bfloat16 products' probabilities rounded as torch's flash kernel rounds them), then one brgemm
+//   (softmax_row); bfloat16 products' probabilities rounded as torch's flash kernel rounds them), then one product
 //   adds probabilities x V into a float32 accumulator. A later chunk is one pass over stored and new
 //   keys (no second call, no merge). Items are taken longest first from a shared counter by torch's threads. Under
 //   a window only the tiles from the chunk's first visible key are packed, an item's products start at the tile of
@@ -59,11 +61,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "avx2_linear.h"
 #include "huge_buffer.h"
 #include "paged_attention.h"
 #include "vec16.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(PAGED_HF_AVX2_PANELS)
 #include <immintrin.h>
 #endif
 
@@ -89,10 +92,18 @@ struct Chunk {
   const int64_t* table;
 };
 
-#if defined(__AVX512F__)
-constexpr bool f32_products = true;  // oneDNN's brgemm has AVX-512 float32 kernels
+#if defined(__AVX512F__) || defined(PAGED_HF_AVX2_PANELS)
+// float32 products: oneDNN's brgemm (AVX-512), or the AVX2 linear's panel micro-kernel over tiles packed as panels
+constexpr bool f32_products = true;
 #else
 constexpr bool f32_products = false;
+#endif
+#if defined(PAGED_HF_AVX2_PANELS)
+template <typename P>
+constexpr bool panels = std::is_same_v<P, float>;  // whether P's products are the panel products
+#else
+template <typename P>
+constexpr bool panels = false;
 #endif
 
 // Whether oneDNN's brgemm has bfloat16 products here (AMX); without them bfloat16 is widened to float32.
@@ -101,7 +112,7 @@ bool bf16_products() {
   return has;
 }
 
-bool brgemm_serves(const at::Tensor& query, const at::Tensor& key_cache) {
+bool own_flash_serves(const at::Tensor& query, const at::Tensor& key_cache) {
   const bool dtype = query.scalar_type() == at::kBFloat16 ? bf16_products() || f32_products
                                                            : query.scalar_type() == at::kFloat && f32_products;
   return dtype && key_cache.size(3) % 16 == 0 && key_cache.size(3) <= 512 && key_cache.is_contiguous() &&
@@ -161,6 +172,67 @@ inline __m512i key_words(const T* key, int64_t w0, int64_t count) {
 }
 #endif
 
+#if defined(PAGED_HF_AVX2_PANELS)
+// Eight floats from a float32 or bfloat16 row.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BF16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// Eight rows of eight floats transposed in registers: r[i] lane j -> r[j] lane i.
+inline void transpose8x8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);  // per 128-bit half: r[i][0], r[i+1][0], r[i][1], r[i+1][1]
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);  // per half: column 0 of rows i .. i + 3
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
+    r[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
+  }
+}
+
+// The panel products' layouts of keys tile*KEY_TILE .. of one KV head, float32 (from float32 pools, or widened from
+// bfloat16 ones): K as panels of 16 keys [used / 16][D][16] (panel j / 16, row d: dim d of 16 keys; written by 8 x 8
+// blocks transposed in registers), V as panels of 16 dims [D / 16][KEY_TILE][16]. Only the keys a product reads
+// are written: the sequence's, then zeros up to the next COLUMN_STEP.
+template <typename T>
+void pack_panels(const T* key_cache, const T* value_cache, const Chunk& c, int64_t head, int64_t tile, int64_t B,
+                 int64_t KH, int64_t D, float* k_out, float* v_out) {
+  const int64_t start = tile * KEY_TILE;
+  const int64_t used = std::min(KEY_TILE, (c.len - start + COLUMN_STEP - 1) / COLUMN_STEP * COLUMN_STEP);
+  auto row = [&](const T* cache, int64_t pos) -> const T* {
+    return pos < c.len ? cache + ((c.table[pos / B] * B + pos % B) * KH + head) * D : nullptr;
+  };
+  for (int64_t j0 = 0; j0 < used; j0 += 8) {  // used % 8 == 0 (a multiple of COLUMN_STEP)
+    const T* keys[8];
+    for (int64_t i = 0; i < 8; ++i) keys[i] = row(key_cache, start + j0 + i);
+    float* panel = k_out + j0 / 16 * D * 16 + j0 % 16;
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+      __m256 block[8];
+      for (int64_t i = 0; i < 8; ++i) block[i] = keys[i] != nullptr ? load8(keys[i] + d0) : _mm256_setzero_ps();
+      transpose8x8(block);
+      for (int64_t d = 0; d < 8; ++d) _mm256_store_ps(panel + (d0 + d) * 16, block[d]);
+    }
+  }
+  for (int64_t j = 0; j < used; ++j) {
+    const T* v = row(value_cache, start + j);
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      float* to = v_out + d0 * KEY_TILE + j * 16;  // panel d0 / 16, row j
+      if (v) copy_row(v + d0, to, 16);
+      else std::fill(to, to + 16, 0.0f);
+    }
+  }
+}
+#endif
+
 // Keys tile*KEY_TILE .. of one KV head in the layouts the products read: bfloat16 (VNNI) K as [D/2][KEY_TILE][2]
 // (K^T, pairs of dims interleaved), V as [KEY_TILE/2][D][2]; float32 K as [D][KEY_TILE] (K^T), V as [KEY_TILE][D]
 // (from float32 pools, or widened from bfloat16 ones). Only the keys a product reads are written: the sequence's,
@@ -169,6 +241,9 @@ inline __m512i key_words(const T* key, int64_t w0, int64_t count) {
 template <typename T, typename P>
 void pack_tile(const T* key_cache, const T* value_cache, const Chunk& c, int64_t head, int64_t tile, int64_t B,
                int64_t KH, int64_t D, P* k_out, P* v_out) {
+#if defined(PAGED_HF_AVX2_PANELS)
+  if constexpr (panels<P>) return pack_panels(key_cache, value_cache, c, head, tile, B, KH, D, k_out, v_out);
+#endif
   const int64_t start = tile * KEY_TILE;
   const int64_t used = std::min(KEY_TILE, (c.len - start + COLUMN_STEP - 1) / COLUMN_STEP * COLUMN_STEP);
   auto row = [&](const T* cache, int64_t pos) -> const T* {
@@ -343,7 +418,7 @@ struct Scratch {
 
 // T: the dtype of the query, the pools and the output; P: the products' (T, or float32 for bfloat16 widened).
 template <typename T, typename P>
-void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+void own_flash(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                     const std::vector<Chunk>& chunks, double scale, const at::Tensor& sink_values, int64_t window,
                     double softcap, at::Tensor& out) {
   const int64_t H = query.size(1), D = query.size(2), B = key_cache.size(1), KH = key_cache.size(2);
@@ -411,7 +486,10 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
         const int64_t key0 = tile * KEY_TILE, width = std::min(KEY_TILE, item.last + 1 - key0);
         const int64_t cols = (width + COLUMN_STEP - 1) / COLUMN_STEP * COLUMN_STEP;
         const P* k_tile = packed_data + (c.packed + item.head * c.tiles + tile - c.tile0) * 2 * tile_elems;
-        at::native::cpublas::brgemm(M, cols, D, D, KEY_TILE, KEY_TILE, false, q, k_tile, scores, vnni);
+        if constexpr (panels<P>)  // scores [M, cols] = q [M, D] x cols / 16 key panels [D][16]
+          paged_hf_linear::avx2_panel_product(q, D, M, k_tile, D * 16, cols / 16, D, scores, KEY_TILE, false);
+        else
+          at::native::cpublas::brgemm(M, cols, D, D, KEY_TILE, KEY_TILE, false, q, k_tile, scores, vnni);
         for (int64_t r = 0; r < M; ++r) {
           const int64_t pos = first_pos + r / group;
           float* row_scores = scores + r * KEY_TILE;
@@ -432,7 +510,11 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
             }
           }
         }
-        at::native::cpublas::brgemm(M, D, cols, KEY_TILE, D, D, true, probs, k_tile + tile_elems, acc, vnni);
+        if constexpr (panels<P>)  // acc [M, D] += probs [M, cols] x D / 16 value panels [KEY_TILE][16]
+          paged_hf_linear::avx2_panel_product(probs, KEY_TILE, M, k_tile + tile_elems, KEY_TILE * 16, D / 16, cols,
+                                              acc, D, true);
+        else
+          at::native::cpublas::brgemm(M, D, cols, KEY_TILE, D, D, true, probs, k_tile + tile_elems, acc, vnni);
       }
       for (int64_t t = 0; t < rows_t; ++t)
         for (int64_t j = 0; j < group; ++j) {
@@ -444,7 +526,7 @@ void brgemm_prefill(const at::Tensor& query, const at::Tensor& key_cache, const 
           for (int64_t d = 0; d < D; d += 16) store_row16(o + d, paged_hf_vec::load16(acc + r * D + d) * inverse);
         }
     }
-    at::native::cpublas::brgemm_release(vnni);
+    if constexpr (!panels<P>) at::native::cpublas::brgemm_release(vnni);
   });
 }
 
@@ -506,7 +588,7 @@ std::tuple<at::Tensor, at::Tensor> capped_attention(const at::Tensor& q, const a
   return {out, lse};
 }
 
-// The attention into `out` (paged_attention.h). `own`: the brgemm flash where it serves (paged_prefill); false:
+// The attention into `out` (paged_attention.h). `own`: our own flash where it serves (paged_prefill); false:
 // torch's flash kernel (paged_prefill_flash, for benchmarks and tests that compare the two).
 void prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
              const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_query_lens, double scale,
@@ -532,7 +614,7 @@ void prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Ten
     sink_values = sinks->to(at::kFloat).view({1, -1, 1});
     TORCH_CHECK(sink_values.size(1) == query.size(1), "paged_prefill: sinks [H]");
   }
-  if (own && brgemm_serves(query, key_cache)) {
+  if (own && own_flash_serves(query, key_cache)) {
     TORCH_CHECK(scale > 0, "paged_prefill: scale must be positive, got ", scale);
     const auto table_rows = tables.contiguous();
     std::vector<Chunk> chunks;
@@ -555,11 +637,11 @@ void prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Ten
     }
     const at::Tensor sink_rows = sink_values.defined() ? sink_values.contiguous() : sink_values;
     if (query.scalar_type() == at::kFloat)
-      brgemm_prefill<float, float>(query, key_cache, value_cache, chunks, scale, sink_rows, window, softcap, out);
+      own_flash<float, float>(query, key_cache, value_cache, chunks, scale, sink_rows, window, softcap, out);
     else if (bf16_products())
-      brgemm_prefill<BF16, BF16>(query, key_cache, value_cache, chunks, scale, sink_rows, window, softcap, out);
+      own_flash<BF16, BF16>(query, key_cache, value_cache, chunks, scale, sink_rows, window, softcap, out);
     else
-      brgemm_prefill<BF16, float>(query, key_cache, value_cache, chunks, scale, sink_rows, window, softcap, out);
+      own_flash<BF16, float>(query, key_cache, value_cache, chunks, scale, sink_rows, window, softcap, out);
     return;
   }
   for (int64_t s = 0; s < S; ++s) {
@@ -621,8 +703,8 @@ at::Tensor paged_prefill_flash(const at::Tensor& query, const at::Tensor& key_ca
   return out;
 }
 
-bool prefill_uses_brgemm(const at::Tensor& query, const at::Tensor& key_cache) {
-  return brgemm_serves(query, key_cache);
+bool prefill_uses_own_flash(const at::Tensor& query, const at::Tensor& key_cache) {
+  return own_flash_serves(query, key_cache);
 }
 
 }  // namespace
@@ -637,8 +719,8 @@ void paged_hf_attention::prefill_into(const at::Tensor& query, const at::Tensor&
 }
 
 TORCH_LIBRARY_FRAGMENT(paged_hf_cpu, m) {
-  m.def("prefill_uses_brgemm(Tensor query, Tensor key_cache) -> bool");
-  m.impl("prefill_uses_brgemm", TORCH_FN(prefill_uses_brgemm));
+  m.def("prefill_uses_own_flash(Tensor query, Tensor key_cache) -> bool");
+  m.impl("prefill_uses_own_flash", TORCH_FN(prefill_uses_own_flash));
   m.def("flash_groups_heads() -> bool");
   m.impl("flash_groups_heads", TORCH_FN(flash_groups_heads));
   m.def("paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
