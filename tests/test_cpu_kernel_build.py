@@ -4,12 +4,14 @@ kernel tests in a process of its own: AVX2 (``x86-64-v3``: AMD Zen 2 and 3, Inte
 with bfloat16 dot products but no AMX (``cooperlake``, what AMD Zen 4 offers). The kernels' ``#if`` branches for
 those machines would otherwise be compiled and run only on users' machines: CI's has AMX, and the library targets
 ``-march=native``. Each target builds the library once into the user's cache (~1.5 min), then runs the files below
-(~1 min)."""
+(~1 min). The AVX2 build's machine code is read as well: no loop compares floats one lane at a time."""
 
 from __future__ import annotations
 
 import os
 import platform
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +53,59 @@ def test_the_kernel_tests_pass_with_the_library_built_for(arch):
                             timeout=1500)
     assert result.returncode == 0, f"built for {arch}:\n{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
     assert " passed" in result.stdout.splitlines()[-1], result.stdout[-2000:]
+
+
+HEADER = re.compile(r"^([0-9a-f]+) <(.+)>:$")  # objdump -d: a function's first line
+INSTRUCTION = re.compile(r"^\s+([0-9a-f]+):\s+(\S+)\s*(.*)$")  # address, mnemonic, operands
+SCALAR_COMPARES = {"comiss", "ucomiss", "vcomiss", "vucomiss"}
+
+
+def innermost_loops(disassembly: str) -> list[tuple[str, int]]:
+    """(function, scalar float compares) for each innermost loop of ``objdump -d`` output: the span from a backward
+    jump's target to the jump that contains no other such span."""
+    found, name, body = [], None, []
+
+    def close():
+        spans = set()
+        for address, mnemonic, operands in body:
+            target = operands.split()[0] if mnemonic.startswith("j") and operands else ""
+            if re.fullmatch(r"[0-9a-f]+", target) and int(target, 16) <= address:
+                spans.add((int(target, 16), address))
+        for first, last in spans:
+            if not any((a, b) != (first, last) and first <= a and b <= last for a, b in spans):
+                found.append((name, sum(first <= address <= last and mnemonic in SCALAR_COMPARES
+                                        for address, mnemonic, _ in body)))
+
+    for line in disassembly.splitlines():
+        if header := HEADER.match(line):
+            if name is not None:
+                close()
+            name, body = header.group(2), []
+        elif (instruction := INSTRUCTION.match(line)) and name is not None:
+            body.append((int(instruction.group(1), 16), instruction.group(2), instruction.group(3)))
+    if name is not None:
+        close()
+    return found
+
+
+def test_no_loop_of_the_avx2_build_compares_floats_one_lane_at_a_time(monkeypatch, compiler):
+    """GCC 12 lowers a compare or select of a vector wider than the target's registers (vec16.h's sixteen-float
+    f16v on AVX2) to one scalar compare per lane, with no warning: the greedy scan, the decode softmax and the
+    softcap once ran so at a fraction of their speed. In the AVX2 build, every innermost loop has fewer scalar float
+    compares than a vector has lanes (a sixteen-lane select in the greedy scan put 96 there; the scalar tails have
+    at most 5)."""
+    objdump = shutil.which("objdump")
+    missing = TARGETS["x86-64-v3"] - cpu_flags()
+    if objdump is None or missing:
+        pytest.skip("objdump, and a CPU that runs x86-64-v3 code")
+    monkeypatch.setenv(cpu_ext.ARCH_VAR, "x86-64-v3")
+    library = cpu_ext._build(compiler)
+    disassembly = subprocess.run([objdump, "-d", "--no-show-raw-insn", "-C", str(library)], capture_output=True,
+                                 text=True, check=True, timeout=300).stdout
+    loops = innermost_loops(disassembly)
+    assert any("greedy" in name for name, _ in loops), "the greedy scan's loops were not found"
+    lane_by_lane = sorted({(count, name[:160]) for name, count in loops if count >= 8}, reverse=True)
+    assert not lane_by_lane, f"loops comparing floats one lane at a time (compares, function): {lane_by_lane}"
 
 
 def test_a_target_that_is_not_a_march_value_is_refused(monkeypatch, compiler):
