@@ -1,8 +1,8 @@
 """The C++ CPU prefill (``kernels/cpu_ext``, ``csrc/paged_prefill.cpp``) against the float32 oracle, over random
 steps (hypothesis): chunks that start a sequence and chunks after stored keys, empty chunks, one-token chunks,
-GQA groups, block sizes, head dims, sinks, sliding windows, softcaps, int32 and int64 tables, float32 and bfloat16 (its own
-flash where the CPU has the products, across several key tiles); plus where the production path takes it (and where it keeps
-the torch path), and an engine's greedy tokens with it equal to the torch path's."""
+GQA groups, block sizes, head dims, sinks, sliding windows, softcaps, int32 and int64 tables, float32 and bfloat16
+(its own flash where the CPU has the products, across several key tiles); plus where the production path takes it
+(and where it keeps the torch path), and an engine's greedy tokens with it equal to the torch path's."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def kernel():
 def prefill_cases(draw):
     num_chunks = draw(st.integers(1, 5))
     # (stored keys before the chunk, the chunk's queries): first chunks, later chunks, empty and one-token chunks
-    # (300, 520: past the bfloat16 kernel's first 256-key tiles; 100, 200: chunks of several work items, which take
-    # 192 / group query positions)
+    # (300, 520: past the own flash's first 256-key tiles; 100, 200: chunks of several work items, which take
+    # 96 or 192 / group query positions)
     chunks = [(draw(st.sampled_from([0, 0, 1, 5, 16, 37, 300, 520])),
                draw(st.one_of(st.integers(0, 40), st.sampled_from([100, 200]))))
               for _ in range(num_chunks)]

@@ -26,12 +26,12 @@
 //   in float32 (torch's flash kernel there is 1.4-2x slower); only the output is rounded to bfloat16. The
 //   packed tiles lie on 2 MiB pages (huge_buffer.h). A work item is one KV head and ITEM_ROWS / group query
 //   positions of one chunk, all heads of the GQA group stacked as the rows of one product (the group shares every
-//   packed tile; 192 rows read each tile for more rows than 64 or 128 did, 1.05-1.28x). Per key tile up to the
-//   item's last position: scores = one product, the online softmax in float32 (exp2 of the scores scaled by
-//   scale * log2(e), the causal cut per row, a row's reference maximum moved only when a tile outscores it by 2^8
-//   (softmax_row); bfloat16 products' probabilities rounded as torch's flash kernel rounds them), then one product
-//   adds probabilities x V into a float32 accumulator. A later chunk is one pass over stored and new
-//   keys (no second call, no merge). Items are taken longest first from a shared counter by torch's threads. Under
+//   packed tile; on AVX-512, 192 rows read each tile for more rows than 64 or 128 did, 1.05-1.28x; on AVX2, 96).
+//   Per key tile up to the item's last position: scores = one product, the online softmax in float32 (exp2 of the
+//   scores scaled by scale * log2(e), the causal cut per row, a row's reference maximum moved only when a tile
+//   outscores it by 2^8 (softmax_row); bfloat16 products' probabilities rounded as torch's flash kernel rounds
+//   them), then one product adds probabilities x V into a float32 accumulator. A later chunk is one pass over
+//   stored and new keys (no second call, no merge). Items are taken longest first from a shared counter by torch's threads. Under
 //   a window only the tiles from the chunk's first visible key are packed, an item's products start at the tile of
 //   its first row's first visible key, and the keys of that tile below a row's window are cut like those above it.
 //   A softcap is applied to a tile's scores as they come out of their product (a vectorized tanh).
@@ -75,7 +75,14 @@ namespace {
 using paged_hf_vec::f16v;
 using BF16 = c10::BFloat16;
 
-constexpr int64_t ITEM_ROWS = 192;  // a work item's product rows: ITEM_ROWS / group query positions, each group's heads
+// a work item's product rows: ITEM_ROWS / group query positions, each group's heads. On AVX2, 96: an item's float32
+// scores and probabilities (2 x rows x KEY_TILE x 4 bytes) then take 192 KiB of a Zen 3 core's 512 KiB L2, not 384
+// (1.03-1.3x over 192 in benchmarks/cpu_prefill.py there); AVX-512 CPUs have 1-2 MiB.
+#if defined(PAGED_HF_AVX2_PANELS)
+constexpr int64_t ITEM_ROWS = 96;
+#else
+constexpr int64_t ITEM_ROWS = 192;
+#endif
 constexpr int64_t CAPPED_ROWS = 256; // the softcap fallback's query rows at a time
 constexpr int64_t KEY_TILE = 256;   // keys of a tile: one product for the scores, one for the values
 constexpr int64_t COLUMN_STEP = 32; // a tile's products are cut to the keys its rows see, in steps of this
