@@ -436,12 +436,7 @@ void decode_heads_bf16(const c10::BFloat16* const* key_blocks, const c10::BFloat
 #define PAGED_HF_AVX2_DECODE 1
 #include <immintrin.h>
 
-// Eight values as floats. Not vec16.h's loadn: GCC's code for its bfloat16 widening made this kernel 1.5x slower.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
+using paged_hf_vec::load8;
 
 // Eight vectors of partial sums -> one vector of their totals (lane t: the sum of v[t]'s lanes).
 inline __m256 sum8x8(const __m256* v) {

@@ -180,12 +180,7 @@ inline __m512i key_words(const T* key, int64_t w0, int64_t count) {
 #endif
 
 #if defined(PAGED_HF_AVX2_PANELS)
-// Eight floats from a float32 or bfloat16 row.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const BF16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
+using paged_hf_vec::load8;
 
 // Eight rows of eight floats transposed in registers: r[i] lane j -> r[j] lane i.
 inline void transpose8x8(__m256 r[8]) {
