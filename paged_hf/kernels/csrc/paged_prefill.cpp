@@ -31,10 +31,10 @@
 //   scores scaled by scale * log2(e), the causal cut per row, a row's reference maximum moved only when a tile
 //   outscores it by 2^8 (softmax_row); bfloat16 products' probabilities rounded as torch's flash kernel rounds
 //   them), then one product adds probabilities x V into a float32 accumulator. A later chunk is one pass over
-//   stored and new keys (no second call, no merge). Items are taken longest first from a shared counter by torch's threads. Under
-//   a window only the tiles from the chunk's first visible key are packed, an item's products start at the tile of
-//   its first row's first visible key, and the keys of that tile below a row's window are cut like those above it.
-//   A softcap is applied to a tile's scores as they come out of their product (a vectorized tanh).
+//   stored and new keys (no second call, no merge). Items are taken longest first from a shared counter by torch's
+//   threads. Under a window only the tiles from the chunk's first visible key are packed, an item's products start
+//   at the tile of its first row's first visible key, and the keys of that tile below a row's window are cut like
+//   those above it. A softcap is applied to a tile's scores as they come out of their product (a vectorized tanh).
 // - otherwise (other CPUs, float16, other head dims): each sequence's blocks gathered once (one index_select per
 //   pool) and attended by torch's CPU flash attention (float32 accumulation, GQA native since torch 2.9; before,
 //   the KV heads are repeated): the n queries see every key below ctx (one unmasked call) and the new keys causally
@@ -421,8 +421,8 @@ struct Scratch {
 // T: the dtype of the query, the pools and the output; P: the products' (T, or float32 for bfloat16 widened).
 template <typename T, typename P>
 void own_flash(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                    const std::vector<Chunk>& chunks, double scale, const at::Tensor& sink_values, int64_t window,
-                    double softcap, at::Tensor& out) {
+               const std::vector<Chunk>& chunks, double scale, const at::Tensor& sink_values, int64_t window,
+               double softcap, at::Tensor& out) {
   const int64_t H = query.size(1), D = query.size(2), B = key_cache.size(1), KH = key_cache.size(2);
   const int64_t group = H / KH, tile_elems = KEY_TILE * D;
   constexpr bool vnni = std::is_same_v<P, BF16>;  // bfloat16 products read VNNI-packed operands
