@@ -3,8 +3,8 @@ one process, calls alternating: the way to measure a change to ``csrc/paged_pref
 
 Runs of one build in separate processes on the 2-core KVM guest differed by up to 1.6x (before the packed tiles moved
 to 2 MiB pages, a process's luck of physical pages decided it); two builds in one process see the same machine. Each
-variant is ``paged_prefill.cpp`` with the headers beside it at that revision, compiled with the library's own
-flags into a library of its own whose ops live under another namespace. Steps and heads are ``cpu_prefill.py``'s.
+variant is ``paged_prefill.cpp`` with the headers beside it and the sources it calls (``CALLED``) at that revision,
+compiled with the library's own flags into a library of its own whose ops live under another namespace. Steps and heads are ``cpu_prefill.py``'s.
 Columns: the median of ``--repeats`` alternating calls of each (ms) with its speed relative to this checkout's
 (> 1: faster), and the largest difference between their outputs.
 
@@ -36,34 +36,36 @@ from cpu_prefill import add_run_arguments, cases, kernels_ready, median_ms, step
 from paged_hf.kernels import cpu_ext  # noqa: E402
 
 CSRC = Path("paged_hf/kernels/csrc")
+CALLED = ("avx2_linear.cpp",)  # sources with functions paged_prefill.cpp calls (and no ops of their own), where present
 
 
-def sources_at(spec: str, folder: Path) -> Path:
-    """``paged_prefill.cpp`` and the headers of revision ``spec`` (or the file ``spec``, with this checkout's
-    headers) written into ``folder``; the .cpp's path."""
+def sources_at(spec: str, folder: Path) -> list[Path]:
+    """``paged_prefill.cpp``, the ``CALLED`` sources and the headers of revision ``spec`` (or the file ``spec``, with
+    this checkout's headers and called sources) written into ``folder``; the .cpp paths, paged_prefill.cpp's first."""
     if Path(spec).is_file():
-        for header in (ROOT / CSRC).glob("*.h"):
-            (folder / header.name).write_bytes(header.read_bytes())
+        for other in (*(ROOT / CSRC).glob("*.h"), *(ROOT / CSRC / name for name in CALLED)):
+            (folder / other.name).write_bytes(other.read_bytes())
         (folder / "paged_prefill.cpp").write_bytes(Path(spec).read_bytes())
-        return folder / "paged_prefill.cpp"
-    names = subprocess.run(["git", "ls-tree", "--name-only", spec, f"{CSRC}/"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split()
-    for name in names:
-        if name.endswith((".h", "paged_prefill.cpp")):
-            blob = subprocess.run(["git", "show", f"{spec}:{name}"], cwd=ROOT, check=True, capture_output=True).stdout
-            (folder / Path(name).name).write_bytes(blob)
-    return folder / "paged_prefill.cpp"
+    else:
+        names = subprocess.run(["git", "ls-tree", "--name-only", spec, f"{CSRC}/"], cwd=ROOT, check=True,
+                               capture_output=True, text=True).stdout.split()
+        for name in names:
+            if name.endswith((".h", "paged_prefill.cpp", *CALLED)):
+                blob = subprocess.run(["git", "show", f"{spec}:{name}"], cwd=ROOT, check=True,
+                                      capture_output=True).stdout
+                (folder / Path(name).name).write_bytes(blob)
+    return [folder / "paged_prefill.cpp", *(folder / name for name in CALLED if (folder / name).is_file())]
 
 
 def build_variant(spec: str, namespace: str, folder: Path):
     """The prefill op of ``spec`` compiled as the library's own is, its ops registered under ``namespace``."""
-    source = sources_at(spec, folder)
-    text = source.read_text()
+    sources = sources_at(spec, folder)
+    text = sources[0].read_text()
     if "TORCH_LIBRARY_FRAGMENT(paged_hf_cpu," not in text:
         raise SystemExit(f"{spec}: its paged_prefill.cpp registers no paged_hf_cpu ops to rename")
-    source.write_text(text.replace("TORCH_LIBRARY_FRAGMENT(paged_hf_cpu,", f"TORCH_LIBRARY_FRAGMENT({namespace},"))
+    sources[0].write_text(text.replace("TORCH_LIBRARY_FRAGMENT(paged_hf_cpu,", f"TORCH_LIBRARY_FRAGMENT({namespace},"))
     library = folder / f"{namespace}.so"
-    cpu_ext.compile_library(cpu_ext._compiler(), [source], library, folder)
+    cpu_ext.compile_library(cpu_ext._compiler(), sources, library, folder)
     torch.ops.load_library(str(library))
     return getattr(torch.ops, namespace).paged_prefill
 
