@@ -5,12 +5,13 @@ gathered copy), in the pools' dtype (float32 or bfloat16), accumulating in float
 (``csrc/paged_prefill.cpp``) attends each prefill chunk to its own sequence's blocks (no padding to the longest
 chunk, no mask): a flash attention of its own where the CPU has its products (oneDNN's brgemm on AMX or AVX-512,
 the AVX2 linear's panel micro-kernel on AVX2; bfloat16 without AMX widened to float32 products; the K/V tiles packed
-once per call and shared by each GQA group), else torch's causal flash kernel; ``store``/``attend`` (``csrc/paged_step.cpp``) are the compiled forward's KV store and
-attention over such pools (``paged_hf.ops``); ``packed_linear`` (``csrc/packed_linear.cpp``) is the
-oneDNN linear of ``paged_hf.packed_linear``, whose bfloat16 products of a few rows run ``csrc/amx_linear.cpp``'s AMX
-tiles where the CPU has them, and whose products on a CPU with AVX2 but no AVX-512 run
-``csrc/avx2_linear.cpp``; ``pin_threads`` (``csrc/pin_threads.cpp``) binds each of torch's intra-op threads to
-its own CPU; ``greedy`` (``csrc/greedy.cpp``) is the sampler's argmax over a step's logits.
+once per call and shared by each GQA group), else torch's causal flash kernel; ``store``/``attend``
+(``csrc/paged_step.cpp``) are the compiled forward's KV store and attention over such pools (``paged_hf.ops``);
+``packed_linear`` (``csrc/packed_linear.cpp``) is the oneDNN linear of ``paged_hf.packed_linear``, whose bfloat16
+products of a few rows run ``csrc/amx_linear.cpp``'s AMX tiles where the CPU has them, and whose products on a CPU
+with AVX2 but no AVX-512 run ``csrc/avx2_linear.cpp``; ``pin_threads`` (``csrc/pin_threads.cpp``) binds each of
+torch's intra-op threads to its own CPU; ``greedy`` (``csrc/greedy.cpp``) is the sampler's argmax over a step's
+logits.
 The library is compiled once per machine with the system's C++ compiler (``$CXX`` or ``c++``) against the installed
 torch (``FLAGS``, with ``-march=native`` unless ``$PAGED_HF_CPU_ARCH`` names another target; ``-fopenmp`` so
 ``at::parallel_for`` runs on torch's own OpenMP threads: the soname resolves to torch's runtime), into

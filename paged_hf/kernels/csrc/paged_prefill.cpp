@@ -106,12 +106,12 @@ constexpr bool f32_products = true;
 constexpr bool f32_products = false;
 #endif
 #if defined(PAGED_HF_AVX2_PANELS)
-template <typename P>
-constexpr bool panels = std::is_same_v<P, float>;  // whether P's products are the panel products
+constexpr bool panel_build = true;
 #else
-template <typename P>
-constexpr bool panels = false;
+constexpr bool panel_build = false;
 #endif
+template <typename P>
+constexpr bool panels = panel_build && std::is_same_v<P, float>;  // whether P's products are the panel products
 
 // Whether oneDNN's brgemm has bfloat16 products here (AMX); without them bfloat16 is widened to float32.
 bool bf16_products() {
@@ -201,18 +201,13 @@ inline void transpose8x8(__m256 r[8]) {
   }
 }
 
-// The panel products' layouts of keys tile*KEY_TILE .. of one KV head, float32 (from float32 pools, or widened from
-// bfloat16 ones): K as panels of 16 keys [used / 16][D][16] (panel j / 16, row d: dim d of 16 keys; written by 8 x 8
-// blocks transposed in registers), V as panels of 16 dims [D / 16][KEY_TILE][16]. Only the keys a product reads
-// are written: the sequence's, then zeros up to the next COLUMN_STEP.
-template <typename T>
-void pack_panels(const T* key_cache, const T* value_cache, const Chunk& c, int64_t head, int64_t tile, int64_t B,
-                 int64_t KH, int64_t D, float* k_out, float* v_out) {
-  const int64_t start = tile * KEY_TILE;
-  const int64_t used = std::min(KEY_TILE, (c.len - start + COLUMN_STEP - 1) / COLUMN_STEP * COLUMN_STEP);
-  auto row = [&](const T* cache, int64_t pos) -> const T* {
-    return pos < c.len ? cache + ((c.table[pos / B] * B + pos % B) * KH + head) * D : nullptr;
-  };
+// pack_tile's keys start .. start + used - 1 in the panel products' layouts, float32 (from float32 pools, or widened
+// from bfloat16 ones): K as panels of 16 keys [used / 16][D][16] (panel j / 16, row d: dim d of 16 keys; written by
+// 8 x 8 blocks transposed in registers), V as panels of 16 dims [D / 16][KEY_TILE][16]. row(cache, pos): the KV
+// head's row at pos, nullptr past the sequence (written as zeros).
+template <typename T, typename Row>
+void pack_panels(const Row& row, const T* key_cache, const T* value_cache, int64_t start, int64_t used, int64_t D,
+                 float* k_out, float* v_out) {
   for (int64_t j0 = 0; j0 < used; j0 += 8) {  // used % 8 == 0 (a multiple of COLUMN_STEP)
     const T* keys[8];
     for (int64_t i = 0; i < 8; ++i) keys[i] = row(key_cache, start + j0 + i);
@@ -243,14 +238,14 @@ void pack_panels(const T* key_cache, const T* value_cache, const Chunk& c, int64
 template <typename T, typename P>
 void pack_tile(const T* key_cache, const T* value_cache, const Chunk& c, int64_t head, int64_t tile, int64_t B,
                int64_t KH, int64_t D, P* k_out, P* v_out) {
-#if defined(PAGED_HF_AVX2_PANELS)
-  if constexpr (panels<P>) return pack_panels(key_cache, value_cache, c, head, tile, B, KH, D, k_out, v_out);
-#endif
   const int64_t start = tile * KEY_TILE;
   const int64_t used = std::min(KEY_TILE, (c.len - start + COLUMN_STEP - 1) / COLUMN_STEP * COLUMN_STEP);
   auto row = [&](const T* cache, int64_t pos) -> const T* {
     return pos < c.len ? cache + ((c.table[pos / B] * B + pos % B) * KH + head) * D : nullptr;
   };
+#if defined(PAGED_HF_AVX2_PANELS)
+  if constexpr (panels<P>) return pack_panels(row, key_cache, value_cache, start, used, D, k_out, v_out);
+#endif
   constexpr int64_t per_word = std::is_same_v<P, float> ? 1 : 2;  // elements of K in one 32-bit word of K^T
   const int64_t words = D / per_word;
   auto* k_words = reinterpret_cast<uint32_t*>(k_out);  // [words][KEY_TILE]
