@@ -78,7 +78,10 @@ def test_dense_layer_views_hold_what_dynamic_cache_holds(family, side):
     assert [k.shape for k, _, _ in paged] == [k.shape for k, _, _ in dynamic]  # DynamicCache's iteration
 
 
-def test_compiled_paged_decode_has_no_graph_break_or_recompile():
+# gemma2: a sliding window and softcapping (the explicit-softmax path); llama: grouped-query heads through torch's
+# flash kernel (whose GQA probe must run eagerly, never traced)
+@pytest.mark.parametrize("family", ["gemma2", "llama"])
+def test_compiled_paged_decode_has_no_graph_break_or_recompile(family):
     """``generate(..., cache_implementation="paged", compile_config=CompileConfig(fullgraph=True, dynamic=False))``,
     the call as the README writes it, compiles the decode forward on the CPU too (transformers alone skips it off
     CUDA): with the "paged" attention the step has one static shape (block tables and pool sized by the width
@@ -86,7 +89,7 @@ def test_compiled_paged_decode_has_no_graph_break_or_recompile():
     lengths share a bucket never recompile; the next bucket compiles once."""
     from torch._dynamo.utils import counters
 
-    model = tiny_model("gemma2", "paged")  # a sliding window and softcapping: the harder case
+    model = tiny_model(family, "paged")
     ids, mask = padded_batch("left", lengths=(5, 8))
     kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0,
                   cache_implementation="paged", cache_config={"block_size": 4})

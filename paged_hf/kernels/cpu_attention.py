@@ -55,11 +55,18 @@ GATHER_ELEMENTS_PER_CHUNK = 1 << 20
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
 def _flash_groups_heads() -> bool:
     """Whether ``_flash`` maps each KV head to its group of query heads (grouped-query attention). torch 2.6 to 2.8
     take fewer KV heads than query heads without an error and return garbage; then ``_attend`` repeats the KV heads.
-    Asked once, of the kernel itself."""
+    A constant to dynamo (``generate`` compiled over the paged attention): it runs the probe eagerly, never traces
+    it (a generator cannot be made inside a graph)."""
+    return _probe_flash_groups_heads()
+
+
+@functools.cache
+def _probe_flash_groups_heads() -> bool:
+    """``_flash_groups_heads``, asked once of the kernel itself."""
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(1, 2, 1, 8, generator=generator)
     key, value = torch.randn(1, 1, 3, 8, generator=generator), torch.randn(1, 1, 3, 8, generator=generator)
