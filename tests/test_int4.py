@@ -92,6 +92,50 @@ def test_block_bytes_do_not_depend_on_how_tokens_arrive(dtype):
     assert torch.equal(first.value_zero[blocks0[0]], zero)
 
 
+def _no_unbacked_sizes(graph: torch.fx.GraphModule, example_inputs):
+    """A dynamo backend that fails on any value whose size or number the graph learns only at run time (a boolean
+    index, ``nonzero``, ``.item()``), then runs the graph as traced."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in graph.graph.nodes:
+        found = free_unbacked_symbols(node.meta.get("example_value"))
+        assert not found, f"{node.format_node()}: data-dependent {found}"
+    return graph.forward
+
+
+@pytest.mark.parametrize("kept", ["mixed", "all", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tail_writes_compile_without_data_dependent_shapes(dtype, kept):
+    """``store_tails_ref`` compiles as one graph with no data-dependent size (a compiled ``generate`` traces it; the
+    boolean index it had gave inductor unbacked sizes, and a bfloat16 ``generate(compile_config=...)`` on int4
+    failed in inductor's reinplace pass), and the tail pools it leaves equal the eager ones bit for bit, whether
+    some, all or none of the tokens keep a tail slot."""
+    from paged_hf.kernels.store_kv import store_tails_ref
+
+    gen = torch.Generator().manual_seed(0)
+    slots = {"mixed": [-1, 5, -1, 2, 7], "all": [1, 5, 0, 2, 7], "none": [-1] * 5}[kept]
+    plan = StorePlan(torch.tensor(slots), *(torch.zeros(0, dtype=torch.long) for _ in range(4)))
+    key, value = (torch.randn(5, HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+    pools = {}
+    for mode in ("eager", "compiled"):
+        storage = make_storage("int4", 4, BLOCK_SIZE, HEADS, HEAD_DIM, dtype, "cpu")
+        storage.ensure_tail_rows(2)
+        storage.key_tail.copy_(torch.randn(storage.key_tail.shape, generator=gen.manual_seed(1)))
+        storage.value_tail.copy_(torch.randn(storage.value_tail.shape, generator=gen.manual_seed(2)))
+        if mode == "eager":
+            store_tails_ref(key, value, storage.pool_tensors(), plan)
+        else:
+            torch.compiler.reset()
+            torch.compile(store_tails_ref, fullgraph=True, backend=_no_unbacked_sizes)(
+                key, value, storage.pool_tensors(), plan)
+        pools[mode] = (storage.key_tail, storage.value_tail)
+    for got, want in zip(pools["compiled"], pools["eager"]):
+        assert torch.equal(raw(got), raw(want))
+    kept_rows = [s for s in slots if s >= 0]
+    flat = pools["eager"][0].view(-1, HEADS, HEAD_DIM)
+    assert torch.equal(flat[kept_rows], key[[i for i, s in enumerate(slots) if s >= 0]])
+
+
 def test_read_slots_reads_full_blocks_dequantized_and_the_tail_exact():
     gen = torch.Generator().manual_seed(1)
     n = 2 * BLOCK_SIZE + 3

@@ -73,9 +73,23 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, po
 def store_tails_ref(key: torch.Tensor, value: torch.Tensor, pools: PoolTensors, plan: StorePlan) -> None:
     """Torch reference: writes the new tokens whose block is not full after the forward (``plan.tail_slots >= 0``)
     into the tail pools ``[rows, block_size, num_kv_heads, head_dim]`` of ``pools``, cast to their dtype.
-    ``key``/``value``: the forward's ``[n, num_kv_heads, head_dim]``, as its store got them."""
-    tail = plan.tail_slots >= 0
-    store_kv_ref(key[tail], value[tail], plan.tail_slots[tail], PoolTensors(pools.key_tail, pools.value_tail))
+    ``key``/``value``: the forward's ``[n, num_kv_heads, head_dim]``, as its store got them.
+
+    No shape depends on the values (dynamo traces this in a compiled ``generate``, and inductor fails on the
+    unbacked sizes a boolean index makes): every token writes, a token without a tail slot the first kept token's
+    slot and vector (row 0's own vector when none is kept), so a slot written twice gets the same vector twice."""
+    if key.shape[0] == 0 or pools.key_tail.shape[0] == 0:  # nothing to write, or no tail row exists yet
+        return
+    kept = plan.tail_slots >= 0
+    first = kept.int().argmax().view(1)  # the first kept token (0 when none is), as an index tensor: no .item()
+    any_kept = kept.any()
+    slots = torch.where(kept, plan.tail_slots, torch.where(any_kept, plan.tail_slots.index_select(0, first), 0))
+    slots = slots.long()
+    for states, tail in ((key, pools.key_tail), (value, pools.value_tail)):
+        rows = tail.view(-1, *tail.shape[2:])
+        states = states.to(tail.dtype)
+        spare = torch.where(any_kept, states.index_select(0, first), rows[:1])
+        rows.index_copy_(0, slots, torch.where(kept[:, None, None], states, spare))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
