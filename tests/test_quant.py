@@ -325,6 +325,61 @@ def test_int4_block_quantizers_reject_odd_sizes():
         quantize_block_values_ref(torch.randn(2, 5, 1, 8))
 
 
+def _float16_rounding_inputs() -> torch.Tensor:
+    """Every finite float16 value with its two float32 neighbours, float32 values over 14 decades, the edges."""
+    grid = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    grid = grid[torch.isfinite(grid)].float()
+    up, down = torch.full_like(grid, 1e9), torch.full_like(grid, -1e9)
+    gen = torch.Generator().manual_seed(0)
+    spread = torch.randn(200_000, generator=gen) * 10 ** (torch.rand(200_000, generator=gen) * 14 - 9)
+    edges = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 2.0**-14, 65504.0, 65505.0, 65520.0, 3e38, float("inf"),
+                          -65505.0, -float("inf")])
+    return torch.cat([grid, torch.nextafter(grid, up), torch.nextafter(grid, down), spread, edges])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_float16_side_data_rounds_up_and_down_also_when_compiled(compiled):
+    """The float16 scales round up (``_half_up``: the smallest float16 >= x) and grid bases down (``_half_down``):
+    checked against ``nextafter`` on every float16 value's neighbours, eager and compiled (inductor computes a
+    ``.half().float()`` round trip in float32, without rounding: a compiled store rounded its scales to nearest)."""
+    from paged_hf.kernels import kv_quant
+
+    x = _float16_rounding_inputs()
+    half_max = torch.finfo(torch.float16).max
+    h = x.clamp(-half_max, half_max).half()
+    above = torch.nextafter(h, torch.full_like(h, float("inf"))).clamp(max=half_max)
+    below = torch.nextafter(h, torch.full_like(h, float("-inf"))).clamp(min=-half_max)
+    want_up = torch.where(h.float() < x, above, h)
+    want_down = torch.where(h.float() > x, below, h)
+    up, down = kv_quant._half_up, kv_quant._half_down
+    if compiled:
+        torch.compiler.reset()
+        up, down = torch.compile(up, fullgraph=True), torch.compile(down, fullgraph=True)
+    positive = x >= 0
+    assert torch.equal(up(x[positive]).view(torch.int16), want_up[positive].view(torch.int16))
+    assert torch.equal(down(x).view(torch.int16), want_down.view(torch.int16))
+
+
+@pytest.mark.parametrize("quantize", ["int8", "fp8_e4m3", "fp8_e5m2", "int4 keys", "int4 values"])
+def test_quantizers_compiled_give_the_eager_bytes(quantize):
+    """A compiled ``generate`` traces the quantizers into its graph: codes and side data bit for bit the eager ones
+    (values over six decades, zero blocks and a constant channel among them)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 16, 2, 32, generator=gen) * 10 ** (torch.rand(6, 1, 2, 1, generator=gen) * 6 - 3)
+    x[0] = 0.0
+    x[1, :, :, 3] = 2.5
+    fn = {"int4 keys": quantize_channels_ref, "int4 values": quantize_block_values_ref}.get(quantize)
+    if fn is None:
+        def fn(t, kv_format=quantize):
+            return quantize_kv_ref(t, kv_format)
+    torch.compiler.reset()
+    compiled = torch.compile(fn, fullgraph=True)(x)
+    for got, want in zip(compiled, fn(x)):
+        if want is not None:
+            assert got.dtype == want.dtype
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 # ---------------------------------------------------------------- QuantizedKVStorage
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 6, 4, 2, 8

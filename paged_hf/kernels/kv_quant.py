@@ -93,16 +93,32 @@ def kv_data_dtype(kv_format: str) -> torch.dtype:
 
 def _half_up(x: torch.Tensor) -> torch.Tensor:
     """Smallest float16 >= ``x`` (float32, >= 0), capped at the float16 max."""
-    half = x.clamp(max=_HALF_MAX).half()
-    up = torch.nextafter(half, torch.full_like(half, float("inf"))).clamp(max=_HALF_MAX)
-    return torch.where(half.float() < x, up, half)
+    return _half_grid(x.clamp(max=_HALF_MAX), up=True).half()
 
 
 def _half_down(x: torch.Tensor) -> torch.Tensor:
     """Largest float16 <= ``x`` (float32), saturated at +-float16 max."""
-    half = x.clamp(-_HALF_MAX, _HALF_MAX).half()
-    down = torch.nextafter(half, torch.full_like(half, float("-inf"))).clamp(min=-_HALF_MAX)
-    return torch.where(half.float() > x, down, half)
+    x = x.clamp(-_HALF_MAX, _HALF_MAX)
+    size = x.abs()  # a negative x rounds away from 0; the sign is x's own (so -0 stays -0)
+    return torch.copysign(torch.where(x < 0, _half_grid(size, up=True), _half_grid(size, up=False)), x).half()
+
+
+# float16's grid within float32: 13 fewer mantissa bits at normal values, a step of 2^-24 below its smallest normal
+_HALF_LOW_BITS = (1 << 13) - 1
+_HALF_SMALLEST_NORMAL = 2.0**-14
+_HALF_SUBNORMAL_STEPS = 2.0**24
+
+
+def _half_grid(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """``x`` (float32, 0 <= x <= float16 max) rounded up or down to a float16 value, still in float32 (its
+    ``.half()`` is then exact). Integer and power-of-two arithmetic, no float16 round trip: inductor computes a
+    ``.half().float()`` in float32 without rounding (unless told to emulate the casts), which made a compiled
+    store's scales round to nearest instead of up."""
+    bits = x.view(torch.int32)
+    normal = ((bits + _HALF_LOW_BITS) if up else bits) & ~_HALF_LOW_BITS
+    steps = x * _HALF_SUBNORMAL_STEPS  # exact: a power of two
+    subnormal = (torch.ceil(steps) if up else torch.floor(steps)) / _HALF_SUBNORMAL_STEPS
+    return torch.where(x >= _HALF_SMALLEST_NORMAL, normal.view(torch.float32), subnormal)
 
 
 def _safe_div(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -256,6 +272,10 @@ def quantize_block_values_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     v = vmax.float()
     scales = v.unsqueeze(-1) * VALUE_SCALE_STEPS.to(x.device)  # [..., H, 16]
     unit = torch.where(v == 0, 1.0, v).unsqueeze(-2).unsqueeze(-1)  # [..., 1, H, 1]
+    if torch.compiler.is_compiling():
+        best, best_q = _best_value_scales(x, scales, unit)
+        return pack_int4(best_q + (_VALUE_LEVELS + 1)), pack_int4(best.transpose(-1, -2)).contiguous(), \
+            vmax.contiguous()
     best = best_q = best_error = None
     for k in range(VALUE_SCALE_STEPS.shape[0]):  # one scale at a time: a 16x smaller working set than all at once
         scale = scales[..., k].unsqueeze(-2).unsqueeze(-1)  # [..., 1, H, 1]
@@ -272,6 +292,20 @@ def quantize_block_values_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     codes = best_q + (_VALUE_LEVELS + 1)
     scale_codes = pack_int4(best.transpose(-1, -2))  # [..., H, T // 2]
     return pack_int4(codes), scale_codes.contiguous(), vmax.contiguous()
+
+
+def _best_value_scales(x: torch.Tensor, scales: torch.Tensor, unit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_block_values_ref``'s search as one tensor expression, for a compiled graph (the eager loop over 16
+    scales unrolls there into one fused kernel per layer that inductor takes minutes to generate): the errors of all
+    scales ``[..., 16, T, H]`` at once, the first smallest (``argmin``, as the loop's strict ``<``), and the codes of
+    that scale computed again by the loop's own operations. Returns ``(best [..., T, H] int64, q [..., T, H, D])``,
+    bit for bit the loop's."""
+    every = scales.transpose(-1, -2).unsqueeze(-2).unsqueeze(-1)  # [..., 16, 1, H, 1]
+    q = torch.round(_safe_div(x.unsqueeze(-4), every)).clamp(-_VALUE_LEVELS - 1, _VALUE_LEVELS)
+    error = (q * every - x.unsqueeze(-4)) / unit.unsqueeze(-4)
+    best = (error * error * _ERROR_UNIT).to(torch.int64).sum(-1).argmin(-3)  # [..., T, H]
+    scale = scales.unsqueeze(-3).expand(*best.shape, scales.shape[-1]).gather(-1, best.unsqueeze(-1))  # [..., T, H, 1]
+    return best, torch.round(_safe_div(x, scale)).clamp(-_VALUE_LEVELS - 1, _VALUE_LEVELS)
 
 
 def dequantize_block_values_ref(codes: torch.Tensor, scale_codes: torch.Tensor, vmax: torch.Tensor,
