@@ -107,9 +107,9 @@ def _no_unbacked_sizes(graph: torch.fx.GraphModule, example_inputs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tail_writes_compile_without_data_dependent_shapes(dtype, kept):
     """``store_tails_ref`` compiles as one graph with no data-dependent size (a compiled ``generate`` traces it; the
-    boolean index it had gave inductor unbacked sizes, and a bfloat16 ``generate(compile_config=...)`` on int4
-    failed in inductor's reinplace pass), and the tail pools it leaves equal the eager ones bit for bit, whether
-    some, all or none of the tokens keep a tail slot."""
+    boolean index of its eager path gives inductor unbacked sizes, and a bfloat16 ``generate(compile_config=...)``
+    on int4 failed in inductor's reinplace pass), and the tail pools its compiled path leaves equal the eager ones
+    bit for bit, whether some, all or none of the tokens keep a tail slot."""
     from paged_hf.kernels.store_kv import store_tails_ref
 
     gen = torch.Generator().manual_seed(0)

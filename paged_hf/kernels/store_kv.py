@@ -73,11 +73,19 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, po
 def store_tails_ref(key: torch.Tensor, value: torch.Tensor, pools: PoolTensors, plan: StorePlan) -> None:
     """Torch reference: writes the new tokens whose block is not full after the forward (``plan.tail_slots >= 0``)
     into the tail pools ``[rows, block_size, num_kv_heads, head_dim]`` of ``pools``, cast to their dtype.
-    ``key``/``value``: the forward's ``[n, num_kv_heads, head_dim]``, as its store got them.
+    ``key``/``value``: the forward's ``[n, num_kv_heads, head_dim]``, as its store got them."""
+    if torch.compiler.is_compiling():
+        _store_tails_static(key, value, pools, plan)
+        return
+    tail = plan.tail_slots >= 0
+    store_kv_ref(key[tail], value[tail], plan.tail_slots[tail], PoolTensors(pools.key_tail, pools.value_tail))
 
-    No shape depends on the values (dynamo traces this in a compiled ``generate``, and inductor fails on the
-    unbacked sizes a boolean index makes): every token writes, a token without a tail slot the first kept token's
-    slot and vector (row 0's own vector when none is kept), so a slot written twice gets the same vector twice."""
+
+def _store_tails_static(key: torch.Tensor, value: torch.Tensor, pools: PoolTensors, plan: StorePlan) -> None:
+    """``store_tails_ref`` with no shape that depends on the values, for a compiled ``generate`` (inductor fails on
+    the unbacked sizes the boolean index makes; eager, that index is the faster: 66 against 116 us a layer at 16
+    tokens): every token writes, a token without a tail slot the first kept token's slot and vector (row 0's own
+    vector when none is kept), so a slot written twice gets the same vector twice."""
     if key.shape[0] == 0 or pools.key_tail.shape[0] == 0:  # nothing to write, or no tail row exists yet
         return
     kept = plan.tail_slots >= 0
