@@ -341,7 +341,8 @@ def _float16_rounding_inputs() -> torch.Tensor:
 def test_float16_side_data_rounds_up_and_down_also_when_compiled(compiled):
     """The float16 scales round up (``_half_up``: the smallest float16 >= x) and grid bases down (``_half_down``):
     checked against ``nextafter`` on every float16 value's neighbours, eager and compiled (inductor computes a
-    ``.half().float()`` round trip in float32, without rounding: a compiled store rounded its scales to nearest)."""
+    ``.half().float()`` round trip in float32, without rounding: a compiled store rounded its scales to nearest),
+    and the grid arithmetic of the compiled path run eagerly too."""
     from paged_hf.kernels import kv_quant
 
     x = _float16_rounding_inputs()
@@ -358,6 +359,12 @@ def test_float16_side_data_rounds_up_and_down_also_when_compiled(compiled):
     positive = x >= 0
     assert torch.equal(up(x[positive]).view(torch.int16), want_up[positive].view(torch.int16))
     assert torch.equal(down(x).view(torch.int16), want_down.view(torch.int16))
+    if not compiled:  # the grid arithmetic the compiled path takes, run eagerly: the same values
+        size = x.clamp(-half_max, half_max).abs()
+        grid_up, grid_down = kv_quant._half_grid(size, up=True), kv_quant._half_grid(size, up=False)
+        assert torch.equal(grid_up[positive].half(), want_up[positive])
+        grid_down = torch.copysign(torch.where(x < 0, grid_up, grid_down), x).half()
+        assert torch.equal(grid_down.view(torch.int16), want_down.view(torch.int16))
 
 
 @pytest.mark.parametrize("quantize", ["int8", "fp8_e4m3", "fp8_e5m2", "int4 keys", "int4 values"])
