@@ -4,7 +4,8 @@ one process, calls alternating: the way to measure a change to ``csrc/paged_pref
 Runs of one build in separate processes on the 2-core KVM guest differed by up to 1.6x (before the packed tiles moved
 to 2 MiB pages, a process's luck of physical pages decided it); two builds in one process see the same machine. Each
 variant is ``paged_prefill.cpp`` with the headers beside it and the sources it calls (``CALLED``) at that revision,
-compiled with the library's own flags into a library of its own whose ops live under another namespace. Steps and heads are ``cpu_prefill.py``'s.
+compiled with the library's own flags into a library of its own whose ops live under another namespace. Steps and
+heads are ``cpu_prefill.py``'s.
 Columns: the median of ``--repeats`` alternating calls of each (ms) with its speed relative to this checkout's
 (> 1: faster), and the largest difference between their outputs.
 

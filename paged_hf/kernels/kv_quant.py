@@ -281,12 +281,19 @@ def quantize_block_values_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     v = vmax.float()
     scales = v.unsqueeze(-1) * VALUE_SCALE_STEPS.to(x.device)  # [..., H, 16]
     unit = torch.where(v == 0, 1.0, v).unsqueeze(-2).unsqueeze(-1)  # [..., 1, H, 1]
-    if torch.compiler.is_compiling():
-        best, best_q = _best_value_scales(x, scales, unit)
-        return pack_int4(best_q + (_VALUE_LEVELS + 1)), pack_int4(best.transpose(-1, -2)).contiguous(), \
-            vmax.contiguous()
+    search = _best_value_scales if torch.compiler.is_compiling() else _scan_value_scales
+    best, best_q = search(x, scales, unit)
+    codes = best_q + (_VALUE_LEVELS + 1)
+    scale_codes = pack_int4(best.transpose(-1, -2))  # [..., H, T // 2]
+    return pack_int4(codes), scale_codes.contiguous(), vmax.contiguous()
+
+
+def _scan_value_scales(x: torch.Tensor, scales: torch.Tensor, unit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_block_values_ref``'s search, eagerly: each token's scale ``[..., T, H]`` (of the 16 steps
+    ``scales [..., H, 16]``) with the least error, and its codes ``q [..., T, H, D]``, one scale at a time (a 16x
+    smaller working set than all at once)."""
     best = best_q = best_error = None
-    for k in range(VALUE_SCALE_STEPS.shape[0]):  # one scale at a time: a 16x smaller working set than all at once
+    for k in range(scales.shape[-1]):
         scale = scales[..., k].unsqueeze(-2).unsqueeze(-1)  # [..., 1, H, 1]
         q = torch.round(_safe_div(x, scale)).clamp(-_VALUE_LEVELS - 1, _VALUE_LEVELS)  # [..., T, H, D]
         error = (q * scale - x) / unit
@@ -298,17 +305,15 @@ def quantize_block_values_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
             best = torch.where(lower, k, best)
             best_q = torch.where(lower.unsqueeze(-1), q, best_q)
             best_error = torch.where(lower, error, best_error)
-    codes = best_q + (_VALUE_LEVELS + 1)
-    scale_codes = pack_int4(best.transpose(-1, -2))  # [..., H, T // 2]
-    return pack_int4(codes), scale_codes.contiguous(), vmax.contiguous()
+    return best, best_q
 
 
 def _best_value_scales(x: torch.Tensor, scales: torch.Tensor, unit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_block_values_ref``'s search as one tensor expression, for a compiled graph (the eager loop over 16
-    scales unrolls there into one fused kernel per layer that inductor takes minutes to generate): the errors of all
-    scales ``[..., 16, T, H]`` at once, the first smallest (``argmin``, as the loop's strict ``<``), and the codes of
-    that scale computed again by the loop's own operations. Returns ``(best [..., T, H] int64, q [..., T, H, D])``,
-    bit for bit the loop's."""
+    """``_scan_value_scales`` as one tensor expression, for a compiled graph (the eager loop over 16 scales unrolls
+    there into one fused kernel per layer that inductor takes minutes to generate): the errors of all scales
+    ``[..., 16, T, H]`` at once, the first smallest (``argmin``, as the loop's strict ``<``), and the codes of that
+    scale computed again by the loop's own operations. Returns ``(best [..., T, H] int64, q [..., T, H, D])``, bit
+    for bit the loop's."""
     every = scales.transpose(-1, -2).unsqueeze(-2).unsqueeze(-1)  # [..., 16, 1, H, 1]
     q = torch.round(_safe_div(x.unsqueeze(-4), every)).clamp(-_VALUE_LEVELS - 1, _VALUE_LEVELS)
     error = (q * every - x.unsqueeze(-4)) / unit.unsqueeze(-4)
