@@ -307,8 +307,10 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0, maximum=self.max_tokens)
         _check_number("temperature", self.temperature, 0.0, float("inf"))
         _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise ParameterError("top_k", f"top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ParameterError("top_k", f"top_k must be 0 or -1 (off) or an int >= 1, got {self.top_k!r}")
+        if self.top_k == 0:  # vLLM's off, as transformers' top_k=0
+            object.__setattr__(self, "top_k", -1)
         _check_number("min_p", self.min_p, 0.0, 1.0)
         _check_number("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)

@@ -7,10 +7,11 @@ the prompt, as vLLM's does, so the first output token keeps its space too. Text 
 ends in an incomplete character (U+FFFD) or in a byte-fallback token (``<0xE2>``): such a run of byte tokens decodes
 all or nothing (one U+FFFD per byte when it is not valid UTF-8), so a window never starts or ends inside one.
 Concatenated, the deltas equal what the output adds to the prompt's text: ``decode(prompt + output)`` less
-``decode(prompt)`` (``skip_special_tokens=True``), which is ``decode(output)`` for a byte-level tokenizer.
+``decode(prompt)`` (``skip_special_tokens=True``), which is ``decode(output)`` for a byte-level tokenizer, less the
+U+FFFD of a character the output ends inside.
 
-Stop strings are searched in the new text plus the last ``len(longest stop) - 1`` characters before it, so a stop
-string split across steps is found and the search never rescans the whole output.
+A stop string is searched in the new text plus the ``len(stop) - 1`` characters before it, so one split across
+steps is found, and the search never rescans the whole output.
 """
 
 from __future__ import annotations
@@ -43,16 +44,20 @@ class Decoder:
                                                         spaces_between_special_tokens=False)
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.byte_tokens = frozenset(i for piece, i in vocab.items() if _BYTE_TOKEN.fullmatch(piece))
-        self.special_tokens = frozenset(getattr(tokenizer, "all_special_ids", ())) if skip else frozenset()
+        special_ids = list(getattr(tokenizer, "all_special_ids", ()))
+        self.special_tokens = frozenset(special_ids) if skip else frozenset()
         self._anchor = self._anchor_token(vocab)
-        self._texts: dict[int, str] = {}
+        # a special token's name in logprobs is its piece ("<|im_end|>"), whether or not the text skips it (vLLM)
+        pieces = tokenizer.convert_ids_to_tokens(special_ids) if hasattr(tokenizer, "convert_ids_to_tokens") else []
+        self._texts: dict[int, str] = {i: p for i, p in zip(special_ids, pieces) if isinstance(p, str)}
 
     def __call__(self, ids: Sequence[int]) -> str:
         return self._decode(ids)
 
     def token_text(self, token_id: int) -> str:
         """The text one token adds after ordinary text (cached per id): a SentencePiece token keeps its leading
-        space, which decoding it alone drops (vLLM names logprob tokens in context the same way)."""
+        space, which decoding it alone drops (vLLM names logprob tokens in context the same way); a special token
+        is named by its piece."""
         text = self._texts.get(token_id)
         if text is None:
             text = self._decode([token_id])
@@ -123,15 +128,16 @@ class IncrementalDetokenizer:
 
     def finish(self, token_ids: list[int]) -> str:
         """Completes the text with one decode of the whole output (what is still held back for an incomplete
-        character, or all of it when the text was never needed per step); returns what it added. Once only: the
-        text is final after it (and after ``truncate``)."""
+        character, or all of it when the text was never needed per step); returns what it added. A character the
+        output ends inside (its last bytes never came: U+FFFD at the very end) is left out, as vLLM does. Once
+        only: the text is final after it (and after ``truncate``)."""
         if self.done:
             return ""
         self.done = True
         full = self.decode(token_ids[self.base :])
         if not full.startswith(self.base_text + self.text):  # a tokenizer whose window text is not a prefix
             return ""
-        delta = full[len(self.base_text) + len(self.text) :]
+        delta = full[len(self.base_text) + len(self.text) :].rstrip(_INCOMPLETE)  # a character cut off by the end
         self.text += delta
         self.prefix_offset = self.read_offset = len(token_ids)
         return delta
@@ -142,13 +148,14 @@ class IncrementalDetokenizer:
         self.done = True
 
 
-def find_stop(text: str, num_new_chars: int, stops: tuple[str, ...], longest: int) -> tuple[str, int] | None:
-    """The first stop string that ends in the last ``num_new_chars`` characters of ``text``, and where it starts;
-    the search starts ``longest - 1`` characters before the new text."""
-    start = max(0, len(text) - num_new_chars - (longest - 1))
-    found = None
+def find_stop(text: str, num_new_chars: int, stops: tuple[str, ...]) -> tuple[str, int] | None:
+    """The stop string that ``text``'s last ``num_new_chars`` characters complete first, and where it starts: of the
+    stops that end in the new text, the one that ends earliest (the first listed on a tie, as vLLM picks). Each stop
+    is searched from ``len(stop) - 1`` characters before the new text, so a stop that lies wholly in older text (one
+    that ``min_tokens`` held back) is never found again."""
+    found, found_end = None, len(text) + 1
     for stop in stops:
-        at = text.find(stop, start)
-        if at >= 0 and (found is None or at < found[1]):
-            found = (stop, at)
+        at = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
+        if at >= 0 and at + len(stop) < found_end:
+            found, found_end = (stop, at), at + len(stop)
     return found

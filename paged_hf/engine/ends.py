@@ -35,10 +35,10 @@ class RequestEnds(NamedTuple):
         params = seq.request.params
         num_output = len(seq.token_ids) - len(seq.request.prompt_token_ids)
         held_back = num_output <= params.min_tokens  # the sampler masks stops until min_tokens are out
+        if not params.ignore_eos and token in self.eos_token_ids and not held_back:
+            return "stop", None  # EOS first, as vLLM: a stop token id that is EOS gives no stop_reason
         if token in params.stop_token_ids and not held_back:
             return "stop", token
-        if not params.ignore_eos and token in self.eos_token_ids and not held_back:
-            return "stop", None
         if num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length", None
         return None

@@ -26,6 +26,24 @@ class _Sent:
     prompt_logprobs: int = 0
 
 
+def text_token_ids(seq: Sequence) -> list[int]:
+    """The tokens whose text is ``seq``'s output text: all of them, but for the stop token or EOS that ended it,
+    whose text is left out unless ``include_stop_str_in_output`` (vLLM's rule; the token stays in ``token_ids``)."""
+    if seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str) \
+            and not seq.request.params.include_stop_str_in_output:
+        return seq.token_ids[:-1]
+    return seq.token_ids
+
+
+def stop_hold_back(params) -> int:
+    """Characters an unfinished sequence's output holds back: ``len(longest stop string) - 1``, the most a stop
+    string completed by later tokens can reach back into text already decoded (vLLM's output buffer), so no output
+    ever shows text a stop string then removes; 0 without stop strings or when the stop string is kept."""
+    if not params.stop or params.include_stop_str_in_output:
+        return 0
+    return max(len(stop) for stop in params.stop) - 1
+
+
 class OutputStage:
     """Detokenization, stop strings and outputs for one engine (``tokenizer``: None runs on token ids alone)."""
 
@@ -59,12 +77,12 @@ class OutputStage:
         if not params.stop and seq.request.output_kind is RequestOutputKind.FINAL_ONLY:
             return None  # decoded once, when it finishes
         detokenizer = self._detokenizer(seq)
-        delta = detokenizer.update(seq.token_ids)
+        delta = detokenizer.update(text_token_ids(seq))
         finished = seq.status is SequenceStatus.FINISHED
         if not params.stop or not delta or (finished and seq.finish_reason != "length") \
-                or seq.num_output_tokens < params.min_tokens:
+                or seq.num_output_tokens <= params.min_tokens:  # vLLM's rule: a stop must end after min_tokens
             return None
-        found = find_stop(detokenizer.text, len(delta), params.stop, max(len(s) for s in params.stop))
+        found = find_stop(detokenizer.text, len(delta), params.stop)
         if found is None:
             return None
         detokenizer.truncate(found[1] + (len(found[0]) if params.include_stop_str_in_output else 0))
@@ -91,14 +109,17 @@ class OutputStage:
         """``request``'s output now (a ``DELTA`` request's: what is new since its last one)."""
         if request.finished and self.decoder is not None:
             for seq in request.sequences:
-                self._detokenizer(seq).finish(seq.token_ids)
+                self._detokenizer(seq).finish(text_token_ids(seq))
         delta = request.output_kind is RequestOutputKind.DELTA
         sent = self._sent.setdefault(request.request_id, _Sent()) if delta else None
         wants_logprobs = request.params.logprobs is not None
         prompt_len = len(request.prompt_token_ids)
         outputs = []
+        hold = stop_hold_back(request.params)
         for seq in request.sequences:
             tokens, text = seq.token_ids[prompt_len:], seq.output_text
+            if hold and seq.status is not SequenceStatus.FINISHED:  # may be the start of a stop string
+                text = text[: max(len(text) - hold, 0)]
             logprobs = seq.logprobs if wants_logprobs else None
             if sent is not None:
                 while len(sent.tokens) <= seq.index:
