@@ -210,10 +210,16 @@ def test_seed_and_logit_bias_are_honoured(stories, server):
 
 
 def test_max_tokens_is_filled_in_from_the_room_the_prompt_leaves(server):
-    """Without max_tokens a request gets 256 tokens or what fits (vLLM fills in the room; nothing is cut)."""
+    """Without max_tokens a completion gets vLLM's (and OpenAI's) 16 tokens or what fits, a chat completion the
+    room its prompt leaves (vLLM's default); nothing is cut."""
     prompt = [1] + [400] * 499
     out = post(server, COMPLETIONS, {"prompt": prompt, "ignore_eos": True, "temperature": 0}).json()
     assert out["usage"]["completion_tokens"] == 12 and out["choices"][0]["finish_reason"] == "length"
+    out = post(server, COMPLETIONS, {"prompt": "Once upon a time", "ignore_eos": True, "temperature": 0}).json()
+    assert out["usage"]["completion_tokens"] == 16 and out["choices"][0]["finish_reason"] == "length"
+    out = post(server, CHAT, {"messages": MESSAGES, "ignore_eos": True, "temperature": 0}).json()
+    assert out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"] == 512
+    assert out["choices"][0]["finish_reason"] == "length"
 
 
 def stream(server, path: str, body: dict) -> list[dict]:

@@ -106,7 +106,7 @@ def test_regex_choice_grammar_and_json_object(engine):
     grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
     cases = [(dict(regex=regex), lambda t: re.fullmatch(regex, t)), (dict(choice=choices), lambda t: t in choices),
              (dict(grammar=grammar), lambda t: re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", t)),
-             (dict(json_object=True), lambda t: isinstance(json.loads(t), (dict, list)))]
+             (dict(json_object=True), lambda t: isinstance(json.loads(t), dict))]
     for spec, check in cases:
         for temperature in (0.0, 1.0):
             for out in engine.generate(PROMPTS, [constrained(max_tokens=200, temperature=temperature, seed=i, **spec)
@@ -116,6 +116,19 @@ def test_regex_choice_grammar_and_json_object(engine):
                     assert check(text), (spec, text)
                 else:  # only json_object is unbounded
                     assert "json_object" in spec and out.outputs[0].finish_reason == "length"
+
+
+def test_json_object_is_an_object_never_an_array():
+    """OpenAI's ``{"type": "json_object"}`` promises an object, and vLLM compiles the schema ``{"type": "object"}``:
+    an array (which xgrammar's built-in JSON grammar admits) is refused from its first character."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    from paged_hf.structured.grammar import build_grammar
+
+    grammar = build_grammar(StructuredOutputsParams(json_object=True))
+    assert accepts(grammar, '{"a": [1, {"b": null}]}') and accepts(grammar, "{}")
+    assert not accepts(grammar, "[1, 2]") and not accepts(grammar, '"text"')
+    tight = build_grammar(StructuredOutputsParams(json_object=True, disable_any_whitespace=True))
+    assert accepts(tight, '{"a": 1}') and not accepts(tight, '{ "a": 1 }')  # one space after ':' and ',' only
 
 
 def test_unconstrained_rows_are_token_exact_beside_constrained_ones(tiny):
@@ -284,7 +297,7 @@ def test_an_aborted_compiling_request_leaves_nothing(tiny, monkeypatch):
     (dict(choice=[]), "structured_outputs.choice must be a non-empty list"),
     (dict(choice=["a", 1]), "structured_outputs.choice must be a non-empty list"),
     (dict(json_object="yes"), "structured_outputs.json_object must be a bool"),
-    (dict(regex="a", disable_any_whitespace=True), "applies to json schemas only"),
+    (dict(regex="a", disable_any_whitespace=True), "applies to json and json_object only"),
 ])
 def test_bad_specs_name_the_field(spec, message):
     with pytest.raises(ParameterError, match=re.escape(message)) as error:

@@ -36,7 +36,9 @@ from .responses import Echo, ResponseBuilder, collect, events
 from .structured import check_compiles
 from .tokenizer_api import add_tokenizer_routes
 
-DEFAULT_MAX_TOKENS = 256  # when a request gives no max_tokens (capped by the room its prompt leaves)
+# When a request gives no max_tokens (vLLM's and OpenAI's defaults): a completion gets 16 tokens, a chat completion
+# the room its prompt leaves; a completion's 16 are capped by that room too.
+DEFAULT_COMPLETION_TOKENS = 16
 logger = logging.getLogger("paged_hf")
 
 
@@ -144,7 +146,7 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
         if structured is not None:
             await check_compiles(engine.grammars, structured)
             rename = {**rename, "structured_outputs": structured.field}
-        per_prompt = [params if body.max_tokens_given else default_max_tokens(params, p, engine.max_model_len)
+        per_prompt = [params if body.max_tokens_given else default_max_tokens(params, p, engine.max_model_len, chat)
                       for p in prompts]
         kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
         try:
@@ -178,16 +180,18 @@ def _truncation(body) -> int | None:
 def sampling_params(body, logprobs: int | None, rename: dict[str, str], prompt_logprobs: int | None = None
                     ) -> SamplingParams:
     try:
-        return body.sampling_params(DEFAULT_MAX_TOKENS, logprobs, prompt_logprobs)
+        return body.sampling_params(DEFAULT_COMPLETION_TOKENS, logprobs, prompt_logprobs)
     except ValueError as error:
         raise bad_request(error, rename) from None
 
 
-def default_max_tokens(params: SamplingParams, prompt, max_model_len: int) -> SamplingParams:
-    """``DEFAULT_MAX_TOKENS``, or less where the prompt leaves less room (a request that gives ``max_tokens`` gets
+def default_max_tokens(params: SamplingParams, prompt, max_model_len: int, chat: bool) -> SamplingParams:
+    """The ``max_tokens`` of a request that gives none: the room its prompt leaves for a chat completion,
+    ``DEFAULT_COMPLETION_TOKENS`` or that room if less for a completion (a request that gives ``max_tokens`` gets
     exactly that, or a 400 if it does not fit)."""
     ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
-    room = max(1, min(DEFAULT_MAX_TOKENS, max_model_len - len(ids)))
+    room = max(1, max_model_len - len(ids))
+    room = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
     if room == params.max_tokens:
         return params
     try:

@@ -18,8 +18,9 @@ if TYPE_CHECKING:
     import xgrammar
 
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[15:10:54] /project/cpp/x.cc:94: " prefix
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
 WHAT = {"json": "the JSON schema", "regex": "the regex", "choice": "the choices", "grammar": "the grammar",
-        "json_object": "the JSON grammar"}
+        "json_object": "the JSON object schema"}
 
 
 class GrammarError(ParameterError):
@@ -53,8 +54,8 @@ def build_grammar(spec: StructuredOutputsParams) -> "xgrammar.Grammar":
     try:
         if kind == "json":
             return xgr.Grammar.from_json_schema(json.dumps(spec.json), any_whitespace=not spec.disable_any_whitespace)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if kind == "json_object":  # an object, as OpenAI promises and vLLM compiles it (never an array)
+            return xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=not spec.disable_any_whitespace)
         if kind == "regex":
             return xgr.Grammar.from_regex(spec.regex)
         if kind == "choice":

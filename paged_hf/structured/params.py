@@ -29,9 +29,9 @@ class StructuredOutputsParams:
         regex: the output matches this regular expression (whole).
         choice: the output is one of these strings, exactly.
         grammar: an EBNF grammar (xgrammar's dialect, GBNF-like; the rule ``root`` is the output).
-        json_object: True: the output is any JSON object or array (OpenAI's ``{"type": "json_object"}``).
-        disable_any_whitespace: with ``json``: no free whitespace between JSON tokens (vLLM's name); by default any
-            amount is allowed, as vLLM's xgrammar backend does.
+        json_object: True: the output is a JSON object, any keys and values (OpenAI's ``{"type": "json_object"}``).
+        disable_any_whitespace: with ``json`` or ``json_object``: no free whitespace between JSON tokens (vLLM's
+            name); by default any amount is allowed, as vLLM's xgrammar backend does.
     """
 
     json: dict | str | None = None
@@ -61,8 +61,8 @@ class StructuredOutputsParams:
             raise _fail("json_object", f"must be a bool, got {self.json_object!r}")
         if not isinstance(self.disable_any_whitespace, bool):
             raise _fail("disable_any_whitespace", f"must be a bool, got {self.disable_any_whitespace!r}")
-        if self.disable_any_whitespace and self.json is None:
-            raise _fail("disable_any_whitespace", f"applies to json schemas only, not to {given[0]}")
+        if self.disable_any_whitespace and self.json is None and not self.json_object:
+            raise _fail("disable_any_whitespace", f"applies to json and json_object only, not to {given[0]}")
 
     @property
     def kind(self) -> str:
