@@ -57,6 +57,31 @@ def test_direct_forward_calls_match_dynamic_cache(family, positions, attention):
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("attention", ["paged", "dense"])
+@pytest.mark.parametrize("case", ["4d_mask", "4d_mask_restarting_positions", "no_mask_restarting_positions"])
+def test_packed_sequences_and_the_callers_own_mask_match_dynamic_cache(case, attention):
+    """Two sequences packed in one row: a caller's 4D mask reaches the attention as it is (the exact dense attention,
+    also under the paged one), and without a 2D mask every column is a real token, whatever the positions say (they
+    restart per sequence here; transformers reads no padding from them when a cache is given)."""
+    model = tiny_model("llama", None if attention == "dense" else "paged")
+    reference_model = tiny_model("llama")
+    first, length = 5, 11
+    ids = torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(0))
+    allowed = torch.tril(torch.ones(length, length, dtype=torch.bool))
+    allowed[first:, :first] = False  # the second sequence does not see the first
+    mask = torch.zeros(1, 1, length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    restarting = torch.cat([torch.arange(first), torch.arange(length - first)])[None]
+    inputs = {"4d_mask": dict(attention_mask=mask),
+              "4d_mask_restarting_positions": dict(attention_mask=mask, position_ids=restarting),
+              "no_mask_restarting_positions": dict(position_ids=restarting)}[case]
+    want = reference_model(input_ids=ids, cache=DynamicCache(config=model.config), **inputs).logits
+    cache = paged_hf.PagedCache(model.config, block_size=4)
+    got = model(input_ids=ids, cache=cache, **inputs).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert cache.num_tokens == [length]
+    cache.check_invariants()
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_dense_layer_views_hold_what_dynamic_cache_holds(family, side):

@@ -32,10 +32,16 @@ def _preprocess_mask_arguments(config, inputs_embeds, attention_mask, cache, pos
 
     building = None
     if isinstance(cache, PagedCache) and kwargs.get("encoder_hidden_states") is None:
-        mask_2d = attention_mask if attention_mask is None or attention_mask.dim() == 2 else None
-        cache.observe_forward(inputs_embeds.shape[0], inputs_embeds.shape[1], mask_2d, position_ids,
-                              inputs_embeds.device, attention=_attention_of(config))
-        if config._attn_implementation == "paged":
+        # Without a 2D mask (none, or the caller's own 3D/4D one) every column is a real token, as DynamicCache
+        # stores and attends them all: positions that restart (packed sequences) say nothing of padding here.
+        custom = attention_mask is not None and attention_mask.dim() != 2
+        mask_2d = None if attention_mask is None or custom else attention_mask
+        cache.observe_forward(inputs_embeds.shape[0], inputs_embeds.shape[1], mask_2d,
+                              None if mask_2d is None else position_ids, inputs_embeds.device,
+                              attention=_attention_of(config))
+        if custom:  # transformers hands the caller's mask to the attention as it is: the exact dense attention
+            cache.answer_densely()
+        elif config._attn_implementation == "paged":
             # a decode step (an overlay cannot reach a later key), or a compiled forward: no mask
             if inputs_embeds.shape[1] == 1 or torch.compiler.is_compiling():
                 return True, None, None, None, None, None, None
