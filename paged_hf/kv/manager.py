@@ -104,6 +104,14 @@ class KVManager:
         """The engine's question: whether group ``g`` can allocate ``blocks_per_group[g]`` blocks, for every ``g``."""
         return all(n <= g.pool.num_free_blocks for n, g in zip(blocks_per_group, self.groups))
 
+    def presize(self, num_blocks: int) -> None:
+        """Gives a growable pool, before its first forward, ``num_blocks`` blocks per group: a user whose need is
+        known (``generate``'s call) allocates once, and the pool still grows past that if a later forward needs it."""
+        if not self.growable or any(group.storages for group in self.groups):
+            raise RuntimeError("presize applies to a growable pool before its first forward")
+        for group in self.groups:
+            group.pool.grow(max(num_blocks - group.pool.num_blocks, 0))
+
     # --------------------------------------------------------------------------------------- sequences
     def new_sequence(self) -> SequenceKV:
         """An empty sequence with a table per group and a row of the block-table rows."""

@@ -41,12 +41,13 @@ def blocks_to_hold(kv, num_tokens: int) -> int:
 
 
 def check_fits_on(kv, devices: list[torch.device], dtype=None, num_kv_heads: int | None = None) -> None:
-    """ValueError unless the fixed pool fits the device among ``devices`` with the most memory available.
-    ``PagedCache`` asks this at construction over every device of the machine (the model's is not known yet),
-    so a pool no device can hold fails there; the first layer asks again for the device it lands on."""
-    if kv.growable:
-        return
+    """ValueError unless the pool's blocks (a fixed pool's, a growable one's ``presize``) fit the device among
+    ``devices`` with the most memory available. ``PagedCache`` asks this at construction over every device of the
+    machine (the model's is not known yet), so a pool no device can hold fails there; the first layer asks again
+    for the device it lands on."""
     num_blocks = kv.groups[0].pool.num_blocks
+    if not num_blocks:  # a growable pool not sized yet: each growth checks itself
+        return
     total = layer_block_bytes(kv, dtype, num_kv_heads) * len(kv.group_of) * num_blocks
     available, device = max((available_memory(d), str(d)) for d in devices)
     if total > available:

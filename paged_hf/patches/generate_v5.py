@@ -114,11 +114,12 @@ def _build_paged_cache(self, options, generation_config, model_kwargs, batch_siz
 
     config = _checked_config(options)
     attention_mask = model_kwargs.get("attention_mask")
+    presize = None
     if config.num_blocks is None and config.memory_budget is None:
-        options["num_blocks"] = _blocks_for_generate(
-            generation_config, attention_mask, batch_size, max_cache_length, config.block_size,
-            bucketed=generation_config.compile_config is not None,
-        )
+        # the call's need, allocated at once; the pool stays growable: the cache outlives the call (a conversation
+        # continued with it), and assisted decoding's drafts may run past max_length before they are checked
+        presize = _blocks_for_generate(generation_config, attention_mask, batch_size, max_cache_length,
+                                       config.block_size, bucketed=generation_config.compile_config is not None)
     elif config.num_blocks is not None:
         prompt_blocks = _prompt_blocks(generation_config, attention_mask, config.block_size)
         if config.num_blocks < prompt_blocks:
@@ -128,8 +129,11 @@ def _build_paged_cache(self, options, generation_config, model_kwargs, batch_siz
                 f"{_blocks_for_generate(generation_config, attention_mask, batch_size, max_cache_length, config.block_size)}"
                 f" (or leave num_blocks unset and it is sized for you)"
             )
-    model_kwargs["cache"] = PagedCache(self.config, max_length=max_cache_length,
-                                       tp_size=getattr(self, "tp_size", None) or 1, **options)
+    cache = PagedCache(self.config, max_length=max_cache_length, tp_size=getattr(self, "tp_size", None) or 1,
+                       **options)
+    if presize is not None:
+        cache.kv.presize(presize)
+    model_kwargs["cache"] = cache
     if generation_config.is_assistant:
         model_kwargs["cache"].activate_past_recording()
 
