@@ -65,12 +65,23 @@ class CacheConfig:
         if self.memory_budget is not None and (
             isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget < 1
         ):
-            raise ValueError(f"memory_budget must be a positive number of bytes or None, got {self.memory_budget!r}")
+            raise ValueError(f"memory_budget must be a positive int (bytes) or None, got {self.memory_budget!r}")
+        if self.num_blocks is not None and self.memory_budget is not None:
+            raise ValueError(f"give num_blocks or memory_budget, not both (got num_blocks={self.num_blocks} and "
+                             f"memory_budget={self.memory_budget}): each sizes the pool")
+
+    @classmethod
+    def options_of(cls, cache_config) -> dict[str, Any]:
+        """A copy of a ``cache_config`` argument as a dict ({} for None); ValueError naming it when it is not one."""
+        if cache_config is not None and not isinstance(cache_config, Mapping):
+            raise ValueError(f"cache_config must be a dict with keys from {[f.name for f in fields(cls)]} or None, "
+                             f"got {type(cache_config).__name__} {cache_config!r:.100}")
+        return dict(cache_config or {})
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> "CacheConfig":
         """Builds a config from ``generate(cache_config={...})``; unknown keys raise ``ValueError``."""
-        options = dict(options or {})
+        options = cls.options_of(options)
         check_known("cache_config", "key", options, [f.name for f in fields(cls)])
         return cls(**options)
 

@@ -29,6 +29,13 @@ def test_bad_cache_config_names_field_and_allowed_values():
     with pytest.raises(ValueError, match=r"block_size must be even for kv_cache_dtype='int4'.*got block_size=1"):
         model.generate(**batch, max_new_tokens=2, cache_implementation="paged",
                        cache_config={"block_size": 1, "kv_cache_dtype": "int4"})
+    with pytest.raises(ValueError, match=r"give num_blocks or memory_budget, not both"):  # neither is ignored
+        model.generate(**batch, max_new_tokens=2, cache_implementation="paged",
+                       cache_config={"num_blocks": 64, "memory_budget": 1 << 20})
+    with pytest.raises(ValueError, match=r"memory_budget must be a positive int \(bytes\) or None, got 1000000.0"):
+        model.generate(**batch, max_new_tokens=2, cache_implementation="paged", cache_config={"memory_budget": 1e6})
+    with pytest.raises(ValueError, match=r"cache_config must be a dict with keys from \['block_size'.* got list"):
+        model.generate(**batch, max_new_tokens=2, cache_implementation="paged", cache_config=["block_size", 16])
 
 
 def test_pool_too_small_for_batch_fails_before_allocation():

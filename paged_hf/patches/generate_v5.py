@@ -68,8 +68,8 @@ def _prepare_cache_for_generation(
             self, request, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
             *args, **kwargs,
         )
-    options = dict((request or {}).get("cache_config") or generation_config.cache_config
-                   or default_paged.cache_config() or {})
+    options = _options_of((request or {}).get("cache_config") or generation_config.cache_config
+                          or default_paged.cache_config())
     _build_paged_cache(self, options, generation_config, model_kwargs, batch_size, max_cache_length)
     _compile_on_any_device(generation_config, model_kwargs.get("cache"))
     return None
@@ -98,7 +98,7 @@ def _prepare_default_paged_cache(
     supports_cache = getattr(self, "_supports_default_dynamic_cache", lambda: True)()
     if supports_cache:
         try:
-            _build_paged_cache(self, dict(request["cache_config"] or {}), generation_config, model_kwargs,
+            _build_paged_cache(self, _options_of(request["cache_config"]), generation_config, model_kwargs,
                                batch_size, max_cache_length)
             return None
         except NotImplementedError as error:
@@ -136,6 +136,12 @@ def _build_paged_cache(self, options, generation_config, model_kwargs, batch_siz
     model_kwargs["cache"] = cache
     if generation_config.is_assistant:
         model_kwargs["cache"].activate_past_recording()
+
+
+def _options_of(cache_config) -> dict:
+    from ..config import CacheConfig  # noqa: PLC0415
+
+    return CacheConfig.options_of(cache_config)
 
 
 def _checked_config(options: dict):
