@@ -290,7 +290,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as the context holds (vLLM's), fixed when the request is added
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -314,7 +314,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
-        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("max_tokens", self.max_tokens, 1, allow_none=True)
         _check_int("min_tokens", self.min_tokens, 0, maximum=self.max_tokens)
         _check_number("temperature", self.temperature, 0.0, float("inf"))
         _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)

@@ -71,6 +71,14 @@ def test_prompt_forms(llm):
     assert llm.generate([], GREEDY) == []
 
 
+def test_max_tokens_none_generates_up_to_the_context_length(llm):
+    """vLLM's ``max_tokens=None``: as many tokens as the context leaves (a length finish at max_model_len)."""
+    params = SamplingParams(temperature=0.0, max_tokens=None, min_tokens=3, ignore_eos=True)
+    (out,) = llm.generate("Once upon a time", params, use_tqdm=False)
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == llm.llm_engine.max_model_len == 512
+    assert out.outputs[0].finish_reason == "length" and params.max_tokens is None  # the caller's params unchanged
+
+
 def test_chat_takes_one_conversation_or_a_list(llm):
     first = [{"role": "user", "content": "Once upon a time"}]
     second = [{"role": "user", "content": "Lily and Tom"}, {"role": "assistant", "content": " went to the"}]

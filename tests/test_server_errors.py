@@ -124,7 +124,7 @@ def test_a_prompt_the_engine_refuses_aborts_the_prompts_queued_before_it(server)
 
 # --------------------------------------------------------------------------- 5, 6, 7, 8, 9: values, names
 @pytest.mark.parametrize("path, body, status, param, message", [
-    (COMPLETIONS, {"logprobs": 1000}, 400, "logprobs", "logprobs must be in [0, 5]"),
+    (COMPLETIONS, {"logprobs": 1000}, 400, "logprobs", "logprobs must be in [0, 20]"),
     (CHAT, {"logprobs": True, "top_logprobs": 1000}, 400, "top_logprobs", "top_logprobs must be in [0, 20]"),
     (CHAT, {"top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
     (COMPLETIONS, {"temperature": "NaN"}, 400, "temperature", "finite"),

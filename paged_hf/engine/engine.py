@@ -10,6 +10,7 @@ join and leave at every step; blocks are freed the moment a sequence finishes, a
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import itertools
 import logging
@@ -136,6 +137,8 @@ class PagedEngine:
             raise ValueError(f"params must be a paged_hf.SamplingParams, got {type(params).__name__}")
         text, ids = prompt_ids(prompt, self.tokenizer)
         ids = check_prompt_ids(ids, self.vocab_size, self.max_model_len)
+        if params.max_tokens is None:  # vLLM's "up to the context length"
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
         check_params(params, len(ids), self.vocab_size, self.max_model_len, self.config)
         limit = self.config.limit_mm_per_prompt
         request_images = multimodal.request_images(images, ids, self.model, limit and limit.get("image"),

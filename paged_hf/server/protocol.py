@@ -22,7 +22,7 @@ from ..config import SamplingParams
 from .errors import ApiError
 from .structured import StructuredField, structured_field
 
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions "logprobs"
+MAX_COMPLETION_LOGPROBS = 20  # vLLM's limit for /v1/completions "logprobs" (its max_logprobs; OpenAI caps at 5)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for /v1/chat/completions "top_logprobs"
 logger = logging.getLogger("paged_hf")
 
