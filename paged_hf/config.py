@@ -278,6 +278,7 @@ class SamplingParams:
     ``prompt_logprobs=k``: the same for every prompt token after the first. Logprobs are those of the model's raw
     distribution (before penalties, temperature and filtering), as a plain forward over prompt + output gives them.
     ``logit_bias``: {token id: bias in [-100, 100]} added to the logits before sampling (greedy too), as OpenAI's.
+    ``allowed_token_ids``: only these tokens can be drawn (every other gets -inf before sampling), as vLLM's.
     ``skip_special_tokens=False`` keeps special tokens in the output text (``spaces_between_special_tokens`` is
     handed to tokenizers whose ``decode`` takes it); ``include_stop_str_in_output`` ends the text after the stop
     string that stopped it instead of before it (vLLM's names and defaults).
@@ -307,6 +308,7 @@ class SamplingParams:
     min_tokens: int = 0
     logits_processors: tuple | list | None = None
     logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -341,6 +343,11 @@ class SamplingParams:
                                                       f"f(output_token_ids, logits) -> logits, got {processors!r}")
         object.__setattr__(self, "logits_processors", tuple(processors or ()))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = _token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not allowed:
+                raise ParameterError("allowed_token_ids", "allowed_token_ids is empty: no token could be drawn")
+            object.__setattr__(self, "allowed_token_ids", allowed)
         if self.structured_outputs is not None:
             from .structured.params import StructuredOutputsParams  # noqa: PLC0415 - it imports this module
 
@@ -361,7 +368,7 @@ class SamplingParams:
         if plain is None:
             plain = (self.greedy and self.repetition_penalty == 1.0 and not self.presence_penalty
                      and not self.frequency_penalty and not self.logits_processors and self.logprobs is None
-                     and not self.logit_bias)
+                     and not self.logit_bias and self.allowed_token_ids is None)
             object.__setattr__(self, "_plain_greedy", plain)
         return plain
 

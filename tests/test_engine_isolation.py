@@ -68,6 +68,7 @@ NAN, INF = math.nan, math.inf
     ([1, 2], {"n": 9}, "n", r"at most 8 \(max_n\)"),
     ([1, 2], {"stop": [str(i) for i in range(5)]}, "stop", r"at most 4 are allowed \(max_stop_strings\)"),
     ([1, 2], {"logit_bias": {512: 1.0}}, "logit_bias", r"in \[0, 512\)"),
+    ([1, 2], {"allowed_token_ids": [3, 512]}, "allowed_token_ids", r"in \[0, 512\)"),
 ])
 def test_the_engine_refuses_what_it_cannot_run_naming_the_field(stories, prompt, params, param, message):
     model, tok = stories
@@ -84,7 +85,7 @@ def test_the_engine_refuses_what_it_cannot_run_naming_the_field(stories, prompt,
     ("repetition_penalty", 1e-40), ("repetition_penalty", 1e3), ("stop", 5),
     ("stop", [""]), ("stop_token_ids", 7), ("logit_bias", {3: 101}), ("logit_bias", {3: NAN}),
     ("logit_bias", {"3": 1}), ("logit_bias", [3]), ("seed", 2**63), ("ignore_eos", "no"), ("min_tokens", 17),
-    ("logits_processors", [3]),
+    ("logits_processors", [3]), ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", 5),
 ])
 def test_sampling_params_refuse_bad_values_naming_the_field(field, value):
     with pytest.raises(ParameterError, match=field) as info:
@@ -103,6 +104,29 @@ def test_logit_bias_steers_greedy_and_sampling(stories):
     banned = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={plain[2]: -100})
     tokens = engine.generate(["Once upon a time"], banned, use_tqdm=False)[0].outputs[0].token_ids
     assert tokens[:2] == plain[:2] and plain[2] not in tokens
+    assert_all_freed(engine)
+
+
+def test_allowed_token_ids_restrict_greedy_and_sampling_to_them(stories):
+    """vLLM's ``allowed_token_ids``: every drawn token is one of them, greedy and sampled draws are those of a
+    logits processor that masks the others, and the other requests of the batch are unchanged."""
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    plain = solo_tokens(stories, "Once upon a time")
+    allowed = [t for t in range(100, 140) if t not in plain][:5]
+
+    def only_allowed(_, logits):
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[allowed] = True
+        return logits.masked_fill(~keep, float("-inf"))
+
+    options = [dict(temperature=0.0), dict(temperature=1.0, seed=3)]
+    params = [SamplingParams(max_tokens=8, ignore_eos=True, allowed_token_ids=allowed, **o) for o in options]
+    oracle = [SamplingParams(max_tokens=8, ignore_eos=True, logits_processors=[only_allowed], **o) for o in options]
+    outs = engine.generate(["Once upon a time"] * 5, params + oracle + [GREEDY], use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert all(set(t) <= set(allowed) for t in tokens[:2]) and len(set(tokens[0])) > 1
+    assert tokens[:2] == tokens[2:4] and tokens[4] == plain
     assert_all_freed(engine)
 
 

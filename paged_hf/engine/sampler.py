@@ -80,6 +80,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
     biased = [r for r, p in enumerate(params) if p.logit_bias]
     if biased:
         logits = _apply_logit_bias(logits if logits is not raw else logits.clone(), biased, params)
+    restricted = [r for r, p in enumerate(params) if p.allowed_token_ids is not None]
+    if restricted:
+        logits = _allow_only(logits if logits is not raw else logits.clone(), restricted, params)
     penalized = [r for r, p in enumerate(params) if p.repetition_penalty != 1.0 or p.presence_penalty
                  or p.frequency_penalty]
     if penalized:
@@ -166,6 +169,16 @@ def _held_back_stops(seqs: list[Sequence], params, eos_token_ids: Collection[int
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             pairs.extend((row, token) for token in sorted(stops) if 0 <= token < vocab)
     return pairs
+
+
+def _allow_only(logits: torch.Tensor, rows: list[int], params) -> torch.Tensor:
+    """Sets each of ``rows``' logits outside its ``allowed_token_ids`` to -inf, in place."""
+    keep = torch.zeros((len(rows), logits.shape[-1]), dtype=torch.bool, device=logits.device)
+    for i, r in enumerate(rows):
+        keep[i, list(params[r].allowed_token_ids)] = True
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logits[index] = logits.index_select(0, index).masked_fill(~keep, float("-inf"))
+    return logits
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: list[int], params) -> torch.Tensor:

@@ -54,6 +54,9 @@ def check_params(params: SamplingParams, num_prompt_tokens: int, vocab_size: int
     if len(params.stop) > config.max_stop_strings:
         raise ParameterError("stop", f"stop has {len(params.stop)} strings; at most {config.max_stop_strings} are "
                                      f"allowed (max_stop_strings)")
+    if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab_size:
+        raise ParameterError("allowed_token_ids", f"allowed_token_ids must be in [0, {vocab_size}) (the model's "
+                                                  f"vocabulary), got {max(params.allowed_token_ids)}")
     if params.logit_bias:
         bad = [t for t in params.logit_bias if t >= vocab_size]
         if bad:

@@ -71,6 +71,7 @@ class _Sampling(StrictBody):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
@@ -151,6 +152,7 @@ class _Sampling(StrictBody):
             max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
             structured_outputs=structured.spec if (structured := self.structured()) is not None else None,
         )
 
