@@ -279,6 +279,8 @@ class SamplingParams:
     distribution (before penalties, temperature and filtering), as a plain forward over prompt + output gives them.
     ``logit_bias``: {token id: bias in [-100, 100]} added to the logits before sampling (greedy too), as OpenAI's.
     ``allowed_token_ids``: only these tokens can be drawn (every other gets -inf before sampling), as vLLM's.
+    ``bad_words``: words the output never forms, as vLLM's: each is tokenized alone and after a space, and the last
+    token of such a sequence gets -inf wherever the output's newest tokens are the rest of it.
     ``skip_special_tokens=False`` keeps special tokens in the output text (``spaces_between_special_tokens`` is
     handed to tokenizers whose ``decode`` takes it); ``include_stop_str_in_output`` ends the text after the stop
     string that stopped it instead of before it (vLLM's names and defaults).
@@ -309,6 +311,7 @@ class SamplingParams:
     logits_processors: tuple | list | None = None
     logit_bias: Mapping[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | list[int] | None = None
+    bad_words: tuple[str, ...] | list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -348,6 +351,12 @@ class SamplingParams:
             if not allowed:
                 raise ParameterError("allowed_token_ids", "allowed_token_ids is empty: no token could be drawn")
             object.__setattr__(self, "allowed_token_ids", allowed)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or \
+                    not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ParameterError("bad_words", f"bad_words must be a list of non-blank strings, got "
+                                                  f"{self.bad_words!r:.100}")
+            object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if self.structured_outputs is not None:
             from .structured.params import StructuredOutputsParams  # noqa: PLC0415 - it imports this module
 
@@ -368,7 +377,7 @@ class SamplingParams:
         if plain is None:
             plain = (self.greedy and self.repetition_penalty == 1.0 and not self.presence_penalty
                      and not self.frequency_penalty and not self.logits_processors and self.logprobs is None
-                     and not self.logit_bias and self.allowed_token_ids is None)
+                     and not self.logit_bias and self.allowed_token_ids is None and not self.bad_words)
             object.__setattr__(self, "_plain_greedy", plain)
         return plain
 

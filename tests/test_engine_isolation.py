@@ -86,6 +86,7 @@ def test_the_engine_refuses_what_it_cannot_run_naming_the_field(stories, prompt,
     ("stop", [""]), ("stop_token_ids", 7), ("logit_bias", {3: 101}), ("logit_bias", {3: NAN}),
     ("logit_bias", {"3": 1}), ("logit_bias", [3]), ("seed", 2**63), ("ignore_eos", "no"), ("min_tokens", 17),
     ("logits_processors", [3]), ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", 5),
+    ("bad_words", "dog"), ("bad_words", [" "]), ("bad_words", [3]),
 ])
 def test_sampling_params_refuse_bad_values_naming_the_field(field, value):
     with pytest.raises(ParameterError, match=field) as info:
@@ -127,6 +128,33 @@ def test_allowed_token_ids_restrict_greedy_and_sampling_to_them(stories):
     tokens = [o.outputs[0].token_ids for o in outs]
     assert all(set(t) <= set(allowed) for t in tokens[:2]) and len(set(tokens[0])) > 1
     assert tokens[:2] == tokens[2:4] and tokens[4] == plain
+    assert_all_freed(engine)
+
+
+def contains(tokens: list[int], run: tuple[int, ...]) -> bool:
+    return any(tuple(tokens[i : i + len(run)]) == run for i in range(len(tokens) - len(run) + 1))
+
+
+def test_bad_words_are_never_formed_and_change_nothing_before(stories):
+    """vLLM's ``bad_words``: the output never forms a bad word's tokens (its last token is banned where the others
+    end the output), and runs as it would without it up to the first place the word would complete."""
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    plain = solo_tokens(stories, "Once upon a time")
+    words = {}  # word -> its tokens, for the output's words that are one run of its tokens
+    for word in tok.decode(plain).split():
+        ids = tuple(tok.encode(word, add_special_tokens=False))
+        if word.isalpha() and contains(plain, ids):
+            words.setdefault(len(ids) > 1, (word, ids))
+    assert set(words) == {False, True}, words  # a one-token and a several-token word
+    for word, ids in words.values():
+        end = next(i for i in range(len(plain)) if tuple(plain[i - len(ids) + 1 : i + 1]) == ids)
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(max_tokens=12, temperature=temperature, seed=5, ignore_eos=True, bad_words=[word])
+            tokens = engine.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].token_ids
+            assert not contains(tokens, ids), (word, tokens)
+            if temperature == 0.0:
+                assert tokens[:end] == plain[:end] and tokens[end] != plain[end]
     assert_all_freed(engine)
 
 

@@ -207,8 +207,10 @@ def test_seed_and_logit_bias_are_honoured(stories, server):
     assert biased["choices"][0]["text"] == solo_text(stories, "Once upon a time", max_tokens=12, temperature=1.0,
                                                      seed=7, logit_bias={dog: 100})
     assert biased["choices"][0]["text"] == output_text(tok, tok("Once upon a time")["input_ids"], [dog] * 12)
-    only = post(server, COMPLETIONS, {**body, "allowed_token_ids": [dog]}).json()  # vLLM's field
+    only = post(server, COMPLETIONS, {**body, "allowed_token_ids": [dog]}).json()  # vLLM's fields
     assert only["choices"][0]["text"] == biased["choices"][0]["text"]
+    unbiased = post(server, COMPLETIONS, {**body, "seed": 7, "logit_bias": {str(dog): 100}, "bad_words": ["dog"]})
+    assert "dog" not in unbiased.json()["choices"][0]["text"]
 
 
 def test_max_tokens_is_filled_in_from_the_room_the_prompt_leaves(server):

@@ -34,7 +34,7 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 from .spec.config import check_tensor_parallel
 from .threads import StepPinning, bind_cpu_threads
-from .validation import check_params, check_prompt_ids, prompt_ids, vocab_size
+from .validation import bad_words_token_ids, check_params, check_prompt_ids, prompt_ids, vocab_size
 from .worker import build_kv, follow, max_model_len_of, prepare_model
 
 logger = logging.getLogger("paged_hf")
@@ -156,6 +156,7 @@ class PagedEngine:
                 f"or raise num_blocks"
             )
         request_id = str(next(self._ids)) if request_id is None else request_id
+        bad_words = bad_words_token_ids(params.bad_words or (), self.tokenizer)
         grammar = self._compile_grammar(params)
         request = Request(request_id, text, ids, params, priority, cache_salt, RequestOutputKind(output_kind))
         request.reuse_prefix = bool(enable_prefix_caching)
@@ -163,6 +164,7 @@ class PagedEngine:
             request.images = request_images
             request.cache_salt = request_images.block_keys(cache_salt)  # the images' digests key their blocks
         request.compiled_grammar = grammar
+        request.bad_words_token_ids = bad_words
         self.scheduler.add(request)
         return request_id
 

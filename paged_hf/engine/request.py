@@ -130,6 +130,7 @@ class Request:
         self.reuse_prefix = True  # False: the scheduler looks up no cached prefix for it
         self.images = None  # its RequestImages (multimodal.py), set by the engine for a request with images
         self.compiled_grammar = None  # structured outputs: the Future of its CompiledGrammar (engine.add_request)
+        self.bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words tokenized (engine.add_request)
         self.output_kind = output_kind
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.error: BaseException | None = None

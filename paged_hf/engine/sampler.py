@@ -80,6 +80,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
     biased = [r for r, p in enumerate(params) if p.logit_bias]
     if biased:
         logits = _apply_logit_bias(logits if logits is not raw else logits.clone(), biased, params)
+    banned = _bad_word_ends(seqs)
+    if banned:
+        logits = logits if logits is not raw else logits.clone()
+        rows, token_ids = zip(*banned)
+        logits.index_put_((torch.tensor(rows, device=logits.device), torch.tensor(token_ids, device=logits.device)),
+                          torch.tensor(float("-inf"), device=logits.device))
     restricted = [r for r, p in enumerate(params) if p.allowed_token_ids is not None]
     if restricted:
         logits = _allow_only(logits if logits is not raw else logits.clone(), restricted, params)
@@ -168,6 +174,22 @@ def _held_back_stops(seqs: list[Sequence], params, eos_token_ids: Collection[int
         if p.min_tokens and seq.num_output_tokens < p.min_tokens:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             pairs.extend((row, token) for token in sorted(stops) if 0 <= token < vocab)
+    return pairs
+
+
+def _bad_word_ends(seqs) -> list[tuple[int, int]]:
+    """``(row, token)`` pairs a row may not draw: the last token of each of its request's bad-word sequences
+    whose other tokens its output ends with (a one-token word: always), as vLLM's ``bad_words``."""
+    pairs = []
+    for row, seq in enumerate(seqs):
+        sequences = seq.request.bad_words_token_ids
+        if not sequences:
+            continue
+        output = seq.output_token_ids
+        for ids in sequences:
+            before = len(ids) - 1
+            if before == 0 or (len(output) >= before and tuple(output[-before:]) == ids[:-1]):
+                pairs.append((row, ids[-1]))
     return pairs
 
 

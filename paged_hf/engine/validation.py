@@ -64,6 +64,23 @@ def check_params(params: SamplingParams, num_prompt_tokens: int, vocab_size: int
                                                f"vocabulary), got {bad[0]}")
 
 
+def bad_words_token_ids(words: tuple[str, ...], tokenizer) -> tuple[tuple[int, ...], ...]:
+    """``SamplingParams.bad_words`` as token sequences, as vLLM tokenizes them: each word alone, and after a space
+    where that gives a sequence as long as the first but starting with another token (a word-start token)."""
+    if not words:
+        return ()
+    if tokenizer is None:
+        raise ParameterError("bad_words", "bad_words needs the engine's tokenizer: PagedEngine(model, tokenizer)")
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(alone)  # a non-blank word has at least one token
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return tuple(sequences)
+
+
 def prompt_ids(prompt, tokenizer) -> tuple[str | None, list]:
     """``(text, token ids)`` of a prompt: a string, a list of token ids, ``{"prompt_token_ids": [...]}`` (with an
     optional ``"prompt"`` text) or a list of chat messages (the tokenizer's chat template)."""

@@ -72,6 +72,7 @@ class _Sampling(StrictBody):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
@@ -152,7 +153,7 @@ class _Sampling(StrictBody):
             max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(self.logit_bias),
-            allowed_token_ids=self.allowed_token_ids,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             structured_outputs=structured.spec if (structured := self.structured()) is not None else None,
         )
 
