@@ -283,7 +283,8 @@ class SamplingParams:
     token of such a sequence gets -inf wherever the output's newest tokens are the rest of it.
     ``skip_special_tokens=False`` keeps special tokens in the output text (``spaces_between_special_tokens`` is
     handed to tokenizers whose ``decode`` takes it); ``include_stop_str_in_output`` ends the text after the stop
-    string that stopped it instead of before it (vLLM's names and defaults).
+    string that stopped it instead of before it; ``detokenize=False`` leaves the output's text (and the logprob
+    entries' names) out: token ids only (vLLM's names and defaults).
     ``structured_outputs``: a ``paged_hf.StructuredOutputsParams`` (JSON schema, regex, choice, grammar or JSON
     object) the output must match: its logprobs are then those of the masked distribution, as vLLM's.
 
@@ -315,6 +316,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    detokenize: bool = True
     structured_outputs: Any = None  # a StructuredOutputsParams (paged_hf.structured)
 
     def __post_init__(self) -> None:
@@ -331,13 +333,16 @@ class SamplingParams:
         _check_number("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_int("seed", self.seed, 0, allow_none=True, maximum=MAX_SEED)
+        _check_int("seed", self.seed, -MAX_SEED - 1, allow_none=True, maximum=MAX_SEED)
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
         _check_bool("ignore_eos", self.ignore_eos)
-        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+                     "detokenize"):
             _check_bool(name, getattr(self, name))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
+        if self.stop and not self.detokenize:
+            raise ParameterError("stop", "stop strings need the output's text: they are refused with detokenize=False")
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         processors = self.logits_processors
         if processors is not None and (not isinstance(processors, (list, tuple)) or

@@ -4,6 +4,7 @@ NaN), and isolated when its forward raises (the others go on with exactly the to
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import pytest
@@ -84,9 +85,9 @@ def test_the_engine_refuses_what_it_cannot_run_naming_the_field(stories, prompt,
     ("frequency_penalty", -INF), ("repetition_penalty", NAN), ("repetition_penalty", INF),
     ("repetition_penalty", 1e-40), ("repetition_penalty", 1e3), ("stop", 5),
     ("stop", [""]), ("stop_token_ids", 7), ("logit_bias", {3: 101}), ("logit_bias", {3: NAN}),
-    ("logit_bias", {"3": 1}), ("logit_bias", [3]), ("seed", 2**63), ("ignore_eos", "no"), ("min_tokens", 17),
+    ("logit_bias", {"3": 1}), ("logit_bias", [3]), ("seed", 2**63), ("seed", -2**63 - 1), ("ignore_eos", "no"), ("min_tokens", 17),
     ("logits_processors", [3]), ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", 5),
-    ("bad_words", "dog"), ("bad_words", [" "]), ("bad_words", [3]),
+    ("bad_words", "dog"), ("bad_words", [" "]), ("bad_words", [3]), ("detokenize", 0),
 ])
 def test_sampling_params_refuse_bad_values_naming_the_field(field, value):
     with pytest.raises(ParameterError, match=field) as info:
@@ -155,6 +156,28 @@ def test_bad_words_are_never_formed_and_change_nothing_before(stories):
             assert not contains(tokens, ids), (word, tokens)
             if temperature == 0.0:
                 assert tokens[:end] == plain[:end] and tokens[end] != plain[end]
+    assert_all_freed(engine)
+
+
+def test_detokenize_false_gives_token_ids_alone_and_negative_seeds_are_seeds(stories):
+    """vLLM's ``detokenize=False``: the same tokens, no text, logprob entries unnamed; stop strings, which need the
+    text, are refused by name. A negative seed (vLLM takes any int64) reproduces like any other."""
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    named, bare = engine.generate(["Once upon a time"] * 2, [params, dataclasses.replace(params, detokenize=False)],
+                                  use_tqdm=False)
+    assert bare.outputs[0].token_ids == named.outputs[0].token_ids and named.outputs[0].text
+    assert bare.outputs[0].text == ""
+    assert all(lp.decoded_token is None for entry in bare.outputs[0].logprobs for lp in entry.values())
+    assert all(lp.decoded_token is None for entry in bare.prompt_logprobs[1:] for lp in entry.values())
+    assert all(lp.decoded_token for entry in named.outputs[0].logprobs for lp in entry.values())
+    with pytest.raises(ParameterError, match="stop strings need the output's text") as info:
+        SamplingParams(stop=["x"], detokenize=False)
+    assert info.value.param == "stop"
+    sampled = [SamplingParams(max_tokens=8, temperature=1.0, seed=seed) for seed in (-1, -1, -2**63)]
+    runs = [o.outputs[0].token_ids for o in engine.generate(["Once upon a time"] * 3, sampled, use_tqdm=False)]
+    assert runs[0] == runs[1] != runs[2]
     assert_all_freed(engine)
 
 

@@ -74,8 +74,8 @@ class OutputStage:
         if self.decoder is None:
             return None
         params = seq.request.params
-        if not params.stop and seq.request.output_kind is RequestOutputKind.FINAL_ONLY:
-            return None  # decoded once, when it finishes
+        if not params.detokenize or not params.stop and seq.request.output_kind is RequestOutputKind.FINAL_ONLY:
+            return None  # never decoded, or decoded once, when it finishes
         detokenizer = self._detokenizer(seq)
         delta = detokenizer.update(text_token_ids(seq))
         finished = seq.status is SequenceStatus.FINISHED
@@ -107,7 +107,7 @@ class OutputStage:
 
     def output_of(self, request: Request) -> RequestOutput:
         """``request``'s output now (a ``DELTA`` request's: what is new since its last one)."""
-        if request.finished and self.decoder is not None:
+        if request.finished and self.decoder is not None and request.params.detokenize:
             for seq in request.sequences:
                 self._detokenizer(seq).finish(text_token_ids(seq))
         delta = request.output_kind is RequestOutputKind.DELTA

@@ -258,8 +258,9 @@ class ModelRunner:
             item = output.scheduled[index]
             targets = item.seq.request.prompt_token_ids[item.start + 1 : item.start + 1 + count]
             chosen = torch.tensor(targets, dtype=torch.long, device=logits.device)
-            entries = position_logprobs(logits[first : first + count], chosen,
-                                        [item.seq.request.params.prompt_logprobs] * count, self.token_text)
+            params = item.seq.request.params
+            entries = position_logprobs(logits[first : first + count], chosen, [params.prompt_logprobs] * count,
+                                        self.token_text if params.detokenize else None)
             result.prompt_logprobs.append((item, entries))
         if model_output.draft_rows:
             runs = [(output.scheduled[i].seq, output.scheduled[i].start, output.scheduled[i].draft_token_ids, first)

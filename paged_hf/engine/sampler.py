@@ -121,7 +121,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
     if asked:
         index = torch.tensor(asked, dtype=torch.long, device=logits.device)
         entries = position_logprobs(raw.index_select(0, index), tokens.index_select(0, index),
-                                    [params[r].logprobs for r in asked], decode_token)
+                                    [params[r].logprobs for r in asked], decode_token,
+                                    [params[r].detokenize for r in asked])
         for r, entry in zip(asked, entries):
             logprobs[r] = entry
     return SamplerOutput(token_ids, logprobs, errors)
@@ -141,9 +142,10 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def position_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_k: list[int],
-                      decode_token=None) -> list[PositionLogprobs]:
+                      decode_token=None, named: list[bool] | None = None) -> list[PositionLogprobs]:
     """For each row of raw ``logits`` ``[R, vocab]``: the chosen token's and the ``top_k[r]`` best tokens'
-    ``Logprob`` (raw ``log_softmax``, computed in float32; rank 1 = the most likely token)."""
+    ``Logprob`` (raw ``log_softmax``, computed in float32; rank 1 = the most likely token), named by
+    ``decode_token`` where ``named[r]`` (default: every row; a ``detokenize=False`` request's are not)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = chosen.view(-1, 1)
     chosen_lp = logprobs.gather(1, chosen)
@@ -155,12 +157,13 @@ def position_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_k: list[in
     top_lps = top.values.tolist() if top is not None else None
     out = []
     for r, want in enumerate(top_k):
+        name = decode_token if named is None or named[r] else None
         entry: PositionLogprobs = {}
         for rank, (tid, lp) in enumerate(zip(top_ids[r][:want], top_lps[r][:want]) if want else (), start=1):
-            entry[tid] = Logprob(lp, rank, decode_token(tid) if decode_token else None)
+            entry[tid] = Logprob(lp, rank, name(tid) if name else None)
         token = chosen_l[r]
         if token not in entry:
-            entry[token] = Logprob(chosen_lp_l[r], ranks_l[r], decode_token(token) if decode_token else None)
+            entry[token] = Logprob(chosen_lp_l[r], ranks_l[r], name(token) if name else None)
         out.append(entry)
     return out
 
