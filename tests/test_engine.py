@@ -213,6 +213,28 @@ def test_stop_strings_stop_ids_and_streaming(stories, prompts, references):
     assert_all_freed(engine)
 
 
+def test_streams_generate_and_a_step_loop_share_one_engine_without_losing_outputs(stories, prompts, references):
+    """Each reader gets its own requests' outputs whoever stepped: two streams read in turn, a ``generate`` run
+    while a stream is open, and a request the caller added and reads with ``step()`` meanwhile, all with the
+    texts of their solo runs; automatic ids skip ids the caller chose."""
+    model, tok = stories
+    engine = engine_for(stories)
+    texts = [output_text(tok, tok(p)["input_ids"], r) for p, r in zip(prompts, references)]
+    mine = engine.add_request(prompts[2], GREEDY, request_id="1")  # read by this test's step() loop
+    first, second = engine.stream(prompts[0], GREEDY), engine.stream(prompts[1], GREEDY)
+    got = [next(first), next(second)]
+    got[1] += "".join(second)  # runs the steps first's request also advances in
+    got[0] += "".join(first)
+    assert got == texts[:2]
+    (out,) = engine.generate([prompts[3]], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == references[3] and out.request_id != mine
+    seen = []
+    while engine.has_unfinished_requests() or not seen:
+        seen += engine.step()
+    assert [o.request_id for o in seen if o.finished] == [mine] and seen[-1].outputs[0].token_ids == references[2]
+    assert_all_freed(engine)
+
+
 def test_bad_requests_fail_alone(stories, prompts, references):
     engine = engine_for(stories, max_model_len=64)
     with pytest.raises(ValueError, match="max_model_len=64"):

@@ -78,6 +78,11 @@ class PagedEngine:
                                   graphs=None if self.group is not None else
                                   graph_options(self.config, model.device, self.max_model_len))
         self._ids = itertools.count()
+        # Outputs have one reader each: ``generate`` and each ``stream`` read their own requests' (their readers are
+        # tokens here), ``step()``'s caller every other request's. A step any of them runs parks the outputs of the
+        # others' requests until their reader asks (``_step_for``), so none is lost, whoever stepped.
+        self._readers: dict[str, object] = {}  # request id -> its reader (absent: step()'s caller)
+        self._parked: dict[object, list[RequestOutput]] = {}  # reader (None: step()'s caller) -> its outputs
         self._busy_seconds = 0.0
         self._num_steps = self._num_step_tokens = 0  # steps that ran a forward, and the tokens those forwarded
         # The model, tokenizer and transformers' modules are hundreds of thousands of objects that live as long as
@@ -155,7 +160,10 @@ class PagedEngine:
                 f"but the pool has {self.kv.num_total_blocks} (num_blocks): it could never finish; lower max_tokens "
                 f"or raise num_blocks"
             )
-        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id is None:  # an id no request holds, whatever ids callers chose themselves
+            request_id = str(next(self._ids))
+            while request_id in self.scheduler.requests:
+                request_id = str(next(self._ids))
         bad_words = bad_words_token_ids(params.bad_words or (), self.tokenizer)
         grammar = self._compile_grammar(params)
         request = Request(request_id, text, ids, params, priority, cache_salt, RequestOutputKind(output_kind))
@@ -189,7 +197,40 @@ class PagedEngine:
     # ------------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """Runs one iteration; returns the outputs of the requests that progressed or finished (per their
-        ``output_kind``)."""
+        ``output_kind``), and those a ``generate`` or ``stream`` running meanwhile stepped for them. Requests that
+        a running ``generate`` or ``stream`` added are theirs: their outputs go to them."""
+        return self._step_for(None)
+
+    def _step_for(self, reader) -> list[RequestOutput]:
+        """``reader``'s outputs (None: ``step()``'s caller): those parked for it, else one iteration's, whose
+        outputs for other readers are parked for them."""
+        parked = self._parked.pop(reader, None)
+        if parked:
+            return parked
+        mine = []
+        for out in self._advance():
+            owner = self._readers.get(out.request_id)
+            if out.finished:
+                self._readers.pop(out.request_id, None)
+            if owner is reader:
+                mine.append(out)
+            else:
+                self._parked.setdefault(owner, []).append(out)
+        return mine
+
+    def _read_by(self, reader, request_ids) -> None:
+        for request_id in request_ids:
+            self._readers[request_id] = reader
+
+    def _release(self, reader, request_ids) -> None:
+        """Forgets ``reader`` (its requests ended or were aborted) and what was parked for it."""
+        for request_id in request_ids:
+            if self._readers.get(request_id) is reader:
+                del self._readers[request_id]
+        self._parked.pop(reader, None)
+
+    def _advance(self) -> list[RequestOutput]:
+        """One iteration: schedule, execute, update; the outputs of the requests it changed."""
         self._require_leader("step")
         started = time.perf_counter()
         with self._pinning.during_step():
@@ -244,13 +285,18 @@ class PagedEngine:
         results: dict[str, RequestOutput] = {}
         pending = set(order)
         bar = _progress(len(order), use_tqdm)
-        while pending and self.has_unfinished_requests():
-            for out in self.step():
-                if out.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
-                    results[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        reader = object()
+        self._read_by(reader, order)
+        try:
+            while pending and (self.has_unfinished_requests() or self._parked.get(reader)):
+                for out in self._step_for(reader):
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            self._release(reader, order)
+            bar.close()
         if pending:
             raise RuntimeError(f"the engine stopped with requests {sorted(pending)} unfinished")
         outputs = [results[rid] for rid in order]
@@ -261,11 +307,11 @@ class PagedEngine:
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yields the text of sample 0 as it grows (deltas); other queued requests progress meanwhile."""
         request_id = self.add_request(prompt, params, output_kind=RequestOutputKind.DELTA)
+        reader = object()
+        self._read_by(reader, [request_id])
         try:
-            while True:
-                outputs = {o.request_id: o for o in self.step()}
-                out = outputs.get(request_id)
-                if out is not None:
+            while request_id in self.scheduler.requests or self._parked.get(reader):  # else aborted elsewhere
+                for out in self._step_for(reader):
                     if out.outputs[0].text:
                         yield out.outputs[0].text
                     if out.finished:
@@ -273,6 +319,7 @@ class PagedEngine:
                             raise RuntimeError(out.error)
                         return
         finally:
+            self._release(reader, [request_id])
             self.abort(request_id)
 
     # ------------------------------------------------------------------------- tensor parallelism
