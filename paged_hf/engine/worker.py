@@ -45,9 +45,16 @@ def prepare_model(model):
 
 
 def max_model_len_of(config: EngineConfig, model) -> int:
-    """``config.max_model_len``, else the model's ``max_position_embeddings`` (4096 without one)."""
+    """``config.max_model_len``, else the model's ``max_position_embeddings`` (4096 without one). A length past
+    the model's positions is honoured with a warning: positions it was not trained on (vLLM refuses it unless
+    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set; a model whose RoPE scaling reaches further is one reason to ask)."""
     text_config = model.config.get_text_config(decoder=True)
-    return config.max_model_len or getattr(text_config, "max_position_embeddings", 4096)
+    trained = getattr(text_config, "max_position_embeddings", None)
+    if config.max_model_len and trained and config.max_model_len > trained:
+        logger.warning("max_model_len=%d is past the model's max_position_embeddings=%d: tokens beyond position %d "
+                       "run at positions the model was not trained on, and their output may be poor",
+                       config.max_model_len, trained, trained)
+    return config.max_model_len or trained or 4096
 
 
 def build_kv(model, config: EngineConfig, group=None) -> KVManager:
