@@ -65,9 +65,22 @@ def _image_limit(text: str) -> dict:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {value}")
     return value
 
 
@@ -190,7 +203,15 @@ def _add_serve(subcommands) -> None:
                                     help="OpenAI-compatible HTTP server over the batching engine")
     _add_model_and_engine_options(parser)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=_port, default=8000)
+    parser.add_argument("--api-key", nargs="+", metavar="KEY", default=None,
+                        help="require 'Authorization: Bearer KEY' (one of these keys) on every request but /health, "
+                             "/ping, /version, /load and /metrics (default: $VLLM_API_KEY if set, as vLLM; else open)")
+    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                        help="default sampling parameters for fields a request leaves out: 'auto' takes the model's "
+                             "generation_config (temperature, top_p, top_k, min_p, repetition_penalty, and "
+                             "max_new_tokens as the default max_tokens), 'vllm' none, or a folder's "
+                             "generation_config.json (default: %(default)s, as vLLM)")
     parser.add_argument("--max-queue-len", type=_positive_int, default=256,
                         help="waiting requests beyond which the server answers 503 with Retry-After")
     parser.add_argument("--max-request-bytes", type=_positive_int, default=16 * 2**20,
@@ -201,7 +222,7 @@ def _add_serve(subcommands) -> None:
     parser.add_argument("--allow-unknown-fields", action="store_true",
                         help="ignore request fields this server does not know, with a warning, instead of a 400 "
                              "naming them (vLLM's behaviour)")
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+    parser.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info",
                         help="for paged_hf's log (startup, request failures; debug: preemptions) and uvicorn's")
     media = parser.add_argument_group("images", "what chat image parts may name (default: data: URLs only)")
     media.add_argument("--allowed-media-domains", nargs="+", metavar="HOST", default=None,

@@ -6,11 +6,13 @@ Each ``_run_<name>`` takes the parsed arguments and returns the exit status. ``m
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from paged_hf_cli import LOG_LEVELS, build_parser, main  # noqa: F401 - re-exported
 
 from .demo import DemoSetupError, demo_model_source
+from .sampling_defaults import check_generation_config, generation_defaults
 from .vision_loading import model_class, serve_media
 
 
@@ -94,17 +96,48 @@ def _run_serve(args) -> int:
     import uvicorn  # noqa: PLC0415
 
     from .server.app import build_app  # noqa: PLC0415
+    from .server.auth import api_keys  # noqa: PLC0415
 
     source = _model_folder_or_report(args, "serve")
     if source is None:
         return 2
     configure_logging(args.log_level)
-    engine, name = _load_engine(args, source)
-    processor, media = serve_media(args, *source)
-    app = build_app(engine, args.served_model_name or name, args.max_queue_len, args.max_request_bytes,
-                    allow_unknown_fields=args.allow_unknown_fields, processor=processor, media=media)
+    try:
+        keys = api_keys(args.api_key)
+        check_generation_config(args.generation_config)
+        _check_engine_options(args)  # before the weights load
+        engine, name = _load_engine(args, source)
+        defaults = generation_defaults(engine.model, args.generation_config)
+        processor, media = serve_media(args, *source)
+        app = build_app(engine, args.served_model_name or name, args.max_queue_len, args.max_request_bytes,
+                        allow_unknown_fields=args.allow_unknown_fields, processor=processor, media=media,
+                        api_keys=keys, sampling_defaults=defaults)
+    except USER_ERRORS as error:
+        return _report("serve", error)
+    if defaults:
+        logging.getLogger("paged_hf").info("default sampling parameters from the model's generation_config: %s "
+                                           "(--generation-config vllm ignores them)", defaults)
+    if keys:
+        logging.getLogger("paged_hf").info("requests must carry one of %d API key(s)", len(keys))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+# What a command's options or model can be wrong with: reported in one line, status 2 (a traceback at debug level)
+USER_ERRORS = (ValueError, OSError, NotImplementedError)
+
+
+def _report(command: str, error: BaseException) -> int:
+    logging.getLogger("paged_hf").debug("paged-hf %s failed", command, exc_info=error)
+    print(f"paged-hf {command}: {type(error).__name__}: {error}", file=sys.stderr)
+    return 2
+
+
+def _check_engine_options(args) -> None:
+    """The engine options' own checks (EngineConfig's), before any weight is read."""
+    from .config import EngineConfig  # noqa: PLC0415
+
+    EngineConfig(**_engine_options(args))
 
 
 def _run_generate(args) -> int:
@@ -122,9 +155,13 @@ def _run_generate(args) -> int:
     if not prompts:
         print("paged-hf generate: give --prompt or --prompts-file", file=sys.stderr)
         return 2
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed)
-    engine, _ = _load_engine(args, source)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
+        _check_engine_options(args)
+        engine, _ = _load_engine(args, source)
+    except USER_ERRORS as error:
+        return _report("generate", error)
     inputs = [[{"role": "user", "content": p}] for p in prompts] if args.chat else prompts
     try:
         outputs = engine.generate(inputs, params)

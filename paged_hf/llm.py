@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import fields, replace
+from dataclasses import fields
 
 import torch
 
@@ -29,6 +29,7 @@ from .engine import PagedEngine, RequestOutput
 from .media import MediaPolicy
 from .model_source import explained_hub_miss, load_tokenizer, model_source
 from .multimodal_prompts import processed_images, render_chat
+from .sampling_defaults import default_sampling_params
 from .vision_loading import load_processor, model_class
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -54,10 +55,6 @@ WHY_NOT = {
 COMPILATION_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes")
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt", "multi_modal_data")
 # generation_config.json field -> SamplingParams field, as vLLM reads a model's defaults.
-GENERATION_DEFAULTS = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
-                       ("repetition_penalty", "repetition_penalty"), ("max_new_tokens", "max_tokens"))
-
-
 class LLM:
     """vLLM's ``LLM`` on a transformers model.
 
@@ -120,7 +117,7 @@ class LLM:
             processor = load_processor(*model_source(model, gguf_file))  # None for a text model
         self.processor = processor
         self.media = media if media is not None else MediaPolicy()
-        self._default_params = _default_sampling_params(self.model, generation_config)
+        self._default_params = default_sampling_params(self.model, generation_config)
         if seed is not None:
             torch.manual_seed(seed)
 
@@ -318,26 +315,6 @@ def _tensor_parallel_engine(model, tokenizer, size, backend, device, dtype, trus
                                        distributed_executor_backend=backend,
                                        model_kwargs=dict(dtype=dtype, trust_remote_code=trust_remote_code, **extra),
                                        **engine_options)
-
-
-def _default_sampling_params(model, generation_config) -> SamplingParams:
-    if generation_config == "vllm":
-        return SamplingParams()
-    if generation_config == "auto":
-        config = getattr(model, "generation_config", None)
-    elif isinstance(generation_config, (str, os.PathLike)) and os.path.isdir(generation_config):
-        from transformers import GenerationConfig  # noqa: PLC0415
-
-        config = GenerationConfig.from_pretrained(generation_config)
-    else:
-        raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
-                         f"got {generation_config!r}")
-    defaults = {}
-    for theirs, ours in GENERATION_DEFAULTS:
-        value = getattr(config, theirs, None)
-        if value is not None:
-            defaults[ours] = -1 if ours == "top_k" and value == 0 else value
-    return replace(SamplingParams(), **defaults)
 
 
 def _prompt_list(prompts) -> list[tuple[object, str | None]]:

@@ -148,6 +148,7 @@ def test_smollm2_demo_runs_end_to_end():
 def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
     """--max-request-bytes, --log-level and the engine's per-request limits are wired through (issue #12)."""
     import logging
+    import types
 
     import uvicorn
 
@@ -155,11 +156,13 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
     from paged_hf.server import app as app_module
 
     seen = {}
-    monkeypatch.setattr(cli, "_load_engine", lambda args, source: (seen.setdefault("engine", cli._engine_options(args)),
-                                                           "model"))
+    monkeypatch.setattr(cli, "_load_engine", lambda args, source: (
+        types.SimpleNamespace(model=None, options=seen.setdefault("engine", cli._engine_options(args))), "model"))
     monkeypatch.setattr(app_module, "build_app", lambda engine, name, *limits, **options: seen.update(
         app=(name, *limits), options=options))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(uvicorn=kwargs))
+    monkeypatch.setattr(cli, "generation_defaults", lambda model, choice: seen.update(generation_config=choice) or {})
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     logger = logging.getLogger("paged_hf")
     level, handlers, propagate = logger.level, list(logger.handlers), logger.propagate
     try:
@@ -167,8 +170,11 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
                          "--max-logprobs", "4", "--max-stop-strings", "2", "--max-queue-len", "9"]) == 0
         assert logger.level == logging.DEBUG and any(getattr(h, "paged_hf_cli", False) for h in logger.handlers)
         first = dict(seen)
-        assert cli.main(["serve", "--allow-unknown-fields"]) == 0 and seen["options"] == {
-            "allow_unknown_fields": True, "processor": None, "media": MediaPolicy()}
+        assert cli.main(["serve", "--allow-unknown-fields", "--api-key", "k1", "k2", "--generation-config",
+                         "vllm"]) == 0 and seen["options"] == {
+            "allow_unknown_fields": True, "processor": None, "media": MediaPolicy(), "api_keys": ["k1", "k2"],
+            "sampling_defaults": {}}
+        assert seen["generation_config"] == "vllm"
         seen.update(first)
     finally:
         logger.setLevel(level)
@@ -177,7 +183,9 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
     assert {k: seen["engine"][k] for k in ("max_n", "max_logprobs", "max_stop_strings")} == \
         {"max_n": 3, "max_logprobs": 4, "max_stop_strings": 2}
     assert seen["app"] == ("model", 9, 1000) and seen["uvicorn"]["log_level"] == "debug"
-    assert seen["options"] == {"allow_unknown_fields": False, "processor": None, "media": MediaPolicy()}
+    assert seen["options"] == {"allow_unknown_fields": False, "processor": None, "media": MediaPolicy(),
+                               "api_keys": [], "sampling_defaults": {}}
+    assert seen["generation_config"] == "auto"
 
 
 def test_help_imports_neither_torch_nor_transformers():

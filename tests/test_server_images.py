@@ -172,14 +172,16 @@ def test_paged_hf_serve_loads_a_vision_model_folder_with_its_media_flags(tmp_pat
 
 
 def test_the_image_flags_reach_the_app_and_the_engine(monkeypatch):
+    import types
+
     import uvicorn as uvicorn_module
 
     from paged_hf import cli
     from paged_hf.server import app as app_module
 
     seen = {}
-    monkeypatch.setattr(cli, "_load_engine", lambda args, source: (seen.setdefault("engine", cli._engine_options(args)),
-                                                                   "model"))
+    monkeypatch.setattr(cli, "_load_engine", lambda args, source: (
+        types.SimpleNamespace(model=None, options=seen.setdefault("engine", cli._engine_options(args))), "model"))
     monkeypatch.setattr(app_module, "build_app", lambda engine, name, *limits, **options: seen.update(options))
     monkeypatch.setattr(uvicorn_module, "run", lambda app, **kwargs: None)
     assert cli.main(["serve", "--allowed-media-domains", "Example.com", "cdn.example.org", "--max-image-pixels", "100",

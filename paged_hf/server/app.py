@@ -20,11 +20,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
+from .. import __version__
 from ..config import SamplingParams
 from ..engine import PagedEngine, RequestOutputKind
 from ..engine.detokenizer import Decoder
 from ..media import MediaPolicy
 from .body import CLIENT_GONE, DEFAULT_MAX_REQUEST_BYTES, ClientGone, parse_body, read_body
+from .auth import ApiKeyMiddleware
 from .engine_loop import EngineDeadError, EngineLoop, QueueFullError
 from .errors import ApiError, bad_request, install_handlers, internal_error
 from .logprobs import TokenBytes
@@ -44,10 +46,14 @@ logger = logging.getLogger("paged_hf")
 
 def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allow_unknown_fields: bool = False,
-              processor=None, media: MediaPolicy | None = None) -> FastAPI:
+              processor=None, media: MediaPolicy | None = None, api_keys: list[str] | None = None,
+              sampling_defaults: dict | None = None) -> FastAPI:
     """The app; its engine loop starts and stops with the app's lifespan. ``allow_unknown_fields``: a request
     field this server does not know is ignored with a warning instead of a 400 (vLLM's behaviour). ``processor``:
-    the model's, for chat image parts; ``media``: which image URLs they may name (default: data: URLs only)."""
+    the model's, for chat image parts; ``media``: which image URLs they may name (default: data: URLs only).
+    ``api_keys``: the bearer keys every request but the probes must carry (``auth``; none: an open server).
+    ``sampling_defaults``: ``{SamplingParams field: value}`` for fields a request leaves out (the model's
+    generation_config, ``sampling_defaults.generation_defaults``); its ``max_tokens`` caps the default length."""
     if engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer: PagedEngine(model, tokenizer)")
     metrics = ServerMetrics()
@@ -68,9 +74,14 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
         finally:
             loop.stop()
 
-    app = FastAPI(title="paged_hf", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="paged_hf", version=__version__, lifespan=lifespan)
     app.state.engine_loop = loop
     install_handlers(app)
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, keys=list(api_keys))
+    defaults = dataclasses.replace(SamplingParams(), **{k: v for k, v in (sampling_defaults or {}).items()
+                                                        if k != "max_tokens"})
+    length_cap = (sampling_defaults or {}).get("max_tokens")
 
     @app.exception_handler(ClientGone)
     async def client_gone(_raw: Request, _error: ClientGone):  # the client left while its body was read
@@ -85,6 +96,20 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
             why = f"{type(loop.error).__name__}: {loop.error}" if loop.error is not None else "it is stopped"
             return ApiError(503, f"the engine loop is not running ({why})", code="engine_dead").response()
         return {"status": "ok"}
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping():  # the liveness probe of SageMaker-style hosts, as vLLM answers it
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/load")
+    async def load():  # vLLM's: requests in the server (running and queued)
+        stats = loop.stats
+        return {"server_load": stats.num_running + stats.num_waiting}
 
     @app.get("/metrics")
     async def prometheus():
@@ -110,7 +135,7 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
     @app.post("/v1/completions")
     async def completions(raw: Request):
         body = await parse(raw, CompletionRequest)
-        params = sampling_params(body, body.logprobs, {}, body.engine_prompt_logprobs)
+        params = sampling_params(body, defaults, body.logprobs, {}, body.engine_prompt_logprobs)
         prompts = await tokenize.completions(body.prompts(), body.add_special_tokens is not False,
                                              _truncation(body))
         echo = Echo(echo=bool(body.echo), scores_only=body.scores_only,
@@ -126,7 +151,7 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
                                 "/v1/completions, which streams them)", "prompt_logprobs")
         max_tokens = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         rename = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
-        params = sampling_params(body, body.num_top_logprobs, rename, body.prompt_logprobs)
+        params = sampling_params(body, defaults, body.num_top_logprobs, rename, body.prompt_logprobs)
         options = body.submit_options()
         if body.num_images:
             prompt, options["images"] = await image_prompts.chat(
@@ -138,7 +163,7 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
         return await run(raw, body, [prompt], params, chat=True, logprobs=body.num_top_logprobs, rename=rename,
                          echo=Echo(prompt_logprobs=body.prompt_logprobs), options=options)
 
-    add_tokenizer_routes(app, engine, tokenize, decode, parse)
+    add_tokenizer_routes(app, engine, tokenize, parse)
 
     async def run(raw: Request, body, prompts: list, params: SamplingParams, chat: bool, logprobs, rename, echo,
                   options: dict | None = None):
@@ -146,8 +171,8 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
         if structured is not None:
             await check_compiles(engine.grammars, structured)
             rename = {**rename, "structured_outputs": structured.field}
-        per_prompt = [params if body.max_tokens_given else default_max_tokens(params, p, engine.max_model_len, chat)
-                      for p in prompts]
+        per_prompt = [params if body.max_tokens_given else
+                      default_max_tokens(params, p, engine.max_model_len, chat, length_cap) for p in prompts]
         kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
         try:
             submitted = await loop.submit(prompts, per_prompt, kind, options or body.submit_options())
@@ -177,21 +202,25 @@ def _truncation(body) -> int | None:
     return None if body.truncate_prompt_tokens in (None, -1) else body.truncate_prompt_tokens
 
 
-def sampling_params(body, logprobs: int | None, rename: dict[str, str], prompt_logprobs: int | None = None
-                    ) -> SamplingParams:
+def sampling_params(body, defaults: SamplingParams, logprobs: int | None, rename: dict[str, str],
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """``body``'s ``SamplingParams``, ``defaults`` for the fields it leaves out; a bad value is a 400 naming it."""
     try:
-        return body.sampling_params(DEFAULT_COMPLETION_TOKENS, logprobs, prompt_logprobs)
+        return body.sampling_params(defaults, DEFAULT_COMPLETION_TOKENS, logprobs, prompt_logprobs)
     except ValueError as error:
         raise bad_request(error, rename) from None
 
 
-def default_max_tokens(params: SamplingParams, prompt, max_model_len: int, chat: bool) -> SamplingParams:
+def default_max_tokens(params: SamplingParams, prompt, max_model_len: int, chat: bool,
+                       length_cap: int | None = None) -> SamplingParams:
     """The ``max_tokens`` of a request that gives none: the room its prompt leaves for a chat completion,
-    ``DEFAULT_COMPLETION_TOKENS`` or that room if less for a completion (a request that gives ``max_tokens`` gets
-    exactly that, or a 400 if it does not fit)."""
+    ``DEFAULT_COMPLETION_TOKENS`` or that room if less for a completion, and at most ``length_cap`` (the
+    generation_config's ``max_new_tokens``) when given; a request that gives ``max_tokens`` gets exactly that, or a
+    400 if it does not fit."""
     ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
     room = max(1, max_model_len - len(ids))
     room = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
+    room = room if length_cap is None else max(1, min(room, length_cap))
     if room == params.max_tokens:
         return params
     try:

@@ -131,11 +131,11 @@ class _Sampling(StrictBody):
         """The structured output this body asks for (``response_format``, ``guided_*``, ``structured_outputs``)."""
         return structured_field(self)
 
-    def sampling_params(self, default_max_tokens: int, logprobs: int | None,
+    def sampling_params(self, defaults: SamplingParams, default_max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        """The request's ``SamplingParams``; ``max_tokens`` is ``default_max_tokens`` when the body has none (the
-        handler sets it per prompt: see ``max_tokens_given``)."""
-        defaults = SamplingParams()
+        """The request's ``SamplingParams``, ``defaults``' values for the fields it leaves out (the model's
+        generation_config); ``max_tokens`` is ``default_max_tokens`` when the body has none (the handler sets it per
+        prompt: see ``max_tokens_given``)."""
         given = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p,
             "top_k": -1 if self.top_k == 0 else self.top_k,

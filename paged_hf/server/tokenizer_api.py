@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
+from ..engine.detokenizer import Decoder
 from .errors import ApiError
 from .protocol import ChatCompletionRequest, ChatMessage, StrictBody
 
@@ -39,8 +40,11 @@ class DetokenizeRequest(StrictBody):
         pass
 
 
-def add_tokenizer_routes(app: FastAPI, engine, tokenize, decode, parse) -> None:
-    """The three routes over ``engine``'s tokenizer; ``parse(raw, model)`` reads and checks a body as the app does."""
+def add_tokenizer_routes(app: FastAPI, engine, tokenize, parse) -> None:
+    """The three routes over ``engine``'s tokenizer; ``parse(raw, model)`` reads and checks a body as the app does.
+    ``/detokenize`` keeps special tokens (``tokenizer.decode``'s default, as vLLM's), so a tokenized chat prompt
+    comes back with its template's markers."""
+    keep_special = Decoder(engine.tokenizer, skip_special_tokens=False)
 
     @app.post("/tokenize")
     async def tokenize_route(raw: Request):
@@ -62,7 +66,7 @@ def add_tokenizer_routes(app: FastAPI, engine, tokenize, decode, parse) -> None:
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise ApiError(400, f"tokens holds {bad}, not a token id of this model (0 .. {vocab - 1})", "tokens")
-        return {"prompt": await run_in_threadpool(decode, body.tokens)}
+        return {"prompt": await run_in_threadpool(keep_special, body.tokens)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():

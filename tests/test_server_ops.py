@@ -1,0 +1,102 @@
+"""What an operator of ``paged-hf serve`` relies on, as with ``vllm serve``: API keys, the model's default sampling
+parameters, the probes (/ping, /version, /load), and start-up errors reported in one line before any weight loads."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the server needs fastapi (pip install 'paged_hf[server]')")
+httpx = pytest.importorskip("httpx", reason="the tests send raw requests")
+
+import paged_hf  # noqa: E402
+from paged_hf import PagedEngine  # noqa: E402
+from paged_hf.server.app import build_app  # noqa: E402
+from paged_hf.server.auth import api_keys  # noqa: E402
+from models import require_stories  # noqa: E402
+from test_server import Server, chat_stories  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = ["sk-first", "sk-second"]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A server with two API keys and the defaults a generation_config would give (greedy, 5 tokens)."""
+    model, tok = chat_stories()
+    engine = PagedEngine(model, tok, block_size=8, num_blocks=128, enforce_eager=True)
+    server = Server(build_app(engine, "stories260K", api_keys=KEYS,
+                              sampling_defaults={"temperature": 0.0, "max_tokens": 5}))
+    yield server
+    server.stop()
+
+
+def call(server, method: str, path: str, key: str | None = None, **kwargs):
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.request(method, server.url + path, headers=headers, timeout=60, **kwargs)
+
+
+@pytest.mark.parametrize("method, path, body", [
+    ("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "Once", "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+    ("POST", "/tokenize", {"prompt": "Once"}), ("GET", "/tokenizer_info", None),
+])
+def test_every_route_but_the_probes_needs_one_of_the_keys(served, method, path, body):
+    for key in (None, "sk-wrong", "sk-first "[:-1] + "x"):
+        refused = call(served, method, path, key, json=body)
+        assert refused.status_code == 401, (path, key)
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+    for key in KEYS:
+        assert call(served, method, path, key, json=body).status_code == 200, (path, key)
+
+
+def test_the_probes_answer_without_a_key(served):
+    assert call(served, "GET", "/health").status_code == 200
+    assert call(served, "GET", "/ping").status_code == 200 and call(served, "POST", "/ping").status_code == 200
+    assert call(served, "GET", "/version").json() == {"version": paged_hf.__version__}
+    assert call(served, "GET", "/load").json() == {"server_load": 0}
+    assert call(served, "GET", "/metrics").status_code == 200
+
+
+def test_a_request_leaving_fields_out_gets_the_models_defaults(served):
+    """Greedy and 5 tokens from the defaults; a request's own values win."""
+    body = {"prompt": "Once upon a time", "n": 2}
+    texts = [c["text"] for c in call(served, "POST", "/v1/completions", KEYS[0], json=body).json()["choices"]]
+    assert texts[0] == texts[1]  # greedy: the two samples agree
+    usage = call(served, "POST", "/v1/completions", KEYS[0], json=body).json()["usage"]
+    assert usage["completion_tokens"] == 2 * 5
+    own = call(served, "POST", "/v1/completions", KEYS[0], json={**body, "max_tokens": 7, "temperature": 1.0,
+                                                                    "seed": 1, "ignore_eos": True}).json()
+    assert own["usage"]["completion_tokens"] == 2 * 7 and own["choices"][0]["text"] != own["choices"][1]["text"]
+
+
+def test_the_api_key_comes_from_the_flag_else_vllms_variable(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert api_keys(None) == [] and api_keys(["a", "b"]) == ["a", "b"]
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert api_keys(None) == ["from-env"] and api_keys(["flag"]) == ["flag"]
+    with pytest.raises(ValueError, match="must not be empty"):
+        api_keys([" "])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--block-size", "3"], "block_size must be a power of two"),
+    (["--kv-cache-memory", "-1"], "kv_cache_memory must be in"),
+    (["--speculative-config", '{"method": "eagle"}'], "speculative_config\\['method'\\] must be one of"),
+    (["--generation-config", "nowhere"], "generation_config must be 'auto', 'vllm' or a folder"),
+    (["--port", "70000"], "must be a port number in \\[0, 65535\\], got 70000"),
+    (["--max-model-len", "1k"], "must be a positive integer, got '1k'"),
+])
+def test_bad_flags_end_serve_in_one_line_before_the_weights_load(flags, message):
+    run = subprocess.run([sys.executable, "-m", "paged_hf_cli", "serve", str(require_stories()), *flags],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    assert re.search(message, run.stderr), run.stderr
+    assert "Loading weights" not in run.stderr
