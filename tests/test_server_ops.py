@@ -75,6 +75,27 @@ def test_a_request_leaving_fields_out_gets_the_models_defaults(served):
     assert own["usage"]["completion_tokens"] == 2 * 7 and own["choices"][0]["text"] != own["choices"][1]["text"]
 
 
+def test_metrics_carry_vllms_series_for_its_dashboards(served):
+    def series() -> dict[str, float]:
+        text = call(served, "GET", "/metrics").text
+        return {name: float(value) for name, value in re.findall(r"^(vllm:[^ ]+) (\S+)$", text, re.M)}
+
+    before = series()
+    out = call(served, "POST", "/v1/completions", KEYS[0],
+               json={"prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": True}).json()
+    after = series()
+    label = '{model_name="stories260K"}'
+    grew = {name: after.get(name + label, 0) - before.get(name + label, 0)
+            for name in ("vllm:generation_tokens_total", "vllm:prompt_tokens_total",
+                         "vllm:e2e_request_latency_seconds_count", "vllm:time_to_first_token_seconds_count")}
+    assert grew == {"vllm:generation_tokens_total": 6, "vllm:prompt_tokens_total": out["usage"]["prompt_tokens"],
+                    "vllm:e2e_request_latency_seconds_count": 1, "vllm:time_to_first_token_seconds_count": 1}
+    assert after['vllm:request_success_total{finished_reason="length",model_name="stories260K"}'] >= 1
+    assert after["vllm:num_requests_running" + label] == 0 and after["vllm:num_requests_waiting" + label] == 0
+    assert 0 <= after["vllm:kv_cache_usage_perc" + label] <= 1
+    assert {"vllm:prefix_cache_queries_total" + label, "vllm:num_preemptions_total" + label} <= set(after)
+
+
 def test_the_api_key_comes_from_the_flag_else_vllms_variable(monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert api_keys(None) == [] and api_keys(["a", "b"]) == ["a", "b"]

@@ -56,7 +56,7 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
     generation_config, ``sampling_defaults.generation_defaults``); its ``max_tokens`` caps the default length."""
     if engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer: PagedEngine(model, tokenizer)")
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(model_name)
     loop = EngineLoop(engine, max_queue_len, on_output=metrics.observe)
     tokenize = PromptTokenizer(engine.tokenizer, engine.max_model_len)
     decode = Decoder(engine.tokenizer)

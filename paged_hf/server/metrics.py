@@ -1,6 +1,12 @@
 """Prometheus series of the server: KV blocks, prefix hit rate and hits per tier (device pool, host tier), the host
 tier's blocks, preemptions, queue, rejections, engine steps and the tokens they forwarded, TTFT and inter-token
-latency, and speculative decoding's counters under vLLM's names (``vllm:spec_decode_*``)."""
+latency; and under vLLM's names and ``model_name`` label, what vLLM's dashboards read: ``vllm:num_requests_running``
+/ ``_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries`` / ``_hits``, ``vllm:num_preemptions``,
+``vllm:prompt_tokens`` / ``vllm:generation_tokens``, ``vllm:request_success`` (by finished_reason), the TTFT,
+inter-token and end-to-end latency histograms, and speculative decoding's ``vllm:spec_decode_*`` counters.
+
+Inter-token latency is what the server sees: the time between a request's outputs, so only streamed requests (one
+output per step) give it; a request answered whole gives its TTFT and end-to-end latency."""
 
 from __future__ import annotations
 
@@ -12,9 +18,30 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class ServerMetrics:
     """Prometheus series of one server (own registry, so several apps can live in one process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.model_name = model_name
+        named = ["model_name"]
+        self.vllm_running = Gauge("vllm:num_requests_running", "requests running", named, registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "requests waiting", named, registry=r)
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", named, registry=r)
+        self.vllm_prefix_queries = Counter("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                           named, registry=r)
+        self.vllm_prefix_hits = Counter("vllm:prefix_cache_hits", "prompt tokens found in the prefix cache", named,
+                                        registry=r)
+        self.vllm_preemptions = Counter("vllm:num_preemptions", "preemptions", named, registry=r)
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "prompt tokens of finished requests", named,
+                                          registry=r)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "tokens generated", named, registry=r)
+        self.vllm_success = Counter("vllm:request_success", "finished requests", named + ["finished_reason"],
+                                    registry=r)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "arrival to first token", named, registry=r,
+                                   buckets=_LATENCY_BUCKETS)
+        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "time between a streamed request's outputs",
+                                  named, registry=r, buckets=_LATENCY_BUCKETS)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "arrival to the last output", named,
+                                  registry=r, buckets=_LATENCY_BUCKETS)
         self.blocks_used = Gauge("paged_hf_kv_cache_blocks_used", "KV blocks in use", registry=r)
         self.blocks_total = Gauge("paged_hf_kv_cache_blocks_total", "KV blocks in the pool", registry=r)
         self.prefix_hit_rate = Gauge("paged_hf_prefix_cache_hit_rate", "prefix-cache hits / queries (tokens)", registry=r)
@@ -43,18 +70,27 @@ class ServerMetrics:
                                      registry=r)
         self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                              "accepted draft tokens at each draft position", ["position"], registry=r)
-        self._spec_seen: dict[tuple, int] = {}  # counter -> the engine's total when last rendered
+        # counter -> the engine's total when last rendered (a counter grows by the difference)
+        self._spec_seen: dict[tuple, int] = {}
         self._last: dict[str, float] = {}
 
     def observe(self, out, now: float) -> None:
         """Called by the engine loop with each ``RequestOutput``."""
         previous = self._last.get(out.request_id)
+        name = self.model_name
         if previous is None and out.metrics is not None and out.metrics.first_token_time is not None:
             self.ttft.observe(out.metrics.first_token_time - out.metrics.arrival_time)
+            self.vllm_ttft.labels(name).observe(out.metrics.first_token_time - out.metrics.arrival_time)
         elif previous is not None:
             self.itl.observe(now - previous)
+            self.vllm_itl.labels(name).observe(now - previous)
         if out.finished:
             self._last.pop(out.request_id, None)
+            self.vllm_prompt_tokens.labels(name).inc(len(out.prompt_token_ids or ()))
+            for completion in out.outputs:
+                self.vllm_success.labels(name, completion.finish_reason or "abort").inc()
+            if out.metrics is not None:
+                self.vllm_e2e.labels(name).observe(now - out.metrics.arrival_time)
         else:
             self._last[out.request_id] = now
 
@@ -73,6 +109,17 @@ class ServerMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.tensor_parallel_size.set(stats.tensor_parallel_size)
+        name = self.model_name
+        self.vllm_running.labels(name).set(stats.num_running)
+        self.vllm_waiting.labels(name).set(stats.num_waiting)
+        self.vllm_kv_usage.labels(name).set(stats.kv_cache_used / stats.kv_cache_total if stats.kv_cache_total else 0)
+        for counter, total in ((self.vllm_prefix_queries, stats.prefix_cache_queries),
+                               (self.vllm_prefix_hits, stats.prefix_cache_hits),
+                               (self.vllm_preemptions, stats.preemption_count),
+                               (self.vllm_generation_tokens, stats.generated_tokens)):
+            key = (counter,)
+            counter.labels(name).inc(max(total - self._spec_seen.get(key, 0), 0))
+            self._spec_seen[key] = total
         totals = [((self.spec_drafts,), stats.spec_decode_num_drafts),
                   ((self.spec_draft_tokens,), stats.spec_decode_num_draft_tokens),
                   ((self.spec_accepted,), stats.spec_decode_num_accepted_tokens)]
