@@ -92,6 +92,19 @@ def _positive_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {text!r}") from error
 
 
+def _json_list(text: str) -> list[str]:
+    """A JSON list of strings on the command line (``--allowed-origins '["https://a.example"]'``)."""
+    import json  # noqa: PLC0415 - standard library, needed by these options only
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+    return value
+
+
 def _json_object(text: str) -> dict:
     """A JSON object on the command line (``--speculative-config '{"method": "ngram"}'``)."""
     import json  # noqa: PLC0415 - standard library, needed by this option only
@@ -152,8 +165,14 @@ def _add_model_and_engine_options(parser) -> None:
     parser.add_argument("--model", dest="model_option", metavar="MODEL", default=None,
                         help="the same as the positional MODEL")
     parser.add_argument("--gguf-file", default=None, help="the .gguf file inside MODEL to load")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="the model's dtype (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto", "float",
+                                                               "half"],
+                        help="the model's dtype: 'auto' keeps the checkpoint's, 'float' is float32 and 'half' "
+                             "float16, as vLLM names them (default: %(default)s)")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="the tokenizer's folder (default: MODEL's own)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let transformers run the model folder's own code (its auto_map), as vLLM's flag")
     engine = parser.add_argument_group("engine options", "left out: EngineConfig's default")
     engine.add_argument("--block-size", type=_positive_int, help="tokens per KV block (a power of two)")
     engine.add_argument("--num-blocks", type=_positive_int, help="KV blocks in the pool (default: sized by memory)")
@@ -216,9 +235,26 @@ def _add_serve(subcommands) -> None:
                         help="waiting requests beyond which the server answers 503 with Retry-After")
     parser.add_argument("--max-request-bytes", type=_positive_int, default=16 * 2**20,
                         help="request bodies past this many bytes get 413 (default: %(default)s, 16 MiB)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients send and /v1/models lists (default: the model folder's name, "
-                             "or the .gguf file's name with --gguf-file)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model names clients may send; /v1/models lists them and responses carry the first "
+                             "(default: the model folder's name, or the .gguf file's name with --gguf-file)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed torch's global generator once the model is loaded: what requests without a seed "
+                             "of their own draw from (as vLLM's --seed)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
+    parser.add_argument("--root-path", default="", help="the path prefix of a proxy in front of the server "
+                                                       "(uvicorn's root_path)")
+    parser.add_argument("--allowed-origins", type=_json_list, default=None, metavar="JSON",
+                        help="""browser origins CORS lets call the server, e.g. '["https://app.example"]' (default: """
+                             "none: no CORS headers)")
+    parser.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
+                        help="with --allowed-origins: the methods they may use (default: all)")
+    parser.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
+                        help="with --allowed-origins: the headers they may send (default: all)")
+    parser.add_argument("--allow-credentials", action="store_true", help="with --allowed-origins: allow cookies")
+    parser.add_argument("--uvicorn-log-level", type=str.lower, choices=LOG_LEVELS + ["trace"], default=None,
+                        help="uvicorn's own log level (default: --log-level)")
     parser.add_argument("--allow-unknown-fields", action="store_true",
                         help="ignore request fields this server does not know, with a warning, instead of a 400 "
                              "naming them (vLLM's behaviour)")

@@ -47,6 +47,8 @@ def _model_folder(args) -> tuple[str, dict]:
     directory, extra = demo_model_source(model, flag=flag)
     if args.gguf_file:
         extra = {"gguf_file": args.gguf_file}
+    if getattr(args, "trust_remote_code", False):
+        extra = {**extra, "trust_remote_code": True}
     return directory, extra
 
 
@@ -67,15 +69,24 @@ def _load_engine(args, source: tuple[str, dict]):
     from .engine import PagedEngine  # noqa: PLC0415
 
     directory, extra = source
-    tokenizer = AutoTokenizer.from_pretrained(directory, **extra)
+    tokenizer_source = getattr(args, "tokenizer", None) or directory
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **(extra if tokenizer_source == directory else
+                                                                    _trust(extra)))
     name = extra.get("gguf_file") or directory.rstrip("/").split("/")[-1]
-    dtype = getattr(torch, args.dtype)
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, DTYPE_ALIASES.get(args.dtype, args.dtype))
     if args.tensor_parallel_size > 1:
         return PagedEngine.from_pretrained(directory, tokenizer, tensor_parallel_size=args.tensor_parallel_size,
                                            distributed_executor_backend=args.distributed_executor_backend,
                                            model_kwargs={"dtype": dtype, **extra}, **_engine_options(args)), name
     model = model_class(directory, extra).from_pretrained(directory, dtype=dtype, attn_implementation="paged", **extra)
     return PagedEngine(model, tokenizer, **_engine_options(args)), name
+
+
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's names
+
+
+def _trust(extra: dict) -> dict:
+    return {"trust_remote_code": True} if extra.get("trust_remote_code") else {}
 
 
 def configure_logging(level: str) -> None:
@@ -106,21 +117,44 @@ def _run_serve(args) -> int:
         keys = api_keys(args.api_key)
         check_generation_config(args.generation_config)
         _check_engine_options(args)  # before the weights load
+        template = _chat_template(args.chat_template)
         engine, name = _load_engine(args, source)
+        if template is not None:
+            engine.tokenizer.chat_template = template
+        if args.seed is not None:
+            import torch  # noqa: PLC0415
+
+            torch.manual_seed(args.seed)
         defaults = generation_defaults(engine.model, args.generation_config)
         processor, media = serve_media(args, *source)
-        app = build_app(engine, args.served_model_name or name, args.max_queue_len, args.max_request_bytes,
+        app = build_app(engine, args.served_model_name or [name], args.max_queue_len, args.max_request_bytes,
                         allow_unknown_fields=args.allow_unknown_fields, processor=processor, media=media,
                         api_keys=keys, sampling_defaults=defaults)
     except USER_ERRORS as error:
         return _report("serve", error)
+    if args.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware  # noqa: PLC0415
+
+        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                           allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     if defaults:
         logging.getLogger("paged_hf").info("default sampling parameters from the model's generation_config: %s "
                                            "(--generation-config vllm ignores them)", defaults)
     if keys:
         logging.getLogger("paged_hf").info("requests must carry one of %d API key(s)", len(keys))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
+                root_path=args.root_path)
     return 0
+
+
+def _chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the template itself (vLLM's rule: a path if one exists)."""
+    import os  # noqa: PLC0415
+
+    if value is None or not os.path.isfile(value):
+        return value
+    with open(value, encoding="utf-8") as handle:
+        return handle.read()
 
 
 # What a command's options or model can be wrong with: reported in one line, status 2 (a traceback at debug level)

@@ -182,7 +182,7 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
         logger.propagate = propagate
     assert {k: seen["engine"][k] for k in ("max_n", "max_logprobs", "max_stop_strings")} == \
         {"max_n": 3, "max_logprobs": 4, "max_stop_strings": 2}
-    assert seen["app"] == ("model", 9, 1000) and seen["uvicorn"]["log_level"] == "debug"
+    assert seen["app"] == (["model"], 9, 1000) and seen["uvicorn"]["log_level"] == "debug"
     assert seen["options"] == {"allow_unknown_fields": False, "processor": None, "media": MediaPolicy(),
                                "api_keys": [], "sampling_defaults": {}}
     assert seen["generation_config"] == "auto"

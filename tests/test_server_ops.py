@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ import paged_hf  # noqa: E402
 from paged_hf import PagedEngine  # noqa: E402
 from paged_hf.server.app import build_app  # noqa: E402
 from paged_hf.server.auth import api_keys  # noqa: E402
-from models import require_stories  # noqa: E402
+from models import require_stories, stories_tokenizer  # noqa: E402
 from test_server import Server, chat_stories  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,3 +123,50 @@ def test_bad_flags_end_serve_in_one_line_before_the_weights_load(flags, message)
     assert "Traceback" not in run.stderr
     assert re.search(message, run.stderr), run.stderr
     assert "Loading weights" not in run.stderr
+
+
+def test_vllm_serve_flags_take_effect(tmp_path):
+    """--served-model-name with two names, --chat-template FILE, --dtype auto, --tokenizer, --trust-remote-code,
+    --seed, --root-path, --allowed-origins (CORS), --api-key and --uvicorn-log-level, on one started server."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    stories = str(require_stories())
+    server = subprocess.Popen(
+        [sys.executable, "-m", "paged_hf_cli", "serve", stories, "--served-model-name", "first", "second",
+         "--chat-template", str(template), "--dtype", "auto", "--tokenizer", stories, "--trust-remote-code",
+         "--seed", "3", "--root-path", "/proxy", "--allowed-origins", '["https://app.example"]', "--api-key", "k",
+         "--uvicorn-log-level", "warning", "--enforce-eager", "--num-blocks", "64", "--port", str(port)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(1)
+        auth = {"Authorization": "Bearer k"}
+        assert [m["id"] for m in httpx.get(url + "/v1/models", headers=auth).json()["data"]] == ["first", "second"]
+        out = httpx.post(url + "/v1/completions", headers=auth, json={"model": "second", "prompt": "Once",
+                                                                       "max_tokens": 2}).json()
+        assert out["model"] == "second"
+        tokens = httpx.post(url + "/tokenize", headers=auth, json={
+            "messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False}).json()["tokens"]
+        tok = stories_tokenizer()
+        assert tokens == tok("<<user>>Hi", add_special_tokens=False)["input_ids"]
+        preflight = httpx.options(url + "/v1/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+        assert preflight.headers.get("access-control-allow-origin") == "https://app.example"
+        assert httpx.get(url + "/v1/models").status_code == 401
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+

@@ -44,11 +44,13 @@ DEFAULT_COMPLETION_TOKENS = 16
 logger = logging.getLogger("paged_hf")
 
 
-def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
+def build_app(engine: PagedEngine, model_name: str | list[str], max_queue_len: int = 256,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allow_unknown_fields: bool = False,
               processor=None, media: MediaPolicy | None = None, api_keys: list[str] | None = None,
               sampling_defaults: dict | None = None) -> FastAPI:
-    """The app; its engine loop starts and stops with the app's lifespan. ``allow_unknown_fields``: a request
+    """The app; its engine loop starts and stops with the app's lifespan. ``model_name``: the name clients send, or
+    several (``/v1/models`` lists them; a response carries the one its request named, else the first).
+    ``allow_unknown_fields``: a request
     field this server does not know is ignored with a warning instead of a 400 (vLLM's behaviour). ``processor``:
     the model's, for chat image parts; ``media``: which image URLs they may name (default: data: URLs only).
     ``api_keys``: the bearer keys every request but the probes must carry (``auth``; none: an open server).
@@ -56,6 +58,10 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
     generation_config, ``sampling_defaults.generation_defaults``); its ``max_tokens`` caps the default length."""
     if engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer: PagedEngine(model, tokenizer)")
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"model_name must be a non-empty name or list of names, got {model_name!r}")
+    model_name = names[0]
     metrics = ServerMetrics(model_name)
     loop = EngineLoop(engine, max_queue_len, on_output=metrics.observe)
     tokenize = PromptTokenizer(engine.tokenizer, engine.max_model_len)
@@ -87,8 +93,8 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
     async def client_gone(_raw: Request, _error: ClientGone):  # the client left while its body was read
         return Response(status_code=CLIENT_GONE)
 
-    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "paged_hf",
-                  "max_model_len": engine.max_model_len}
+    model_cards = {name: {"id": name, "object": "model", "created": 0, "owned_by": "paged_hf",
+                          "max_model_len": engine.max_model_len} for name in names}
 
     @app.get("/health")
     async def health():
@@ -117,17 +123,17 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card]}
+        return {"object": "list", "data": list(model_cards.values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != model_name:
+        if model_id not in model_cards:
             raise ApiError(404, f"The model `{model_id}` does not exist.", "model", "model_not_found")
-        return model_card
+        return model_cards[model_id]
 
     async def parse(raw: Request, model):
         body = await parse_body(await read_body(raw, max_request_bytes), model, allow_unknown_fields)
-        if getattr(body, "model", None) is not None and body.model != model_name:
+        if getattr(body, "model", None) is not None and body.model not in model_cards:
             raise ApiError(404, f"The model `{body.model}` does not exist.", "model", "model_not_found")
         body.check_supported()
         return body
@@ -185,8 +191,8 @@ def build_app(engine: PagedEngine, model_name: str, max_queue_len: int = 256,
             raise bad_request(error, rename) from None
         ids = [request_id for request_id, _ in submitted]
         queues = [outputs for _, outputs in submitted]
-        builder = ResponseBuilder(model_name, chat, params.n, decode, logprobs, body.request_id, token_bytes, echo,
-                                  params.skip_special_tokens)
+        builder = ResponseBuilder(getattr(body, "model", None) or model_name, chat, params.n, decode, logprobs,
+                                  body.request_id, token_bytes, echo, params.skip_special_tokens)
         if body.stream:
             return StreamingResponse(events(loop, ids, queues, builder, body.include_usage, body.continuous_usage),
                                      media_type="text/event-stream")
