@@ -80,12 +80,6 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
     biased = [r for r, p in enumerate(params) if p.logit_bias]
     if biased:
         logits = _apply_logit_bias(logits if logits is not raw else logits.clone(), biased, params)
-    banned = _bad_word_ends(seqs)
-    if banned:
-        logits = logits if logits is not raw else logits.clone()
-        rows, token_ids = zip(*banned)
-        logits.index_put_((torch.tensor(rows, device=logits.device), torch.tensor(token_ids, device=logits.device)),
-                          torch.tensor(float("-inf"), device=logits.device))
     restricted = [r for r, p in enumerate(params) if p.allowed_token_ids is not None]
     if restricted:
         logits = _allow_only(logits if logits is not raw else logits.clone(), restricted, params)
@@ -93,9 +87,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
                  or p.frequency_penalty]
     if penalized:
         logits = _apply_penalties(logits, penalized, seqs, params)
-    if held_back:
+    banned = held_back + _bad_word_ends(seqs)  # -inf after the penalties, which keep -inf as it is
+    if banned:
         logits = logits if logits is not raw else logits.clone()
-        rows, token_ids = zip(*held_back)
+        rows, token_ids = zip(*banned)
         logits.index_put_((torch.tensor(rows, device=logits.device), torch.tensor(token_ids, device=logits.device)),
                           torch.tensor(float("-inf"), device=logits.device))
 

@@ -70,8 +70,8 @@ class ServerMetrics:
                                      registry=r)
         self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                              "accepted draft tokens at each draft position", ["position"], registry=r)
-        # counter -> the engine's total when last rendered (a counter grows by the difference)
-        self._spec_seen: dict[tuple, int] = {}
+        # id of a counter (a labelled child too: prometheus_client keeps each) -> the engine's total when last rendered
+        self._totals_seen: dict[int, int] = {}
         self._last: dict[str, float] = {}
 
     def observe(self, out, now: float) -> None:
@@ -113,20 +113,16 @@ class ServerMetrics:
         self.vllm_running.labels(name).set(stats.num_running)
         self.vllm_waiting.labels(name).set(stats.num_waiting)
         self.vllm_kv_usage.labels(name).set(stats.kv_cache_used / stats.kv_cache_total if stats.kv_cache_total else 0)
-        for counter, total in ((self.vllm_prefix_queries, stats.prefix_cache_queries),
-                               (self.vllm_prefix_hits, stats.prefix_cache_hits),
-                               (self.vllm_preemptions, stats.preemption_count),
-                               (self.vllm_generation_tokens, stats.generated_tokens)):
-            key = (counter,)
-            counter.labels(name).inc(max(total - self._spec_seen.get(key, 0), 0))
-            self._spec_seen[key] = total
-        totals = [((self.spec_drafts,), stats.spec_decode_num_drafts),
-                  ((self.spec_draft_tokens,), stats.spec_decode_num_draft_tokens),
-                  ((self.spec_accepted,), stats.spec_decode_num_accepted_tokens)]
-        totals += [((self.spec_accepted_per_pos, str(j)), n)
+        totals = [(self.vllm_prefix_queries.labels(name), stats.prefix_cache_queries),
+                  (self.vllm_prefix_hits.labels(name), stats.prefix_cache_hits),
+                  (self.vllm_preemptions.labels(name), stats.preemption_count),
+                  (self.vllm_generation_tokens.labels(name), stats.generated_tokens),
+                  (self.spec_drafts, stats.spec_decode_num_drafts),
+                  (self.spec_draft_tokens, stats.spec_decode_num_draft_tokens),
+                  (self.spec_accepted, stats.spec_decode_num_accepted_tokens)]
+        totals += [(self.spec_accepted_per_pos.labels(position=str(j)), n)
                    for j, n in enumerate(stats.spec_decode_num_accepted_tokens_per_pos)]
-        for key, total in totals:  # the engine keeps totals; a counter only grows by the difference
-            counter = key[0].labels(position=key[1]) if len(key) > 1 else key[0]
-            counter.inc(total - self._spec_seen.get(key, 0))
-            self._spec_seen[key] = total
+        for counter, total in totals:  # the engine keeps totals; a counter only grows by the difference
+            counter.inc(max(total - self._totals_seen.get(id(counter), 0), 0))
+            self._totals_seen[id(counter)] = total
         return generate_latest(self.registry)
