@@ -248,11 +248,12 @@ def _add_serve(subcommands) -> None:
     parser.add_argument("--allowed-origins", type=_json_list, default=None, metavar="JSON",
                         help="""browser origins CORS lets call the server, e.g. '["https://app.example"]' (default: """
                              "none: no CORS headers)")
-    parser.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
+    parser.add_argument("--allowed-methods", type=_json_list, default=None, metavar="JSON",
                         help="with --allowed-origins: the methods they may use (default: all)")
-    parser.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
+    parser.add_argument("--allowed-headers", type=_json_list, default=None, metavar="JSON",
                         help="with --allowed-origins: the headers they may send (default: all)")
-    parser.add_argument("--allow-credentials", action="store_true", help="with --allowed-origins: allow cookies")
+    parser.add_argument("--allow-credentials", action="store_true", default=None,
+                        help="with --allowed-origins: allow cookies")
     parser.add_argument("--uvicorn-log-level", type=str.lower, choices=LOG_LEVELS + ["trace"], default=None,
                         help="uvicorn's own log level (default: --log-level)")
     parser.add_argument("--allow-unknown-fields", action="store_true",

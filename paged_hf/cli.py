@@ -115,6 +115,7 @@ def _run_serve(args) -> int:
     configure_logging(args.log_level)
     try:
         keys = api_keys(args.api_key)
+        _check_cors(args)
         check_generation_config(args.generation_config)
         _check_engine_options(args)  # before the weights load
         template = _chat_template(args.chat_template)
@@ -135,8 +136,9 @@ def _run_serve(args) -> int:
     if args.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware  # noqa: PLC0415
 
-        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
-                           allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
+                           allow_methods=args.allowed_methods or ["*"], allow_headers=args.allowed_headers or ["*"],
+                           allow_credentials=bool(args.allow_credentials))
     if defaults:
         logging.getLogger("paged_hf").info("default sampling parameters from the model's generation_config: %s "
                                            "(--generation-config vllm ignores them)", defaults)
@@ -165,6 +167,15 @@ def _report(command: str, error: BaseException) -> int:
     logging.getLogger("paged_hf").debug("paged-hf %s failed", command, exc_info=error)
     print(f"paged-hf {command}: {type(error).__name__}: {error}", file=sys.stderr)
     return 2
+
+
+def _check_cors(args) -> None:
+    """ValueError for a CORS option given without ``--allowed-origins``, which alone turns CORS on."""
+    given = [flag for flag, value in (("--allowed-methods", args.allowed_methods),
+                                      ("--allowed-headers", args.allowed_headers),
+                                      ("--allow-credentials", args.allow_credentials)) if value is not None]
+    if given and not args.allowed_origins:
+        raise ValueError(f"{', '.join(given)} need --allowed-origins (CORS is off without it)")
 
 
 def _check_engine_options(args) -> None:

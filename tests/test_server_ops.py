@@ -114,6 +114,7 @@ def test_the_api_key_comes_from_the_flag_else_vllms_variable(monkeypatch):
     (["--generation-config", "nowhere"], "generation_config must be 'auto', 'vllm' or a folder"),
     (["--port", "70000"], "must be a port number in \\[0, 65535\\], got 70000"),
     (["--max-model-len", "1k"], "must be a positive integer, got '1k'"),
+    (["--allow-credentials"], "--allow-credentials need --allowed-origins"),
 ])
 def test_bad_flags_end_serve_in_one_line_before_the_weights_load(flags, message):
     run = subprocess.run([sys.executable, "-m", "paged_hf_cli", "serve", str(require_stories()), *flags],
