@@ -217,6 +217,21 @@ def test_ignore_eos_still_ends_where_the_grammar_ends(engine):
     assert out.finish_reason == "stop" and out.text in ("yes", "no")
 
 
+def test_min_tokens_yields_to_a_complete_value_as_vllm(engine):
+    """Once the value is complete only the end token may follow; ``min_tokens`` would hold it back: the constraint
+    wins (vLLM's outcome), the output ends there, valid, never a failed request."""
+    choice = engine.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.0, min_tokens=5,
+                                                        structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+                             use_tqdm=False)[0].outputs[0]
+    assert (choice.finish_reason, choice.text in ("yes", "no")) == ("stop", True), (choice.finish_reason, choice.text)
+    person = engine.generate(PROMPTS[1], SamplingParams(max_tokens=120, temperature=1.0, seed=2, min_tokens=100,
+                                                        structured_outputs=StructuredOutputsParams(json=PERSON)),
+                             use_tqdm=False)[0].outputs[0]
+    assert person.finish_reason in ("stop", "length")
+    if person.finish_reason == "stop":
+        jsonschema.validate(json.loads(person.text), PERSON)
+
+
 def test_a_compiling_grammar_holds_up_no_other_request(tiny, monkeypatch):
     engine = make_engine(tiny)
     release = threading.Event()
@@ -324,6 +339,15 @@ def test_equal_specs_share_one_compilation(engine):
     b = engine.grammars.submit(StructuredOutputsParams(json='{"properties": {"a": {"type": "integer"}}, '
                                                             '"type": "object"}'))
     assert a is b
+    # but properties in another order are another grammar: they come out in their schema's order
+    ab = {"type": "object", "properties": {"a": {"type": "integer", "enum": [1]}, "b": {"type": "integer", "enum": [2]}},
+          "required": ["a", "b"]}
+    ba = {**ab, "properties": dict(reversed(ab["properties"].items()))}
+    assert StructuredOutputsParams(json=ab).key != StructuredOutputsParams(json=ba).key
+    for schema in (ab, ba, ab):
+        out = engine.generate(PROMPTS[0], constrained(40, 0.0, json=schema, disable_any_whitespace=True),
+                              use_tqdm=False)[0].outputs[0]
+        assert list(json.loads(out.text)) == list(schema["properties"]), out.text
 
 
 @pytest.mark.xfail(strict=True, reason="xgrammar 0.2.9: a string with maxLength admits raw control characters, "

@@ -106,3 +106,18 @@ def test_a_row_whose_history_changes_is_replayed(tiny):
     masked = processor(torch.tensor([prompt[1] + [c], prompt[0] + [a]]), scores)  # the rows swapped
     assert masked[0, d] == 0 and masked[0, b] == float("-inf")
     assert masked[1, b] == 0 and masked[1, d] == float("-inf")
+
+
+def test_min_new_tokens_yields_to_a_complete_value_and_a_reused_processor_starts_afresh(tiny):
+    """``min_new_tokens`` holds back the end token that alone may follow a complete value: the grammar wins (the
+    output ends there, valid), never a row freed of its mask. The same processor passed to a second ``generate``
+    with other prompts constrains that call from its own start."""
+    model, tok = tiny
+    processor = StructuredLogitsProcessor(StructuredOutputsParams(choice=["yes", "no"]), tok)
+    for prompts in (PROMPTS, PROMPTS[1:], ["A completely different and much longer prompt than before"]):
+        batch = tok(prompts, return_tensors="pt", padding=True)
+        out = model.generate(**batch, max_new_tokens=12, min_new_tokens=8, do_sample=False,
+                             pad_token_id=tok.pad_token_id, logits_processor=[processor])
+        for tokens in generated(tok, batch, out):
+            assert tok.decode(tokens, skip_special_tokens=True) in ("yes", "no"), tok.decode(tokens)
+            assert tokens[-1] == tok.eos_token_id

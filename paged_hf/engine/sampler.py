@@ -64,6 +64,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
         return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(seqs), {})
     params = [seq.request.params for seq in seqs]
     held_back = _held_back_stops(seqs, params, eos_token_ids, logits.shape[-1])
+    if held_back and summary.grammar:
+        held_back = _yield_to_grammars(logits, seqs, held_back)
     if not held_back and all(p.plain_greedy for p in params):  # min_tokens, all reached
         return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(seqs), {})
     raw = logits
@@ -173,6 +175,20 @@ def _held_back_stops(seqs: list[Sequence], params, eos_token_ids: Collection[int
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             pairs.extend((row, token) for token in sorted(stops) if 0 <= token < vocab)
     return pairs
+
+
+def _yield_to_grammars(masked: torch.Tensor, seqs: list[Sequence], held_back: list[tuple[int, int]]
+                       ) -> list[tuple[int, int]]:
+    """``held_back`` without the pairs of a row whose grammar allows nothing else now (its value is complete: only
+    an end token may follow): the constraint wins over ``min_tokens``, as in vLLM. ``masked``: the grammar-masked
+    logits."""
+    by_row: dict[int, set[int]] = {}
+    for row, token in held_back:
+        if seqs[row].grammar is not None:
+            by_row.setdefault(row, set()).add(token)
+    complete = {row for row, tokens in by_row.items()
+                if set(torch.isfinite(masked[row]).nonzero().view(-1).tolist()) <= tokens}
+    return [(row, token) for row, token in held_back if row not in complete]
 
 
 def _bad_word_ends(seqs) -> list[tuple[int, int]]:

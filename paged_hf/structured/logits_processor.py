@@ -6,8 +6,11 @@
 Each row of the batch keeps its own matcher, synchronized at every call with the row's generated tokens (those
 after the prompt): new tokens advance it, and a row whose history changed (beam search reorders its rows, assisted
 decoding crops them) is replayed from the start. A row whose grammar has ended (it drew an end token, then
-``generate`` pads it) is left unmasked. One processor serves one ``generate`` call (it records the prompt length on
-its first call).
+``generate`` pads it) is left unmasked. Where the processors before this one left a row none of the tokens its
+grammar allows (``min_new_tokens`` holding back the end token of a complete value), those tokens get score 0: the
+constraint wins, as in vLLM's engine. The processor records its ``generate`` call's prompt on its first call; a call
+with another prompt (another batch, or the same processor passed to a second ``generate``) starts it afresh. A
+second call whose prompt extends the first one's output needs a new processor.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class StructuredLogitsProcessor(LogitsProcessor):
         self.tokenizer = tokenizer
         self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self._compiled = None
-        self._prompt_len: int | None = None
+        self._prompt: torch.Tensor | None = None  # [B, prompt length]: the ids of this generate call's prompt
         self._rows: list[_Row] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -75,12 +78,25 @@ class StructuredLogitsProcessor(LogitsProcessor):
         if self._compiled is None:
             cache = GrammarCompilerCache(self.tokenizer, scores.shape[-1], self.eos_token_ids)
             self._compiled = cache.compile(self.spec)
-            self._prompt_len = input_ids.shape[1]
+        if not self._same_call(input_ids):
+            self._prompt, self._rows = input_ids.clone(), []
         while len(self._rows) < input_ids.shape[0]:
             self._rows.append(_Row(self._compiled))
-        generated = input_ids[:, self._prompt_len:].tolist()
+        generated = input_ids[:, self._prompt.shape[1]:].tolist()
         grammars = [row.sync(tokens) for row, tokens in zip(self._rows, generated)]
-        return mask_logits(scores, grammars).to(scores.dtype)
+        masked = mask_logits(scores, grammars)
+        emptied = [r for r, grammar in enumerate(grammars)
+                   if grammar is not None and not bool(torch.isfinite(masked[r]).any())]
+        if emptied:  # the processors before this one removed every allowed token: the grammar's own mask wins
+            allowed = mask_logits(torch.zeros_like(scores[emptied]), [grammars[r] for r in emptied])
+            masked[emptied] = allowed
+        return masked.to(scores.dtype)
+
+    def _same_call(self, input_ids: torch.Tensor) -> bool:
+        """Whether ``input_ids`` continue the prompt this processor started on (else a new ``generate`` call)."""
+        prompt = self._prompt
+        return prompt is not None and input_ids.shape[0] == prompt.shape[0] and \
+            input_ids.shape[1] >= prompt.shape[1] and torch.equal(input_ids[:, :prompt.shape[1]], prompt)
 
 
 class JSONSchemaLogitsProcessor(StructuredLogitsProcessor):

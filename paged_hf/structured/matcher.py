@@ -11,8 +11,8 @@ from .grammar import xgrammar_module
 
 
 class GrammarRejected(ValueError):
-    """A token the grammar does not allow was drawn (something after the mask forced it: ``min_tokens`` holding
-    back the only allowed end token, a logits processor)."""
+    """A token the grammar does not allow was drawn (something after the mask forced it: a logits processor, a
+    logit bias or ``allowed_token_ids`` leaving no allowed token)."""
 
 
 class SequenceGrammar:
@@ -26,8 +26,8 @@ class SequenceGrammar:
         """Advances past ``token``; ``GrammarRejected`` if the grammar does not allow it here."""
         if not self.matcher.accept_token(token):
             raise GrammarRejected(f"token {token} at output position {self.num_accepted} is not allowed by the "
-                                  f"request's structured output grammar (min_tokens or a logits processor forced it "
-                                  f"past the mask)")
+                                  f"request's structured output grammar (a logits processor, logit_bias or "
+                                  f"allowed_token_ids forced it past the mask)")
         self.num_accepted += 1
 
     @property

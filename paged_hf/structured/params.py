@@ -71,14 +71,27 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> tuple:
-        """What identifies the compiled grammar (the cache key): equal specs share one compilation."""
+        """What identifies the compiled grammar (the cache key): equal specs share one compilation. A schema's key
+        ignores the order of its keywords but keeps its properties' order, which the grammar writes them in
+        (``{a, b}`` and ``{b, a}`` differ)."""
         key = self.__dict__.get("_key")
         if key is None:
             value = getattr(self, self.kind)
-            text = _json.dumps(value, sort_keys=True) if self.kind == "json" else value
+            text = _json.dumps(_canonical(value)) if self.kind == "json" else value
             key = (self.kind, text, self.disable_any_whitespace)
             object.__setattr__(self, "_key", key)
         return key
+
+
+def _canonical(value, ordered: bool = False):
+    """``value`` with every object's keys sorted, but a ``properties`` object's (``ordered``): their order is the
+    output's."""
+    if isinstance(value, dict):
+        items = value.items() if ordered else sorted(value.items())
+        return {key: _canonical(item, key == "properties" and not ordered) for key, item in items}  # dumped in order
+    if isinstance(value, list):
+        return [_canonical(item) for item in value]
+    return value
 
 
 def _schema(schema) -> dict:
