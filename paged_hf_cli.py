@@ -31,6 +31,7 @@ from collections.abc import Sequence
 # checks that the two agree.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
 CUDAGRAPH_MODES = ("FULL_DECODE_ONLY", "NONE")  # paged_hf.config.CUDAGRAPH_MODES, likewise
+TOOL_CALL_PARSERS = ("hermes",)  # paged_hf.server.tools.TOOL_CALL_PARSERS, likewise
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 # benchmarks/ of a source checkout: every NAME.py there (but _common.py) is a `paged-hf bench NAME`.
 BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks")
@@ -256,6 +257,12 @@ def _add_serve(subcommands) -> None:
                         help="with --allowed-origins: allow cookies")
     parser.add_argument("--uvicorn-log-level", type=str.lower, choices=LOG_LEVELS + ["trace"], default=None,
                         help="uvicorn's own log level (default: --log-level)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let requests with tools leave tool_choice "auto" (its default): the model decides, and '
+                             "--tool-call-parser reads its calls from the text")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="the tool-call format of the model's chat template, for --enable-auto-tool-choice "
+                             "(hermes: <tool_call>{...}</tool_call>, as Hermes and Qwen 2.5/3 write them)")
     parser.add_argument("--allow-unknown-fields", action="store_true",
                         help="ignore request fields this server does not know, with a warning, instead of a 400 "
                              "naming them (vLLM's behaviour)")

@@ -116,6 +116,7 @@ def _run_serve(args) -> int:
     try:
         keys = api_keys(args.api_key)
         _check_cors(args)
+        _tool_call_parser(args)
         check_generation_config(args.generation_config)
         _check_engine_options(args)  # before the weights load
         template = _chat_template(args.chat_template)
@@ -130,7 +131,7 @@ def _run_serve(args) -> int:
         processor, media = serve_media(args, *source)
         app = build_app(engine, args.served_model_name or [name], args.max_queue_len, args.max_request_bytes,
                         allow_unknown_fields=args.allow_unknown_fields, processor=processor, media=media,
-                        api_keys=keys, sampling_defaults=defaults)
+                        api_keys=keys, sampling_defaults=defaults, tool_call_parser=_tool_call_parser(args))
     except USER_ERRORS as error:
         return _report("serve", error)
     if args.allowed_origins:
@@ -176,6 +177,14 @@ def _check_cors(args) -> None:
                                       ("--allow-credentials", args.allow_credentials)) if value is not None]
     if given and not args.allowed_origins:
         raise ValueError(f"{', '.join(given)} need --allowed-origins (CORS is off without it)")
+
+
+def _tool_call_parser(args) -> str | None:
+    """The parser ``tool_choice: "auto"`` uses: ``--tool-call-parser`` under ``--enable-auto-tool-choice``, which
+    needs one (vLLM's rule); None when auto tool choice is off."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def _check_engine_options(args) -> None:

@@ -271,8 +271,10 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request (vLLM's names). ``temperature`` below ``GREEDY_BELOW`` (1e-5, as vLLM) is greedy:
-    the limit of sampling as the temperature goes to 0 (dividing float32 logits by 1e-45 would overflow to NaN).
+    """How to sample one request (vLLM's names). ``temperature`` in [0, 2] (OpenAI's and vLLM's range); below
+    ``GREEDY_BELOW`` (1e-5, as vLLM) it is greedy: the limit of sampling as the temperature goes to 0 (dividing
+    float32 logits by 1e-45 would overflow to NaN). ``n > 1`` with greedy sampling gives n equal samples (OpenAI
+    accepts it; vLLM refuses it).
 
     ``logprobs=k``: each generated token's logprob (and its rank) plus the ``k`` most likely tokens';
     ``prompt_logprobs=k``: the same for every prompt token after the first. Logprobs are those of the model's raw
@@ -323,7 +325,7 @@ class SamplingParams:
         _check_int("n", self.n, 1)
         _check_int("max_tokens", self.max_tokens, 1, allow_none=True)
         _check_int("min_tokens", self.min_tokens, 0, maximum=self.max_tokens)
-        _check_number("temperature", self.temperature, 0.0, float("inf"))
+        _check_number("temperature", self.temperature, 0.0, 2.0)  # OpenAI's and vLLM's range
         _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ParameterError("top_k", f"top_k must be 0 or -1 (off) or an int >= 1, got {self.top_k!r}")

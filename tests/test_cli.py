@@ -12,6 +12,7 @@ import pytest
 
 from paged_hf import cli, demo
 from paged_hf.config import CUDAGRAPH_MODES, KV_CACHE_DTYPES, EngineConfig
+from paged_hf.server.tools import TOOL_CALL_PARSERS
 from models import require_stories, smollm2_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,9 +172,9 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
         assert logger.level == logging.DEBUG and any(getattr(h, "paged_hf_cli", False) for h in logger.handlers)
         first = dict(seen)
         assert cli.main(["serve", "--allow-unknown-fields", "--api-key", "k1", "k2", "--generation-config",
-                         "vllm"]) == 0 and seen["options"] == {
-            "allow_unknown_fields": True, "processor": None, "media": MediaPolicy(), "api_keys": ["k1", "k2"],
-            "sampling_defaults": {}}
+                         "vllm", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) == 0 and \
+            seen["options"] == {"allow_unknown_fields": True, "processor": None, "media": MediaPolicy(),
+                                "api_keys": ["k1", "k2"], "sampling_defaults": {}, "tool_call_parser": "hermes"}
         assert seen["generation_config"] == "vllm"
         seen.update(first)
     finally:
@@ -184,7 +185,7 @@ def test_serve_options_reach_the_engine_the_app_and_the_log(monkeypatch):
         {"max_n": 3, "max_logprobs": 4, "max_stop_strings": 2}
     assert seen["app"] == (["model"], 9, 1000) and seen["uvicorn"]["log_level"] == "debug"
     assert seen["options"] == {"allow_unknown_fields": False, "processor": None, "media": MediaPolicy(),
-                               "api_keys": [], "sampling_defaults": {}}
+                               "api_keys": [], "sampling_defaults": {}, "tool_call_parser": None}
     assert seen["generation_config"] == "auto"
 
 
@@ -292,6 +293,7 @@ def test_serve_pins_openmp_before_torch_starts_and_passes_the_engine_options(mon
         {"cudagraph_mode": "NONE", "cudagraph_capture_sizes": [1, 2, 8]}
     assert EngineConfig(**cli._engine_options(args)).cudagraph_capture_sizes == (1, 2, 8)
     assert paged_hf_cli.CUDAGRAPH_MODES == CUDAGRAPH_MODES  # the parser imports no torch, so it repeats them
+    assert paged_hf_cli.TOOL_CALL_PARSERS == TOOL_CALL_PARSERS
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,

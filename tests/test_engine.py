@@ -264,6 +264,9 @@ def test_engine_config_rejects_bad_values(stories):
         engine_for(stories, kv_cache_dtype="int2")
     with pytest.raises(ValueError, match=r"top_p must be in \(0.0, 1.0\]"):
         SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match=r"temperature must be in \[0.0, 2.0\], got 2.5"):  # OpenAI's, vLLM's range
+        SamplingParams(temperature=2.5)
+    assert SamplingParams(temperature=2.0).temperature == 2.0
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['max_batch_size'\]"):
         engine_for(stories, max_batch_size=3)
     with pytest.raises(ValueError, match=r"kv_cache_memory must be in \(0.0, inf\]"):

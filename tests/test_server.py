@@ -136,9 +136,14 @@ def test_chat_stop_and_n(stories, client):
                                    "user: Tell me a story.\n")
     # as transformers does, the chat template's text is tokenized without extra special tokens
     assert text == greedy_reference(stories, prompt, 20, add_special_tokens=False)
-    chunks = client.chat.completions.create(model="stories260K", messages=messages, max_tokens=20, temperature=0,
-                                            stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    chunks = list(client.chat.completions.create(model="stories260K", messages=messages, max_tokens=20,
+                                                 temperature=0, stream=True, n=2))
+    # each choice opens with a role-only chunk (as vLLM and OpenAI send it), then only content
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert (mine[0].delta.role, mine[0].delta.content, mine[0].finish_reason) == ("assistant", "", None)
+        assert all(c.delta.role is None for c in mine[1:]) and mine[-1].finish_reason == "length"
+        assert "".join(c.delta.content or "" for c in mine) == text
     stop = greedy_reference(stories, story_openings()[0], 24).split()[2]
     stopped = client.completions.create(model="stories260K", prompt=story_openings()[0], max_tokens=24,
                                         temperature=0, stop=[stop])

@@ -115,6 +115,8 @@ def test_the_api_key_comes_from_the_flag_else_vllms_variable(monkeypatch):
     (["--port", "70000"], "must be a port number in \\[0, 65535\\], got 70000"),
     (["--max-model-len", "1k"], "must be a positive integer, got '1k'"),
     (["--allow-credentials"], "--allow-credentials need --allowed-origins"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["--tool-call-parser", "mistral"], "argument --tool-call-parser: invalid choice: 'mistral'"),
 ])
 def test_bad_flags_end_serve_in_one_line_before_the_weights_load(flags, message):
     run = subprocess.run([sys.executable, "-m", "paged_hf_cli", "serve", str(require_stories()), *flags],

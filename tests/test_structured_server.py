@@ -119,6 +119,36 @@ def test_a_streamed_guided_output_adds_up_to_valid_json(server):
     jsonschema.validate(json.loads("".join(parts)), PERSON)
 
 
+def strict_json(text: str):
+    """JSON as strict parsers (JavaScript's, OpenAI's SDKs) read it: no Infinity or NaN."""
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_logprobs_of_masked_tokens_are_vllms_floor_not_infinity(server):
+    """A constraint masks tokens to -inf; ``top_logprobs`` beyond the allowed tokens carries them: as -9999.0 (vLLM's
+    floor), whole or streamed, never ``-Infinity`` (not JSON) or a 500."""
+    completion = {"prompt": "Yes or no?", "max_tokens": 4, "temperature": 0, "guided_choice": ["yes", "no"],
+                  "logprobs": 3}
+    chat = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "guided_choice": ["yes", "no"],
+            "logprobs": True, "top_logprobs": 3}
+    found = []
+    for path, body in ((COMPLETIONS, completion), (CHAT, chat)):
+        response = post(server, path, body)
+        assert response.status_code == 200, response.text
+        logprobs = strict_json(response.text)["choices"][0]["logprobs"]
+        if path == COMPLETIONS:
+            found += [v for top in logprobs["top_logprobs"] for v in top.values()]
+        else:
+            found += [alt["logprob"] for entry in logprobs["content"] for alt in entry["top_logprobs"]]
+        with httpx.stream("POST", server[0].url + path, json={**body, "stream": True}, timeout=120) as streamed:
+            for line in streamed.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    strict_json(line[6:])
+    assert -9999.0 in found and min(found) == -9999.0
+
+
 @pytest.mark.parametrize("path, body, param, message", [
     (COMPLETIONS, {"guided_json": {"type": "foo"}}, "guided_json", 'guided_json: cannot be compiled (xgrammar): '
                                                                    'Unsupported type "foo"'),

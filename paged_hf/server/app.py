@@ -35,7 +35,8 @@ from .metrics import ServerMetrics
 from .prompts import PromptTokenizer
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import Echo, ResponseBuilder, collect, events
-from .structured import check_compiles
+from .structured import StructuredField, check_compiles
+from .tools import TOOL_CALL_PARSERS, ToolPlan
 from .tokenizer_api import add_tokenizer_routes
 
 # When a request gives no max_tokens (vLLM's and OpenAI's defaults): a completion gets 16 tokens, a chat completion
@@ -47,7 +48,7 @@ logger = logging.getLogger("paged_hf")
 def build_app(engine: PagedEngine, model_name: str | list[str], max_queue_len: int = 256,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allow_unknown_fields: bool = False,
               processor=None, media: MediaPolicy | None = None, api_keys: list[str] | None = None,
-              sampling_defaults: dict | None = None) -> FastAPI:
+              sampling_defaults: dict | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """The app; its engine loop starts and stops with the app's lifespan. ``model_name``: the name clients send, or
     several (``/v1/models`` lists them; a response carries the one its request named, else the first).
     ``allow_unknown_fields``: a request
@@ -55,7 +56,11 @@ def build_app(engine: PagedEngine, model_name: str | list[str], max_queue_len: i
     the model's, for chat image parts; ``media``: which image URLs they may name (default: data: URLs only).
     ``api_keys``: the bearer keys every request but the probes must carry (``auth``; none: an open server).
     ``sampling_defaults``: ``{SamplingParams field: value}`` for fields a request leaves out (the model's
-    generation_config, ``sampling_defaults.generation_defaults``); its ``max_tokens`` caps the default length."""
+    generation_config, ``sampling_defaults.generation_defaults``); its ``max_tokens`` caps the default length.
+    ``tool_call_parser``: the format whose tool calls ``tool_choice: "auto"`` reads from the model's text (one of
+    ``tools.TOOL_CALL_PARSERS``; None: auto tool choice is off, as vLLM without ``--enable-auto-tool-choice``)."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
     if engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer: PagedEngine(model, tokenizer)")
     names = [model_name] if isinstance(model_name, str) else list(model_name)
@@ -158,6 +163,13 @@ def build_app(engine: PagedEngine, model_name: str | list[str], max_queue_len: i
         max_tokens = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         rename = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
         params = sampling_params(body, defaults, body.num_top_logprobs, rename, body.prompt_logprobs)
+        tools = body.tool_plan(tool_call_parser)
+        structured = body.structured()
+        if tools is not None and tools.constraint() is not None:
+            structured = StructuredField(tools.constraint(), "tool_choice", f"tool_choice {tools.mode!r}")
+            params = dataclasses.replace(params, structured_outputs=structured.spec)
+        if tools is not None and tools.keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         options = body.submit_options()
         if body.num_images:
             prompt, options["images"] = await image_prompts.chat(
@@ -167,13 +179,15 @@ def build_app(engine: PagedEngine, model_name: str | list[str], max_queue_len: i
             prompt = await tokenize.chat(body.chat(), body.template_kwargs(), body.add_generation_prompt is not False,
                                          bool(body.add_special_tokens), _truncation(body))
         return await run(raw, body, [prompt], params, chat=True, logprobs=body.num_top_logprobs, rename=rename,
-                         echo=Echo(prompt_logprobs=body.prompt_logprobs), options=options)
+                         echo=Echo(prompt_logprobs=body.prompt_logprobs), options=options, structured=structured,
+                         tools=tools)
 
     add_tokenizer_routes(app, engine, tokenize, parse)
 
     async def run(raw: Request, body, prompts: list, params: SamplingParams, chat: bool, logprobs, rename, echo,
-                  options: dict | None = None):
-        structured = body.structured()
+                  options: dict | None = None, structured: StructuredField | None = None,
+                  tools: ToolPlan | None = None):
+        structured = structured if structured is not None else body.structured()
         if structured is not None:
             await check_compiles(engine.grammars, structured)
             rename = {**rename, "structured_outputs": structured.field}
@@ -192,7 +206,7 @@ def build_app(engine: PagedEngine, model_name: str | list[str], max_queue_len: i
         ids = [request_id for request_id, _ in submitted]
         queues = [outputs for _, outputs in submitted]
         builder = ResponseBuilder(getattr(body, "model", None) or model_name, chat, params.n, decode, logprobs,
-                                  body.request_id, token_bytes, echo, params.skip_special_tokens)
+                                  body.request_id, token_bytes, echo, tools)
         if body.stream:
             return StreamingResponse(events(loop, ids, queues, builder, body.include_usage, body.continuous_usage),
                                      media_type="text/event-stream")

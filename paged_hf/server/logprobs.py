@@ -9,7 +9,8 @@ come first, the first of them with ``null`` logprobs (nothing predicts it).
 
 Chat: each entry carries the token's own bytes (``TokenBytes``): a byte-fallback token (``<0xE2>``) or a byte-level
 BPE token holds raw bytes; when they are not valid UTF-8 alone (part of a character), ``token`` is OpenAI's
-``"bytes:\\xe2\\x80"`` form. Special tokens (an end-of-turn token) are not part of the content: they get no entry.
+``"bytes:\\xe2\\x80"`` form. A special token (the end-of-turn token that ended the output) gets an entry named by
+its piece, as in vLLM: the entries are one per completion token, though the content leaves that token's text out.
 
 An alternative's text is what it would have added after the same previous tokens. One ``ChoiceLogprobs`` per
 choice keeps that state across the chunks of a stream.
@@ -23,6 +24,12 @@ import re
 from ..engine.detokenizer import IncrementalDetokenizer
 
 CONTEXT_TOKENS = 4  # previous tokens an alternative is decoded after
+LOWEST_LOGPROB = -9999.0  # what JSON carries for -inf (a token a constraint masked): vLLM's floor
+
+
+def json_logprob(value: float) -> float:
+    """``value`` as JSON can carry it: -inf (and anything below) is ``LOWEST_LOGPROB``, as vLLM sends it."""
+    return max(value, LOWEST_LOGPROB)
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -83,13 +90,11 @@ def openai_token(raw: bytes) -> str:
 class ChoiceLogprobs:
     """Names and formats the logprobs of one choice, chunk after chunk."""
 
-    def __init__(self, decode, token_bytes: TokenBytes | None = None, skip_special_tokens: bool = True,
-                 prompt_token_ids=()) -> None:
+    def __init__(self, decode, token_bytes: TokenBytes | None = None, prompt_token_ids=()) -> None:
         """``prompt_token_ids``: the prompt the choice continues (when its tokens are not fed here first, as an
         echo does); its last tokens name the first token in context, as the engine's text has it."""
         self.decode = decode
         self.token_bytes = token_bytes
-        self.skip_special = skip_special_tokens  # chat: special tokens get no entry (not part of the content)
         self.token_ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.detokenizer = IncrementalDetokenizer(decode, len(self.token_ids), self.token_ids)
         self.offset = 0  # characters of text before the next token
@@ -125,8 +130,8 @@ class ChoiceLogprobs:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
                 continue
-            out["token_logprobs"].append(entry[token].logprob)
-            out["top_logprobs"].append({names[t]: lp.logprob for t, lp in entry.items()
+            out["token_logprobs"].append(json_logprob(entry[token].logprob))
+            out["top_logprobs"].append({names[t]: json_logprob(lp.logprob) for t, lp in entry.items()
                                         if top is None or lp.rank <= top or t == token})
         return out
 
@@ -134,17 +139,15 @@ class ChoiceLogprobs:
         """``/v1/chat/completions``: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]} for the new
         content tokens (``top_logprobs``: the ``top`` most likely, in rank order)."""
         content = []
-        special = self.token_bytes.special_ids if self.token_bytes is not None and self.skip_special else frozenset()
         for token, _, entry, _, window, context in self._named(token_ids, entries):
-            if token in special:
-                continue
             ranked = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank <= top)
             name, raw = self._own(window, token, context)
             alternatives = []
             for _, t in ranked:
                 alt_name, alt_raw = (name, raw) if t == token else self._own(window, t, context)
-                alternatives.append({"token": alt_name, "logprob": entry[t].logprob, "bytes": list(alt_raw)})
-            content.append({"token": name, "logprob": entry[token].logprob, "bytes": list(raw),
+                alternatives.append({"token": alt_name, "logprob": json_logprob(entry[t].logprob),
+                                     "bytes": list(alt_raw)})
+            content.append({"token": name, "logprob": json_logprob(entry[token].logprob), "bytes": list(raw),
                             "top_logprobs": alternatives})
         return {"content": content}
 
@@ -168,7 +171,7 @@ def vllm_prompt_logprobs(prompt_ids: list[int], entries: list, top: int, decode)
         if entry is None:
             out.append(None)
             continue
-        out.append({str(t): {"logprob": lp.logprob, "rank": lp.rank,
+        out.append({str(t): {"logprob": json_logprob(lp.logprob), "rank": lp.rank,
                              "decoded_token": lp.decoded_token if lp.decoded_token is not None else decode([t])}
                     for t, lp in entry.items() if lp.rank <= top or t == token})
     return out

@@ -2,7 +2,7 @@
 
 Every field of OpenAI's Chat Completions and Completions references is here, and vLLM's extensions that clients
 written for vLLM send. Each is honoured, accepted as changing nothing here (``NO_EFFECT``: logged at debug), or
-refused with a 400 naming it (``tools``, ``audio``, ``prediction``, ``web_search_options``, ``suffix``,
+refused with a 400 naming it (``functions``, ``audio``, ``prediction``, ``web_search_options``, ``suffix``,
 ``best_of`` other than ``n``, ``use_beam_search: true``); structured outputs (``response_format``, vLLM's
 ``guided_*`` and ``structured_outputs``) are read by ``structured.py``. ``null`` means the default for every field,
 as in OpenAI's API. An unknown field gets OpenAI's
@@ -13,6 +13,7 @@ request is added.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Literal
 
@@ -21,16 +22,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..config import SamplingParams
 from .errors import ApiError
 from .structured import StructuredField, structured_field
+from .tools import ToolPlan
 
 MAX_COMPLETION_LOGPROBS = 20  # vLLM's limit for /v1/completions "logprobs" (its max_logprobs; OpenAI caps at 5)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for /v1/chat/completions "top_logprobs"
 logger = logging.getLogger("paged_hf")
 
 # Fields that change nothing here: the caller's records (store, metadata, user, safety_identifier), routing and
-# caching hints of OpenAI's own service (service_tier, prompt_cache_key, prompt_cache_retention), tool-call
-# parallelism without tools, and stream obfuscation (no padding field is ever added here).
+# caching hints of OpenAI's own service (service_tier, prompt_cache_key, prompt_cache_retention), and stream
+# obfuscation (no padding field is ever added here).
 NO_EFFECT = ("store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-             "user", "parallel_tool_calls")
+             "user")
 
 
 class StrictBody(BaseModel):
@@ -248,20 +250,38 @@ class ContentPart(StrictBody):
                            "messages")
 
 
+class FunctionCall(StrictBody):
+    name: str
+    arguments: str | dict = "{}"  # OpenAI sends a JSON string; the chat template gets it parsed (as vLLM's)
+
+
+class ToolCall(StrictBody):
+    """A call an earlier assistant turn made (``messages[i].tool_calls``)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: int | None = None  # clients that rebuild a turn from its stream may keep the delta's index
+
+
 class ChatMessage(StrictBody):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = ""
     name: str | None = None
     refusal: str | None = None  # an assistant turn that refused: its text when it has no content
-    tool_calls: list | None = None  # OpenAI's assistant-message fields for what is not built here: null or empty
-    function_call: dict | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    function_call: dict | None = None  # OpenAI's deprecated forms: refused
     audio: dict | None = None
 
     def check_supported(self, index: int) -> None:
-        for name in ("tool_calls", "function_call", "audio"):
+        for name in ("function_call", "audio"):
             if getattr(self, name):
-                raise ApiError(400, f"messages.{index}.{name} is not supported: paged_hf has no tool calls or audio",
-                               "messages")
+                raise ApiError(400, f"messages.{index}.{name} is not supported: paged_hf has no "
+                                    f"{'audio' if name == 'audio' else 'function_call (use tool_calls)'}", "messages")
+        if self.tool_calls and self.role != "assistant":
+            raise ApiError(400, f"messages.{index}.tool_calls: only an assistant message makes tool calls",
+                           "messages")
         for number, part in enumerate(self.content if isinstance(self.content, list) else []):
             part.check_supported(f"messages.{index}.content.{number}")
 
@@ -269,7 +289,7 @@ class ChatMessage(StrictBody):
     def num_images(self) -> int:
         return sum(part.type == "image_url" for part in self.content) if isinstance(self.content, list) else 0
 
-    def as_dict(self) -> dict:
+    def as_dict(self, index: int = 0) -> dict:
         content = self.content
         if isinstance(content, list) and self.num_images:  # the parts, for the image prompt (server/media.py)
             content = [part.model_dump(exclude_none=True) for part in content]
@@ -280,7 +300,45 @@ class ChatMessage(StrictBody):
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name  # for chat templates that read it
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(call, f"messages.{index}.tool_calls.{number}")
+                                     for number, call in enumerate(self.tool_calls)]
         return message
+
+
+def _template_call(call: ToolCall, where: str) -> dict:
+    """A call as chat templates read it: its arguments a dict (transformers' convention, and vLLM's)."""
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as error:
+            raise ApiError(400, f"{where}.function.arguments is not JSON: {error}", "messages") from None
+    out = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+    return out if call.id is None else {"id": call.id, **out}
+
+
+class FunctionDefinition(StrictBody):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's: letters, digits, _ - (and .), at most 64
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (none: no arguments)
+    strict: bool | None = None  # the arguments are always held to the schema when a call is forced
+
+
+class Tool(StrictBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictBody):
+    name: str
+
+
+class NamedToolChoice(StrictBody):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -288,9 +346,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
     functions: list | None = None
     function_call: str | dict | None = None
     modalities: list[str] | None = None
@@ -304,18 +362,32 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool | None = None
 
     def chat(self) -> list[dict]:
-        return [m.as_dict() for m in self.messages]
+        return [m.as_dict(index) for index, m in enumerate(self.messages)]
 
     @property
     def num_images(self) -> int:
         return sum(m.num_images for m in self.messages)
 
     def template_kwargs(self) -> dict:
-        """Extra variables for the chat template: ``chat_template_kwargs``, and ``reasoning_effort`` when given."""
+        """Extra variables for the chat template: ``chat_template_kwargs``, ``tools`` and ``reasoning_effort`` when
+        given."""
         kwargs = dict(self.chat_template_kwargs or {})
         if self.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        if self.tools:
+            kwargs.setdefault("tools", [tool.model_dump(exclude_none=True) for tool in self.tools])
         return kwargs
+
+    def tool_plan(self, parser: str | None) -> ToolPlan | None:
+        """What ``tools`` / ``tool_choice`` ask (None without tools); ``parser``: the server's tool-call parser
+        (None when auto tool choice is off)."""
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
+        plan = ToolPlan.of(tools, choice, self.parallel_tool_calls, parser)
+        if plan is not None and plan.constraint() is not None and self.structured() is not None:
+            raise ApiError(400, f"tool_choice {plan.mode!r} holds the answer to the tools' schemas: it cannot be "
+                                f"combined with {self.structured().field}", "tool_choice")
+        return plan
 
     def _requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -329,11 +401,10 @@ class ChatCompletionRequest(_Sampling):
         super().check_supported()
         for index, message in enumerate(self.messages):
             message.check_supported(index)
-        for name in ("tools", "functions", "function_call"):
+        for name in ("functions", "function_call"):
             if getattr(self, name):
-                raise ApiError(400, f"{name} is not supported: paged_hf does not call tools", name)
-        if self.tool_choice not in (None, "none"):
-            raise ApiError(400, "tool_choice is not supported: paged_hf does not call tools", "tool_choice")
+                raise ApiError(400, f"{name} is not supported: it is OpenAI's deprecated form of tools and "
+                                    f"tool_choice, which work here", name)
         for name, what in (("audio", "audio output"), ("prediction", "predicted outputs"),
                            ("web_search_options", "web search")):
             if getattr(self, name) is not None:

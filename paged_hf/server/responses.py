@@ -20,6 +20,7 @@ from fastapi import Request
 from .engine_loop import EngineLoop
 from .errors import internal_error
 from .logprobs import ChoiceLogprobs, TokenBytes, vllm_prompt_logprobs
+from .tools import ToolPlan, ToolStream
 
 
 @dataclass
@@ -42,14 +43,16 @@ class ResponseBuilder:
     """The response shapes of one HTTP request (completion or chat), and each choice's logprobs state."""
 
     def __init__(self, model: str, chat: bool, n: int, decode, logprobs: int | None, request_id: str | None = None,
-                 token_bytes: TokenBytes | None = None, echo: Echo | None = None, skip_special_tokens: bool = True
+                 token_bytes: TokenBytes | None = None, echo: Echo | None = None, tools: ToolPlan | None = None
                  ) -> None:
         prefix = "chatcmpl-" if chat else "cmpl-"
         self.id = prefix + (request_id if request_id is not None else uuid.uuid4().hex[:24])
         self.created = int(time.time())
         self.model, self.chat, self.n, self.decode, self.logprobs = model, chat, n, decode, logprobs
-        self.token_bytes, self.skip_special_tokens = token_bytes, skip_special_tokens
+        self.token_bytes = token_bytes
         self.echo = echo or Echo()
+        self.tools = tools  # a chat request's tool plan: its answers become tool calls
+        self._tool_streams: dict[int, ToolStream] = {}
         self._choice_logprobs: dict[int, ChoiceLogprobs] = {}
         self._prompt_entries: dict[int, list] = {}  # prompt index -> its prompt logprobs received so far
 
@@ -76,8 +79,7 @@ class ResponseBuilder:
             return None
         state = self._choice_logprobs.get(index)
         if state is None:
-            state = self._choice_logprobs[index] = ChoiceLogprobs(self.decode, self.token_bytes,
-                                                                  self.skip_special_tokens, prompt_token_ids)
+            state = self._choice_logprobs[index] = ChoiceLogprobs(self.decode, self.token_bytes, prompt_token_ids)
         if self.chat:
             return state.chat(completion.token_ids, completion.logprobs, self.logprobs)
         return state.completion(completion.token_ids, completion.logprobs)
@@ -112,12 +114,17 @@ class ResponseBuilder:
         for p, out in enumerate(finals):
             for completion in out.outputs:
                 index = p * self.n + completion.index
+                reason = completion.finish_reason
                 if self.chat:
-                    choice = {"index": index, "message": {"role": "assistant", "content": completion.text},
+                    message = {"role": "assistant", "content": completion.text}
+                    if self.tools is not None:
+                        content, calls, reason = self.tools.answer(completion.text, reason)
+                        message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    choice = {"index": index, "message": message,
                               "logprobs": self._logprobs(index, completion, out.prompt_token_ids)}
                 else:
                     choice = self._completion_choice(p, index, out, completion, first=True)
-                choice["finish_reason"] = completion.finish_reason
+                choice["finish_reason"] = reason
                 choice["stop_reason"] = completion.stop_reason
                 choices.append(choice)
         body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
@@ -139,8 +146,14 @@ class ResponseBuilder:
         the request's so far (``continuous_usage_stats``)."""
         reason = completion.finish_reason
         if self.chat:
-            text = completion.text
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            delta = {"content": completion.text}
+            if self.tools is not None:
+                stream = self._tool_streams.setdefault(index, self.tools.stream())
+                text, calls = stream.feed(completion.text, reason is not None)
+                delta = {"content": text} if text or not calls else {}
+                if calls:
+                    delta["tool_calls"] = calls
+                reason = stream.finish_reason(reason)
             choice = {"index": index, "delta": delta,
                       "logprobs": self._logprobs(index, completion, out.prompt_token_ids)}
         else:
@@ -152,6 +165,12 @@ class ResponseBuilder:
         if usage is not None:
             fields["usage"] = usage
         return self.event(fields)
+
+    def role_chunk(self, index: int, usage: dict | None = None) -> str:
+        """A chat choice's first event, as vLLM and OpenAI send it: the role, with empty content."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        return self.event({"choices": [choice], **({"usage": usage} if usage is not None else {})})
 
     def event(self, fields: dict) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -246,12 +265,15 @@ async def events(loop: EngineLoop, ids: list[str], queues: list[asyncio.Queue], 
                 index = p * builder.n + completion.index
                 if index in closed:
                     continue
-                completion_tokens += builder.num_completion_tokens(completion)
                 first = index not in started
-                if first or completion.text or completion.finish_reason or \
+                if first and builder.chat:
+                    yield builder.role_chunk(index, so_far() if continuous_usage else None)
+                completion_tokens += builder.num_completion_tokens(completion)
+                usage = so_far() if continuous_usage else None
+                if first and not builder.chat or completion.text or completion.finish_reason or \
                         (builder.logprobs is not None and completion.token_ids and not builder.echo.scores_only):
-                    yield builder.chunk(p, index, item, completion, first, so_far() if continuous_usage else None)
-                    started.add(index)
+                    yield builder.chunk(p, index, item, completion, first, usage)
+                started.add(index)
                 if completion.finish_reason is not None:
                     closed.add(index)
         else:

@@ -1,0 +1,236 @@
+"""Tool calls through the OpenAI-compatible server, as OpenAI's API and vLLM's server give them: ``tools`` reach the
+chat template with the turns that called them (``tool_calls``) and answered them (role ``tool``); a named
+``tool_choice`` and ``"required"`` hold the answer to the tools' schemas; ``"auto"`` reads hermes-format calls
+(``<tool_call>{...}</tool_call>``) from the text, streamed or not. A random-weights tiny Llama (stories260K's
+tokenizer) explores the schemas more than a trained model would; a regex forces the text an ``"auto"`` answer
+parses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("fastapi", reason="the server needs fastapi (pip install 'paged_hf[server]')")
+httpx = pytest.importorskip("httpx", reason="the tests send raw requests")
+pytest.importorskip("xgrammar", reason="forced tool calls need xgrammar (pip install 'paged_hf[structured]')")
+jsonschema = pytest.importorskip("jsonschema", reason="arguments are validated with jsonschema")
+
+from paged_hf import PagedEngine  # noqa: E402
+from paged_hf.server.app import build_app  # noqa: E402
+from paged_hf.server.prompts import PromptTokenizer  # noqa: E402
+from paged_hf.server.protocol import ChatCompletionRequest  # noqa: E402
+from paged_hf.server.tools import ToolPlan, parse_hermes  # noqa: E402
+from models import stories_tokenizer, tiny_model  # noqa: E402
+from test_server import Server  # noqa: E402
+from test_server_errors import assert_error  # noqa: E402
+
+CHAT = "/v1/chat/completions"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+# renders the tools, the calls of earlier turns and the tool turns, so the tests can see what reached it
+TEMPLATE = ("{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{{ NL }}{% endif %}"
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+            "{% if m.tool_calls %}{% for c in m.tool_calls %} call {{ c['id'] }} {{ c['function']['name'] }}"
+            "({{ c['function']['arguments']['city'] }}){% endfor %}{% endif %}"
+            "{% if m.tool_call_id %} for {{ m.tool_call_id }}{% endif %}{{ NL }}{% endfor %}assistant:"
+            ).replace("{{ NL }}", "{{ '\\n' }}")  # a newline right after a block tag would be trimmed
+HISTORY = [*MESSAGES,
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]
+FORCED_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+ENGINE_OPTIONS = dict(block_size=8, num_blocks=512, max_num_seqs=16, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = stories_tokenizer()
+    tok.chat_template = TEMPLATE
+    return tiny_model("llama", attn_implementation="paged"), tok
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    """A server with auto tool choice (hermes) and one without it."""
+    model, tok = tiny
+    auto = Server(build_app(PagedEngine(model, tok, **ENGINE_OPTIONS), "tiny", tool_call_parser="hermes"))
+    plain = Server(build_app(PagedEngine(model, tok, **ENGINE_OPTIONS), "tiny"))
+    try:
+        yield auto.url, plain.url
+    finally:
+        auto.stop()
+        plain.stop()
+
+
+def post(url: str, body: dict) -> httpx.Response:
+    return httpx.post(url + CHAT, json=body, timeout=300)
+
+
+def stream(url: str, body: dict) -> list[dict]:
+    """The stream's chunks (parsed), up to [DONE]."""
+    chunks = []
+    with httpx.stream("POST", url + CHAT, json={**body, "stream": True}, timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks
+
+
+def streamed_calls(chunks: list[dict], index: int = 0) -> tuple[str, list[dict], str]:
+    """(content, calls, finish_reason) of choice ``index``, rebuilt from its deltas as OpenAI's clients do."""
+    content, calls, reason = "", {}, None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            if choice["index"] != index:
+                continue
+            content += choice["delta"].get("content") or ""
+            for delta in choice["delta"].get("tool_calls") or ():
+                call = calls.setdefault(delta["index"], {"id": None, "name": "", "arguments": ""})
+                call["id"] = delta.get("id") or call["id"]
+                call["name"] += delta.get("function", {}).get("name") or ""
+                call["arguments"] += delta.get("function", {}).get("arguments") or ""
+            reason = choice["finish_reason"] or reason
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+# ------------------------------------------------------------------------------------------ what the template sees
+
+def test_tools_calls_and_tool_turns_reach_the_chat_template(tiny):
+    _, tok = tiny
+    body = ChatCompletionRequest(messages=HISTORY, tools=TOOLS, tool_choice="none")
+    text = PromptTokenizer(tok, 512)._template(body.chat(), body.template_kwargs())
+    assert text == ("tools: get_weather get_time\nuser: What is the weather in Paris?\n"
+                    "assistant:  call call_1 get_weather(Paris)\ntool: Sunny, 21 C for call_1\nassistant:")
+
+
+def test_history_and_tool_fields_that_cannot_be_used_are_400s(server):
+    auto, plain = server
+    bad_arguments = [MESSAGES[0], {**HISTORY[1], "tool_calls": [{**HISTORY[1]["tool_calls"][0],
+                                                                "function": {"name": "f", "arguments": "{oops"}}]}]
+    assert_error(post(plain, {"messages": bad_arguments, "max_tokens": 2}), 400, "messages",
+                 "messages.1.tool_calls.0.function.arguments is not JSON")
+    assert_error(post(plain, {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 2}), 400, "tool_choice",
+                 "--enable-auto-tool-choice")
+    assert_error(post(plain, {"messages": MESSAGES, "tool_choice": "required", "max_tokens": 2}), 400,
+                 "tool_choice", "tool_choice needs tools")
+    named = {"type": "function", "function": {"name": "get_news"}}
+    assert_error(post(plain, {"messages": MESSAGES, "tools": TOOLS, "tool_choice": named}), 400, "tool_choice",
+                 "not in tools")
+    assert_error(post(plain, {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}), 400, "tool_choice", "cannot be combined")
+    assert_error(post(plain, {"messages": MESSAGES, "tools": [TOOLS[0], TOOLS[0]], "tool_choice": "none"}), 400,
+                 "tools", "given twice")
+    assert_error(post(plain, {"messages": MESSAGES, "functions": [TOOLS[0]["function"]]}), 400, "functions",
+                 "deprecated")
+    assert post(auto, {"messages": HISTORY, "tools": TOOLS, "max_tokens": 2}).status_code == 200
+
+
+# ------------------------------------------------------------------------------------------ forced calls
+
+def test_a_named_tool_choice_answers_one_call_whose_arguments_validate(server):
+    _, plain = server
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 120, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    choice = post(plain, body).json()["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == ""
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
+    # streamed: the call opens with its id and name, then its arguments grow to the same text
+    chunks = stream(plain, body)
+    content, (streamed,), reason = streamed_calls(chunks)
+    assert (content, streamed["name"], streamed["arguments"], reason) == \
+        ("", "get_weather", call["function"]["arguments"], "stop")
+    first_call = next(c["choices"][0]["delta"]["tool_calls"][0] for c in chunks
+                      if c["choices"][0]["delta"].get("tool_calls"))
+    assert first_call["id"] == streamed["id"] and first_call["function"]["name"] == "get_weather"
+
+
+def test_required_answers_calls_of_the_given_tools_at_most_one_without_parallel_calls(server):
+    _, plain = server
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200,
+            "temperature": 1.0, "seed": 3, "n": 4}
+    finished = 0
+    for choice in post(plain, body).json()["choices"]:
+        if choice["finish_reason"] == "length":
+            continue
+        finished += 1
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"]
+        for call in choice["message"]["tool_calls"]:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    assert finished, "at least one sample must finish for the check to mean something"
+    single = post(plain, {**body, "parallel_tool_calls": False}).json()["choices"]
+    assert all(len(c["message"]["tool_calls"]) == 1 for c in single if c["finish_reason"] == "tool_calls")
+    greedy = {**body, "n": 1, "temperature": 0}
+    whole = post(plain, greedy).json()["choices"][0]
+    content, calls, reason = streamed_calls(stream(plain, greedy))
+    assert reason == whole["finish_reason"]
+    assert [(c["name"], c["arguments"]) for c in calls] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+
+
+# ------------------------------------------------------------------------------------------ auto: the hermes parser
+
+def test_auto_reads_hermes_calls_from_the_text_streamed_or_not(server):
+    auto, plain = server
+    forced = f"Let me check\\. {FORCED_CALL}".replace("{", "\\{").replace("}", "\\}").replace("\n", "\\n")
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 200, "temperature": 0, "guided_regex": forced}
+    choice = post(auto, body).json()["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["message"]["content"] == "Let me check. " and choice["finish_reason"] == "tool_calls"
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}
+    content, (streamed,), reason = streamed_calls(stream(auto, body))
+    assert (content, streamed["name"], streamed["arguments"], reason) == \
+        ("Let me check. ", "get_weather", call["function"]["arguments"], "tool_calls")
+    # without a call the answer is plain content, and "none" never parses
+    plain_text = post(auto, {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 12, "temperature": 0}).json()
+    assert plain_text["choices"][0]["message"]["tool_calls"] == []
+    none = post(auto, {**body, "tool_choice": "none"}).json()["choices"][0]
+    assert none["message"]["content"].endswith("</tool_call>") and none["message"]["tool_calls"] == []
+
+
+def test_hermes_parsing_of_whole_answers():
+    two = FORCED_CALL + "\n" + FORCED_CALL.replace("get_weather", "get_time").replace(
+        '"city": "Paris", "days": 2', '"zone": "UTC"')
+    content, calls = parse_hermes("Sure. " + two)
+    assert content == "Sure. " and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"zone": "UTC"}
+    assert parse_hermes(FORCED_CALL)[0] is None  # nothing before the call: no content
+    assert parse_hermes("<tool_call>{not json}</tool_call>") == ("<tool_call>{not json}</tool_call>", [])
+    assert parse_hermes(FORCED_CALL[:-len("</tool_call>")])[1][0]["function"]["name"] == "get_weather"  # cut short
+    plan = ToolPlan.of(TOOLS, "auto", False, "hermes")
+    assert [c["function"]["name"] for c in plan.answer(two, "stop")[1]] == ["get_weather"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(prefix=st.sampled_from(["", "Sure. ", "a < b and <tool", "<tool_cal"]),
+       calls=st.integers(0, 2), cuts=st.lists(st.integers(1, 400), max_size=12), parallel=st.booleans())
+def test_a_streamed_auto_answer_equals_the_whole_one_wherever_its_deltas_split(prefix, calls, cuts, parallel):
+    text = prefix + "\n".join([FORCED_CALL] * calls)
+    plan = ToolPlan.of(TOOLS, "auto", parallel, "hermes")
+    whole_content, whole_calls, whole_reason = plan.answer(text, "stop")
+    state, content, names = plan.stream(), "", []
+    pieces, start = [], 0
+    for cut in sorted(set(cuts)) + [len(text)]:
+        pieces.append(text[start:cut])
+        start = max(start, cut)
+    for number, piece in enumerate(pieces):
+        new, deltas = state.feed(piece, number == len(pieces) - 1)
+        content += new
+        names += [d["function"]["name"] for d in deltas]
+    assert content == (whole_content or "")
+    assert names == [c["function"]["name"] for c in whole_calls]
+    assert state.finish_reason("stop") == whole_reason
