@@ -202,6 +202,12 @@ def test_a_tiny_temperature_samples_the_best_token_and_nan_logits_fail_their_req
     assert outs[0].outputs[0].finish_reason == "error" and "NaN or inf" in outs[0].error
     assert len(outs[1].outputs[0].token_ids) == 12 and outs[1].error is None
     assert outs[2].outputs[0].token_ids == plain
+    # greedy too (an argmax of NaN would be token 0, silently), on the batch's fast path and beside sampled rows
+    greedy_bad = SamplingParams(max_tokens=12, temperature=0.0, logits_processors=[poison])
+    for batch in ([greedy_bad, GREEDY], [greedy_bad, sampled, GREEDY]):
+        outs = engine.generate(["Once upon a time"] * len(batch), batch, use_tqdm=False)
+        assert outs[0].outputs[0].finish_reason == "error" and "not finite" in outs[0].error
+        assert outs[-1].outputs[0].token_ids == plain
     assert_all_freed(engine)
 
 

@@ -61,13 +61,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
     if summary.grammar:
         logits = mask_logits(logits, [seq.grammar for seq in seqs])
     if summary.plain_greedy:  # the common fast path: one argmax over the batch
-        return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(seqs), {})
+        tokens = greedy_tokens(logits)
+        return SamplerOutput(tokens.tolist(), [None] * len(seqs), _undrawable(logits, tokens))
     params = [seq.request.params for seq in seqs]
     held_back = _held_back_stops(seqs, params, eos_token_ids, logits.shape[-1])
     if held_back and summary.grammar:
         held_back = _yield_to_grammars(logits, seqs, held_back)
     if not held_back and all(p.plain_greedy for p in params):  # min_tokens, all reached
-        return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(seqs), {})
+        tokens = greedy_tokens(logits)
+        return SamplerOutput(tokens.tolist(), [None] * len(seqs), _undrawable(logits, tokens))
     raw = logits
     logits = logits.float()
     errors: dict[int, BaseException] = {}
@@ -98,6 +100,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
 
     greedy = [p.greedy for p in params]
     tokens = greedy_tokens(logits)
+    for row, error in _undrawable(logits, tokens).items():
+        if greedy[row]:
+            errors.setdefault(row, error)
     sampled_rows = [r for r, g in enumerate(greedy) if not g]
     if sampled_rows:
         index = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
@@ -123,6 +128,18 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
         for r, entry in zip(asked, entries):
             logprobs[r] = entry
     return SamplerOutput(token_ids, logprobs, errors)
+
+
+def _undrawable(logits: torch.Tensor, tokens: torch.Tensor) -> dict[int, BaseException]:
+    """The rows whose argmax ``tokens`` is no token: its logit is NaN (a NaN anywhere in the row wins the argmax),
+    +inf, or -inf (every token was ruled out). One gather over the batch; the errors that fail those rows."""
+    chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    bad = ~torch.isfinite(chosen)
+    if not bool(bad.any()):
+        return {}
+    return {row: ValueError("the logits are not finite (NaN or inf, after logits processors, logit_bias and "
+                            "penalties) or rule out every token: no token can be drawn")
+            for row in bad.nonzero().view(-1).tolist()}
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
