@@ -146,6 +146,21 @@ def test_environment_switch_for_programs_started_by_others(unmodified_script, tm
     assert report["chained"] == "yes", "the sitecustomize that paged-hf run shadows must still run"
 
 
+def test_a_python_where_paged_hf_cannot_load_runs_on_as_without_the_switch(tmp_path):
+    """The variables reach every process the program starts, Pythons of other environments too: one whose
+    transformers paged_hf does not support warns on stderr and runs as it would without ``paged-hf run``."""
+    other = tmp_path / "other_env"  # the program's folder, first on its sys.path: its transformers is too old
+    (other / "transformers").mkdir(parents=True)
+    (other / "transformers" / "__init__.py").write_text('__version__ = "4.0.0"\n')
+    program = other / "program.py"
+    program.write_text("import transformers\nprint('RESULT', '\"' + transformers.__version__ + '\"')\n")
+    completed = subprocess.run([sys.executable, "-m", "paged_hf.run", "--", sys.executable, str(program)],
+                               capture_output=True, text=True, env=child_env(), cwd=tmp_path, timeout=300)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert result_of(completed) == "4.0.0"
+    assert "paged-hf run: paged_hf cannot load in" in completed.stderr and "transformers" in completed.stderr
+
+
 def test_command_arguments_environment_and_exit_status_pass_through(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE_SCRIPT)

@@ -4,7 +4,8 @@ It imports nothing heavy. It arranges that when the program imports ``transforme
 this file belongs to) is imported right after; ``import paged_hf`` reads ``PAGED_HF_DEFAULT_CACHE=paged`` and
 ``PAGED_HF_CACHE_CONFIG`` and makes the paged cache the default of ``generate``. A program that never imports
 transformers pays nothing. Then it runs the ``sitecustomize`` module that this one shadows, if there is one, and
-takes its own folder off ``sys.path``.
+takes its own folder off ``sys.path``. A process where paged_hf cannot load (a Python of another environment,
+which the variables reach too) is told so on stderr and runs as it would without ``paged-hf run``.
 """
 
 import importlib.machinery
@@ -31,6 +32,16 @@ def _import_paged_hf() -> None:
         raise
 
 
+def _import_paged_hf_or_warn() -> None:
+    """Imports paged_hf; where it cannot load in this process (another environment: another transformers, no torch),
+    says so on stderr and lets the program run on transformers' own cache, as it would without ``paged-hf run``."""
+    try:
+        _import_paged_hf()
+    except Exception as error:  # noqa: BLE001 - whatever stops paged_hf must not stop the program
+        sys.stderr.write(f"paged-hf run: paged_hf cannot load in {sys.executable} ({type(error).__name__}: "
+                         f"{error}); this program runs on transformers' default cache\n")
+
+
 class _ThenImportPagedHF:
     """Wraps the loader of ``transformers``: runs it, then imports paged_hf. Anything else goes to the original."""
 
@@ -43,7 +54,7 @@ class _ThenImportPagedHF:
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
         _remove_watcher()
-        _import_paged_hf()
+        _import_paged_hf_or_warn()
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
@@ -87,7 +98,7 @@ def _run_shadowed_sitecustomize() -> None:
 def _install() -> None:
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
     if "transformers" in sys.modules:  # a .pth file got there first
-        _import_paged_hf()
+        _import_paged_hf_or_warn()
     else:
         sys.meta_path.insert(0, _WATCHER)
     _run_shadowed_sitecustomize()
