@@ -185,3 +185,74 @@ def test_the_switch_counts_a_closed_batch_by_its_end(stories, monkeypatch):
                         or progress(s, v))
     spec.generate([f"{s[:300]} {s[:60]}" for s in sample_stories()[:4]], GREEDY, use_tqdm=False)
     assert handed and handed == counted  # every measured step: sequences x progress, nothing waiting
+
+
+def test_a_draft_shorter_than_the_context_drafts_where_it_can_and_a_failing_draft_stops_drafting(stories, prompts,
+                                                                                                caplog):
+    """A draft of 48 positions (GPT-2's learned position table) drafts for the sequences it covers and leaves the
+    longer ones to decode alone (its table would raise past them); a draft whose forward raises is logged, speculation stops, and every
+    request ends with the tokens of the engine without speculation. Both leave the draft pool empty."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model, tok = stories
+    torch.manual_seed(1)
+    short = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=48, n_embd=64, n_layer=2, n_head=4)).eval()
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    options = dict(enforce_eager=True, block_size=4, num_blocks=512)
+    expected = run(PagedEngine(model, tok, **options), prompts, params)
+    engine = PagedEngine(model, tok, speculative_config=draft_config(short), **options)
+    same(expected, run(engine, prompts, params))
+    assert engine.get_stats()["spec_decode_num_draft_tokens"] > 0 and not engine.scheduler.speculator.disabled
+    assert max(len(o.prompt_token_ids) for o in expected) + 30 > 48  # some sequences outgrow the draft
+    failing = PagedEngine(model, tok, speculative_config=draft_config(stories_model("sdpa")), **options)
+    calls = {"n": 0}
+    forward = drafter(failing).runner.run
+
+    def breaks_on_the_fifth(step_input):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("draft out of memory")
+        return forward(step_input)
+
+    drafter(failing).runner.run = breaks_on_the_fifth
+    with caplog.at_level("ERROR", logger="paged_hf"):
+        outs = failing.generate(prompts, params, use_tqdm=False)
+    same(expected, outs)
+    assert failing.scheduler.speculator.disabled and failing.scheduler.speculator.drafter is None
+    assert "the draft model's forward failed" in caplog.text and "draft out of memory" in caplog.text
+    failing.check_invariants()
+
+
+def test_the_memory_budget_holds_the_draft_pool_too(stories):
+    from paged_hf.config import GIB
+
+    model, tok = stories
+    budget = 0.01
+    plain = PagedEngine(model, tok, enforce_eager=True, kv_cache_memory=budget)
+    engine = PagedEngine(model, tok, enforce_eager=True, kv_cache_memory=budget,
+                         speculative_config=draft_config(stories_model("sdpa")))
+    draft_pool = drafter(engine).kv
+    both = engine.kv.stats().kv_cache_bytes + draft_pool.stats().kv_cache_bytes
+    assert both <= budget * GIB and draft_pool.num_total_blocks == engine.kv.num_total_blocks
+    assert engine.kv.num_total_blocks <= plain.kv.num_total_blocks // 2 + 1  # the same model drafts: half each
+
+
+def test_a_sliding_window_draft_frees_the_blocks_behind_its_window():
+    """The draft's pool slides as the target's does: a long output keeps drafting from a small pool."""
+    from models import tiny_model
+
+    target = tiny_model("mistral", attn_implementation="sdpa", sliding_window=4, vocab_size=512)
+    draft = tiny_model("mistral", attn_implementation="sdpa", sliding_window=4, vocab_size=512)
+    tok = stories_tokenizer()
+    engine = PagedEngine(target, tok, enforce_eager=True, block_size=2, num_blocks=24,
+                         speculative_config=draft_config(draft, k=2))
+    engine.add_request("Once upon a time", SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))
+    for _ in range(200):
+        engine.step()
+        assert drafter(engine).kv.num_total_blocks - drafter(engine).kv.num_free_blocks <= 6
+        if not engine.has_unfinished_requests():
+            break
+    # the draft is the target's copy: every step drafts 2 tokens and both are accepted, to the end (a draft pool
+    # that filled would stop drafting after about 20 of them)
+    assert engine.get_stats()["spec_decode_num_draft_tokens"] >= 70 and not engine.has_unfinished_requests()
+    engine.check_invariants()

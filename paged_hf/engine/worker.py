@@ -76,7 +76,8 @@ def build_kv(model, config: EngineConfig, group=None) -> KVManager:
 
 def _blocks_from_memory(model, config: EngineConfig, text_config, tp_size: int) -> int:
     """Blocks that fit the KV memory budget (``kv_cache_memory``, else the device default: see ``EngineConfig``),
-    capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use."""
+    capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use. With a draft model, the budget
+    holds its pool too (as many blocks, in the model's dtype): a block id counts both."""
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory * GIB
     elif model.device.type == "cuda":
@@ -84,9 +85,24 @@ def _blocks_from_memory(model, config: EngineConfig, text_config, tp_size: int) 
     else:
         budget = min(DEFAULT_CPU_KV_CACHE_GIB * GIB, available_memory(model.device) / 2)
     per_block = block_id_bytes(text_config, config.block_size, config.kv_cache_dtype,
-                               local_kv_heads(text_config, tp_size), dtype=model.dtype)
+                               local_kv_heads(text_config, tp_size), dtype=model.dtype) + \
+        _draft_block_bytes(config, model.dtype)
     cap = config.max_num_seqs * math.ceil(max_model_len_of(config, model) / config.block_size)
     return max(1, min(int(budget) // per_block, cap))
+
+
+def _draft_block_bytes(config: EngineConfig, dtype: torch.dtype) -> int:
+    """Bytes a block id takes in the pool of ``speculative_config``'s draft model (0 without one)."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return 0
+    if isinstance(spec.model, torch.nn.Module):
+        draft_config, dtype = spec.model.config, spec.model.dtype
+    else:
+        from transformers import AutoConfig  # noqa: PLC0415 - only a draft folder needs it
+
+        draft_config = AutoConfig.from_pretrained(spec.model)
+    return block_id_bytes(draft_config.get_text_config(decoder=True), config.block_size, "auto", dtype=dtype)
 
 
 def _warm_up_kernels(kv: KVManager, text_config, dtype: torch.dtype) -> None:

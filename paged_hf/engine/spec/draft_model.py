@@ -12,8 +12,10 @@ sequence whose catch-up does not fit (its whole prompt, at its first proposal) c
 a later step on. The draft runs compiled where the engine compiles its target (``ModelRunner``'s compiled forward,
 on the draft's own pool), else eagerly.
 
-A sequence whose tokens do not fit the draft's pool proposes nothing (its request never fails for it); its draft
-KV is freed when it finishes or is preempted by recompute (``release``), and computed again from its start.
+A sequence whose tokens do not fit the draft's pool, or pass the draft's ``max_position_embeddings``, proposes nothing
+(its request never fails for it); its draft KV is freed when it finishes or is preempted by recompute (``release``),
+and computed again from its start. A draft with sliding-window layers frees the blocks behind its windows as the
+target does.
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ class DraftModelProposer:
         self.model = model
         self.device = model.device
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.kv = KVManager(model.config.get_text_config(decoder=True), block_size, "auto", num_blocks)
+        text_config = model.config.get_text_config(decoder=True)
+        self.max_positions = getattr(text_config, "max_position_embeddings", None)  # None: any length
+        self.kv = KVManager(text_config, block_size, "auto", num_blocks)
         allocate_all(self.kv, model.dtype, self.device)
         self.runner = ModelRunner(model, self.kv, compile=compile)  # the engine's forward over the draft's own pool
         self.states: dict[int, tuple[Sequence, DraftKV]] = {}  # by id(seq); the seq is held so the id stays its own
@@ -92,8 +96,14 @@ class DraftModelProposer:
         partial: list[tuple[Sequence, DraftKV, int, int]] = []  # (seq, state, start, tokens): catch-up only
         budget = self.max_num_batched_tokens
         for seq, n in sorted(wanted, key=lambda w: len(w[0].token_ids) - self._state(w[0]).num_valid):
+            if self.max_positions is not None:  # drafts k use positions up to len + k - 2
+                n = min(n, self.max_positions - len(seq.token_ids) + 1)
+                if n < 1:
+                    self.release(seq)
+                    continue
             state = self._state(seq)
             start = self._roll_back(seq, state)
+            self.kv.slide_windows(state.kv)  # no later query reads before ``start``: rollbacks never go below it
             need = len(seq.token_ids) - start
             if need > budget:  # computes what fits (if anything) now, proposes from a later step on
                 if budget > 0 and self.kv.try_append(state.kv, budget):

@@ -6,8 +6,8 @@ tokens per position). A step where nothing is proposed schedules as one without 
 
 from __future__ import annotations
 
+import logging
 import time
-
 from typing import TYPE_CHECKING
 
 from ..request import Sequence, SequenceStatus
@@ -19,6 +19,8 @@ from .switch import ThroughputSwitch
 if TYPE_CHECKING:
     from ..scheduled import ScheduledSequence
     from .verify import VerifiedRun
+
+logger = logging.getLogger("paged_hf")
 
 
 class Speculator:
@@ -38,6 +40,7 @@ class Speculator:
         self.config = config
         self.tail_block_size = tail_block_size
         self.drafter = None
+        self.disabled = False  # the draft model failed: no step proposes again
         self.clock = time.perf_counter
         self._step_started = 0.0
         self._proposals: dict[int, tuple[int, ...]] = {}  # this step's proposals, by id(seq)
@@ -101,10 +104,10 @@ class Speculator:
                 limit = self._limit(seq, self.config.num_speculative_tokens, max_model_len)
                 if limit:
                     wanted.append((seq, limit))
-        if not wanted:
+        if not wanted or self.disabled:
             self._proposals = {}
         elif self.drafter is not None:
-            self._proposals = self.drafter.propose(wanted)
+            self._proposals = self._draft(wanted)
         else:
             c = self.config
             self._proposals = {}
@@ -113,6 +116,19 @@ class Speculator:
                 if drafts:
                     self._proposals[id(seq)] = tuple(drafts)
         return bool(self._proposals)
+
+    def _draft(self, wanted: list[tuple[Sequence, int]]) -> dict[int, tuple[int, ...]]:
+        """The draft model's proposals; a draft forward that raises is logged and ends drafting for good (the
+        requests go on without drafts, their outputs unchanged): its pool is freed."""
+        try:
+            return self.drafter.propose(wanted)
+        except Exception:  # noqa: BLE001 - the draft model may fail in any way; the target's requests must not
+            logger.exception("speculative decoding: the draft model's forward failed; the engine goes on without "
+                             "drafts")
+            drafter, self.drafter, self.disabled = self.drafter, None, True
+            for seq in list(drafter.states.values()):
+                drafter.release(seq[0])
+            return {}
 
     def release(self, seq: Sequence) -> None:
         """``seq`` finished or lost its K/V (preempted by recompute): its draft K/V, if any, is freed."""
