@@ -117,3 +117,32 @@ def test_samples_fork_when_sample_0_ends_on_its_first_token(stories, prompt, max
     assert not engine.has_unfinished_requests(), "the request's other samples never forked"
     engine.check_invariants()
     assert engine.get_stats()["kv_cache_used"] == 0
+
+
+@pytest.mark.parametrize("case", ["shared_prefix", "forked_samples"])
+def test_a_swapped_sequence_that_needs_the_whole_pool_comes_back(case):
+    """A sequence that held every block when it was swapped out (its own and the blocks it shared with a prompt or
+    with its other samples) swaps back in once it is alone: it waited for one block more than the pool has, for
+    good, and every request behind it waited too (generate never returned)."""
+    from models import tiny_model
+
+    model = tiny_model("llama", attn_implementation="paged")
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prefix = list(range(10, 26))  # 4 full blocks of 4
+    if case == "shared_prefix":
+        engine = PagedEngine(model, None, enforce_eager=True, block_size=4, num_blocks=5, preemption_mode="swap")
+        prompts, params = [prefix, prefix + [30]], [greedy, greedy]  # the second: 17 + 3 = 5 blocks
+    else:
+        engine = PagedEngine(model, None, enforce_eager=True, block_size=4, num_blocks=3, preemption_mode="swap",
+                             swap_space=0.01)
+        prompts, params = [list(range(10, 19))], [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, n=2)]
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    for _ in range(100):
+        engine.step()
+        if not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests(), (len(engine.scheduler.swapped), engine.kv.num_free_blocks)
+    assert engine.scheduler.num_swapped_in > 0
+    engine.check_invariants()
+    assert engine.get_stats()["kv_cache_used"] == 0

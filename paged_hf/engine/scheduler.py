@@ -246,7 +246,9 @@ class Scheduler(StepUpdate):
         # 2. swapped sequences come back first, unless this step had to preempt
         while self.swapped and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            if kv.num_swap_in_blocks(seq.kv) + 1 > kv.num_free_blocks:
+            # a block of headroom for its next token while others run; alone, it may take the whole pool (add_request
+            # checked that its tokens fit it: one that held every block, shared ones too, comes back)
+            if kv.num_swap_in_blocks(seq.kv) + bool(self.running) > kv.num_free_blocks:
                 break
             self.swapped.popleft()
             kv.swap_in(seq.kv)
@@ -273,7 +275,9 @@ class Scheduler(StepUpdate):
                 break
             self.waiting.popleft()
             first_admission = seq.request.metrics.first_scheduled_time is None
-            kv.admit(seq.kv, hit, seq.token_ids, count_query=seq.index == 0 or seq.request.params.n == 1)
+            # as vLLM's counters: each request's first lookup, once for its samples; none where it skips the cache
+            kv.admit(seq.kv, hit, seq.token_ids, count_query=first_admission and self._looks_up(seq) and (
+                seq.index == 0 or seq.request.params.n == 1))
             seq.num_computed_tokens = hit.num_tokens
             if first_admission:
                 seq.request.metrics.first_scheduled_time = time.monotonic()
@@ -294,10 +298,15 @@ class Scheduler(StepUpdate):
             return min(count, self.kv.max_chunk(start))
         return count
 
+    def _looks_up(self, seq: Sequence) -> bool:
+        """Whether ``seq`` looks for a cached prefix: prefix caching is on, and its request needs no logits of its
+        prompt positions (prompt logprobs: it computes its whole prompt) and did not ask for no prefix reuse."""
+        return self.kv.prefix_cache.enabled and seq.request.params.prompt_logprobs is None and \
+            seq.request.reuse_prefix
+
     def _prefix_hit(self, seq: Sequence) -> PrefixHit:
-        """The prefix hit of waiting ``seq`` (which has its ``kv``). Prompt logprobs need the logits of every prompt
-        position: such a request computes its whole prompt, as does one that asked for no prefix reuse."""
-        if seq.request.params.prompt_logprobs is not None or not seq.request.reuse_prefix:
+        """The prefix hit of waiting ``seq`` (which has its ``kv``); MISS where it does not look one up."""
+        if not self._looks_up(seq):
             return MISS
         return self.kv.find_prefix_hit(seq.kv, seq.token_ids, seq.request.cache_salt)
 
