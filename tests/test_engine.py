@@ -273,6 +273,46 @@ def test_engine_config_rejects_bad_values(stories):
         engine_for(stories, kv_cache_memory=0)
 
 
+def test_prefix_counters_count_each_requests_first_lookup_as_vllm(stories):
+    """``prefix_cache_queries`` / ``_hits`` count a request's prompt once, at its first admission, once for its
+    samples: not again when it comes back after preemption by recompute (its own blocks are no hit), nor for a
+    request that does not look up (prompt logprobs, or prefix caching off). The hits are the tokens taken."""
+    model, tok = stories
+    prompts = ["Once upon a time there was a little girl", "The dog ran to the park to play with a ball",
+               "Tom and Sue went to the big park", "A big red ball was on the floor of the room"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=16, preemption_mode="recompute")
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    stats = engine.get_stats()
+    assert stats["preemption_count"] > 0
+    assert stats["prefix_cache_queries"] == sum(len(o.prompt_token_ids) for o in outs)
+    assert stats["prefix_cache_hits"] == sum(o.num_cached_tokens for o in outs)
+    before = engine.get_stats()["prefix_cache_queries"]
+    engine.generate(prompts[:1], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+    samples = engine.generate(prompts[1:2], SamplingParams(max_tokens=2, n=3, temperature=1.0, seed=1),
+                              use_tqdm=False)[0]
+    assert engine.get_stats()["prefix_cache_queries"] == before + len(samples.prompt_token_ids)
+    off = PagedEngine(model, tok, block_size=4, num_blocks=64, enable_prefix_caching=False)
+    off.generate(prompts, params, use_tqdm=False)
+    assert off.get_stats()["prefix_cache_queries"] == 0
+
+
+def test_a_dropped_engine_frees_its_pool(stories):
+    """The engine freezes what exists before it (model, tokenizer, libraries) out of the cyclic collector's sight,
+    never its own objects: a dropped engine's pool is freed by the collector (it leaked a pool per engine)."""
+    import gc
+    import weakref
+
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    engine.generate(["Once upon a time"], GREEDY, use_tqdm=False)
+    storage = next(iter(engine.kv.groups[0].storages.values()))
+    pool = weakref.ref(storage)
+    del engine, storage
+    gc.collect()
+    assert pool() is None, "the dropped engine's KV pool is still alive"
+
+
 def test_auto_sized_pool_follows_the_memory_budget(stories, monkeypatch):
     model, tok = stories
     per_block = block_id_bytes(model.config.get_text_config(decoder=True), 16, "auto", dtype=model.dtype)

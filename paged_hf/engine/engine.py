@@ -55,6 +55,14 @@ class PagedEngine:
 
     def __init__(self, model, tokenizer=None, *, _executor=None, **options) -> None:
         self.config = EngineConfig.from_options("PagedEngine", options)
+        # The model, tokenizer and transformers' modules are hundreds of thousands of objects that live as long as
+        # the engine: out of the cyclic collector's sight, its passes during serving stop costing milliseconds a
+        # step (vLLM freezes after start-up too). What was garbage before is collected first. Only what exists
+        # before the engine is frozen: the engine's own objects (its pool's reference cycles) stay collectable, so a
+        # dropped engine frees its memory.
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)  # at exit they are ordinary objects again, torn down as usual (idempotent)
         self.group = tensor_parallel_group(model)
         self._broken: TensorParallelError | None = None  # set when the tensor-parallel group broke
         self._timeout_s = DEFAULT_TIMEOUT_S
@@ -85,12 +93,6 @@ class PagedEngine:
         self._parked: dict[object, list[RequestOutput]] = {}  # reader (None: step()'s caller) -> its outputs
         self._busy_seconds = 0.0
         self._num_steps = self._num_step_tokens = 0  # steps that ran a forward, and the tokens those forwarded
-        # The model, tokenizer and transformers' modules are hundreds of thousands of objects that live as long as
-        # the engine: out of the cyclic collector's sight, its passes during serving stop costing milliseconds a
-        # step (vLLM freezes after start-up too). What was garbage before is collected first.
-        gc.collect()
-        gc.freeze()
-        atexit.register(gc.unfreeze)  # at exit they are ordinary objects again, torn down as usual (idempotent)
         logger.info("PagedEngine: %d KV blocks of %d tokens (%s, %.2f GiB) on %s, max_model_len %d",
                     self.kv.num_total_blocks, self.config.block_size, self.config.kv_cache_dtype,
                     self.kv.stats().kv_cache_bytes / GIB, model.device, self.max_model_len)
