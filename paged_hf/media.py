@@ -68,7 +68,7 @@ def load_image(source, policy: MediaPolicy = MediaPolicy(), field: str = "image_
 
 def decode_image(data: bytes, policy: MediaPolicy = MediaPolicy(), field: str = "image_url"):
     """Decodes ``data`` as an image (its size checked from the header, before its pixels are decoded)."""
-    from PIL import Image, UnidentifiedImageError  # noqa: PLC0415
+    from PIL import Image, ImageOps, UnidentifiedImageError  # noqa: PLC0415
 
     try:
         image = Image.open(io.BytesIO(data))
@@ -78,8 +78,8 @@ def decode_image(data: bytes, policy: MediaPolicy = MediaPolicy(), field: str = 
         raise ParameterError(field, f"the image could not be decoded (not an image, or a format Pillow does not "
                                     f"read): {error}") from None
     _check_size(image.size, policy, field)
-    try:
-        return image.convert("RGB")  # decodes the pixels
+    try:  # upright as the camera meant it (EXIF orientation), as transformers' and vLLM's loaders turn it
+        return ImageOps.exif_transpose(image).convert("RGB")  # decodes the pixels
     except (OSError, ValueError, Image.DecompressionBombError) as error:
         raise ParameterError(field, f"the image could not be decoded: {error}") from None
 
@@ -104,13 +104,31 @@ def _data_url_bytes(url: str, field: str) -> bytes:
         raise ParameterError(field, f"the data URL's base64 does not decode: {error}") from None
 
 
-def _remote_bytes(url: str, policy: MediaPolicy, field: str) -> bytes:
+def _check_host(url: str, policy: MediaPolicy, field: str) -> None:
     host = (urllib.parse.urlsplit(url).hostname or "").lower()
     if not policy.allowed_media_domains or host not in policy.allowed_media_domains:
         raise ParameterError(field, f"remote image URLs are not allowed for host {host!r:.100}: send the image as a "
                                     f"data: URL, or start the server with --allowed-media-domains")
+
+
+class _AllowedRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to an http(s) URL of an allowed host: the allowlist bounds every hop."""
+
+    def __init__(self, policy: MediaPolicy, field: str) -> None:
+        self.policy, self.field = policy, field
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
+            raise ParameterError(self.field, f"the image URL redirects to {newurl!r:.200}: not an http(s) URL")
+        _check_host(newurl, self.policy, self.field)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _remote_bytes(url: str, policy: MediaPolicy, field: str) -> bytes:
+    _check_host(url, policy, field)
+    opener = urllib.request.build_opener(_AllowedRedirects(policy, field))
     try:
-        with urllib.request.urlopen(url, timeout=REMOTE_TIMEOUT_S) as response:  # noqa: S310 - http(s) only
+        with opener.open(url, timeout=REMOTE_TIMEOUT_S) as response:
             data = response.read(MAX_REMOTE_BYTES + 1)
     except OSError as error:
         raise ParameterError(field, f"the image at {url!r:.200} could not be fetched: {error}") from None

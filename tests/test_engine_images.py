@@ -170,6 +170,25 @@ def test_prefix_hits_the_same_image_and_misses_another(family):
     engine.check_invariants()
 
 
+def test_the_engine_keeps_its_own_copy_of_a_requests_pixels(model):
+    """A caller that reuses its pixel buffer after ``add_request`` changes neither that request's image nor the
+    blocks its digest keys (a view of the buffer answered the new pixels under the old digest, and a later request
+    of the old image hit those blocks)."""
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
+    ids, images = case_inputs(1, 3)
+    first = engine.generate([ids], GREEDY, use_tqdm=False, images=[images])[0].outputs[0].token_ids
+    buffer = images["pixel_values"].clone()
+    fresh = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
+    fresh.add_request(ids, GREEDY, request_id="reused", images={**images, "pixel_values": buffer})
+    buffer.add_(0.5)  # the caller's next image, in the same buffer
+    outs = []
+    while fresh.has_unfinished_requests():
+        outs += [o for o in fresh.step() if o.finished]
+    assert outs[0].outputs[0].token_ids == first
+    again = fresh.generate([ids], GREEDY, use_tqdm=False, images=[images])[0]
+    assert again.metrics.num_prefix_cached_tokens > 4 and again.outputs[0].token_ids == first
+
+
 @settings(max_examples=40, deadline=None)
 @given(offset=st.integers(0, 30), length=st.integers(1, 12), block=st.sampled_from([1, 2, 4, 8]))
 def test_image_digests_key_the_blocks_from_the_image_on(offset, length, block):

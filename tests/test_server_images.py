@@ -222,3 +222,58 @@ def test_any_data_url_is_an_rgb_image_within_the_limit_or_a_parameter_error(payl
         assert error.param == "messages"
         return
     assert image.mode == "RGB" and image.size[0] * image.size[1] <= 64 * 64
+
+
+def test_a_photo_is_turned_upright_by_its_exif_orientation():
+    """A 40x20 JPEG whose EXIF says "rotate 90°" (a phone photo) is 20x40 to the model, as transformers' and vLLM's
+    loaders give it."""
+    from PIL import Image
+
+    from paged_hf.media import load_image
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 CW
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 20), (200, 10, 10)).save(buffer, format="JPEG", exif=exif)
+    url = "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+    assert load_image(url).size == (20, 40)
+
+
+def test_remote_images_follow_redirects_only_to_allowed_hosts():
+    """``--allowed-media-domains`` bounds every hop: a redirect to another host is refused by name."""
+    import http.server
+    import threading
+
+    from paged_hf.config import ParameterError
+    from paged_hf.media import load_image
+
+    png = io.BytesIO()
+    random_image(8, (8, 8)).save(png, format="PNG")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.path == "/image.png":
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.end_headers()
+                self.wfile.write(png.getvalue())
+            else:  # /elsewhere: the same image under another host name
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{self.server.server_port}/image.png")
+                self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}"
+        only_ip = MediaPolicy(allowed_media_domains=["127.0.0.1"])
+        assert load_image(base + "/image.png", only_ip).size == (8, 8)
+        with pytest.raises(ParameterError, match="not allowed for host 'localhost'"):
+            load_image(base + "/elsewhere", only_ip)
+        both = MediaPolicy(allowed_media_domains=["127.0.0.1", "localhost"])
+        assert load_image(base + "/elsewhere", both).size == (8, 8)
+    finally:
+        server.shutdown()

@@ -44,7 +44,7 @@ def test_serve_parses_speculative_config_json():
 def test_metrics_count_drafts_under_vllm_names():
     engine = PagedEngine(tiny_model("llama", attn_implementation="sdpa"), None, enforce_eager=True, block_size=4,
                          num_blocks=200, speculative_config=NGRAM)
-    metrics = ServerMetrics()
+    metrics = ServerMetrics("m")
     for _ in range(2):  # rendered twice: the counters grow by what the engine added, not by its totals again
         engine.generate([[1, 10, 20, 10, 20]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
                         use_tqdm=False)
@@ -52,12 +52,15 @@ def test_metrics_count_drafts_under_vllm_names():
     stats = engine.get_stats()
     assert stats["spec_decode_num_accepted_tokens"] > 0
     lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("vllm:"))
-    assert float(lines["vllm:spec_decode_num_drafts_total"]) == stats["spec_decode_num_drafts"]
-    assert float(lines["vllm:spec_decode_num_draft_tokens_total"]) == stats["spec_decode_num_draft_tokens"]
-    assert float(lines["vllm:spec_decode_num_accepted_tokens_total"]) == stats["spec_decode_num_accepted_tokens"]
+    label = '{model_name="m"}'  # as vLLM labels them, for dashboards that filter by model
+    assert float(lines["vllm:spec_decode_num_drafts_total" + label]) == stats["spec_decode_num_drafts"]
+    assert float(lines["vllm:spec_decode_num_draft_tokens_total" + label]) == stats["spec_decode_num_draft_tokens"]
+    assert float(lines["vllm:spec_decode_num_accepted_tokens_total" + label]) == \
+        stats["spec_decode_num_accepted_tokens"]
     per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
     assert len(per_pos) == 3 and sum(per_pos) == stats["spec_decode_num_accepted_tokens"]
     for j, count in enumerate(per_pos):
-        assert float(lines[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}}']) == count
+        assert float(lines[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{j}"}}']) \
+            == count
     rates = stats["spec_decode_acceptance_rate_per_pos"]
     assert rates == tuple(n / stats["spec_decode_num_drafts"] for n in per_pos) and rates[0] >= rates[-1]

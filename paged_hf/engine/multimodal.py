@@ -144,9 +144,9 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
             raise ParameterError("images", f"images[{name!r}] must be a tensor with one row per image ({count})")
     spans = []
     bounds = [0, *itertools.accumulate(rows)]
-    for i, (offset, length) in enumerate(runs):
+    for i, (offset, length) in enumerate(runs):  # copies: the caller may reuse its tensors (the digest is of these)
         tensors = {name: (value[bounds[i] : bounds[i + 1]] if name == "pixel_values" else value[i : i + 1])
-                   .detach().cpu() for name, value in images.items()}
+                   .detach().to("cpu", copy=True) for name, value in images.items()}
         spans.append(ImageSpan(offset, length, tensors, _digest(tensors)))
     result = RequestImages(spans, bidirectional=family in BIDIRECTIONAL_FAMILIES)
     longest = max(length for _, length in runs)

@@ -63,13 +63,15 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS)
         self.itl = Histogram("paged_hf_inter_token_latency_seconds", "time between output updates", registry=r,
                              buckets=_LATENCY_BUCKETS)
-        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "verified runs with speculative drafts", registry=r)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "verified runs with speculative drafts", named,
+                                   registry=r)
         self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "speculative draft tokens proposed",
-                                         registry=r)
+                                         named, registry=r)
         self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "speculative draft tokens accepted",
-                                     registry=r)
+                                     named, registry=r)
         self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                             "accepted draft tokens at each draft position", ["position"], registry=r)
+                                             "accepted draft tokens at each draft position", [*named, "position"],
+                                             registry=r)
         # id of a counter (a labelled child too: prometheus_client keeps each) -> the engine's total when last rendered
         self._totals_seen: dict[int, int] = {}
         self._last: dict[str, float] = {}
@@ -117,10 +119,10 @@ class ServerMetrics:
                   (self.vllm_prefix_hits.labels(name), stats.prefix_cache_hits),
                   (self.vllm_preemptions.labels(name), stats.preemption_count),
                   (self.vllm_generation_tokens.labels(name), stats.generated_tokens),
-                  (self.spec_drafts, stats.spec_decode_num_drafts),
-                  (self.spec_draft_tokens, stats.spec_decode_num_draft_tokens),
-                  (self.spec_accepted, stats.spec_decode_num_accepted_tokens)]
-        totals += [(self.spec_accepted_per_pos.labels(position=str(j)), n)
+                  (self.spec_drafts.labels(name), stats.spec_decode_num_drafts),
+                  (self.spec_draft_tokens.labels(name), stats.spec_decode_num_draft_tokens),
+                  (self.spec_accepted.labels(name), stats.spec_decode_num_accepted_tokens)]
+        totals += [(self.spec_accepted_per_pos.labels(name, str(j)), n)
                    for j, n in enumerate(stats.spec_decode_num_accepted_tokens_per_pos)]
         for counter, total in totals:  # the engine keeps totals; a counter only grows by the difference
             counter.inc(max(total - self._totals_seen.get(id(counter), 0), 0))
