@@ -255,9 +255,11 @@ class EngineConfig:
         _check_int("max_n", self.max_n, 1)
         _check_int("max_stop_strings", self.max_stop_strings, 0)
         if self.limit_mm_per_prompt is not None:
-            if not isinstance(self.limit_mm_per_prompt, Mapping) or set(self.limit_mm_per_prompt) - {"image"}:
+            others = {k: v for k, v in self.limit_mm_per_prompt.items() if k != "image"} \
+                if isinstance(self.limit_mm_per_prompt, Mapping) else None
+            if others is None or any(v != 0 for v in others.values()):  # {"video": 0}: none, as vLLM's flag says
                 raise ValueError(f"limit_mm_per_prompt must be None or {{'image': N}} (images are the only "
-                                 f"modality), got {self.limit_mm_per_prompt!r}")
+                                 f"modality; another one may only be 0), got {self.limit_mm_per_prompt!r}")
             _check_int("limit_mm_per_prompt['image']", self.limit_mm_per_prompt.get("image"), 0, allow_none=True)
         _check_int("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, 1, allow_none=True)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))

@@ -42,7 +42,7 @@ def split_chat(messages: list, load: Callable[[object], object], field: str = "m
             else:
                 raise ParameterError(field, f"messages.{index}: content part type must be one of "
                                             f"{['text', *IMAGE_PART_TYPES]}, got {kind!r:.40}")
-        content = parts if has_image else "".join(p["text"] for p in parts)
+        content = parts if has_image else "\n".join(p["text"] for p in parts)  # vLLM joins text parts by lines
         rendered.append({**message, "content": content})
     return rendered, images
 

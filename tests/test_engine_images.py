@@ -281,6 +281,8 @@ def test_limit_mm_per_prompt_is_checked():
         EngineConfig(limit_mm_per_prompt={"video": 1})
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         EngineConfig(limit_mm_per_prompt={"image": -1})
+    # vLLM's common spelling: no video, no audio
+    assert EngineConfig(limit_mm_per_prompt={"image": 2, "video": 0, "audio": 0}).limit_mm_per_prompt["image"] == 2
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "mllama"])

@@ -234,3 +234,9 @@ def test_a_streamed_auto_answer_equals_the_whole_one_wherever_its_deltas_split(p
     assert content == (whole_content or "")
     assert names == [c["function"]["name"] for c in whole_calls]
     assert state.finish_reason("stop") == whole_reason
+
+
+def test_text_parts_are_joined_by_lines_as_vllm_joins_them():
+    parts = [{"type": "text", "text": "First line."}, {"type": "text", "text": "Second line."}]
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": parts}])
+    assert body.chat() == [{"role": "user", "content": "First line.\nSecond line."}]

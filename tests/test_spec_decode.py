@@ -238,6 +238,7 @@ def test_poor_acceptance_switches_proposals_off(stories):
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens'\] must be an int in \[1, 16\]"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min'] must be <="),
+    ({"method": "ngram", "prompt_lookup_max": 0}, r"'prompt_lookup_max'\] must be an int in \[1, 64\], got 0"),
     ({"method": "ngram", "num_speculative_token": 2}, r"unknown key\(s\) \['num_speculative_token'\].*did you mean"),
     ({"num_speculative_tokens": 2}, "needs a 'method'"),
     ("ngram", "must be a dict"),
@@ -252,6 +253,11 @@ def test_one_lookup_bound_alone_keeps_the_other_in_range():
 
     assert SpeculativeConfig.of({"method": "ngram", "prompt_lookup_min": 6}).prompt_lookup_max == 6
     assert SpeculativeConfig.of({"method": "ngram", "prompt_lookup_max": 2}).prompt_lookup_min == 1
+    # None is the default, as in vLLM
+    default = SpeculativeConfig.of({"method": "ngram"})
+    given_none = SpeculativeConfig.of({"method": "ngram", "prompt_lookup_min": None, "prompt_lookup_max": None,
+                                       "num_speculative_tokens": None})
+    assert given_none == default
 
 
 def test_throughput_switch_follows_the_faster_mode():

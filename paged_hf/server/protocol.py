@@ -294,7 +294,7 @@ class ChatMessage(StrictBody):
         if isinstance(content, list) and self.num_images:  # the parts, for the image prompt (server/media.py)
             content = [part.model_dump(exclude_none=True) for part in content]
         elif isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "\n".join(part.text for part in content)  # as vLLM joins text parts
         if not content and self.refusal:
             content = self.refusal
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}

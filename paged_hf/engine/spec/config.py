@@ -93,7 +93,7 @@ class SpeculativeConfig:
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', "
                              f"'num_speculative_tokens': 4}} or None, got {type(value).__name__}")
-        options = dict(value)
+        options = {key: v for key, v in value.items() if v is not None or key in ("method", "model")}  # None: default
         check_known("speculative_config", "key", options, [f.name for f in fields(cls)])
         if "method" not in options:
             raise ValueError(f"speculative_config needs a 'method', one of {list(SPECULATIVE_METHODS)}")
@@ -101,12 +101,12 @@ class SpeculativeConfig:
             for key in NGRAM_KEYS:
                 if key in options:
                     raise ValueError(f"speculative_config[{key!r}] is for method 'ngram', not 'draft_model'")
-        if "prompt_lookup_min" in options and "prompt_lookup_max" not in options:
-            options["prompt_lookup_max"] = max(options["prompt_lookup_min"], cls.prompt_lookup_max) \
-                if isinstance(options["prompt_lookup_min"], int) else options["prompt_lookup_min"]
-        if "prompt_lookup_max" in options and "prompt_lookup_min" not in options:
-            options["prompt_lookup_min"] = min(options["prompt_lookup_max"], cls.prompt_lookup_min) \
-                if isinstance(options["prompt_lookup_max"], int) else options["prompt_lookup_max"]
+        # one bound given: the other follows it (a given bound is checked under its own name first)
+        for given, other, pick in (("prompt_lookup_min", "prompt_lookup_max", max),
+                                   ("prompt_lookup_max", "prompt_lookup_min", min)):
+            if given in options and other not in options:
+                _check_int(given, options[given], 1, 64)
+                options[other] = pick(options[given], getattr(cls, other))
         return cls(**options)
 
 
