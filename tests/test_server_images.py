@@ -68,6 +68,13 @@ def test_image_parts_answer_as_the_engine(served, client):
     assert answer.usage.prompt_tokens == len(ids)
     assert answer.choices[0].message.content == _engine_text(served, ids, images)
     served[1].check_invariants()
+    # /tokenize counts what the chat request ran: every image's tokens (as vLLM's), and refuses an unreadable image
+    messages = user("Look ", (data_url(first),), " and ", (data_url(second, "JPEG"),))
+    tokenized = httpx.post(served[0].url + "/tokenize", json={"messages": messages}, timeout=60).json()
+    assert tokenized["tokens"] == ids and tokenized["count"] == answer.usage.prompt_tokens
+    corrupt = httpx.post(served[0].url + "/tokenize", json={"messages": user("Look ", ("data:image/png;base64,@@",))},
+                         timeout=60)
+    assert corrupt.status_code == 400 and corrupt.json()["error"]["param"] == "messages"
 
 
 def _jpeg_roundtrip(image):

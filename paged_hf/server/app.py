@@ -182,7 +182,7 @@ def build_app(engine: PagedEngine, model_name: str | list[str], max_queue_len: i
                          echo=Echo(prompt_logprobs=body.prompt_logprobs), options=options, structured=structured,
                          tools=tools)
 
-    add_tokenizer_routes(app, engine, tokenize, parse)
+    add_tokenizer_routes(app, engine, tokenize, parse, image_prompts)
 
     async def run(raw: Request, body, prompts: list, params: SamplingParams, chat: bool, logprobs, rename, echo,
                   options: dict | None = None, structured: StructuredField | None = None,

@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.detokenizer import Decoder
 from .errors import ApiError
-from .protocol import ChatCompletionRequest, ChatMessage, StrictBody
+from .protocol import ChatCompletionRequest, ChatMessage, StrictBody, Tool
 
 
 class TokenizeRequest(StrictBody):
@@ -24,6 +24,7 @@ class TokenizeRequest(StrictBody):
     add_generation_prompt: bool | None = None
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None  # for the chat template, as a chat request's
 
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -40,19 +41,26 @@ class DetokenizeRequest(StrictBody):
         pass
 
 
-def add_tokenizer_routes(app: FastAPI, engine, tokenize, parse) -> None:
+def add_tokenizer_routes(app: FastAPI, engine, tokenize, parse, image_prompts) -> None:
     """The three routes over ``engine``'s tokenizer; ``parse(raw, model)`` reads and checks a body as the app does.
-    ``/detokenize`` keeps special tokens (``tokenizer.decode``'s default, as vLLM's), so a tokenized chat prompt
-    comes back with its template's markers."""
+    Messages with images are read and processed as a chat request's (``image_prompts``): the count includes each
+    image's tokens, and an image that cannot be read is a 400. ``/detokenize`` keeps special tokens
+    (``tokenizer.decode``'s default, as vLLM's), so a tokenized chat prompt comes back with its template's markers."""
     keep_special = Decoder(engine.tokenizer, skip_special_tokens=False)
 
     @app.post("/tokenize")
     async def tokenize_route(raw: Request):
         body = await parse(raw, TokenizeRequest)
         if body.messages is not None:
-            chat = ChatCompletionRequest(messages=body.messages, chat_template_kwargs=body.chat_template_kwargs)
-            prompt = await tokenize.chat(chat.chat(), chat.template_kwargs(), body.add_generation_prompt is not False,
-                                         bool(body.add_special_tokens))
+            chat = ChatCompletionRequest(messages=body.messages, chat_template_kwargs=body.chat_template_kwargs,
+                                         tools=body.tools)
+            generation_prompt = body.add_generation_prompt is not False
+            if chat.num_images:
+                prompt, _ = await image_prompts.chat(chat.chat(), chat.num_images, chat.template_kwargs(),
+                                                     generation_prompt, bool(body.add_special_tokens), None)
+            else:
+                prompt = await tokenize.chat(chat.chat(), chat.template_kwargs(), generation_prompt,
+                                             bool(body.add_special_tokens))
             ids = prompt["prompt_token_ids"]
         else:
             ids = await tokenize.encode(body.prompt, body.add_special_tokens is not False)
