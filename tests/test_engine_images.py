@@ -170,6 +170,27 @@ def test_prefix_hits_the_same_image_and_misses_another(family):
     engine.check_invariants()
 
 
+def test_adjacent_llava_images_are_told_apart_by_their_fixed_length(model):
+    """"<image><image>": LLaVA's processor writes the two runs of placeholders with nothing between them; each
+    image's tokens are a fixed count, so the run splits in two. Tokens and logprobs equal generate's."""
+    ids = [1, 40, 41] + [IMAGE_TOKEN_ID] * (2 * IMAGE_TOKENS) + [42, 43]
+    images = {"pixel_values": random_pixels(2, 7)}
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
+    out = engine.generate([ids], GREEDY, use_tqdm=False, images=[images])[0].outputs[0]
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([ids]), **generate_kwargs("llava", ids, images), do_sample=False,
+                                  max_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0,
+                                  return_dict_in_generate=True, output_logits=True,
+                                  cache=DynamicCache(config=model.config))
+    tokens = expected.sequences[0, len(ids):].tolist()
+    assert out.token_ids == tokens
+    reference_logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(expected.logits, tokens)]
+    assert token_logprobs(out) == pytest.approx(reference_logprobs, abs=1e-5)
+    with pytest.raises(ValueError, match="runs of image placeholder"):  # 3 images cannot share 32 placeholders
+        engine.add_request(ids, GREEDY, images={"pixel_values": random_pixels(3, 7)})
+
+
 def test_the_engine_keeps_its_own_copy_of_a_requests_pixels(model):
     """A caller that reuses its pixel buffer after ``add_request`` changes neither that request's image nor the
     blocks its digest keys (a view of the buffer answered the new pixels under the old digest, and a later request

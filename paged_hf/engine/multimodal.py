@@ -39,6 +39,7 @@ from ..hashing import ContentSpans
 IMAGE_FAMILIES = ("llava", "qwen2_vl", "gemma3")  # config.model_type of the models whose images the engine runs
 MROPE_FAMILIES = ("qwen2_vl",)
 BIDIRECTIONAL_FAMILIES = ("gemma3",)  # an image's tokens attend to each other both ways
+FIXED_LENGTH_FAMILIES = ("llava",)  # every image takes the same number of placeholder tokens, with no marker around
 REFUSED = {
     "qwen2_5_vl": "Qwen2.5-VL's images are not tested with the engine (Qwen2-VL's are)",
 }
@@ -133,10 +134,11 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
                                        f"(limit_mm_per_prompt)")
     if not torch.isfinite(pixels).all():
         raise ParameterError("images", "pixel_values holds NaN or infinite values")
+    if len(runs) < count and family in FIXED_LENGTH_FAMILIES:
+        runs = _split_runs(runs, _llava_image_tokens(model.config))
     if len(runs) != count:
         raise ParameterError("images", f"the prompt holds {len(runs)} runs of image placeholder tokens (id {token}) "
-                                       f"for {count} images: the processor writes one run per image (a token must "
-                                       f"separate two images)")
+                                       f"for {count} images: the processor writes one run per image")
     rows = _pixel_rows(images, count, runs, model)
     for name, value in images.items():
         if name != "pixel_values" and (not isinstance(value, torch.Tensor) or value.dim() == 0 or
@@ -202,6 +204,24 @@ def _placeholder_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
         else:
             runs.append((position, 1))
     return runs
+
+
+def _llava_image_tokens(config) -> int | None:
+    """The placeholder tokens of one LLaVA image: its patches, and the CLS token under the "full" feature strategy
+    (None where the config does not say)."""
+    vision = getattr(config, "vision_config", None)
+    size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    if not isinstance(size, int) or not isinstance(patch, int) or patch <= 0:
+        return None
+    return (size // patch) ** 2 + (getattr(config, "vision_feature_select_strategy", "default") == "full")
+
+
+def _split_runs(runs: list[tuple[int, int]], per: int | None) -> list[tuple[int, int]]:
+    """``runs`` cut into images of ``per`` tokens each (two images with nothing between them are one run); unchanged
+    where a run is not a whole number of images."""
+    if not per or any(length % per for _, length in runs):
+        return runs
+    return [(offset + i * per, per) for offset, length in runs for i in range(length // per)]
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
