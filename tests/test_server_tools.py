@@ -240,3 +240,18 @@ def test_text_parts_are_joined_by_lines_as_vllm_joins_them():
     parts = [{"type": "text", "text": "First line."}, {"type": "text", "text": "Second line."}]
     body = ChatCompletionRequest(messages=[{"role": "user", "content": parts}])
     assert body.chat() == [{"role": "user", "content": "First line.\nSecond line."}]
+
+
+def test_the_developer_role_reaches_templates_that_know_it_and_is_system_for_the_others(tiny):
+    """OpenAI's "developer" turn: a template that names the role (gpt-oss's tells system and developer apart) gets
+    it as given, as vLLM hands it; any other template gets it as "system", the role it was trained on."""
+    _, tok = tiny
+    body = ChatCompletionRequest(messages=[{"role": "developer", "content": "Be brief."}, *MESSAGES])
+    plain = PromptTokenizer(tok, 512)._template(body.chat(), body.template_kwargs())
+    assert plain.startswith("system: Be brief.\n")
+    saved = tok.chat_template
+    try:  # the same tokenizer with a template that names the role
+        tok.chat_template = TEMPLATE.replace("{{ m['role'] }}", "{{ 'dev' if m['role'] == 'developer' else m['role'] }}")
+        assert PromptTokenizer(tok, 512)._template(body.chat(), body.template_kwargs()).startswith("dev: Be brief.")
+    finally:
+        tok.chat_template = saved

@@ -67,6 +67,8 @@ class PromptTokenizer:
         reserved = {"messages", "add_generation_prompt", "tokenize", "conversation"} & set(template_kwargs)
         if reserved:
             raise ApiError(400, f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
+        if "developer" not in str(self.tokenizer.chat_template):  # OpenAI's newer name for the system role
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       tokenize=False, **template_kwargs)

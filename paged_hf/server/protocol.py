@@ -297,7 +297,7 @@ class ChatMessage(StrictBody):
             content = "\n".join(part.text for part in content)  # as vLLM joins text parts
         if not content and self.refusal:
             content = self.refusal
-        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}  # "developer": see PromptTokenizer._template
         if self.name is not None:
             message["name"] = self.name  # for chat templates that read it
         if self.tool_call_id is not None:
