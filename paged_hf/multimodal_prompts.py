@@ -4,7 +4,9 @@ processor's tensors, which is what ``PagedEngine.add_request(..., images=...)`` 
 
 Content parts: ``{"type": "text", "text"}``, ``{"type": "image_url", "image_url": {"url": ...}}`` (or the URL
 string), and vLLM's ``{"type": "image_pil", "image_pil": <PIL image>}``. Each image part becomes
-``{"type": "image"}`` in the message the chat template sees (what Hugging Face processors' templates read).
+``{"type": "image"}`` in the message the chat template sees (what Hugging Face processors' templates read); a
+template that reads a message's content as a string gets the processor's image placeholder, one line per image,
+before the message's text (``placeholder``, as vLLM writes them).
 """
 
 from __future__ import annotations
@@ -18,8 +20,31 @@ from .media import MediaPolicy, load_image
 IMAGE_PART_TYPES = ("image_url", "image_pil")
 
 
-def split_chat(messages: list, load: Callable[[object], object], field: str = "messages") -> tuple[list, list]:
-    """``(messages for the template, images)``: image parts replaced by ``{"type": "image"}`` and loaded with
+_PROBE = "\x01paged-hf-probe\x01"
+_reads_parts: dict[tuple[int, str], bool] = {}
+
+
+def image_placeholder(tokenizer, processor, chat_template: str | None = None) -> str | None:
+    """The text that stands for an image in a chat template that reads content as a string (the processor's image
+    token, or its begin-of-image token where it has one); None for a template that reads content parts."""
+    template = chat_template if chat_template is not None else tokenizer.chat_template
+    key = (id(tokenizer), str(template))
+    if key not in _reads_parts:
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": _PROBE}]}],
+                                                 chat_template=template, tokenize=False)
+            _reads_parts[key] = _PROBE in text and "'type'" not in text and '"type"' not in text
+        except Exception:  # noqa: BLE001 - a template that cannot take parts reads strings
+            _reads_parts[key] = False
+    if _reads_parts[key]:
+        return None
+    return getattr(processor, "boi_token", None) or getattr(processor, "image_token", None)
+
+
+def split_chat(messages: list, load: Callable[[object], object], field: str = "messages",
+               placeholder: str | None = None) -> tuple[list, list]:
+    """``(messages for the template, images)``: image parts replaced by ``{"type": "image"}`` (with
+    ``placeholder``: the message becomes a string, a line of it per image before its text) and loaded with
     ``load(url or PIL image)``, in order; a message without images keeps its text as a string."""
     rendered, images = [], []
     for index, message in enumerate(messages):
@@ -42,7 +67,11 @@ def split_chat(messages: list, load: Callable[[object], object], field: str = "m
             else:
                 raise ParameterError(field, f"messages.{index}: content part type must be one of "
                                             f"{['text', *IMAGE_PART_TYPES]}, got {kind!r:.40}")
-        content = parts if has_image else "\n".join(p["text"] for p in parts)  # vLLM joins text parts by lines
+        text = "\n".join(p["text"] for p in parts if p["type"] == "text")  # vLLM joins text parts by lines
+        if has_image and placeholder is not None:
+            content = "\n".join([placeholder] * sum(p["type"] == "image" for p in parts) + [text])
+        else:
+            content = parts if has_image else text
         rendered.append({**message, "content": content})
     return rendered, images
 
@@ -80,7 +109,8 @@ def image_prompt(prompt: Mapping, processor, media: MediaPolicy) -> tuple[dict, 
 def render_chat(tokenizer, processor, conversation: list, media: MediaPolicy, template: dict) -> tuple[dict, dict | None]:
     """One conversation through the chat template (``template``: ``apply_chat_template``'s keywords) as the engine's
     prompt, and its image tensors (None without images)."""
-    messages, images = split_chat(conversation, lambda source: load_image(source, media))
+    messages, images = split_chat(conversation, lambda source: load_image(source, media),
+                                  placeholder=image_placeholder(tokenizer, processor, template.get("chat_template")))
     text = tokenizer.apply_chat_template(messages, tokenize=False, **template)
     if images:  # the template holds the special tokens
         ids, tensors = process(processor, text, images, add_special_tokens=False)

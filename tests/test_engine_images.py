@@ -392,6 +392,20 @@ def test_llm_chat_reads_image_content_parts(model, llm):
                                                            [image, random_image(4)], add_special_tokens=False)
 
 
+def test_a_chat_template_that_reads_content_as_a_string_gets_placeholders(model, llm):
+    """A template written for plain strings (``{{ m['content'] }}``) would print the parts list: it gets the
+    processor's image placeholder, a line per image, before the message's text (vLLM's "string" content format)."""
+    from vision_models import random_image
+
+    image = random_image(3)
+    parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
+    string_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    out = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False, chat_template=string_template)[0]
+    assert out.prompt == "user: <image>\nWhat is this?\nassistant:"
+    assert out.outputs[0].token_ids == processed_reference(model, llm.processor, out.prompt, [image],
+                                                           add_special_tokens=False)
+
+
 @pytest.mark.parametrize("image, message", [
     ("data:image/png;base64,not*base64", "base64 does not decode"),
     ("data:image/png;base64," + "aGVsbG8gd29ybGQ=", "could not be decoded"),  # "hello world"

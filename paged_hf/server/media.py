@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..config import ParameterError
 from ..media import MediaPolicy, load_image
-from ..multimodal_prompts import process, split_chat
+from ..multimodal_prompts import image_placeholder, process, split_chat
 from .errors import ApiError
 from .prompts import PromptTokenizer
 
@@ -44,7 +44,8 @@ class ImagePrompts:
 
     def _render(self, messages, template_kwargs, add_generation_prompt, add_special_tokens) -> tuple[dict, dict]:
         try:
-            rendered, images = split_chat(messages, lambda source: load_image(source, self.policy, "messages"))
+            rendered, images = split_chat(messages, lambda source: load_image(source, self.policy, "messages"),
+                                          placeholder=image_placeholder(self.prompts.tokenizer, self.processor))
         except ParameterError as error:
             raise ApiError(400, str(error), "messages") from None
         text = self.prompts._template(rendered, template_kwargs, add_generation_prompt)
