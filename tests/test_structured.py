@@ -232,6 +232,19 @@ def test_min_tokens_yields_to_a_complete_value_as_vllm(engine):
         jsonschema.validate(json.loads(person.text), PERSON)
 
 
+def test_stop_token_ids_end_an_output_only_where_its_grammar_can_end(engine):
+    """A request's ``stop_token_ids`` are the grammar's stop tokens too (vLLM's rule): a token that would stop the
+    output in the middle of a value is masked there, so a "stop" output is a complete value."""
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    first = engine.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=choice),
+                            use_tqdm=False)[0].outputs[0]
+    stopper = first.token_ids[0]  # the value's first token: a stop token now
+    out = engine.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=choice,
+                                                     stop_token_ids=[stopper]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text in ("yes", "no"), (out.text, out.token_ids)
+    assert stopper not in out.token_ids[:-1]
+
+
 def test_a_compiling_grammar_holds_up_no_other_request(tiny, monkeypatch):
     engine = make_engine(tiny)
     release = threading.Event()

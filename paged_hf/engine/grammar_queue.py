@@ -49,8 +49,12 @@ class GrammarQueue:
         return ready, failed
 
 
-def give_matchers(request: Request) -> None:
-    """Each sample of a request with a compiled grammar follows it on its own matcher."""
+def give_matchers(request: Request, eos_token_ids: set[int]) -> None:
+    """Each sample of a request with a compiled grammar follows it on its own matcher. The request's
+    ``stop_token_ids`` join the end tokens (``eos_token_ids``) as the grammar's stop tokens: they may end the output
+    only where the grammar can end (vLLM's rule), never in the middle of a value."""
     if request.compiled_grammar is not None:
+        stops = request.params.stop_token_ids
+        stop_tokens = sorted(set(eos_token_ids) | set(stops)) if stops else None
         for seq in request.sequences:
-            seq.grammar = SequenceGrammar(request.compiled_grammar.result())
+            seq.grammar = SequenceGrammar(request.compiled_grammar.result(), stop_tokens)

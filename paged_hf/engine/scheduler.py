@@ -98,7 +98,7 @@ class Scheduler(StepUpdate):
             self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
-        give_matchers(request)
+        give_matchers(request, self.eos_token_ids)
         self.waiting.append(request.sequences[0])
         if self._priority:
             self.waiting = deque(sorted(self.waiting, key=self._order))

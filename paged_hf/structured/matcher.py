@@ -18,8 +18,10 @@ class GrammarRejected(ValueError):
 class SequenceGrammar:
     __slots__ = ("matcher", "num_accepted")
 
-    def __init__(self, compiled) -> None:
-        self.matcher = xgrammar_module().GrammarMatcher(compiled)
+    def __init__(self, compiled, stop_tokens: list[int] | None = None) -> None:
+        """``stop_tokens``: the tokens that end the output, when not the compiled grammar's (a request's
+        ``stop_token_ids`` with the end tokens): allowed only where the grammar can end, as vLLM's."""
+        self.matcher = xgrammar_module().GrammarMatcher(compiled, override_stop_tokens=stop_tokens)
         self.num_accepted = 0
 
     def accept(self, token: int) -> None:
