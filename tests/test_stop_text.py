@@ -146,3 +146,19 @@ def test_top_k_zero_is_off_as_in_vllm():
     assert SamplingParams(top_k=0).top_k == -1
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=-2)
+
+
+def test_an_added_token_marked_special_is_named_by_its_piece():
+    """Tokens a tokenizer adds as special without naming them among its special tokens (SmolLM2's <repo_name>,
+    ...): decoding skips them, so their logprob name is their piece (as vLLM's), never an empty string."""
+    from tokenizers import AddedToken
+
+    from paged_hf.engine.detokenizer import Decoder
+    from models import stories_tokenizer
+
+    tok = stories_tokenizer()
+    tok.add_tokens([AddedToken("<repo_name>", special=True)])
+    token = tok.convert_tokens_to_ids("<repo_name>")
+    assert token not in tok.all_special_ids and tok.decode([token], skip_special_tokens=True) == ""
+    decoder = Decoder(tok)
+    assert decoder.token_text(token) == "<repo_name>" and token in decoder.special_tokens

@@ -44,7 +44,10 @@ class Decoder:
                                                         spaces_between_special_tokens=False)
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.byte_tokens = frozenset(i for piece, i in vocab.items() if _BYTE_TOKEN.fullmatch(piece))
-        special_ids = list(getattr(tokenizer, "all_special_ids", ()))
+        # the named special tokens and every added token marked special (SmolLM2's <repo_name> ...): decode skips both
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        special_ids = sorted(set(getattr(tokenizer, "all_special_ids", ())) |
+                             {i for i, token in added.items() if getattr(token, "special", False)})
         self.special_tokens = frozenset(special_ids) if skip else frozenset()
         self._anchor = self._anchor_token(vocab)
         # a special token's name in logprobs is its piece ("<|im_end|>"), whether or not the text skips it (vLLM)
