@@ -21,14 +21,14 @@ IMAGE_PART_TYPES = ("image_url", "image_pil")
 
 
 _PROBE = "\x01paged-hf-probe\x01"
-_reads_parts: dict[tuple[int, str], bool] = {}
+_reads_parts: dict[str, bool] = {}  # by template: whether it reads content parts
 
 
 def image_placeholder(tokenizer, processor, chat_template: str | None = None) -> str | None:
     """The text that stands for an image in a chat template that reads content as a string (the processor's image
     token, or its begin-of-image token where it has one); None for a template that reads content parts."""
     template = chat_template if chat_template is not None else tokenizer.chat_template
-    key = (id(tokenizer), str(template))
+    key = str(template)
     if key not in _reads_parts:
         try:
             text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": _PROBE}]}],

@@ -164,10 +164,11 @@ def build_app(engine: PagedEngine, model_name: str | list[str], max_queue_len: i
         rename = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
         params = sampling_params(body, defaults, body.num_top_logprobs, rename, body.prompt_logprobs)
         tools = body.tool_plan(tool_call_parser)
-        structured = body.structured()
-        if tools is not None and tools.constraint() is not None:
-            structured = StructuredField(tools.constraint(), "tool_choice", f"tool_choice {tools.mode!r}")
-            params = dataclasses.replace(params, structured_outputs=structured.spec)
+        constraint = tools.constraint() if tools is not None else None
+        structured = body.structured() if constraint is None else \
+            StructuredField(constraint, "tool_choice", f"tool_choice {tools.mode!r}")
+        if constraint is not None:
+            params = dataclasses.replace(params, structured_outputs=constraint)
         if tools is not None and tools.keeps_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)
         options = body.submit_options()

@@ -384,9 +384,10 @@ class ChatCompletionRequest(_Sampling):
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         tools = [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
         plan = ToolPlan.of(tools, choice, self.parallel_tool_calls, parser)
-        if plan is not None and plan.constraint() is not None and self.structured() is not None:
+        structured = self.structured() if plan is not None and plan.mode in ("named", "required") else None
+        if structured is not None:
             raise ApiError(400, f"tool_choice {plan.mode!r} holds the answer to the tools' schemas: it cannot be "
-                                f"combined with {self.structured().field}", "tool_choice")
+                                f"combined with {structured.field}", "tool_choice")
         return plan
 
     def _requested_max_tokens(self) -> int | None:

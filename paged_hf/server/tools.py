@@ -29,7 +29,6 @@ from ..structured import StructuredOutputsParams
 from .errors import ApiError
 
 TOOL_CALL_PARSERS = ("hermes",)
-CHOICES = ("none", "auto", "required")
 
 
 def call_id() -> str:
@@ -45,15 +44,12 @@ def tool_call(name: str, arguments: str, index: int | None = None) -> dict:
 @dataclass(frozen=True)
 class ToolPlan:
     """What a chat request asks of tools. ``mode``: "none", "auto", "required" or "named" (then ``name``);
-    ``tools``: the request's tool definitions as dicts, for the chat template; ``parameters``: each tool's
-    schema by name."""
+    ``parameters``: each tool's schema by name. (The tools reach the chat template from the request itself.)"""
 
     mode: str
-    tools: list[dict]
     parameters: dict[str, dict] = field(default_factory=dict)
     name: str | None = None
     parallel: bool = True
-    parser: str | None = None
 
     @classmethod
     def of(cls, tools: list[dict] | None, tool_choice, parallel_tool_calls: bool | None,
@@ -85,7 +81,7 @@ class ToolPlan:
             raise ApiError(400, 'tool_choice "auto" (the default when tools are given) needs a server started with '
                                 '--enable-auto-tool-choice and --tool-call-parser; "none", "required" or a named '
                                 'function work on any server', "tool_choice")
-        return cls(mode, list(tools), parameters, name, parallel_tool_calls is not False, parser)
+        return cls(mode, parameters, name, parallel_tool_calls is not False)
 
     # ---------------------------------------------------------------------------------------------- requests
     def constraint(self) -> StructuredOutputsParams | None:
@@ -115,12 +111,17 @@ class ToolPlan:
             calls = _required_calls(text)
             if calls is None:  # cut by max_tokens: no complete array to call with
                 return text, [], finish_reason
-            return "", calls, "tool_calls" if finish_reason == "stop" else finish_reason
+            return "", calls, self.finish_reason(len(calls), finish_reason)
         if self.mode == "auto":
             content, calls = parse_hermes(text)
             calls = calls if self.parallel else calls[:1]
-            return content, calls, "tool_calls" if calls and finish_reason == "stop" else finish_reason
+            return content, calls, self.finish_reason(len(calls), finish_reason)
         return text, [], finish_reason
+
+    def finish_reason(self, num_calls: int, reason: str | None) -> str | None:
+        """OpenAI's: "tool_calls" where an answer that chose to call ("auto", "required") ended with calls; a named
+        call keeps the engine's reason."""
+        return "tool_calls" if reason == "stop" and num_calls and self.mode in ("auto", "required") else reason
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
@@ -228,9 +229,7 @@ class ToolStream:
         return content, calls
 
     def finish_reason(self, reason: str | None) -> str | None:
-        if reason == "stop" and self.calls and self.plan.mode in ("auto", "required"):
-            return "tool_calls"
-        return reason
+        return self.plan.finish_reason(self.calls, reason)
 
 
 def _partial_tag(text: str) -> int:

@@ -126,8 +126,8 @@ class Speculator:
             logger.exception("speculative decoding: the draft model's forward failed; the engine goes on without "
                              "drafts")
             drafter, self.drafter, self.disabled = self.drafter, None, True
-            for seq in list(drafter.states.values()):
-                drafter.release(seq[0])
+            for held, _ in list(drafter.states.values()):
+                drafter.release(held)
             return {}
 
     def release(self, seq: Sequence) -> None:
