@@ -114,8 +114,9 @@ def widens(dtype: torch.dtype) -> bool | None:
     in float32, rounded to bfloat16 once: a CPU without bfloat16 dot products, where oneDNN's bfloat16 product is
     several times slower than its float32 one; oneDNN's copy is then float32, the AVX2 panels stay bfloat16 and
     widen in registers), None (not packed)."""
-    if dtype == torch.bfloat16:
-        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.bfloat16:  # the AVX2 panels multiply float32 rows even on a CPU with bfloat16 products
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported() or (
+            cpu_ext.loaded() and torch.ops.paged_hf_cpu.linear_panels())
     return False if dtype == torch.float32 else None
 
 

@@ -80,12 +80,14 @@ at::Tensor reorder(const at::Tensor& weight, int64_t batch_hint, bool widen) {
 // Whether a product of x [..., in] would run over a tile copy: at most AMX_LINEAR_ROWS rows.
 bool tile_rows(const at::Tensor& x) { return x.numel() <= paged_hf_linear::AMX_LINEAR_ROWS * x.size(-1); }
 
-// Whether a bfloat16 weight is kept as a float32 copy here: oneDNN has no bfloat16 dot products on this CPU.
+// Whether a bfloat16 product runs in float32 here: always over the AVX2 panels (avx2_linear multiplies float32
+// rows, whatever the CPU it runs on: a library built for AVX2 on a CPU with AVX512-BF16 too), else where oneDNN has
+// no bfloat16 dot products on this CPU (its copy is then float32).
 bool bf16_widens() {
-  static const bool widens = !c10::Dispatcher::singleton()
-                                  .findSchemaOrThrow("mkldnn::_is_mkldnn_bf16_supported", "")
-                                  .typed<bool()>()
-                                  .call();
+  static const bool widens = panels() || !c10::Dispatcher::singleton()
+                                              .findSchemaOrThrow("mkldnn::_is_mkldnn_bf16_supported", "")
+                                              .typed<bool()>()
+                                              .call();
   return widens;
 }
 
@@ -122,11 +124,11 @@ at::Tensor linear_pointwise_raw(const at::Tensor& x, const at::Tensor& packed,
 // x [rows, in] times the packed weight of `out` features; widened: in float32, the result rounded to x's dtype.
 at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                             bool widen, int64_t out) {
-  if (panels()) {
-    at::Tensor rows = widen ? x.to(at::kFloat) : x;
+  if (panels()) {  // avx2_linear takes float32 rows: a bfloat16 input is widened whatever `widen` says
+    at::Tensor rows = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
     if (rows.stride(-1) != 1) rows = rows.contiguous();
     const at::Tensor product = paged_hf_linear::avx2_linear(rows, packed, bias, out);
-    return widen ? product.to(x.scalar_type()) : product;
+    return product.to(x.scalar_type());  // no copy for float32
   }
   if (!widen) return linear_pointwise_raw(x, packed, bias);
   std::optional<at::Tensor> wide_bias;
