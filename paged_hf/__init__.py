@@ -10,7 +10,7 @@ from .attention import paged_attention_forward, register_attention, unregister_a
 from .cache import PagedCache, PagedCacheFullError
 from .config import CacheConfig, EngineConfig, SamplingParams
 from .engine import CompletionOutput, PagedEngine, RequestOutput
-from .llm import LLM
+from .llm import LLM, RequestsFailed
 from .structured import StructuredOutputsParams
 from . import patches
 from .patches import default_paged as _default_paged
@@ -61,6 +61,7 @@ __all__ = [
     "LLM",
     "PagedEngine",
     "RequestOutput",
+    "RequestsFailed",
     "SamplingParams",
     "StructuredOutputsParams",
     "disable_default_paged",

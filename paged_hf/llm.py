@@ -55,6 +55,17 @@ WHY_NOT = {
 COMPILATION_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes")
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt", "multi_modal_data")
 # generation_config.json field -> SamplingParams field, as vLLM reads a model's defaults.
+
+class RequestsFailed(RuntimeError):
+    """Raised by ``LLM.generate`` / ``chat`` when requests failed while running (each fails alone: the others ran to
+    their end). ``outputs``: one ``RequestOutput`` per prompt, in order, the failed ones with ``error`` set."""
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        self.outputs = outputs
+        failed = [o for o in outputs if o.error is not None]
+        super().__init__(f"{len(failed)} of {len(outputs)} requests failed; request {failed[0].request_id}: "
+                         f"{failed[0].error} (the exception's outputs hold every request's output)")
+
 class LLM:
     """vLLM's ``LLM`` on a transformers model.
 
@@ -130,7 +141,8 @@ class LLM:
         ``{"prompt": text, "multi_modal_data": {"image": a PIL image or a list of them}}``: the text holds the
         model's image placeholder once per image (the processor expands it).
         Returns one ``RequestOutput`` per prompt, in order. A prompt that cannot run raises ``ValueError`` before
-        any work starts; a request that fails while running raises ``RuntimeError`` at the end."""
+        any work starts; a request that fails while running raises ``RequestsFailed`` (a ``RuntimeError``) at the
+        end, whose ``outputs`` hold every request's output, the failed ones with ``error`` set."""
         if lora_request is not None:
             raise ValueError("lora_request is not supported: LLM serves one set of weights (merge the adapter)")
         prompts = _prompt_list(prompts)
@@ -212,10 +224,8 @@ class LLM:
         outputs = self.llm_engine.generate([prompt for prompt, _ in prompts], list(params), use_tqdm,
                                            priority=list(priorities), cache_salt=[salt for _, salt in prompts],
                                            images=images if any(i is not None for i in images) else None)
-        failed = [o for o in outputs if o.error is not None]
-        if failed:
-            raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed; request {failed[0].request_id}: "
-                               f"{failed[0].error}")
+        if any(o.error is not None for o in outputs):
+            raise RequestsFailed(outputs)
         return outputs
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import runpy
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paged_hf import LLM, PagedEngine, SamplingParams
+from paged_hf import LLM, PagedEngine, RequestsFailed, SamplingParams
 from models import require_stories, smollm2_dir, stories_model, stories_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,6 +139,20 @@ def test_bad_requests_raise_before_any_work(llm, call, message):
     with pytest.raises(ValueError, match=message):
         call(llm)
     assert not llm.llm_engine.has_unfinished_requests(), "a rejected batch must leave nothing queued"
+    assert llm.get_stats()["kv_cache_used"] == 0
+
+
+def test_a_request_failing_while_running_raises_with_every_output(llm):
+    """A request that fails at run time fails alone (the engine's rule); ``LLM.generate`` then raises, and the
+    exception carries every request's output: the others' completions are not lost with it."""
+    poisoned = SamplingParams(max_tokens=12, temperature=1.0, logits_processors=[lambda _ids, logits: logits * math.nan])
+    with pytest.raises(RequestsFailed, match="1 of 3 requests failed") as raised:
+        llm.generate(["Once upon a time", "The dog", "Once upon a time"], [GREEDY, poisoned, GREEDY], use_tqdm=False)
+    outputs = raised.value.outputs
+    assert isinstance(raised.value, RuntimeError) and len(outputs) == 3
+    assert outputs[1].error is not None and outputs[1].outputs[0].finish_reason == "error"
+    alone = llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert outputs[0].error is None and outputs[0].outputs[0].token_ids == alone == outputs[2].outputs[0].token_ids
     assert llm.get_stats()["kv_cache_used"] == 0
 
 
