@@ -10,6 +10,8 @@ store op and an ``OpStep``). Where the metadata comes from is its ``LayerSource`
 
 from __future__ import annotations
 
+import weakref
+
 from typing import Protocol
 
 import torch
@@ -56,10 +58,27 @@ class PagedLayer(CacheLayerMixin):
 
     def __init__(self, source: LayerSource, layer_idx: int, group: LayerGroup) -> None:
         # not CacheLayerMixin.__init__: it would assign ``keys`` / ``values``, which are views here
-        self.source = source
+        self._source = weakref.ref(source)
         self.layer_idx = layer_idx
         self.group = group
         self.is_sliding = group.window is not None
+
+    @property
+    def source(self) -> LayerSource:
+        """The cache this layer belongs to, held weakly: the cache holds its layers, and a cycle between them would
+        outlive the cache wherever the collector cannot see it (an engine's ``gc.freeze()`` of a cache alive then)."""
+        source = self._source()
+        if source is None:
+            raise RuntimeError(f"layer {self.layer_idx} of a paged cache was used after its cache was dropped")
+        return source
+
+    def __getstate__(self) -> dict:  # copy.deepcopy (transformers' prompt-reuse recipe): the copy's layers hold the copy
+        state = self.__dict__.copy()
+        state["_source"] = self.source
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _source=weakref.ref(state["_source"]))
 
     @property
     def is_initialized(self) -> bool:

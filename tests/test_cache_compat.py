@@ -130,3 +130,26 @@ def test_compiled_paged_decode_has_no_graph_break_or_recompile(family):
         again = model.generate(**kwargs, max_new_tokens=n, compile_config=CompileConfig(fullgraph=True, dynamic=False))
         assert torch.equal(again, eager[n])
         assert counters["stats"]["unique_graphs"] == graphs, (n, dict(counters["stats"]))
+
+
+def test_a_deep_copied_prompt_cache_serves_each_continuation_and_keeps_the_original():
+    """transformers' prompt-reuse recipe: a prompt's cache is built once and ``copy.deepcopy``'d for each
+    continuation. Each copy's layers must write to that copy (a layer holds its cache weakly, so the copy's layers
+    are re-pointed when copied): the continuations equal ``DynamicCache``'s tokens and the original stays the
+    prompt's length."""
+    import copy
+
+    model = tiny_model("llama", "paged")
+    prompt = torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(1))
+    prompt_cache = paged_hf.PagedCache(model.config, block_size=4)
+    with torch.no_grad():
+        model(prompt, past_key_values=prompt_cache)
+    for seed in (2, 3):
+        tail = torch.randint(3, 512, (1, 5), generator=torch.Generator().manual_seed(seed))
+        ids = torch.cat([prompt, tail], 1)
+        cache = copy.deepcopy(prompt_cache)
+        assert all(layer.source is cache for layer in cache.layers)
+        got = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache, pad_token_id=0)
+        want = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=DynamicCache(), pad_token_id=0)
+        assert torch.equal(got, want)
+        assert prompt_cache.get_seq_length() == 9

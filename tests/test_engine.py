@@ -313,6 +313,27 @@ def test_a_dropped_engine_frees_its_pool(stories):
     assert pool() is None, "the dropped engine's KV pool is still alive"
 
 
+def test_a_paged_cache_alive_when_an_engine_starts_is_freed_once_dropped(stories):
+    """What exists when an engine starts is frozen out of the cyclic collector's sight; a ``generate`` cache kept
+    then (``return_dict_in_generate``) must still free its pool once dropped: its layers hold it weakly, so it is
+    freed by reference counting, with no cycle for the frozen collector to miss."""
+    import gc
+    import weakref
+
+    model, tok = stories
+    ids = tok("Once upon a time", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="paged",
+                         return_dict_in_generate=True)
+    storage = next(iter(out.past_key_values.kv.groups[0].storages.values()))
+    pool = weakref.ref(storage)
+    del storage
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    del out
+    gc.collect()
+    assert pool() is None, "a paged cache dropped after an engine started still holds its pool"
+    del engine
+
+
 def test_auto_sized_pool_follows_the_memory_budget(stories, monkeypatch):
     model, tok = stories
     per_block = block_id_bytes(model.config.get_text_config(decoder=True), 16, "auto", dtype=model.dtype)
