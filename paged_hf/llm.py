@@ -138,8 +138,8 @@ class LLM:
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Completes ``prompts``: a string, ``{"prompt": ...}``, ``{"prompt_token_ids": [...]}`` (vLLM's
         TextPrompt / TokensPrompt, optionally with ``cache_salt``), a list of token ids, or a list of any of these.
-        ``{"prompt": text, "multi_modal_data": {"image": a PIL image or a list of them}}``: the text holds the
-        model's image placeholder once per image (the processor expands it).
+        ``{"prompt": text, "multi_modal_data": {"image": an image or a list of them}}`` (PIL, uint8 pixel arrays):
+        the text holds the model's image placeholder once per image (the processor expands it).
         Returns one ``RequestOutput`` per prompt, in order. A prompt that cannot run raises ``ValueError`` before
         any work starts; a request that fails while running raises ``RequestsFailed`` (a ``RuntimeError``) at the
         end, whose ``outputs`` hold every request's output, the failed ones with ``error`` set."""

@@ -1,5 +1,6 @@
 """Images from where a prompt names them: ``data:`` URLs (base64), local files under an allowed folder, remote URLs of
-allowed domains, or PIL images given directly; each decoded with Pillow under a pixel limit.
+allowed domains, or PIL images and uint8 numpy arrays / torch tensors given directly; each decoded with Pillow under
+a pixel limit.
 
 ``MediaPolicy`` says what may be read: by default only data URLs and PIL images; ``allowed_local_media_path`` lets
 ``file://`` URLs (and plain paths) inside that folder through, ``allowed_media_domains`` lets ``http(s)`` URLs of
@@ -51,8 +52,11 @@ def load_image(source, policy: MediaPolicy = MediaPolicy(), field: str = "image_
     if isinstance(source, Image.Image):
         _check_size(source.size, policy, field)
         return source.convert("RGB")
+    if type(source).__module__.split(".")[0] in ("numpy", "torch") and hasattr(source, "shape"):
+        return _array_image(source, policy, field)
     if not isinstance(source, str):
-        raise ParameterError(field, f"an image must be a URL string or a PIL image, got {type(source).__name__}")
+        raise ParameterError(field, f"an image must be a URL string, a PIL image or a uint8 numpy array / torch "
+                                    f"tensor, got {type(source).__name__}")
     if source.startswith("data:"):
         data = _data_url_bytes(source, field)
     else:
@@ -64,6 +68,27 @@ def load_image(source, policy: MediaPolicy = MediaPolicy(), field: str = "image_
         else:
             raise ParameterError(field, f"image URLs must be data:, http(s): or file: URLs, got scheme {scheme!r:.20}")
     return decode_image(data, policy, field)
+
+
+def _array_image(array, policy: MediaPolicy, field: str):
+    """A numpy array or torch tensor of pixels as an RGB PIL image: uint8, ``[H, W]`` (grey), ``[C, H, W]`` or
+    ``[H, W, C]`` with C in 1, 3, 4 (channels first where both read so, as transformers' image processors decide)."""
+    import numpy as np  # noqa: PLC0415
+    from PIL import Image  # noqa: PLC0415
+
+    if not isinstance(array, np.ndarray):  # a torch tensor
+        array = array.detach().cpu().numpy()
+    channels = (1, 3, 4)
+    if array.dtype != np.uint8 or array.ndim not in (2, 3) or (
+            array.ndim == 3 and array.shape[0] not in channels and array.shape[-1] not in channels):
+        raise ParameterError(field, f"an image array must be uint8 of shape [H, W], [C, H, W] or [H, W, C] with C "
+                                    f"in {list(channels)}, got {array.dtype} {list(array.shape)}")
+    if array.ndim == 3 and array.shape[0] in channels:
+        array = array.transpose(1, 2, 0)
+    if array.ndim == 3 and array.shape[-1] == 1:
+        array = array[..., 0]
+    _check_size((array.shape[1], array.shape[0]), policy, field)
+    return Image.fromarray(np.ascontiguousarray(array)).convert("RGB")
 
 
 def decode_image(data: bytes, policy: MediaPolicy = MediaPolicy(), field: str = "image_url"):

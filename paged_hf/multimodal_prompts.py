@@ -94,8 +94,8 @@ def image_prompt(prompt: Mapping, processor, media: MediaPolicy) -> tuple[dict, 
     token ids) and its image tensors."""
     data = prompt["multi_modal_data"]
     if not isinstance(data, Mapping) or set(data) != {"image"}:
-        raise ParameterError("multi_modal_data", f"multi_modal_data must be {{'image': a PIL image or a list of "
-                                                 f"them}}, got {data!r:.200}")
+        raise ParameterError("multi_modal_data", f"multi_modal_data must be {{'image': an image or a list of them}} "
+                                                 f"(PIL, uint8 numpy array or torch tensor, URL), got {data!r:.200}")
     if not isinstance(prompt.get("prompt"), str) or "prompt_token_ids" in prompt:
         raise ParameterError("multi_modal_data", "multi_modal_data needs 'prompt' (the text with its image "
                                                  "placeholders), not 'prompt_token_ids'")

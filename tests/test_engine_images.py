@@ -356,6 +356,30 @@ def test_llm_generate_with_multi_modal_data_equals_generate(model, llm):
     assert len(outs[0].outputs[0].token_ids) == MAX_TOKENS
 
 
+def test_llm_takes_numpy_and_torch_images_as_their_pixels(model, llm):
+    """vLLM's ``multi_modal_data`` takes numpy arrays and torch tensors of pixels as well as PIL images: uint8,
+    channels last or first (first where both read so, as transformers' processors decide), grey without channels.
+    Each gives the tokens of the same picture as a PIL image; any other array is refused, naming the field."""
+    import numpy as np
+
+    from vision_models import random_image
+
+    image = random_image(3, (24, 20))
+    pixels = np.asarray(image)  # [H, W, 3] uint8
+    text = "Look <image> at it"
+    want = processed_reference(model, llm.processor, text, [image])
+    for form in (pixels, pixels.transpose(2, 0, 1).copy(), torch.from_numpy(pixels.transpose(2, 0, 1).copy())):
+        out = llm.generate({"prompt": text, "multi_modal_data": {"image": form}}, GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want, (type(form), form.shape)
+    grey = np.asarray(image.convert("L"))
+    assert llm.generate({"prompt": text, "multi_modal_data": {"image": grey}}, GREEDY, use_tqdm=False)[0] \
+        .outputs[0].token_ids == processed_reference(model, llm.processor, text, [image.convert("L").convert("RGB")])
+    for bad in (pixels.astype(np.float32) / 255, pixels[..., :2], pixels[None]):
+        with pytest.raises(ValueError, match="an image array must be uint8"):
+            llm.generate({"prompt": text, "multi_modal_data": {"image": bad}}, GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_llm_runs_gemma3_images_through_its_processor():
     """Gemma 3's processor writes begin / image / end tokens and token_type_ids; the engine needs only the ids and
     pixels, and answers as generate does with the token types (two-way attention inside each image)."""
