@@ -62,7 +62,6 @@ NAN, INF = math.nan, math.inf
     ([1, -3], {}, "prompt", r"must be in \[0, 512\)"),
     ([1, 2.5], {}, "prompt", "non-empty list of token ids"),
     ({"prompt_token_ids": [1, 2.5]}, {}, "prompt", "must be ints"),
-    ([1] * 40, {"max_tokens": 30}, "max_tokens", r"maximum context length is 64 tokens .*\(30 > 64 - 40\)"),
     ([1] * 64, {}, "prompt", "max_model_len=64 leaves no room"),
     ([1, 2], {"logprobs": 21}, "logprobs", r"at most 20 \(max_logprobs\)"),
     ([1, 2], {"prompt_logprobs": 21}, "prompt_logprobs", r"at most 20 \(max_logprobs\)"),

@@ -80,6 +80,17 @@ def test_max_tokens_none_generates_up_to_the_context_length(llm):
     assert out.outputs[0].finish_reason == "length" and params.max_tokens is None  # the caller's params unchanged
 
 
+def test_max_tokens_past_the_context_stops_at_it(llm):
+    """vLLM 0.32's rule (offline and served): the context ends a request whatever its ``max_tokens``; the output
+    stops at ``max_model_len`` with a length finish, a ``min_tokens`` past it met as far as the context allows."""
+    ids = list(range(5, 505))  # 500 of the 512 tokens
+    for options in ({"max_tokens": 10**6}, {"max_tokens": 40, "min_tokens": 30}):
+        params = SamplingParams(temperature=0.0, ignore_eos=True, **options)
+        (out,) = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 12 and out.outputs[0].finish_reason == "length", options
+        assert params.max_tokens == options["max_tokens"]  # the caller's params unchanged
+
+
 def test_chat_takes_one_conversation_or_a_list(llm):
     first = [{"role": "user", "content": "Once upon a time"}]
     second = [{"role": "user", "content": "Lily and Tom"}, {"role": "assistant", "content": " went to the"}]

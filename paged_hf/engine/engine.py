@@ -144,8 +144,11 @@ class PagedEngine:
             raise ValueError(f"params must be a paged_hf.SamplingParams, got {type(params).__name__}")
         text, ids = prompt_ids(prompt, self.tokenizer)
         ids = check_prompt_ids(ids, self.vocab_size, self.max_model_len)
-        if params.max_tokens is None:  # vLLM's "up to the context length"
-            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is None or params.max_tokens > room:
+            # vLLM's rule: the context length ends a request whatever its max_tokens (finish_reason "length"); a
+            # min_tokens past it is met as far as the context allows
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         check_params(params, len(ids), self.vocab_size, self.max_model_len, self.config)
         limit = self.config.limit_mm_per_prompt
         request_images = multimodal.request_images(images, ids, self.model, limit and limit.get("image"),

@@ -2,7 +2,7 @@
 
 ``SamplingParams`` checks each value on its own (types, ranges, finite numbers); this module checks what depends on
 the model and the engine: token ids inside the vocabulary (an id past it would make the embedding lookup raise in
-the middle of a batch), the context length (no silent truncation), and the engine's per-request limits
+the middle of a batch), a prompt that leaves no room to generate, and the engine's per-request limits
 (``EngineConfig.max_logprobs``, ``max_n``, ``max_stop_strings``). Each failure is a ``ParameterError`` naming the
 field, so that a server can answer 400 with it.
 """
@@ -37,14 +37,8 @@ def check_prompt_ids(ids: list, vocab_size: int, max_model_len: int) -> list[int
 
 def check_params(params: SamplingParams, num_prompt_tokens: int, vocab_size: int, max_model_len: int,
                  config: EngineConfig) -> None:
-    """The engine's limits on ``params`` for a prompt of ``num_prompt_tokens`` tokens."""
-    room = max_model_len - num_prompt_tokens
-    if params.max_tokens > room:
-        raise ParameterError(
-            "max_tokens", f"max_tokens is too large: {params.max_tokens}. This model's maximum context length is "
-                          f"{max_model_len} tokens and the prompt has {num_prompt_tokens} tokens "
-                          f"({params.max_tokens} > {max_model_len} - {num_prompt_tokens}); ask for at most {room}"
-        )
+    """The engine's limits on ``params`` (its ``max_tokens`` already capped at the context) for a prompt of
+    ``num_prompt_tokens`` tokens."""
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > config.max_logprobs:

@@ -236,8 +236,8 @@ def default_max_tokens(params: SamplingParams, prompt, max_model_len: int, chat:
                        length_cap: int | None = None) -> SamplingParams:
     """The ``max_tokens`` of a request that gives none: the room its prompt leaves for a chat completion,
     ``DEFAULT_COMPLETION_TOKENS`` or that room if less for a completion, and at most ``length_cap`` (the
-    generation_config's ``max_new_tokens``) when given; a request that gives ``max_tokens`` gets exactly that, or a
-    400 if it does not fit."""
+    generation_config's ``max_new_tokens``) when given; a request that gives ``max_tokens`` keeps it (the engine
+    stops every request at the context length, as vLLM does)."""
     ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
     room = max(1, max_model_len - len(ids))
     room = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
