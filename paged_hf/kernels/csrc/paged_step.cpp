@@ -10,7 +10,8 @@
 //     attention takes, so the graph orders the store before it and never drops it.
 // paged_hf_cpu::attend(Tensor query [T, H, D], Tensor stored, Tensor block_tables [S, W], Tensor seq_lens [S],
 //                      Tensor query_start_loc [S + 1], Tensor num_decodes [1], int layer, float scale,
-//                      Tensor? sinks, int window=0, float softcap=0.0) -> [T, H, D] contiguous (any query strides)
+//                      Tensor? sinks, int window=0, float softcap=0.0) -> [T, H, D] contiguous (any query strides
+//                      but a contiguous last dim)
 //     the first num_decodes sequences through paged_decode, the rest through paged_prefill (their queries from
 //     query_start_loc[num_decodes]), both under the sliding window where window > 0 and the softcap where > 0.
 #include <ATen/ATen.h>
