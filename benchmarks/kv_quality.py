@@ -56,7 +56,7 @@ from paged_hf.quant import canonical_kv_format
 
 from _common import ModelUnavailable, STORIES_TEXT, load_model, machine, markdown_table
 
-ROWS = ("dynamic", "auto", "int8", "fp8", "int4", "int4/64", "quanto4", "quanto4r1", "hqq4", "hqq8")
+ROWS = ("dynamic", "auto", "int8", "fp8", "fp8_e5m2", "int4", "int4/64", "quanto4", "quanto4r1", "hqq4", "hqq8")
 MODELS = {"smollm2": "smollm2", "stories": "stories260K", "stories260K": "stories260K"}
 DOC_MARKER = "<|endoftext|>"
 BYTES_AT = (128, 768, 4096)
