@@ -142,6 +142,31 @@ def test_of_two_stop_strings_ending_in_one_step_the_first_to_end_wins(stories, p
         assert out.stop_reason == want and out.text == text[: text.index(want)], (stops, out.stop_reason)
 
 
+def test_a_newline_stop_ends_the_output_at_its_byte_fallback_token(stories):
+    """A Llama-2-style tokenizer writes a newline as the byte-fallback token ``<0x0A>``, whose text the detokenizer
+    holds back while a byte run could go on: the stop string it completes is found at that token (vLLM emits a
+    complete character at once), not one token later (an extra token after the stop) nor never (the newline as the
+    last token max_tokens allows: a length finish whose text ended in the stop string)."""
+    model, tok = stories
+    prompt = "Once upon a time, there was a little girl named Lily. She loved to play outside."
+    engine = PagedEngine(model, tok, block_size=16, num_blocks=64)
+    free = engine.generate([prompt], SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    newline = tok.convert_tokens_to_ids("<0x0A>")
+    at = free.token_ids.index(newline)  # the output's first newline
+    want = free.text[: free.text.index("\n")]
+    for max_tokens in (80, at + 1):
+        for include in (False, True):
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=["\n"],
+                                    include_stop_str_in_output=include)
+            out = engine.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            assert out.token_ids == free.token_ids[: at + 1], (max_tokens, len(out.token_ids), at + 1)
+            assert (out.finish_reason, out.stop_reason) == ("stop", "\n")
+            assert out.text == want + ("\n" if include else "")
+            assert "".join(engine.stream(prompt, params)) == out.text
+    engine.check_invariants()
+
+
 def test_top_k_zero_is_off_as_in_vllm():
     assert SamplingParams(top_k=0).top_k == -1
     with pytest.raises(ValueError, match="top_k"):

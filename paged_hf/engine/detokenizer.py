@@ -120,6 +120,23 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def pending(self, token_ids: list[int]) -> str:
+        """The text the tokens after ``read_offset`` would add if the output ended with them: what ``update`` holds
+        back while they end in a byte-fallback token (a newline's ``<0x0A>``) or an incomplete character, less the
+        incomplete character. Nothing is emitted; a stop string found in it ends the output here, which makes it
+        final (``accept``)."""
+        if len(token_ids) <= self.read_offset:
+            return ""
+        context = self.decode(token_ids[self.prefix_offset : self.read_offset]) \
+            if self.read_offset > self.prefix_offset else ""
+        full = self.decode(token_ids[self.prefix_offset :])
+        return full[len(context) :].rstrip(_INCOMPLETE) if full.startswith(context) else ""
+
+    def accept(self, pending: str, token_ids: list[int]) -> None:
+        """Emits ``pending`` (``pending(token_ids)``) as the text of the output, which ends here."""
+        self.text += pending
+        self.prefix_offset = self.read_offset = len(token_ids)
+
     def _ends_in_byte_token(self, token_ids: list[int]) -> bool:
         """Whether the last token that has text is a byte-fallback token (a skipped special token between byte
         tokens does not end their run: decoding drops it and joins the bytes)."""

@@ -77,14 +77,22 @@ class OutputStage:
         if not params.detokenize or not params.stop and seq.request.output_kind is RequestOutputKind.FINAL_ONLY:
             return None  # never decoded, or decoded once, when it finishes
         detokenizer = self._detokenizer(seq)
-        delta = detokenizer.update(text_token_ids(seq))
+        token_ids = text_token_ids(seq)
+        delta = detokenizer.update(token_ids)
         finished = seq.status is SequenceStatus.FINISHED
-        if not params.stop or not delta or (finished and seq.finish_reason != "length") \
+        if not params.stop or (finished and seq.finish_reason != "length") \
                 or seq.num_output_tokens <= params.min_tokens:  # vLLM's rule: a stop must end after min_tokens
             return None
-        found = find_stop(detokenizer.text, len(delta), params.stop)
+        # text held back (the output ends in a byte-fallback token such as a newline's <0x0A>, or inside a
+        # character) is searched as if the output ended here: vLLM's detokenizer emits a complete character at once
+        held = "" if delta else detokenizer.pending(token_ids)
+        if not delta and not held:
+            return None
+        found = find_stop(detokenizer.text + held, len(delta or held), params.stop)
         if found is None:
             return None
+        if held:  # the output ends at this token: its held text is final
+            detokenizer.accept(held, token_ids)
         detokenizer.truncate(found[1] + (len(found[0]) if params.include_stop_str_in_output else 0))
         return found[0]
 
