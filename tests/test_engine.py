@@ -229,9 +229,10 @@ def test_streams_generate_and_a_step_loop_share_one_engine_without_losing_output
     (out,) = engine.generate([prompts[3]], GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == references[3] and out.request_id != mine
     seen = []
-    while engine.has_unfinished_requests() or not seen:
+    while engine.has_unfinished_requests():  # vLLM's loop: its request ended in the others' steps, parked for it
         seen += engine.step()
     assert [o.request_id for o in seen if o.finished] == [mine] and seen[-1].outputs[0].token_ids == references[2]
+    assert not engine.has_unfinished_requests() and engine.step() == []
     assert_all_freed(engine)
 
 

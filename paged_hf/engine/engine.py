@@ -197,7 +197,10 @@ class PagedEngine:
             self.output.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.scheduler.requests)
+        """Whether requests are queued or running, or outputs wait for ``step()``'s caller (its requests that a
+        ``generate`` or ``stream`` stepped, to their end too): ``while has_unfinished_requests(): step()`` gets every
+        output."""
+        return bool(self.scheduler.requests) or bool(self._parked.get(None))
 
     # ------------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -293,7 +296,7 @@ class PagedEngine:
         reader = object()
         self._read_by(reader, order)
         try:
-            while pending and (self.has_unfinished_requests() or self._parked.get(reader)):
+            while pending and (self.scheduler.requests or self._parked.get(reader)):
                 for out in self._step_for(reader):
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
