@@ -4,7 +4,7 @@ the KV blocks must go back to 0.
 
 Clients (``--clients``, all at once): slot ``i % 8 == 3`` sends a bad request (cycling through ``BAD_REQUESTS``:
 an out-of-vocabulary id, NaN, logprobs 1000, an unknown model, malformed JSON, a lone surrogate, 10,000 stop
-strings, max_tokens 10**9, tools), slot 6 asks for 400 tokens (ignore_eos) and leaves (a stream after its first
+strings, a negative max_tokens, tools), slot 6 asks for 400 tokens (ignore_eos) and leaves (a stream after its first
 event, a non-streaming request after ``--leave-after`` seconds), the other six send a good greedy request
 (completion or chat, streamed or not, 8-32 tokens). The expected text of each good request comes from
 ``PagedEngine.generate`` on a second engine over the same model, one request at a time, before the load.
@@ -38,7 +38,7 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes)
     (COMPLETIONS, b'{"prompt": "Once upon a time", '),
     (COMPLETIONS, b'{"prompt": ["Once upon a time", "\\ud800"], "max_tokens": 400}'),
     (COMPLETIONS, {"prompt": "Once upon a time", "stop": [str(i) for i in range(10000)]}),
-    (COMPLETIONS, {"prompt": "Once upon a time", "max_tokens": 10**9}),
+    (COMPLETIONS, {"prompt": "Once upon a time", "max_tokens": -5}),
     (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]}),
 ]
 
