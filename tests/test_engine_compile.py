@@ -73,6 +73,17 @@ def test_compiled_engine_equals_eager_and_generate(family):
     assert calls > 5 and new_graphs == 0
 
 
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_the_warm_up_fits_its_scratch_pool_at_any_block_size(block_size):
+    """The warm-up's steps run on a scratch pool of their own: at one or two tokens a block they need more blocks
+    than a 16-token block's 16 (a compiled engine with block_size=1 failed to build, "need 6 free KV blocks")."""
+    model = tiny_model("llama")
+    options = dict(block_size=block_size, num_blocks=512, max_num_batched_tokens=9)
+    compiled = PagedEngine(model, None, **options)
+    new_graphs, calls, got = graphs_during(compiled)
+    assert got == tokens(PagedEngine(model, None, enforce_eager=True, **options)) and calls > 5 and new_graphs == 0
+
+
 @pytest.mark.parametrize("family, kv_cache_dtype", [("llama", "int8"), ("llama", "int4"), ("llama", "fp8"),
                                                     ("phi", "int8")])
 def test_compiled_quantized_formats_equal_eager(family, kv_cache_dtype):

@@ -13,13 +13,21 @@ from ..metadata import AttentionMetadata, build_metadata
 from .forward_cache import EngineCache
 
 SCRATCH_BLOCKS = 16
+# the most tokens and sequences one scratch step holds (the compile warm-up's mixed step: 20 tokens in 3 sequences)
+SCRATCH_TOKENS, SCRATCH_SEQS = 32, 4
+
+
+def scratch_blocks(block_size: int) -> int:
+    """Blocks enough for any scratch step at ``block_size`` (each sequence may end in a part-filled block), and at
+    least ``SCRATCH_BLOCKS``."""
+    return max(SCRATCH_BLOCKS, -(-SCRATCH_TOKENS // block_size) + SCRATCH_SEQS)
 
 
 class ScratchForwards:
-    """Scratch pools shaped as ``kv``'s (``SCRATCH_BLOCKS`` blocks) and an ``EngineCache`` over them."""
+    """Scratch pools shaped as ``kv``'s (``scratch_blocks`` blocks) and an ``EngineCache`` over them."""
 
     def __init__(self, kv: KVManager, dtype: torch.dtype, device) -> None:
-        self.kv = KVManager(kv.text_config, kv.block_size, kv.kv_cache_dtype, num_blocks=SCRATCH_BLOCKS,
+        self.kv = KVManager(kv.text_config, kv.block_size, kv.kv_cache_dtype, num_blocks=scratch_blocks(kv.block_size),
                             num_kv_heads=kv.num_kv_heads)
         allocate_all(self.kv, dtype, device)
         self.cache = EngineCache(self.kv)
