@@ -72,7 +72,7 @@ class PagedLayer(CacheLayerMixin):
             raise RuntimeError(f"layer {self.layer_idx} of a paged cache was used after its cache was dropped")
         return source
 
-    def __getstate__(self) -> dict:  # copy.deepcopy (transformers' prompt-reuse recipe): the copy's layers hold the copy
+    def __getstate__(self) -> dict:  # copy.deepcopy (transformers' prompt-reuse recipe): a copy's layers hold it
         state = self.__dict__.copy()
         state["_source"] = self.source
         return state
@@ -111,20 +111,21 @@ class PagedLayer(CacheLayerMixin):
         """Stores ``key_states`` / ``value_states`` ``[B, kv_heads, q, head_dim]`` and returns what the attention
         reads: the states themselves beside a ``LayerStep`` in ``kwargs`` (without kwargs: handed to the
         attention by layer index, ``metadata.hand_step``), or the source's dense K/V."""
-        metadata = self.source.layer_metadata(self, key_states, kwargs)
+        source = self.source  # one read of the weak reference a forward
+        metadata = source.layer_metadata(self, key_states, kwargs)
         group = metadata.groups[self.group.index]
-        if self.source.num_decodes is not None:  # compiled: the store and attention are ops
+        if source.num_decodes is not None:  # compiled: the store and attention are ops
             self._hand_over(kwargs, ops.store_layer(metadata, group, self.layer_idx, key_states, value_states,
-                                                    self.source.num_decodes, self.source.native_ops))
+                                                    source.num_decodes, source.native_ops))
             return key_states, value_states
         storage = self.group.storages[self.layer_idx]
         fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
-        if self.source.reads_blocks:
+        if source.reads_blocks:
             stored = (key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
             self._hand_over(kwargs, LayerStep(metadata, group, self.group.index, storage, fresh, self.layer_idx,
                                               stored))
             return key_states, value_states
-        return self.source.dense_kv(self, storage, group, fresh)
+        return source.dense_kv(self, storage, group, fresh)
 
     def _hand_over(self, kwargs: dict | None, step) -> None:
         """``step`` to this layer's attention: by layer index (``hand_step``: also how a forward finds an attention

@@ -54,7 +54,7 @@ WHY_NOT = {
 # forward its own way, so any other entry is refused by name.
 COMPILATION_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes")
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt", "multi_modal_data")
-# generation_config.json field -> SamplingParams field, as vLLM reads a model's defaults.
+
 
 class RequestsFailed(RuntimeError):
     """Raised by ``LLM.generate`` / ``chat`` when requests failed while running (each fails alone: the others ran to
@@ -65,6 +65,7 @@ class RequestsFailed(RuntimeError):
         failed = [o for o in outputs if o.error is not None]
         super().__init__(f"{len(failed)} of {len(outputs)} requests failed; request {failed[0].request_id}: "
                          f"{failed[0].error} (the exception's outputs hold every request's output)")
+
 
 class LLM:
     """vLLM's ``LLM`` on a transformers model.

@@ -19,6 +19,9 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+
 from .config import ParameterError
 
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
@@ -52,7 +55,7 @@ def load_image(source, policy: MediaPolicy = MediaPolicy(), field: str = "image_
     if isinstance(source, Image.Image):
         _check_size(source.size, policy, field)
         return source.convert("RGB")
-    if type(source).__module__.split(".")[0] in ("numpy", "torch") and hasattr(source, "shape"):
+    if isinstance(source, (np.ndarray, torch.Tensor)):
         return _array_image(source, policy, field)
     if not isinstance(source, str):
         raise ParameterError(field, f"an image must be a URL string, a PIL image or a uint8 numpy array / torch "
@@ -73,10 +76,9 @@ def load_image(source, policy: MediaPolicy = MediaPolicy(), field: str = "image_
 def _array_image(array, policy: MediaPolicy, field: str):
     """A numpy array or torch tensor of pixels as an RGB PIL image: uint8, ``[H, W]`` (grey), ``[C, H, W]`` or
     ``[H, W, C]`` with C in 1, 3, 4 (channels first where both read so, as transformers' image processors decide)."""
-    import numpy as np  # noqa: PLC0415
     from PIL import Image  # noqa: PLC0415
 
-    if not isinstance(array, np.ndarray):  # a torch tensor
+    if isinstance(array, torch.Tensor):
         array = array.detach().cpu().numpy()
     channels = (1, 3, 4)
     if array.dtype != np.uint8 or array.ndim not in (2, 3) or (

@@ -291,7 +291,7 @@ def pack_linears(model: torch.nn.Module, available_bytes: int | None = None) -> 
     if linears:
         how = "once"
         if any(widens(m.weight.dtype) for m in linears):
-            how = ("widened to float32 in the product: this CPU has no bfloat16 dot products" if panels
+            how = ("widened to float32 in the product (the AVX2 panels multiply float32)" if panels
                    else "as float32 copies: this CPU has no bfloat16 dot products")
         if any(dense_rows(m.weight.dtype) for m in linears):
             how += f" (float32 products of fewer than {MKL_ROWS} rows stay MKL's)"

@@ -110,9 +110,7 @@ class IncrementalDetokenizer:
         """Emits the text the tokens after ``read_offset`` add (possibly "" while a character is incomplete)."""
         if len(token_ids) <= self.read_offset or self._ends_in_byte_token(token_ids):
             return ""
-        context = self.decode(token_ids[self.prefix_offset : self.read_offset]) \
-            if self.read_offset > self.prefix_offset else ""
-        full = self.decode(token_ids[self.prefix_offset :])
+        context, full = self._window(token_ids)
         if len(full) <= len(context) or full.endswith(_INCOMPLETE):
             return ""
         delta = full[len(context) :]
@@ -127,15 +125,19 @@ class IncrementalDetokenizer:
         final (``accept``)."""
         if len(token_ids) <= self.read_offset:
             return ""
-        context = self.decode(token_ids[self.prefix_offset : self.read_offset]) \
-            if self.read_offset > self.prefix_offset else ""
-        full = self.decode(token_ids[self.prefix_offset :])
+        context, full = self._window(token_ids)
         return full[len(context) :].rstrip(_INCOMPLETE) if full.startswith(context) else ""
 
     def accept(self, pending: str, token_ids: list[int]) -> None:
         """Emits ``pending`` (``pending(token_ids)``) as the text of the output, which ends here."""
         self.text += pending
         self.prefix_offset = self.read_offset = len(token_ids)
+
+    def _window(self, token_ids: list[int]) -> tuple[str, str]:
+        """The text of the window's context (``prefix_offset .. read_offset``) and of the whole window."""
+        context = self.decode(token_ids[self.prefix_offset : self.read_offset]) \
+            if self.read_offset > self.prefix_offset else ""
+        return context, self.decode(token_ids[self.prefix_offset :])
 
     def _ends_in_byte_token(self, token_ids: list[int]) -> bool:
         """Whether the last token that has text is a byte-fallback token (a skipped special token between byte

@@ -124,11 +124,11 @@ at::Tensor linear_pointwise_raw(const at::Tensor& x, const at::Tensor& packed,
 // x [rows, in] times the packed weight of `out` features; widened: in float32, the result rounded to x's dtype.
 at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                             bool widen, int64_t out) {
-  if (panels()) {  // avx2_linear takes float32 rows: a bfloat16 input is widened whatever `widen` says
-    at::Tensor rows = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  if (panels()) {  // avx2_linear takes float32 rows: bfloat16 always widens here (bf16_widens)
+    at::Tensor rows = widen ? x.to(at::kFloat) : x;
     if (rows.stride(-1) != 1) rows = rows.contiguous();
     const at::Tensor product = paged_hf_linear::avx2_linear(rows, packed, bias, out);
-    return product.to(x.scalar_type());  // no copy for float32
+    return widen ? product.to(x.scalar_type()) : product;
   }
   if (!widen) return linear_pointwise_raw(x, packed, bias);
   std::optional<at::Tensor> wide_bias;
