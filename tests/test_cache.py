@@ -11,6 +11,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 import paged_hf
+from paged_hf.patches import generate_v5
 from models import tiny_model
 from test_generate_exact import left_padded_batch
 
@@ -177,16 +178,42 @@ def test_unsupported_models_raise_not_implemented():
         paged_hf.PagedCache(gemma3n)
 
 
+def _generate_patched() -> bool:
+    """Whether ``GenerationMixin.generate`` reaches paged_hf's ``_generate`` (which sits under transformers'
+    keyword-deprecation wrappers, inside the function object transformers defined)."""
+    cell = generate_v5._deprecation_cell(transformers.GenerationMixin.generate)
+    inner = cell.cell_contents if cell is not None else transformers.GenerationMixin.generate
+    return inner.__code__ is generate_v5._generate.__code__
+
+
 def test_register_is_idempotent_and_unregister_restores_transformers():
     generate = transformers.GenerationMixin.generate
+    prepare = transformers.GenerationMixin._prepare_cache_for_generation
+    assert _generate_patched()
     paged_hf.register()
-    assert transformers.GenerationMixin.generate is generate
+    assert transformers.GenerationMixin.generate is generate and _generate_patched()
     try:
         paged_hf.unregister()
         assert "paged" not in AttentionInterface._global_mapping
         assert "paged" not in AttentionMaskInterface._global_mapping
-        assert transformers.GenerationMixin.generate is not generate
+        assert not _generate_patched()
+        assert transformers.GenerationMixin._prepare_cache_for_generation is not prepare
     finally:
         paged_hf.register()
     assert AttentionInterface._global_mapping["paged"] is paged_hf.paged_attention_forward
-    assert transformers.GenerationMixin.generate is generate
+    assert transformers.GenerationMixin.generate is generate and _generate_patched()
+    assert transformers.GenerationMixin._prepare_cache_for_generation is prepare
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_generate_deprecation_warnings_name_the_callers_line(paged):
+    """transformers' ``FutureWarning`` for a renamed ``generate`` keyword (``past_key_values`` -> ``cache``) names
+    the line that called ``generate`` (``stacklevel=2``), with paged_hf's patch in place as without it."""
+    model = tiny_model("llama")
+    kwargs = {"cache_implementation": "paged"} if paged else {}
+    with pytest.warns(FutureWarning, match="past_key_values") as caught:
+        model.generate(torch.tensor([[3, 5, 7]]), max_new_tokens=2, do_sample=False, past_key_values=None,
+                       pad_token_id=0, **kwargs)
+    assert {w.filename for w in caught if "past_key_values" in str(w.message)} == {__file__}
+
+

@@ -20,6 +20,7 @@ import warnings
 from contextvars import ContextVar
 
 from transformers.generation.utils import GenerationMixin
+from transformers.utils import deprecation
 
 from ..metadata import table_width
 from . import default_paged
@@ -29,7 +30,10 @@ TRANSFORMERS_VERSIONS = ("5.20", "6")
 # Set by ``generate`` for one call: the ``cache_config`` given with ``cache_implementation="paged"``, and
 # ``by_default`` when the call named no cache and ``default_paged`` chose the paged one.
 _paged_request: ContextVar[dict | None] = ContextVar("paged_hf_request", default=None)
-_originals: dict[str, object] = {}
+_originals: dict[str, object] = {}  # what the replacements call
+_restores: list = []  # undo's steps, in the order apply took them
+# The code of every function ``deprecate_kwarg`` returns (one nested function: every decoration shares its code)
+_KWARG_DEPRECATION_CODE = deprecation.deprecate_kwarg("unused", "6.0.0")(lambda unused=None: None).__code__
 
 
 def _generate(self, *args, **kwargs):
@@ -178,17 +182,42 @@ def _prompt_blocks(generation_config, attention_mask, block_size) -> int:
     return sum(math.ceil(int(n) / block_size) for n in attention_mask.sum(-1).tolist()) * expansion
 
 
+def _deprecation_cell(function):
+    """The closure cell holding the function that transformers' innermost keyword-deprecation wrapper of
+    ``function`` calls (``generate`` is ``deprecate_kwarg(...)(deprecate_kwarg(...)(no_grad(generate)))``), or None
+    where ``function`` is not such a wrapper."""
+    cell = None
+    while getattr(function, "__code__", None) is _KWARG_DEPRECATION_CODE:
+        cell = function.__closure__[function.__code__.co_freevars.index("func")]
+        function = cell.cell_contents
+    return cell
+
+
 def apply() -> None:
+    """Puts ``_generate`` under transformers' keyword-deprecation wrappers of ``generate`` where it can (their
+    ``FutureWarning``s name the caller's frame, ``stacklevel=2``: above them, ours would be named), else over
+    ``generate``; and replaces ``_prepare_cache_for_generation``."""
     if _originals:
         return
-    for name, replacement in (("generate", _generate), ("_prepare_cache_for_generation", _prepare_cache_for_generation)):
-        original = getattr(GenerationMixin, name)
-        _originals[name] = original
-        setattr(GenerationMixin, name, functools.wraps(original)(replacement))
+    cell = _deprecation_cell(GenerationMixin.generate)
+    if cell is not None:
+        inner = cell.cell_contents
+        _originals["generate"] = inner
+        _restores.append(lambda: setattr(cell, "cell_contents", inner))
+        cell.cell_contents = functools.wraps(inner)(_generate)
+    else:
+        outer = GenerationMixin.generate
+        _originals["generate"] = outer
+        _restores.append(lambda: setattr(GenerationMixin, "generate", outer))
+        GenerationMixin.generate = functools.wraps(outer)(_generate)
+    prepare = GenerationMixin._prepare_cache_for_generation
+    _originals["_prepare_cache_for_generation"] = prepare
+    _restores.append(lambda: setattr(GenerationMixin, "_prepare_cache_for_generation", prepare))
+    GenerationMixin._prepare_cache_for_generation = functools.wraps(prepare)(_prepare_cache_for_generation)
 
 
 def undo() -> None:
     default_paged.disable()
-    for name, original in _originals.items():
-        setattr(GenerationMixin, name, original)
+    while _restores:
+        _restores.pop()()
     _originals.clear()
