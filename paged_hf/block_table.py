@@ -30,6 +30,8 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 class BlockTable:
     """Blocks of one sequence, allocated from (and returned to) a shared ``BlockPool``."""
 
+    __slots__ = ("pool", "block_size", "blocks", "_num_tokens", "_num_freed")
+
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")

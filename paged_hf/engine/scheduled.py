@@ -39,4 +39,5 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        """Tokens of the step: one per decode (the first ``num_decodes``), and the others' counts."""
+        return self.num_decodes + sum(s.num_tokens for s in self.scheduled[self.num_decodes:])
