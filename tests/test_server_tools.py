@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("fastapi", reason="the server needs fastapi (pip install 'paged_hf[server]')")
 httpx = pytest.importorskip("httpx", reason="the tests send raw requests")
-pytest.importorskip("xgrammar", reason="forced tool calls need xgrammar (pip install 'paged_hf[structured]')")
+xgr = pytest.importorskip("xgrammar", reason="forced tool calls need xgrammar (pip install 'paged_hf[structured]')")
 jsonschema = pytest.importorskip("jsonschema", reason="arguments are validated with jsonschema")
 
 from paged_hf import PagedEngine  # noqa: E402
@@ -23,6 +23,8 @@ from paged_hf.server.app import build_app  # noqa: E402
 from paged_hf.server.prompts import PromptTokenizer  # noqa: E402
 from paged_hf.server.protocol import ChatCompletionRequest  # noqa: E402
 from paged_hf.server.tools import ToolPlan, parse_hermes  # noqa: E402
+from paged_hf.structured import StructuredOutputsParams  # noqa: E402
+from paged_hf.structured.compiler import GrammarCompilerCache, logits_width  # noqa: E402
 from models import stories_tokenizer, tiny_model  # noqa: E402
 from test_server import Server  # noqa: E402
 from test_server_errors import assert_error  # noqa: E402
@@ -234,6 +236,98 @@ def test_a_streamed_auto_answer_equals_the_whole_one_wherever_its_deltas_split(p
     assert content == (whole_content or "")
     assert names == [c["function"]["name"] for c in whole_calls]
     assert state.finish_reason("stop") == whole_reason
+
+
+# ------------------------------------------------------------------------------------ auto: strict tools (structural tag)
+STRICT_TOOLS = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}, TOOLS[1]]  # get_time: not strict
+
+
+def matcher_of(tiny, spec):
+    """A fresh xgrammar matcher of ``spec`` compiled for the tiny model's vocabulary."""
+    model, tok = tiny
+    grammars = GrammarCompilerCache(tok, logits_width(model), [tok.eos_token_id])
+    return lambda: xgr.GrammarMatcher(grammars.compile(spec))
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_strict_tools_under_auto_hold_calls_to_their_schemas_and_leave_text_free(tiny, parallel):
+    plan = ToolPlan.of(STRICT_TOOLS, "auto", parallel, "hermes")
+    assert ToolPlan.of(TOOLS, "auto", parallel, "hermes").constraint() is None  # no strict tool: calls read as written
+    new = matcher_of(tiny, plan.constraint())
+    weather_call = FORCED_CALL
+    inline_call = FORCED_CALL.replace("\n", "")
+    free_time_call = '<tool_call>{"name": "get_time", "arguments": {"anything": [1, "goes"]}}</tool_call>'
+    for text, accepted in [
+            ("Just words, no call.", True),
+            (f"Let me check. {weather_call}", True),  # the layout Qwen's templates write
+            (inline_call, True),  # and the inline one
+            (free_time_call, True),  # a tool without strict: any JSON arguments
+            (weather_call.replace("Paris", "paris"), False),  # the strict tool's pattern
+            (weather_call.replace('"days": 2', '"days": 9'), False),  # its maximum
+            (weather_call.replace(', "days": 2', ""), False),  # its required key
+            ('<tool_call>\n{"name": "get_news", "arguments": {}}', False),  # a tool not given
+            ("<tool_call>\nplain words", False)]:  # after the trigger, a call
+        assert new().accept_string(text) is accepted, text
+    # a second call: allowed with parallel calls, not without (the output must end after the first)
+    second = new()
+    assert second.accept_string(weather_call + free_time_call) is parallel
+    ended = new()
+    assert ended.accept_string(weather_call)
+    assert ended.accept_token(tiny[1].eos_token_id)
+
+
+def test_strict_auto_requests_run_and_a_response_format_beside_them_is_either_calls_or_its_json(server, tiny):
+    auto, _ = server
+    body = {"messages": MESSAGES, "tools": STRICT_TOOLS, "max_tokens": 24, "temperature": 0}
+    choice = post(auto, body).json()["choices"][0]  # the random model writes no call: free text
+    assert choice["message"]["tool_calls"] == [] and choice["message"]["content"]
+    content, calls, _ = streamed_calls(stream(auto, body))
+    assert (content, calls) == (choice["message"]["content"], [])
+    # with a response_format too, the answer is calls of the tools or the format's JSON (vLLM's "or")
+    answer = {"type": "object", "properties": {"reply": {"type": "string", "maxLength": 8}}, "required": ["reply"],
+              "additionalProperties": False}
+    spec = ToolPlan.of(STRICT_TOOLS, "auto", True, "hermes").constraint(StructuredOutputsParams(json=answer))
+    new = matcher_of(tiny, spec)
+    assert new().accept_string(FORCED_CALL) and new().accept_string('{"reply": "hi"}')
+    assert not new().accept_string("free text") and not new().accept_string(FORCED_CALL.replace("Paris", "paris"))
+    formatted = {**body, "max_tokens": 200, "temperature": 1.0,
+                 "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": answer}}}
+    finished = 0
+    for seed in range(3):
+        choice = post(auto, {**formatted, "seed": seed}).json()["choices"][0]
+        message = choice["message"]
+        if choice["finish_reason"] == "length":  # cut inside a call: nothing complete to check
+            continue
+        finished += 1
+        if message["tool_calls"]:
+            for call in message["tool_calls"]:
+                if call["function"]["name"] == "get_weather":
+                    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
+        else:
+            jsonschema.validate(json.loads(message["content"]), answer)
+    assert finished
+    assert_error(post(auto, {**body, "structured_outputs": {"json": answer, "disable_any_whitespace": True}}), 400,
+                 "structured_outputs", "disable_any_whitespace cannot be combined with tool calls")
+
+
+def test_a_structural_tag_response_format_holds_the_answer(server):
+    auto, plain = server
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "City: "}, {"type": "json_schema", "json_schema": WEATHER}]}}
+    for url in (auto, plain):
+        for response_format in (tag, {"type": "structural_tag", "structures": [
+                {"begin": "<w>", "schema": WEATHER, "end": "</w>"}], "triggers": ["<w>"]}):
+            response = post(url, {"messages": MESSAGES, "max_tokens": 120, "temperature": 0,
+                                  "response_format": response_format})
+            assert response.status_code == 200, response.text
+        text = post(url, {"messages": MESSAGES, "max_tokens": 120, "temperature": 0.0,
+                          "structured_outputs": {"structural_tag": json.dumps(tag)}}).json()["choices"][0]
+        assert text["message"]["content"].startswith("City: ") and text["finish_reason"] == "stop", text
+        jsonschema.validate(json.loads(text["message"]["content"][len("City: "):]), WEATHER)
+    assert_error(post(plain, {"messages": MESSAGES, "response_format": {"type": "structural_tag", "format": {
+        "type": "nope"}}}), 400, "response_format", "Format type not recognized")
+    assert_error(post(plain, {"messages": MESSAGES, "structural_tag": "{}"}), 400, "structural_tag",
+                 "response_format {\"type\": \"structural_tag\", ...}")
 
 
 def test_text_parts_are_joined_by_lines_as_vllm_joins_them():

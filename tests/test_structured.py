@@ -1,4 +1,4 @@
-"""Structured outputs in the engine: every output matches its JSON schema, regex, choice or grammar.
+"""Structured outputs in the engine: every output matches its JSON schema, regex, choice, grammar or structural tag.
 
 A random-weights tiny Llama with the stories260K tokenizer draws from nearly flat distributions, so it explores the
 grammar far more than a trained model would. Checked: every finished output parses and validates (``jsonschema``)
@@ -116,6 +116,30 @@ def test_regex_choice_grammar_and_json_object(engine):
                     assert check(text), (spec, text)
                 else:  # only json_object is unbounded
                     assert "json_object" in spec and out.outputs[0].finish_reason == "length"
+
+
+# a structural tag: a fixed opening, then a JSON value held to PERSON, then free text
+GREETING_TAG = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+    {"type": "const_string", "value": "Person: "}, {"type": "json_schema", "json_schema": PERSON},
+    {"type": "const_string", "value": "."}]}}
+# vLLM's older form: free text; after "<p>" a JSON value held to PERSON, closed by "</p>"; then free text again
+LEGACY_TAG = {"structures": [{"begin": "<p>", "schema": PERSON, "end": "</p>"}], "triggers": ["<p>"]}
+
+
+def test_structural_tags_hold_their_parts_in_both_forms(engine):
+    for spec in (dict(structural_tag=GREETING_TAG), dict(structural_tag=json.dumps(GREETING_TAG))):
+        for out in engine.generate(PROMPTS, [constrained(max_tokens=200, seed=i, **spec) for i in range(4)],
+                                   use_tqdm=False):
+            completion = out.outputs[0]
+            assert completion.finish_reason == "stop", completion.text
+            assert completion.text.startswith("Person: ") and completion.text.endswith("."), completion.text
+            jsonschema.validate(json.loads(completion.text[len("Person: "):-1]), PERSON)
+    # the older form's JSON is checked where the trigger opens it: a matcher of the compiled tag
+    compiled = engine.grammars.compile(StructuredOutputsParams(structural_tag=LEGACY_TAG))
+    for text, accepted in [('free text <p>{"name": "Ann", "age": 3}</p> more', True),
+                           ('<p>{"name": "ann", "age": 3}', False), ('<p>{"age": 3}</p>', False),
+                           ("no trigger at all", True)]:
+        assert xgr.GrammarMatcher(compiled).accept_string(text) is accepted, text
 
 
 def test_json_object_is_an_object_never_an_array():
@@ -326,6 +350,8 @@ def test_an_aborted_compiling_request_leaves_nothing(tiny, monkeypatch):
     (dict(choice=["a", 1]), "structured_outputs.choice must be a non-empty list"),
     (dict(json_object="yes"), "structured_outputs.json_object must be a bool"),
     (dict(regex="a", disable_any_whitespace=True), "applies to json and json_object only"),
+    (dict(structural_tag="{not json"), "structured_outputs.structural_tag is not valid JSON"),
+    (dict(structural_tag=["<a>"]), "structured_outputs.structural_tag must be a structural tag (a JSON object)"),
 ])
 def test_bad_specs_name_the_field(spec, message):
     with pytest.raises(ParameterError, match=re.escape(message)) as error:
@@ -337,6 +363,8 @@ def test_bad_specs_name_the_field(spec, message):
     (dict(json={"type": "foo"}), 'Unsupported type "foo"'),
     (dict(regex="a("), "parenthesis is not closed"),
     (dict(grammar="root ::= missing"), 'Rule "missing" is not defined'),
+    (dict(structural_tag={"type": "structural_tag", "format": {"type": "nope"}}), "Format type not recognized"),
+    (dict(structural_tag={"structures": "<a>", "triggers": ["<a>"]}), 'needs a list of {"begin", "schema", "end"}'),
 ])
 def test_specs_the_backend_cannot_compile_are_refused_when_added(engine, spec, message):
     with pytest.raises(ParameterError, match=re.escape(message)) as error:

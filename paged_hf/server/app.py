@@ -36,7 +36,7 @@ from .prompts import PromptTokenizer
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import Echo, ResponseBuilder, collect, events
 from .structured import StructuredField, check_compiles
-from .tools import TOOL_CALL_PARSERS, ToolPlan
+from .tools import TOOL_CALL_PARSERS, ToolPlan, tool_constraint
 from .tokenizer_api import add_tokenizer_routes
 
 # When a request gives no max_tokens (vLLM's and OpenAI's defaults): a completion gets 16 tokens, a chat completion
@@ -164,11 +164,11 @@ def build_app(engine: PagedEngine, model_name: str | list[str], max_queue_len: i
         rename = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
         params = sampling_params(body, defaults, body.num_top_logprobs, rename, body.prompt_logprobs)
         tools = body.tool_plan(tool_call_parser)
-        constraint = tools.constraint() if tools is not None else None
-        structured = body.structured() if constraint is None else \
-            StructuredField(constraint, "tool_choice", f"tool_choice {tools.mode!r}")
+        structured = body.structured()
+        constraint = tool_constraint(tools, structured)
         if constraint is not None:
-            params = dataclasses.replace(params, structured_outputs=constraint)
+            structured = constraint
+            params = dataclasses.replace(params, structured_outputs=constraint.spec)
         if tools is not None and tools.keeps_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)
         options = body.submit_options()

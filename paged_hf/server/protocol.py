@@ -324,7 +324,7 @@ class FunctionDefinition(StrictBody):
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's: letters, digits, _ - (and .), at most 64
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (none: no arguments)
-    strict: bool | None = None  # the arguments are always held to the schema when a call is forced
+    strict: bool | None = None  # calls are held to the schema (forced calls always are; under "auto" where strict)
 
 
 class Tool(StrictBody):

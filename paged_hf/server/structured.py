@@ -1,7 +1,8 @@
 """The structured-output fields of a request body, read into one ``StructuredOutputsParams``.
 
 OpenAI's ``response_format`` (``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name": ...,
-"schema": {...}}}``; ``{"type": "text"}`` constrains nothing), vLLM's ``guided_json``, ``guided_regex``,
+"schema": {...}}}``; ``{"type": "text"}`` constrains nothing; vLLM's ``{"type": "structural_tag", "format": {...}}``
+and its older ``{"type": "structural_tag", "structures": [...], "triggers": [...]}``), vLLM's ``guided_json``, ``guided_regex``,
 ``guided_choice``, ``guided_grammar`` extras and its ``structured_outputs`` object. A request gives at most one; a
 malformed one is a 400 naming its field, and so is a spec the backend cannot compile (``check_compiles``, run in a
 worker thread: the engine thread never parses a schema a handler has not parsed first).
@@ -20,10 +21,11 @@ from .errors import ApiError
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 BACKENDS = ("auto", "xgrammar")
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 REFUSED = {"guided_whitespace_pattern": "the xgrammar backend has no whitespace pattern (structured_outputs' "
                                         "disable_any_whitespace turns free whitespace off)",
-           "structural_tag": "structural tags are not supported"}
+           "structural_tag": 'a structural tag is given as response_format {"type": "structural_tag", ...} or as '
+                             'structured_outputs.structural_tag'}
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ def _response_format(value: dict) -> list[StructuredField]:
         return []
     if kind == "json_object":
         return [_spec("response_format", "response_format", "json_object", {"json_object": True})]
+    if kind == "structural_tag":  # the whole object is the tag: xgrammar reads {"type": "structural_tag", ...}
+        return [_spec("response_format", "response_format", "structural_tag", {"structural_tag": value})]
     schema = value.get("json_schema")
     if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
         raise ApiError(400, "response_format.json_schema.schema is required: a JSON schema (an object), as in "

@@ -11,7 +11,10 @@ A request's ``tools`` go to the chat template (its ``tools`` variable); what the
 - ``"auto"`` (the default when tools are given): the model decides; needs the server's ``--enable-auto-tool-choice``
   and a ``--tool-call-parser`` that knows the model's format. ``hermes`` (Hermes, Qwen 2.5 / 3, SmolLM3 and other
   templates that write ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) is the one built here; the
-  text before the first call is the content, and ``finish_reason`` is ``"tool_calls"`` when a call was made.
+  text before the first call is the content, and ``finish_reason`` is ``"tool_calls"`` when a call was made. Where a
+  tool is ``strict``, the answer is held to vLLM's structural tag: free text, and once ``<tool_call>`` is written, a
+  call of one of the tools whose arguments follow its schema if it is strict (any JSON if not); with a
+  ``response_format`` too, the answer is either calls or that format.
 
 Streams carry the same: a named call's arguments as they grow; a ``"required"`` answer's calls when it ends; an
 ``"auto"`` answer's content as it grows (held back while it may be the start of ``<tool_call>``), each call whole
@@ -25,8 +28,11 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from ..config import ParameterError
 from ..structured import StructuredOutputsParams
+from ..structured.grammar import as_format
 from .errors import ApiError
+from .structured import StructuredField
 
 TOOL_CALL_PARSERS = ("hermes",)
 
@@ -44,12 +50,14 @@ def tool_call(name: str, arguments: str, index: int | None = None) -> dict:
 @dataclass(frozen=True)
 class ToolPlan:
     """What a chat request asks of tools. ``mode``: "none", "auto", "required" or "named" (then ``name``);
-    ``parameters``: each tool's schema by name. (The tools reach the chat template from the request itself.)"""
+    ``parameters``: each tool's schema by name; ``strict``: the names of the tools marked ``strict: true``. (The tools
+    reach the chat template from the request itself.)"""
 
     mode: str
     parameters: dict[str, dict] = field(default_factory=dict)
     name: str | None = None
     parallel: bool = True
+    strict: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, tools: list[dict] | None, tool_choice, parallel_tool_calls: bool | None,
@@ -62,13 +70,15 @@ class ToolPlan:
                 raise ApiError(400, "tool_choice needs tools: give the functions the model may call in tools",
                                "tool_choice")
             return None
-        parameters = {}
+        parameters, strict = {}, set()
         for index, tool in enumerate(tools):
             function = tool["function"]
             if function["name"] in parameters:
                 raise ApiError(400, f"tools.{index}.function.name {function['name']!r:.64} is given twice", "tools")
             schema = function.get("parameters")
             parameters[function["name"]] = schema if schema else {"type": "object", "properties": {}}
+            if function.get("strict"):
+                strict.add(function["name"])
         name = None
         if isinstance(tool_choice, dict):
             mode, name = "named", tool_choice["function"]["name"]
@@ -81,11 +91,25 @@ class ToolPlan:
             raise ApiError(400, 'tool_choice "auto" (the default when tools are given) needs a server started with '
                                 '--enable-auto-tool-choice and --tool-call-parser; "none", "required" or a named '
                                 'function work on any server', "tool_choice")
-        return cls(mode, parameters, name, parallel_tool_calls is not False)
+        return cls(mode, parameters, name, parallel_tool_calls is not False, frozenset(strict))
 
     # ---------------------------------------------------------------------------------------------- requests
-    def constraint(self) -> StructuredOutputsParams | None:
-        """The structured output that makes the answer a call (named, required); None for "none" and "auto"."""
+    def constraint(self, answer: StructuredOutputsParams | None = None) -> StructuredOutputsParams | None:
+        """The structured output that holds the answer: a call (named), calls ("required"), or under "auto" with
+        strict tools vLLM's structural tag (text, then after ``<tool_call>`` calls held to the tools), or with
+        ``answer`` (the request's own structured output) either calls or ``answer``. None for "none" and for "auto"
+        without strict tools: ``answer`` then applies alone. ``ParameterError`` for an ``answer`` a tag cannot hold."""
+        if self.mode == "auto":
+            if not self.strict:
+                return None
+            if answer is None:
+                tag = {"type": "triggered_tags", "triggers": [_OPEN], "tags": self._hermes_tags(),
+                       "stop_after_first": not self.parallel}
+            else:
+                calls = {"type": "tags_with_separator", "tags": self._hermes_tags(), "separator": "",
+                         "at_least_one": True, "stop_after_first": not self.parallel}
+                tag = {"type": "or", "elements": [calls, as_format(answer)]}
+            return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": tag})
         if self.mode == "named":
             return StructuredOutputsParams(json=self.parameters[self.name])
         if self.mode != "required":
@@ -96,6 +120,15 @@ class ToolPlan:
         if not self.parallel:
             array["maxItems"] = 1
         return StructuredOutputsParams(json=array)
+
+    def _hermes_tags(self) -> list[dict]:
+        """One structural-tag element per tool and per hermes layout (a call on lines of its own, or inline): the
+        envelope up to ``"arguments": `` is fixed, then the arguments (the tool's schema if it is strict, any JSON
+        if not), then the close."""
+        return [{"type": "tag", "begin": f'{begin}{{"name": "{name}", "arguments": ',
+                 "content": {"type": "json_schema", "json_schema": schema if name in self.strict else True},
+                 "end": f"}}{end}"}
+                for name, schema in self.parameters.items() for begin, end in _HERMES_LAYOUTS]
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -127,6 +160,22 @@ class ToolPlan:
         return ToolStream(self)
 
 
+def tool_constraint(plan: ToolPlan | None, answer: StructuredField | None) -> StructuredField | None:
+    """The structured output a chat request runs with when its tools decide it (``ToolPlan.constraint``), named
+    after the field that caused it; None where ``answer`` (the request's own, or none) applies as it is."""
+    if plan is None:
+        return None
+    try:
+        spec = plan.constraint(answer.spec if answer is not None else None)
+    except ParameterError as error:
+        raise ApiError(400, str(error), answer.field) from None
+    if spec is None:
+        return None
+    if answer is None:
+        return StructuredField(spec, "tool_choice", f"tool_choice {plan.mode!r}")
+    return StructuredField(spec, answer.field, f"{answer.label} or calls of the strict tools")
+
+
 def _required_calls(text: str) -> list[dict] | None:
     """The calls of a "required" answer (a JSON array of {"name", "parameters"}); None if it is not complete."""
     try:
@@ -137,6 +186,7 @@ def _required_calls(text: str) -> list[dict] | None:
 
 # ------------------------------------------------------------------------------------------------------ hermes
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_LAYOUTS = ((_OPEN + "\n", "\n" + _CLOSE), (_OPEN, _CLOSE))  # Qwen's templates write the first
 
 
 def _hermes_call(body: str) -> dict | None:

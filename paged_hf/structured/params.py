@@ -1,7 +1,7 @@
 """``StructuredOutputsParams``: what a request's output must match (vLLM's name and fields).
 
-Exactly one of ``json`` (a JSON schema), ``regex``, ``choice``, ``grammar`` (EBNF, as xgrammar reads it) or
-``json_object`` is set; every value is checked here, and a bad one raises ``ParameterError`` naming the field. A
+Exactly one of ``json`` (a JSON schema), ``regex``, ``choice``, ``grammar`` (EBNF, as xgrammar reads it),
+``json_object`` or ``structural_tag`` (xgrammar's, as vLLM takes it) is set; every value is checked here, and a bad one raises ``ParameterError`` naming the field. A
 schema or regex that is well formed but that the backend cannot compile is refused when the request is added
 (``grammar.build_grammar``). This module imports no backend: ``SamplingParams`` checks it without xgrammar.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..config import ParameterError
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def _fail(name: str, message: str) -> ParameterError:
@@ -30,6 +30,10 @@ class StructuredOutputsParams:
         choice: the output is one of these strings, exactly.
         grammar: an EBNF grammar (xgrammar's dialect, GBNF-like; the rule ``root`` is the output).
         json_object: True: the output is a JSON object, any keys and values (OpenAI's ``{"type": "json_object"}``).
+        structural_tag: an xgrammar structural tag, as a dict or its JSON text: ``{"type": "structural_tag", "format":
+            {...}}`` (free text and constrained parts, e.g. tool calls held to their schemas once a trigger such as
+            ``<tool_call>`` is written), or vLLM's older ``{"structures": [{"begin", "schema", "end"}], "triggers":
+            [...]}``.
         disable_any_whitespace: with ``json`` or ``json_object``: no free whitespace between JSON tokens (vLLM's
             name); by default any amount is allowed, as vLLM's xgrammar backend does.
     """
@@ -39,6 +43,7 @@ class StructuredOutputsParams:
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict | str | None = None
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
@@ -48,6 +53,9 @@ class StructuredOutputsParams:
                                                        f"{given or 'none'}")
         if self.json is not None:
             object.__setattr__(self, "json", _schema(self.json))
+        if self.structural_tag is not None:
+            object.__setattr__(self, "structural_tag", _json_object("structural_tag", self.structural_tag,
+                                                                    "a structural tag"))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -66,18 +74,20 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """The one constraint set: ``"json"``, ``"regex"``, ``"choice"``, ``"grammar"`` or ``"json_object"``."""
+        """The one constraint set: ``"json"``, ``"regex"``, ``"choice"``, ``"grammar"``, ``"json_object"`` or
+        ``"structural_tag"``."""
         return next(name for name in KINDS if getattr(self, name) not in (None, False))
 
     @property
     def key(self) -> tuple:
         """What identifies the compiled grammar (the cache key): equal specs share one compilation. A schema's key
         ignores the order of its keywords but keeps its properties' order, which the grammar writes them in
-        (``{a, b}`` and ``{b, a}`` differ)."""
+        (``{a, b}`` and ``{b, a}`` differ); a structural tag's keeps its text's order."""
         key = self.__dict__.get("_key")
         if key is None:
             value = getattr(self, self.kind)
-            text = _json.dumps(_canonical(value)) if self.kind == "json" else value
+            text = _json.dumps(_canonical(value)) if self.kind == "json" else \
+                _json.dumps(value) if self.kind == "structural_tag" else value
             key = (self.kind, text, self.disable_any_whitespace)
             object.__setattr__(self, "_key", key)
         return key
@@ -96,11 +106,16 @@ def _canonical(value, ordered: bool = False):
 
 def _schema(schema) -> dict:
     """A JSON schema as a dict (its JSON text is parsed here: invalid JSON is a ``ParameterError``)."""
-    if isinstance(schema, str):
+    return _json_object("json", schema, "a JSON schema")
+
+
+def _json_object(name: str, value, what: str) -> dict:
+    """``value`` (a dict, or its JSON text, parsed here) as a dict; ``ParameterError`` naming ``name`` otherwise."""
+    if isinstance(value, str):
         try:
-            schema = _json.loads(schema)
+            value = _json.loads(value)
         except _json.JSONDecodeError as error:
-            raise _fail("json", f"is not valid JSON: {error}") from None
-    if not isinstance(schema, dict):
-        raise _fail("json", f"must be a JSON schema (a JSON object), got {schema!r:.100}")
-    return schema
+            raise _fail(name, f"is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise _fail(name, f"must be {what} (a JSON object), got {value!r:.100}")
+    return value
