@@ -105,7 +105,9 @@ class BlockPool:
     Blocks are made lazily: ids ``>= next_fresh`` have never been handed out, so they are free, unhashed and need
     no Python object (a pool of 10 million blocks costs nothing to construct). ``get_new_blocks`` hands out fresh
     ids first, in id order, then recycled blocks from the head of the free queue (LRU: a cached block survives as
-    long as possible). With ``enable_caching=False`` no block is ever hashed.
+    long as possible). With ``enable_caching=False`` no block is ever hashed, and recycled blocks go first: the ids
+    in use stay as low as the most blocks held at once, so storage that grows with ``high_water`` (the swap space's)
+    follows use.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -159,13 +161,14 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
         """Hands out ``num_blocks`` blocks, each with ref_cnt 1 and no hash: fresh ids first, then the free queue's
-        head (a popped cached block is evicted: ``on_evict`` sees it, then its hash leaves the map). Raises
-        NoFreeBlocksError, changing nothing, if fewer than ``num_blocks`` are free."""
+        head (a popped cached block is evicted: ``on_evict`` sees it, then its hash leaves the map); without caching,
+        the free queue's first. Raises NoFreeBlocksError, changing nothing, if fewer than ``num_blocks`` are free."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > self.num_free_blocks:
             raise NoFreeBlocksError(num_blocks, self.num_free_blocks)
-        fresh = min(num_blocks, self._num_blocks - self._next_fresh)
+        recycled = 0 if self.enable_caching else min(num_blocks, len(self._recycled))
+        fresh = min(num_blocks - recycled, self._num_blocks - self._next_fresh)
         out = []
         if fresh:
             first = self._next_fresh

@@ -16,8 +16,10 @@ def block_ids(table) -> list[int]:
 
 
 def free_order(pool) -> list[int]:
-    """The ids of ``pool``'s free blocks, first handed out first: never-used ids, then the free queue head to tail."""
-    return list(range(pool.high_water, pool.num_blocks)) + [b.block_id for b in pool._recycled.blocks()]
+    """The ids of ``pool``'s free blocks, first handed out first: never-used ids, then the free queue head to tail
+    (without caching, the free queue first)."""
+    fresh, recycled = list(range(pool.high_water, pool.num_blocks)), [b.block_id for b in pool._recycled.blocks()]
+    return fresh + recycled if pool.enable_caching else recycled + fresh
 
 
 def read_blocks(storage, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -218,6 +218,21 @@ def test_caching_disabled():
     pool.check_invariants()
 
 
+def test_without_caching_freed_blocks_go_first_so_the_ids_in_use_stay_low():
+    """The swap space's pools have no caching, and its CPU storage grows to ``high_water``: handing out fresh ids before
+    freed ones made it grow with every swap-out (up to the whole swap space) where it must follow the most held."""
+    pool = BlockPool(1000, enable_caching=False)
+    for _ in range(50):
+        held = pool.get_new_blocks(7)
+        pool.free_blocks(reversed(held[3:]))
+        pool.free_blocks(held[:3])
+        assert queue_ids(pool)[:7] == [b.block_id for b in pool._recycled.blocks()]
+    assert pool.high_water == 7
+    more = pool.get_new_blocks(9)  # the 7 freed, then 2 fresh
+    assert sorted(b.block_id for b in more) == list(range(9)) and pool.high_water == 9
+    pool.check_invariants()
+
+
 def test_check_invariants_detects_corruption():
     pool = BlockPool(3)
     (a,) = pool.get_new_blocks(1)
