@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .kernels.kv_format import kv_format
@@ -322,6 +322,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     structured_outputs: Any = None  # a StructuredOutputsParams (paged_hf.structured)
+    # ``bad_words`` as token sequences (``engine.validation.bad_words_token_ids``), when a front end tokenized them
+    # before queueing the request (the server does, in a handler's thread: never on the engine's); None: the engine
+    # tokenizes them. vLLM's SamplingParams has the same private field.
+    _bad_words_token_ids: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import pytest
@@ -212,6 +213,23 @@ def test_seed_and_logit_bias_are_honoured(stories, server):
     assert only["choices"][0]["text"] == biased["choices"][0]["text"]
     unbiased = post(server, COMPLETIONS, {**body, "seed": 7, "logit_bias": {str(dog): 100}, "bad_words": ["dog"]})
     assert "dog" not in unbiased.json()["choices"][0]["text"]
+
+
+def test_bad_words_are_tokenized_off_the_engine_thread(server, monkeypatch):
+    """A client's bad_words (which may be megabytes) are tokenized in a handler's worker thread: the engine thread,
+    which steps every other request, never tokenizes them."""
+    _, engine = server
+    encode, threads = engine.tokenizer.encode, []
+
+    def recording(text, *args, **kwargs):
+        if "zebra" in text:
+            threads.append(threading.current_thread().name)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", recording)
+    body = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "bad_words": ["zebra stripes"]}
+    assert post(server, COMPLETIONS, body).status_code == 200
+    assert threads and "paged-hf-engine" not in threads, threads
 
 
 def test_max_tokens_is_filled_in_from_the_room_the_prompt_leaves(server):

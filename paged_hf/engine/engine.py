@@ -169,7 +169,8 @@ class PagedEngine:
             request_id = str(next(self._ids))
             while request_id in self.scheduler.requests:
                 request_id = str(next(self._ids))
-        bad_words = bad_words_token_ids(params.bad_words or (), self.tokenizer)
+        bad_words = params._bad_words_token_ids if params._bad_words_token_ids is not None else \
+            bad_words_token_ids(params.bad_words or (), self.tokenizer)
         grammar = self._compile_grammar(params)
         request = Request(request_id, text, ids, params, priority, cache_salt, RequestOutputKind(output_kind))
         request.reuse_prefix = bool(enable_prefix_caching)

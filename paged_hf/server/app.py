@@ -24,6 +24,7 @@ from .. import __version__
 from ..config import SamplingParams
 from ..engine import PagedEngine, RequestOutputKind
 from ..engine.detokenizer import Decoder
+from ..engine.validation import bad_words_token_ids
 from ..media import MediaPolicy
 from .body import CLIENT_GONE, DEFAULT_MAX_REQUEST_BYTES, ClientGone, parse_body, read_body
 from .auth import ApiKeyMiddleware
@@ -192,6 +193,9 @@ def build_app(engine: PagedEngine, model_name: str | list[str], max_queue_len: i
         if structured is not None:
             await check_compiles(engine.grammars, structured)
             rename = {**rename, "structured_outputs": structured.field}
+        if params.bad_words:  # tokenized here, in a worker thread: a client's long words never stall the engine's
+            params = dataclasses.replace(params, _bad_words_token_ids=await run_in_threadpool(
+                bad_words_token_ids, params.bad_words, engine.tokenizer))
         per_prompt = [params if body.max_tokens_given else
                       default_max_tokens(params, p, engine.max_model_len, chat, length_cap) for p in prompts]
         kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
