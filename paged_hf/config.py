@@ -298,7 +298,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int | None = 16  # None: as many as the context holds (vLLM's), fixed when the request is added
+    max_tokens: int | None = 16  # None: as many as the context (or a smaller KV pool) holds, fixed when added
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 import paged_hf
 from paged_hf import PagedEngine, SamplingParams
+from paged_hf.config import ParameterError
 from paged_hf.engine import worker as worker_module
 from paged_hf.kv.model_config import block_id_bytes
 from models import output_text, stories_model, stories_tokenizer, story_openings, tiny_model
@@ -296,6 +297,26 @@ def test_prefix_counters_count_each_requests_first_lookup_as_vllm(stories):
     off = PagedEngine(model, tok, block_size=4, num_blocks=64, enable_prefix_caching=False)
     off.generate(prompts, params, use_tqdm=False)
     assert off.get_stats()["prefix_cache_queries"] == 0
+
+
+def test_a_pool_smaller_than_the_context_says_so_and_names_what_cannot_fit(caplog):
+    """A pool that holds one sequence of fewer tokens than ``max_model_len`` is a choice here (vLLM refuses to start):
+    the engine warns at start and says how long a sequence can get (``max_sequence_len``: what the server's default
+    ``max_tokens`` fills up to); a request past it is refused naming ``max_tokens`` (or ``prompt``, too long alone)."""
+    model = tiny_model("llama", "paged")
+    with caplog.at_level("WARNING", logger="paged_hf"):
+        engine = PagedEngine(model, None, block_size=4, num_blocks=6, max_model_len=40, enforce_eager=True)
+    assert engine.max_sequence_len == 6 * 4 + 1  # every token stored but the last, sampled one
+    assert "holds one sequence of at most 25 tokens, fewer than max_model_len 40" in caplog.text
+    engine.add_request([5] * 10, SamplingParams(max_tokens=15))  # 25: fits
+    engine.add_request([5] * 10, SamplingParams(max_tokens=None))  # as many as fit: the pool's 15, not the context's
+    assert engine.requests[str(1)].params.max_tokens == 15
+    for ids, max_tokens, field in (([5] * 10, 16, "max_tokens"), ([5] * 25, 1, "prompt"), ([5] * 30, 1, "prompt")):
+        with pytest.raises(ParameterError, match="could never finish") as error:
+            engine.add_request(ids, SamplingParams(max_tokens=max_tokens))
+        assert error.value.param == field
+    roomy = PagedEngine(model, None, block_size=4, num_blocks=10, max_model_len=40, enforce_eager=True)
+    assert roomy.max_sequence_len == 40
 
 
 def test_a_dropped_engine_frees_its_pool(stories):

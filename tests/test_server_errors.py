@@ -232,6 +232,19 @@ def test_bad_words_are_tokenized_off_the_engine_thread(server, monkeypatch):
     assert threads and "paged-hf-engine" not in threads, threads
 
 
+def test_a_default_max_tokens_fills_a_small_pool_not_past_it(stories):
+    """On a pool that holds fewer tokens than the context, a chat completion without max_tokens (the context's room,
+    vLLM's default) gets the room the pool leaves: a 200 with a length finish, never a 400 the client could not
+    avoid; an explicit max_tokens past the pool is a 400 naming max_tokens."""
+    with serving(stories, 16, block_size=8, num_blocks=24, enforce_eager=True) as (running, engine):
+        assert engine.max_sequence_len == 24 * 8 + 1 < engine.max_model_len
+        out = post((running, engine), CHAT, {"messages": MESSAGES, "ignore_eos": True, "temperature": 0}).json()
+        assert out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"] == engine.max_sequence_len
+        assert out["choices"][0]["finish_reason"] == "length"
+        assert_error(post((running, engine), COMPLETIONS, {"prompt": "Once", "max_tokens": 300}), 400, "max_tokens",
+                     "could never finish")
+
+
 def test_max_tokens_is_filled_in_from_the_room_the_prompt_leaves(server):
     """Without max_tokens a completion gets vLLM's (and OpenAI's) 16 tokens or what fits, a chat completion the
     room its prompt leaves (vLLM's default); nothing is cut."""

@@ -96,6 +96,21 @@ class PagedEngine:
         logger.info("PagedEngine: %d KV blocks of %d tokens (%s, %.2f GiB) on %s, max_model_len %d",
                     self.kv.num_total_blocks, self.config.block_size, self.config.kv_cache_dtype,
                     self.kv.stats().kv_cache_bytes / GIB, model.device, self.max_model_len)
+        self.max_sequence_len = self._max_sequence_len()
+        if self.max_sequence_len < self.max_model_len:  # vLLM refuses to start so; a small pool is a choice here
+            logger.warning("PagedEngine: the KV pool holds one sequence of at most %d tokens, fewer than "
+                           "max_model_len %d: a longer request is refused (raise num_blocks or kv_cache_memory, or "
+                           "lower max_model_len)", self.max_sequence_len, self.max_model_len)
+
+    def _max_sequence_len(self) -> int:
+        """The most tokens one sequence can reach: ``max_model_len``, or fewer where the pool cannot hold them (a
+        sequence stores every token but its last, which is sampled and never stored)."""
+        fits = lambda length: blocks_to_hold(self.kv, length - 1) <= self.kv.num_total_blocks  # noqa: E731
+        low, high = 1, self.max_model_len  # fits(1): nothing stored
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle - 1)
+        return low
 
     def _attach_draft_model(self) -> None:
         """Speculation's step clock (CPU seconds on a CPU); method "draft_model": the draft model on its own pool of
@@ -145,6 +160,8 @@ class PagedEngine:
         text, ids = prompt_ids(prompt, self.tokenizer)
         ids = check_prompt_ids(ids, self.vocab_size, self.max_model_len)
         room = self.max_model_len - len(ids)
+        if params.max_tokens is None:  # as many as the context holds, or the pool where it holds fewer
+            room = max(1, min(room, self.max_sequence_len - len(ids)))
         if params.max_tokens is None or params.max_tokens > room:
             # vLLM's rule: the context length ends a request whatever its max_tokens (finish_reason "length"); a
             # min_tokens past it is met as far as the context allows
@@ -157,13 +174,14 @@ class PagedEngine:
         if request_images is not None and self.group is not None:
             raise NotImplementedError("PagedEngine runs images on one process, not under tensor parallelism")
         # the longest the sequence can get; its last token is sampled, never stored
-        stored = len(ids) + params.max_tokens - 1
-        need = blocks_to_hold(self.kv, stored)
-        if need > self.kv.num_total_blocks:
-            raise ValueError(
-                f"the request needs up to {need} blocks ({len(ids)} prompt tokens + max_tokens={params.max_tokens}) "
-                f"but the pool has {self.kv.num_total_blocks} (num_blocks): it could never finish; lower max_tokens "
-                f"or raise num_blocks"
+        if len(ids) + params.max_tokens > self.max_sequence_len:
+            stored = len(ids) + params.max_tokens - 1
+            raise ParameterError(
+                "max_tokens" if len(ids) < self.max_sequence_len else "prompt",
+                f"the request needs up to {blocks_to_hold(self.kv, stored)} blocks ({len(ids)} prompt tokens + "
+                f"max_tokens={params.max_tokens}) but the pool has {self.kv.num_total_blocks} (num_blocks), which hold "
+                f"one sequence of at most {self.max_sequence_len} tokens: it could never finish; lower max_tokens or "
+                f"raise num_blocks"
             )
         if request_id is None:  # an id no request holds, whatever ids callers chose themselves
             request_id = str(next(self._ids))

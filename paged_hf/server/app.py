@@ -197,7 +197,7 @@ def build_app(engine: PagedEngine, model_name: str | list[str], max_queue_len: i
             params = dataclasses.replace(params, _bad_words_token_ids=await run_in_threadpool(
                 bad_words_token_ids, params.bad_words, engine.tokenizer))
         per_prompt = [params if body.max_tokens_given else
-                      default_max_tokens(params, p, engine.max_model_len, chat, length_cap) for p in prompts]
+                      default_max_tokens(params, p, engine.max_sequence_len, chat, length_cap) for p in prompts]
         kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
         try:
             submitted = await loop.submit(prompts, per_prompt, kind, options or body.submit_options())
@@ -236,14 +236,15 @@ def sampling_params(body, defaults: SamplingParams, logprobs: int | None, rename
         raise bad_request(error, rename) from None
 
 
-def default_max_tokens(params: SamplingParams, prompt, max_model_len: int, chat: bool,
+def default_max_tokens(params: SamplingParams, prompt, max_len: int, chat: bool,
                        length_cap: int | None = None) -> SamplingParams:
     """The ``max_tokens`` of a request that gives none: the room its prompt leaves for a chat completion,
     ``DEFAULT_COMPLETION_TOKENS`` or that room if less for a completion, and at most ``length_cap`` (the
     generation_config's ``max_new_tokens``) when given; a request that gives ``max_tokens`` keeps it (the engine
-    stops every request at the context length, as vLLM does)."""
+    stops every request at the context length, as vLLM does). ``max_len``: the longest sequence the engine holds
+    (``PagedEngine.max_sequence_len``: the context, or less where the KV pool is smaller)."""
     ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
-    room = max(1, max_model_len - len(ids))
+    room = max(1, max_len - len(ids))
     room = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
     room = room if length_cap is None else max(1, min(room, length_cap))
     if room == params.max_tokens:
