@@ -137,10 +137,13 @@ def test_64_clients_with_bad_requests_and_disconnects(stories):
         outcomes = asyncio.run(fault_load.run_clients(running.url, cases, leave_after=0.5))
         to_idle, stats = fault_load.idle_after(running.app.state.engine_loop, timeout=10)
         health = httpx.get(running.url + "/health").json()
+        metrics = running.app.state.engine_loop.on_output.__self__
+        unfinished = dict(metrics._last)  # what the metrics keep per request: nothing once every request is gone
     report = fault_load.summarize(cases, outcomes)
     assert report["requests"] == {"good": 48, "bad": 8, "leave": 8}
     assert report["good_equal_solo"] == 48, report["good_mismatches"][:3]
     assert report["bad_4xx"] == 8 and report["left"] == 8
     assert to_idle < 1.5, f"idle only {to_idle:.2f} s after the last client: the leavers kept running"
     assert stats["kv_cache_used"] == 0 and health == {"status": "ok"}
+    assert not unfinished, f"the metrics kept {len(unfinished)} requests that left"
     engine.check_invariants()

@@ -69,7 +69,7 @@ def build_app(engine: PagedEngine, model_name: str | list[str], max_queue_len: i
         raise ValueError(f"model_name must be a non-empty name or list of names, got {model_name!r}")
     model_name = names[0]
     metrics = ServerMetrics(model_name)
-    loop = EngineLoop(engine, max_queue_len, on_output=metrics.observe)
+    loop = EngineLoop(engine, max_queue_len, on_output=metrics.observe, on_abort=metrics.aborted)
     tokenize = PromptTokenizer(engine.tokenizer, engine.max_model_len)
     decode = Decoder(engine.tokenizer)
     token_bytes = TokenBytes(engine.tokenizer)

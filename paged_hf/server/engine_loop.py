@@ -36,10 +36,11 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: PagedEngine, max_queue_len: int = 256, on_output=None) -> None:
+    def __init__(self, engine: PagedEngine, max_queue_len: int = 256, on_output=None, on_abort=None) -> None:
         self.engine = engine
         self.max_queue_len = max_queue_len
         self.on_output = on_output  # called in the loop thread with each RequestOutput (metrics)
+        self.on_abort = on_abort  # called in the loop thread with the id of each request aborted before it finished
         self.stats = engine.get_stats()
         self.error: BaseException | None = None  # set when the loop died
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -121,8 +122,11 @@ class EngineLoop:
 
     def _apply(self, command: str, payload) -> None:
         if command == "abort":
+            live = payload in self.engine.requests
             self.engine.abort(payload)
             self._streams.pop(payload, None)
+            if live and self.on_abort is not None:  # no output follows an abort: the callback's last word on it
+                self.on_abort(payload)
         else:
             self._add(payload)
 

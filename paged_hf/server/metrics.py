@@ -74,7 +74,7 @@ class ServerMetrics:
                                              registry=r)
         # id of a counter (a labelled child too: prometheus_client keeps each) -> the engine's total when last rendered
         self._totals_seen: dict[int, int] = {}
-        self._last: dict[str, float] = {}
+        self._last: dict[str, float] = {}  # request id -> when its last output came (unfinished requests only)
 
     def observe(self, out, now: float) -> None:
         """Called by the engine loop with each ``RequestOutput``."""
@@ -95,6 +95,11 @@ class ServerMetrics:
                 self.vllm_e2e.labels(name).observe(now - out.metrics.arrival_time)
         else:
             self._last[out.request_id] = now
+
+    def aborted(self, request_id: str) -> None:
+        """Called by the engine loop for a request aborted before it finished (a client gone): no output follows, so
+        its last output's time is dropped here."""
+        self._last.pop(request_id, None)
 
     def render(self, stats) -> bytes:
         """The series, with the gauges set from ``stats`` (an ``EngineStats``)."""
