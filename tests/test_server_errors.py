@@ -102,6 +102,10 @@ def test_malformed_bodies_are_400_json_without_byte_offsets(server, path):
     assert_error(post(server, path, content=b'{"prompt": "Hi", "temperature": NaN}'), 400, None, "NaN")
     assert_error(post(server, path, content=b'["not", "an", "object"]'), 400, None, "must be a JSON object")
     assert_error(post(server, path, content=b""), 400, None, "not valid JSON")
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # 200 KB, deeper than Python's parser recurses
+    assert_error(post(server, path, content=deep), 400, None, "nested too deeply")
+    deep = b'{"prompt": "Hi", "logit_bias": {"1": 0}, "x": ' + b'{"a": ' * 5_000 + b"1" + b"}" * 5_000 + b"}"
+    assert post(server, path, content=deep).status_code == 400
 
 
 def test_lone_surrogates_are_400_and_stop_the_other_prompts(server):

@@ -62,12 +62,14 @@ def _parse(body: bytes, model: type[BaseModel], allow_unknown_fields: bool = Fal
         raise ApiError(400, f"the request body is not valid UTF-8 (byte {error.start}: {error.reason})") from None
     try:
         data = json.loads(text, parse_constant=_no_constants)
+        if not isinstance(data, dict):
+            raise ApiError(400, f"the request body must be a JSON object, got a JSON {type(data).__name__}")
+        _check_surrogates(data, "")
     except json.JSONDecodeError as error:
         raise ApiError(400, f"the request body is not valid JSON: {error.msg} (line {error.lineno}, column "
                             f"{error.colno})") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got a JSON {type(data).__name__}")
-    _check_surrogates(data, "")
+    except RecursionError:  # Python's parser (and the surrogate walk) recurse once per level
+        raise ApiError(400, "the request body is nested too deeply (arrays or objects within each other)") from None
     while True:
         try:
             return model.model_validate(data)
