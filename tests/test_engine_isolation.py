@@ -69,9 +69,18 @@ NAN, INF = math.nan, math.inf
     ([1, 2], {"stop": [str(i) for i in range(5)]}, "stop", r"at most 4 are allowed \(max_stop_strings\)"),
     ([1, 2], {"logit_bias": {512: 1.0}}, "logit_bias", r"in \[0, 512\)"),
     ([1, 2], {"allowed_token_ids": [3, 512]}, "allowed_token_ids", r"in \[0, 512\)"),
+    # fields that together rule out every token (the sampler's rules): a 400 before the request runs, not its failure
+    ([1, 2], {"allowed_token_ids": [2], "min_tokens": 3}, "allowed_token_ids", "min_tokens=3 holds back"),  # EOS
+    ([1, 2], {"allowed_token_ids": [7, 9], "stop_token_ids": [7, 9], "min_tokens": 1}, "allowed_token_ids",
+     "holds back"),
+    ([1, 2], {"allowed_token_ids": [400], "bad_words": ["x"]}, "allowed_token_ids", "one-token bad_words"),
 ])
 def test_the_engine_refuses_what_it_cannot_run_naming_the_field(stories, prompt, params, param, message):
     model, tok = stories
+    if params.get("bad_words") == ["x"]:  # a one-token word, and only it allowed
+        word = tok.decode([400]).strip()
+        assert tok.encode(word, add_special_tokens=False) == [400]
+        params = {**params, "bad_words": [word]}
     engine = PagedEngine(model, tok, block_size=4, num_blocks=64, max_model_len=64, max_n=8, max_stop_strings=4)
     with pytest.raises(ParameterError, match=message) as info:
         engine.add_request(prompt, SamplingParams(**params))

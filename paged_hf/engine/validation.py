@@ -58,6 +58,24 @@ def check_params(params: SamplingParams, num_prompt_tokens: int, vocab_size: int
                                                f"vocabulary), got {bad[0]}")
 
 
+def check_drawable(params: SamplingParams, eos_token_ids) -> None:
+    """``ParameterError`` naming ``allowed_token_ids`` where every token it allows is ruled out at the first step: by
+    one-token ``bad_words`` (always), or with ``min_tokens`` by the end and stop tokens it holds back (the sampler's
+    rules). ``params._bad_words_token_ids``: the bad words, tokenized."""
+    if params.allowed_token_ids is None:
+        return
+    allowed = set(params.allowed_token_ids)
+    banned = {ids[0] for ids in params._bad_words_token_ids or () if len(ids) == 1}
+    if allowed <= banned:
+        raise ParameterError("allowed_token_ids", "every token allowed_token_ids allows is a one-token bad_words "
+                                                  "entry: no token can ever be drawn")
+    held = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos_token_ids))
+    if params.min_tokens and allowed <= banned | held:
+        raise ParameterError("allowed_token_ids", f"allowed_token_ids allows only end or stop tokens (or bad words), "
+                                                  f"which min_tokens={params.min_tokens} holds back: no first token "
+                                                  f"can be drawn")
+
+
 def bad_words_token_ids(words: tuple[str, ...], tokenizer) -> tuple[tuple[int, ...], ...]:
     """``SamplingParams.bad_words`` as token sequences, as vLLM tokenizes them: each word alone, and after a space
     where that gives a sequence as long as the first but starting with another token (a word-start token)."""
