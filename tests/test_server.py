@@ -206,6 +206,27 @@ def test_load_32_streaming_clients_then_no_blocks_in_use(stories, server):
     assert metric(server, "paged_hf_time_to_first_token_seconds_count") >= 128
 
 
+def test_a_request_that_can_never_run_is_a_400_even_while_the_queue_is_full(server):
+    """503 + Retry-After says "retry later": a request the engine would refuse whatever its state (ids outside the
+    vocabulary, a prompt past the context, a logit_bias outside the vocabulary) gets its 400 naming the field
+    instead, full queue or not."""
+    running, _ = server
+    loop = running.app.state.engine_loop
+    with loop._lock:
+        loop._pending += loop.max_queue_len  # the queue is full
+    try:
+        url = running.url + "/v1/completions"
+        assert httpx.post(url, json={"prompt": "Once", "max_tokens": 2}, timeout=60).status_code == 503
+        for body, param in (({"prompt": [1, 600]}, "prompt"), ({"prompt": [1] + [5] * 600}, "prompt"),
+                            ({"prompt": "Once", "logit_bias": {"9999": 1}}, "logit_bias"),
+                            ({"prompt": "Once", "allowed_token_ids": [9999]}, "allowed_token_ids")):
+            response = httpx.post(url, json=body, timeout=60)
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    finally:
+        with loop._lock:
+            loop._pending -= loop.max_queue_len
+
+
 def test_flood_past_queue_limit_gets_503_and_admitted_requests_finish(stories):
     model, tok = stories
     attn = model.config._attn_implementation  # the module's server (if running) needs it back

@@ -34,7 +34,7 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 from .spec.config import check_tensor_parallel
 from .threads import StepPinning, bind_cpu_threads
-from .validation import bad_words_token_ids, check_params, check_prompt_ids, prompt_ids, vocab_size
+from .validation import bad_words_token_ids, check_drawable, check_params, check_prompt_ids, prompt_ids, vocab_size
 from .worker import build_kv, follow, max_model_len_of, prepare_model
 
 logger = logging.getLogger("paged_hf")
@@ -154,6 +154,35 @@ class PagedEngine:
         placeholders the processor expanded, one run per image; see ``engine/multimodal.py``).
         """
         self._require_leader("add_request")
+        text, ids, params = self.check_request(prompt, params)
+        limit = self.config.limit_mm_per_prompt
+        request_images = multimodal.request_images(images, ids, self.model, limit and limit.get("image"),
+                                                   self.config.max_num_batched_tokens,
+                                                   self.config.max_num_encoder_input_tokens)
+        if request_images is not None and self.group is not None:
+            raise NotImplementedError("PagedEngine runs images on one process, not under tensor parallelism")
+        if request_id is None:  # an id no request holds, whatever ids callers chose themselves
+            request_id = str(next(self._ids))
+            while request_id in self.scheduler.requests:
+                request_id = str(next(self._ids))
+        bad_words = params._bad_words_token_ids or ()  # check_request tokenized them, if a front end had not
+        grammar = self._compile_grammar(params)
+        request = Request(request_id, text, ids, params, priority, cache_salt, RequestOutputKind(output_kind))
+        request.reuse_prefix = bool(enable_prefix_caching)
+        if request_images is not None:
+            request.images = request_images
+            request.cache_salt = request_images.block_keys(cache_salt)  # the images' digests key their blocks
+        request.compiled_grammar = grammar
+        request.bad_words_token_ids = bad_words
+        self.scheduler.add(request)
+        return request_id
+
+    def check_request(self, prompt, params: SamplingParams | None) -> tuple[str | None, list[int], SamplingParams]:
+        """``(text, token ids, params)`` of a request as ``add_request`` takes it (``max_tokens`` capped at the
+        context, ``bad_words`` tokenized), or the ``ValueError`` it would raise whatever the engine's state: ids
+        outside the vocabulary, a prompt with no room to generate, bad parameters, parameters that rule out every
+        token, a request longer than the KV pool holds. Changes nothing (safe from any thread): a front end can
+        refuse a hopeless request before queueing it."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a paged_hf.SamplingParams, got {type(params).__name__}")
@@ -167,12 +196,10 @@ class PagedEngine:
             # min_tokens past it is met as far as the context allows
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         check_params(params, len(ids), self.vocab_size, self.max_model_len, self.config)
-        limit = self.config.limit_mm_per_prompt
-        request_images = multimodal.request_images(images, ids, self.model, limit and limit.get("image"),
-                                                   self.config.max_num_batched_tokens,
-                                                   self.config.max_num_encoder_input_tokens)
-        if request_images is not None and self.group is not None:
-            raise NotImplementedError("PagedEngine runs images on one process, not under tensor parallelism")
+        if params.bad_words and params._bad_words_token_ids is None:
+            params = dataclasses.replace(params, _bad_words_token_ids=bad_words_token_ids(params.bad_words,
+                                                                                          self.tokenizer))
+        check_drawable(params, self.eos_token_ids)
         # the longest the sequence can get; its last token is sampled, never stored
         if len(ids) + params.max_tokens > self.max_sequence_len:
             stored = len(ids) + params.max_tokens - 1
@@ -183,22 +210,7 @@ class PagedEngine:
                 f"one sequence of at most {self.max_sequence_len} tokens: it could never finish; lower max_tokens or "
                 f"raise num_blocks"
             )
-        if request_id is None:  # an id no request holds, whatever ids callers chose themselves
-            request_id = str(next(self._ids))
-            while request_id in self.scheduler.requests:
-                request_id = str(next(self._ids))
-        bad_words = params._bad_words_token_ids if params._bad_words_token_ids is not None else \
-            bad_words_token_ids(params.bad_words or (), self.tokenizer)
-        grammar = self._compile_grammar(params)
-        request = Request(request_id, text, ids, params, priority, cache_salt, RequestOutputKind(output_kind))
-        request.reuse_prefix = bool(enable_prefix_caching)
-        if request_images is not None:
-            request.images = request_images
-            request.cache_salt = request_images.block_keys(cache_salt)  # the images' digests key their blocks
-        request.compiled_grammar = grammar
-        request.bad_words_token_ids = bad_words
-        self.scheduler.add(request)
-        return request_id
+        return text, ids, params
 
     def _compile_grammar(self, params: SamplingParams):
         """The Future of ``params.structured_outputs``' compiled grammar (compiling on the grammar threads), or None;

@@ -198,6 +198,10 @@ def build_app(engine: PagedEngine, model_name: str | list[str], max_queue_len: i
                 bad_words_token_ids, params.bad_words, engine.tokenizer))
         per_prompt = [params if body.max_tokens_given else
                       default_max_tokens(params, p, engine.max_sequence_len, chat, length_cap) for p in prompts]
+        try:  # what the engine would refuse whatever its state, refused here: a 400 even while the queue is full
+            await run_in_threadpool(lambda: [engine.check_request(p, q) for p, q in zip(prompts, per_prompt)])
+        except ValueError as error:
+            raise bad_request(error, rename) from None
         kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
         try:
             submitted = await loop.submit(prompts, per_prompt, kind, options or body.submit_options())
