@@ -228,11 +228,12 @@ class PagedCache(DynamicCache):
         return self._metadata
 
     def dense_kv(self, layer: PagedLayer, storage, group, fresh) -> tuple[torch.Tensor, torch.Tensor]:
-        """A dense attention's K/V ``[B, kv_heads, L, head_dim]`` in the padded layout its mask expects."""
+        """A dense attention's K/V ``[B, kv_heads, L, head_dim]`` in the padded layout its mask expects, contiguous
+        as ``DynamicCache``'s are (GPT-NeoX-Japanese ``view``s them)."""
         if fresh is not None:  # a dense read sees what is stored: full blocks quantized, the rest from the tails
             storage.write_tails(fresh, group.store_plan)
         keys, values = storage.read_slots(*self._dense_slots[layer.group.index])  # [B, L, H, D]
-        return keys.transpose(1, 2), values.transpose(1, 2)
+        return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
 
     def dense_view(self, layer: PagedLayer, which: int) -> torch.Tensor | None:
         """``layer``'s keys (``which=0``) or values as ``DynamicCache`` holds them (see ``PagedLayer``)."""
@@ -245,7 +246,7 @@ class PagedCache(DynamicCache):
         states = storage.read_slots(slots.to(storage.device),
                                     None if tail_slots is None else tail_slots.to(storage.device))[which]  # [B,L,H,D]
         pads = (self.columns[:, first:] < 0).to(storage.device)
-        return states.masked_fill(pads[:, :, None, None], 0).transpose(1, 2)
+        return states.masked_fill(pads[:, :, None, None], 0).transpose(1, 2).contiguous()
 
     # ------------------------------------------------------------------------- generate's hooks
     def _select_rows(self, rows: list[int]) -> None:

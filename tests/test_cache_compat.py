@@ -153,3 +153,22 @@ def test_a_deep_copied_prompt_cache_serves_each_continuation_and_keeps_the_origi
         want = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=DynamicCache(), pad_token_id=0)
         assert torch.equal(got, want)
         assert prompt_cache.get_seq_length() == 9
+
+
+def test_a_model_that_views_its_dense_kv_gets_them_contiguous_as_dynamic_cache_gives_them():
+    """GPT-NeoX-Japanese runs its own attention and ``view``s the K/V its cache returns: the paged cache hands a dense
+    read over contiguous (a left-padded batch of two crashed in ``view``)."""
+    import transformers
+
+    config = transformers.GPTNeoXJapaneseConfig(vocab_size=512, hidden_size=64, intermediate_multiple_size=2,
+                                                num_hidden_layers=2, num_attention_heads=4,
+                                                max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                                                pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXJapaneseForCausalLM(config).eval()
+    ids = torch.tensor([[0, 0, 0, 5, 6, 7], [8, 9, 10, 11, 12, 13]])
+    options = dict(attention_mask=(ids != 0).long(), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                   pad_token_id=0)
+    reference = model.generate(input_ids=ids, **options)
+    paged = model.generate(input_ids=ids, cache_implementation="paged", cache_config={"block_size": 4}, **options)
+    assert torch.equal(paged, reference)
