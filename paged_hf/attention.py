@@ -22,7 +22,7 @@ from transformers.modeling_utils import AttentionInterface
 from . import ops
 from .patches import masks_v5
 from .kernels.attention_ref import paged_attention_core
-from .metadata import METADATA_KEY, AttentionBypassed, take_step
+from .metadata import METADATA_KEY, AttentionBypassed, LayerStep, take_step
 from .ops import OpStep
 from .rotation import rotate, unrotate
 
@@ -49,7 +49,7 @@ def paged_attention_forward(
     handed = take_step(step.layer if step is not None else getattr(module, "layer_idx", None))
     step = step if step is not None else handed  # an update without kwargs (GPT-NeoX, Falcon): by layer index
     if step is not None:
-        _check_stored(module, key, value, step.stored)
+        _check_stored(module, key, value, step)
     if isinstance(step, OpStep):  # the engine's compiled forward: the attention is one custom op
         return ops.attend(step, query, scale, softcap, s_aux), None
     if step is None:
@@ -76,16 +76,25 @@ def paged_attention_forward(
     return out, None
 
 
-def _check_stored(module, key: torch.Tensor, value: torch.Tensor, stored: tuple[int, int, int]) -> None:
-    """``AttentionBypassed`` when the K/V handed to the attention are not the ones the layer stored (``stored``:
-    kv_heads, key and value head_dim): the model changed them after its cache update (JetMoE tiles its heads,
-    DeepSeek's MLA caches a latent it expands), and the blocks the paged attention reads do not hold them."""
+def _check_stored(module, key: torch.Tensor, value: torch.Tensor, step) -> None:
+    """``AttentionBypassed`` when the K/V handed to the attention are not the ones the layer stored: the model changed
+    them after its cache update (JetMoE tiles its heads, DeepSeek's MLA caches a latent it expands, DiffLlama hands
+    each half of its values to an attention call of its own), and the blocks the paged attention reads do not hold
+    them. Their shapes are checked against ``step.stored`` (kv_heads, key and value head_dim); an eager step also
+    knows the very tensors the update returned (a change that keeps the shapes)."""
+    stored = step.stored
     if (key.shape[1], key.shape[-1], value.shape[-1]) != stored:
         raise AttentionBypassed(
             f"{type(module).__name__} hands its attention K/V of {key.shape[1]} heads x {key.shape[-1]} dims (values "
             f"{value.shape[-1]}) but stored {stored[0]} heads x {stored[1]} dims (values {stored[2]}) in the cache: "
             f"it changes its K/V after storing them, which the paged attention, reading the stored blocks, cannot "
             f"follow. PagedEngine cannot serve it; generate runs it on the PagedCache with a dense attention "
+            f"(attn_implementation='sdpa' or 'eager')")
+    if isinstance(step, LayerStep) and (key is not step.key or value is not step.value):
+        raise AttentionBypassed(
+            f"{type(module).__name__} hands its attention K/V other than those its cache update returned: it changes "
+            f"its K/V after storing them, which the paged attention, reading the stored blocks, cannot follow. "
+            f"PagedEngine cannot serve it; generate runs it on the PagedCache with a dense attention "
             f"(attn_implementation='sdpa' or 'eager')")
 
 

@@ -62,6 +62,7 @@ class PagedLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.group = group
         self.is_sliding = group.window is not None
+        self._shapes_checked = False  # the first eager write's K/V matched the layer's pool (``_check_shapes``)
 
     @property
     def source(self) -> LayerSource:
@@ -119,11 +120,14 @@ class PagedLayer(CacheLayerMixin):
                                                     source.num_decodes, source.native_ops))
             return key_states, value_states
         storage = self.group.storages[self.layer_idx]
+        if not self._shapes_checked:  # once: a forward's layers write the same shapes every step
+            _check_shapes(self.layer_idx, storage, key_states, value_states)
+            self._shapes_checked = True
         fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
         if source.reads_blocks:
             stored = (key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
             self._hand_over(kwargs, LayerStep(metadata, group, self.group.index, storage, fresh, self.layer_idx,
-                                              stored))
+                                              stored, key_states, value_states))
             return key_states, value_states
         return source.dense_kv(self, storage, group, fresh)
 
@@ -151,3 +155,17 @@ class PagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:  # the source resets its sequences as a whole
         pass
+
+
+def _check_shapes(layer_idx: int, storage, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """NotImplementedError, naming what differs, when a layer's new K/V ``[B, kv_heads, q, head_dim]`` do not fit its
+    pool: values of another head size than keys (MiMo-V2's ``v_head_dim``), or layers whose KV heads or head size
+    differ from the config's (MiMo-V2's sliding layers, Gemma 4's full ones), which one pool size per group cannot
+    hold."""
+    heads, head_dim = storage.head_shape
+    got = (key_states.shape[1], key_states.shape[-1], value_states.shape[1], value_states.shape[-1])
+    if got != (heads, head_dim, heads, head_dim):
+        raise NotImplementedError(
+            f"layer {layer_idx} stores keys of {got[0]} heads x {got[1]} dims and values of {got[2]} heads x "
+            f"{got[3]} dims, but its KV pool holds {heads} heads x {head_dim} dims for both: paged_hf pages K and V "
+            f"of one head size, the same in every layer of a group (as the config gives them)")

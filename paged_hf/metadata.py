@@ -114,7 +114,8 @@ class LayerStep(NamedTuple):
     """What one layer's cache update hands its ``"paged"`` attention (the layer kwargs' ``METADATA_KEY``): the
     forward's metadata, the layer's group (and its index in ``metadata.groups``), the layer's storage, and, for a
     tail format, the forward's new K/V (``storage.FreshKV``: the attention writes the tails after it reads);
-    ``layer``: the layer's index; ``stored``: the stored K/V's (kv_heads, key head_dim, value head_dim)."""
+    ``layer``: the layer's index; ``stored``: the stored K/V's (kv_heads, key head_dim, value head_dim); ``key``,
+    ``value``: the states the update returned, which the attention must be handed as they are."""
 
     metadata: AttentionMetadata
     group: GroupMetadata
@@ -123,6 +124,8 @@ class LayerStep(NamedTuple):
     fresh: object | None  # FreshKV
     layer: int
     stored: tuple[int, int, int]
+    key: torch.Tensor
+    value: torch.Tensor
 
 
 class AttentionBypassed(NotImplementedError):

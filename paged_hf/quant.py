@@ -99,6 +99,10 @@ class QuantizedKVStorage(KVStorage):
         self.value_rotation = rotation if fmt.rotate_values else None
         self.kernels = dispatch.select(self.key_cache.device)
 
+    @property
+    def head_shape(self) -> tuple[int, int]:
+        return self.key_cache.shape[2], self.head_dim
+
     def _pools(self) -> list[str]:
         """Names of the block-indexed pool tensors this format holds (codes, scales, zeros)."""
         return [name for name in self._POOL_NAMES if getattr(self, name) is not None]

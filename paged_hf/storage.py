@@ -52,6 +52,11 @@ class KVStorage:
         return self.key_cache.shape[0]
 
     @property
+    def head_shape(self) -> tuple[int, int]:
+        """``(kv_heads, head_dim)`` of the keys and values this storage holds."""
+        return self.key_cache.shape[2], self.key_cache.shape[3]
+
+    @property
     def block_size(self) -> int:
         return self.key_cache.shape[1]
 

@@ -56,9 +56,10 @@ FAMILIES = {
 }
 
 # Attentions the paged blocks cannot serve, which the engine refuses by name (``tiny_model`` builds them; the tests
-# parametrized over ``FAMILIES`` leave them out): JetMoE tiles its K/V heads after storing them, XGLM and MPT compute
-# attention in their own code.
+# parametrized over ``FAMILIES`` leave them out): JetMoE tiles its K/V heads after storing them, DiffLlama hands each
+# half of its values to an attention call of its own, XGLM and MPT compute attention in their own code.
 REFUSED_FAMILIES = {
+    "diffllama": (transformers.DiffLlamaConfig, transformers.DiffLlamaForCausalLM, {}),
     "jetmoe": (transformers.JetMoeConfig, transformers.JetMoeForCausalLM,
                {"kv_channels": 16, "num_local_experts": 4, "num_experts_per_tok": 2}),
     "xglm": (transformers.XGLMConfig, transformers.XGLMForCausalLM, {"ffn_dim": 128, "num_key_value_heads": 4}),

@@ -176,6 +176,35 @@ def test_unsupported_models_raise_not_implemented():
                                              num_kv_shared_layers=2, layer_types=["sliding_attention"] * 4)
     with pytest.raises(NotImplementedError, match="last 2 layers .num_kv_shared_layers. read the K/V"):
         paged_hf.PagedCache(gemma3n)
+    # Falcon-RW's ALiBi is its own code and needs a 2-D mask; Gemma 4 sets head sizes per layer
+    falcon = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                       alibi=True)
+    with pytest.raises(NotImplementedError, match="Falcon with alibi=True"):
+        paged_hf.PagedCache(falcon)
+    gemma4 = transformers.AutoConfig.for_model("gemma4_text", vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=4, vocab_size_per_layer_input=64,
+                                               hidden_size_per_layer_input=8)
+    with pytest.raises(NotImplementedError, match="gemma4_text' sets them per layer"):
+        paged_hf.PagedCache(gemma4)
+
+
+def test_layers_whose_kv_do_not_fit_the_pools_shapes_are_refused_by_name():
+    """MiMo-V2's values are narrower than its keys (``v_head_dim``), and its sliding layers have twice the config's
+    KV heads: one pool shape per group cannot hold them (a raw ``index_copy_`` error before); ``generate`` and the
+    engine say which layer stores what."""
+    config = transformers.AutoConfig.for_model(
+        "mimo_v2_flash", vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        n_routed_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, v_head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(NotImplementedError, match="layer 0 stores keys of 2 heads x 24 dims and values of 2 heads x "
+                                                  "16 dims, but its KV pool holds 2 heads x 24 dims"):
+        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False, cache_implementation="paged")
+    config.v_head_dim = 24
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(NotImplementedError, match="layer 1 stores keys of 4 heads x 24 dims"):
+        paged_hf.PagedEngine(model, None, num_blocks=16, block_size=4, enforce_eager=True)
 
 
 def _generate_patched() -> bool:

@@ -104,13 +104,35 @@ def test_a_handed_step_no_attention_took_fails_the_forward():
     ("mpt", "its attention is its own code"),  # transformers cannot switch its attention
     ("xglm", "its attention is its own code"),
     ("jetmoe", r"JetMoeAttention hands its attention K/V of 4 heads x 16 dims \(values 16\) but stored 2 heads"),
+    ("diffllama", "DiffLlamaAttention hands its attention K/V other than those its cache update returned"),
 ])
 def test_a_model_whose_attention_cannot_read_the_blocks_is_refused(family, reason):
     """An attention the paged blocks cannot serve gave wrong tokens from the first one, with no error: MPT and XGLM
     compute attention in their own code (on the update's new K/V alone), JetMoE tiles its K/V heads after storing
-    them (its query heads map to KV heads unlike the paged kernels' groups). The engine refuses them, by name."""
+    them (its query heads map to KV heads unlike the paged kernels' groups), DiffLlama splits its values after
+    storing them (the same shapes, other contents). The engine refuses them, by name."""
     with pytest.raises(NotImplementedError, match=f"PagedEngine cannot serve .*{reason}"):
         PagedEngine(tiny_model(family), None, num_blocks=64, enforce_eager=True)
+
+
+def test_longrope_warns_that_a_step_shares_its_factors(caplog):
+    """Phi-3's longrope picks short or long factors from a forward's longest position (as transformers and vLLM do):
+    the engine says so at start where its context reaches past ``original_max_position_embeddings``."""
+    import transformers
+
+    factors = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}
+    config = transformers.Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                     original_max_position_embeddings=32, rope_scaling=factors, pad_token_id=0,
+                                     bos_token_id=1, eos_token_id=2)
+    model = transformers.Phi3ForCausalLM(config).eval()
+    with caplog.at_level("WARNING", logger="paged_hf"):
+        PagedEngine(model, None, num_blocks=64, block_size=4, enforce_eager=True)
+    assert "once a request of a step is past 32 tokens" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="paged_hf"):
+        PagedEngine(model, None, num_blocks=64, block_size=4, enforce_eager=True, max_model_len=32)
+    assert "longrope" not in caplog.text
 
 
 def test_an_attention_that_never_reads_the_blocks_is_refused_at_start():

@@ -96,11 +96,25 @@ class PagedEngine:
         logger.info("PagedEngine: %d KV blocks of %d tokens (%s, %.2f GiB) on %s, max_model_len %d",
                     self.kv.num_total_blocks, self.config.block_size, self.config.kv_cache_dtype,
                     self.kv.stats().kv_cache_bytes / GIB, model.device, self.max_model_len)
+        self._warn_of_batch_wide_rope(model.config.get_text_config(decoder=True))
         self.max_sequence_len = self._max_sequence_len()
         if self.max_sequence_len < self.max_model_len:  # vLLM refuses to start so; a small pool is a choice here
             logger.warning("PagedEngine: the KV pool holds one sequence of at most %d tokens, fewer than "
                            "max_model_len %d: a longer request is refused (raise num_blocks or kv_cache_memory, or "
                            "lower max_model_len)", self.max_sequence_len, self.max_model_len)
+
+    def _warn_of_batch_wide_rope(self, text_config) -> None:
+        """Phi-3's ``longrope`` chooses its factors from the longest position of a forward: past its
+        ``original_max_position_embeddings`` one request of a step switches every request of it (as in vLLM)."""
+        rope = getattr(text_config, "rope_parameters", None) or {}
+        for parameters in rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]:
+            original = parameters.get("original_max_position_embeddings")
+            if parameters.get("rope_type") == "longrope" and original and self.max_model_len > original:
+                logger.warning("PagedEngine: the model's longrope chooses its factors from the longest position of "
+                               "each forward: once a request of a step is past %d tokens "
+                               "(original_max_position_embeddings), every request of that step uses the long "
+                               "factors, and a shorter one's tokens can differ from its run alone", original)
+                return
 
     def _max_sequence_len(self) -> int:
         """The most tokens one sequence can reach: ``max_model_len``, or fewer where the pool cannot hold them (a

@@ -18,7 +18,7 @@ from ..config import DEFAULT_CPU_KV_CACHE_GIB, GIB, EngineConfig
 from ..distributed import tensor_parallel_group
 from ..distributed.group import init_group
 from ..kv.manager import KVManager
-from ..kv.model_config import available_memory, block_id_bytes, local_kv_heads
+from ..kv.model_config import available_memory, block_id_bytes, check_supported, local_kv_heads
 from ..kv.sizing import allocate_all
 from ..packed_linear import pack_linears
 from .runner import ModelRunner
@@ -29,10 +29,12 @@ logger = logging.getLogger("paged_hf")
 def prepare_model(model):
     """``model`` switched to the ``"paged"`` attention, in eval mode, its bfloat16 and float32 CPU linears packed
     for oneDNN (``packed_linear``);
-    NotImplementedError for encoder-decoders and for a model transformers cannot switch (its attention is its own
-    code: MPT, Bloom)."""
+    NotImplementedError for encoder-decoders, for what the paged cache cannot hold (``check_supported``) and for a
+    model whose attention is its own code (MPT, Bloom: transformers cannot switch it)."""
     if getattr(model.config, "is_encoder_decoder", False):
         raise NotImplementedError(f"PagedEngine serves decoder-only models; {type(model).__name__} is not")
+    text_config = model.config.get_text_config(decoder=True)
+    check_supported(text_config, model.config)  # a state-space model says so before its attention is switched
     if model.config._attn_implementation != "paged":
         model.set_attn_implementation("paged")
         if model.config._attn_implementation != "paged":

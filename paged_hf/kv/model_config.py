@@ -66,7 +66,8 @@ def available_memory(device: torch.device) -> int:
 
 def check_supported(text_config, config=None) -> None:
     """NotImplementedError for models the paged cache cannot serve: encoder-decoder and state-space models,
-    multi-head latent attention (DeepSeek V2/V3) and layers that read another layer's K/V (Gemma 3n)."""
+    multi-head latent attention (DeepSeek V2/V3), Falcon's ALiBi, head sizes set per layer (Gemma 4) and layers that
+    read another layer's K/V (Gemma 3n)."""
     if getattr(config, "is_encoder_decoder", False):
         raise NotImplementedError(
             f"PagedCache supports decoder-only models; {type(config).__name__} is an encoder-decoder model"
@@ -83,6 +84,20 @@ def check_supported(text_config, config=None) -> None:
             f"PagedCache pages each layer's keys and values per KV head; {model_type!r} uses multi-head latent "
             f"attention (kv_lora_rank={text_config.kv_lora_rank}): its layers cache a compressed latent and a rotary "
             f"key, which the paged pools do not hold")
+    if model_type == "falcon" and getattr(text_config, "alibi", False):
+        raise NotImplementedError(
+            "PagedCache cannot serve Falcon with alibi=True (Falcon-RW): its attention adds ALiBi biases in its own "
+            "code, outside transformers' attention interface (the engine's paged attention cannot read them), and "
+            "builds them from a 2-D attention mask, which generate replaces with a 4-D one for a compileable cache "
+            "(transformers' StaticCache fails there too); it runs on the default DynamicCache")
+    try:
+        head_dim_of(text_config), kv_heads_of(text_config)
+    except RuntimeError as error:  # transformers' AmbiguousGlobalPerLayerAttributeError (heterogeneous configs)
+        if type(error).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+            raise
+        raise NotImplementedError(
+            f"PagedCache sizes its pools from one head size and KV-head count per model; {model_type!r} sets them "
+            f"per layer ({error})") from None
     if getattr(text_config, "num_kv_shared_layers", 0):
         raise NotImplementedError(
             f"PagedCache gives every layer its own K/V; {model_type!r}'s last {text_config.num_kv_shared_layers} "
