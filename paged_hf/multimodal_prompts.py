@@ -1,6 +1,6 @@
 """Prompts with images, for the front ends (``LLM``, the server): OpenAI / vLLM content parts to a chat template's
-messages and the images in order, and a text with its images to token ids (placeholders expanded) plus the
-processor's tensors, which is what ``PagedEngine.add_request(..., images=...)`` takes.
+messages and the images in order, and a text (or token ids) with its images to token ids (placeholders expanded)
+plus the processor's tensors, which is what ``PagedEngine.add_request(..., images=...)`` takes.
 
 Content parts: ``{"type": "text", "text"}``, ``{"type": "image_url", "image_url": {"url": ...}}`` (or the URL
 string), and vLLM's ``{"type": "image_pil", "image_pil": <PIL image>}``. Each image part becomes
@@ -11,6 +11,7 @@ before the message's text (``placeholder``, as vLLM writes them).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 
 from .config import ParameterError
@@ -90,20 +91,63 @@ def process(processor, text: str, images: list, add_special_tokens: bool = True)
 
 
 def image_prompt(prompt: Mapping, processor, media: MediaPolicy) -> tuple[dict, dict]:
-    """vLLM's ``{"prompt": text, "multi_modal_data": {"image": image or [images]}}`` as the engine's prompt (its
-    token ids) and its image tensors."""
+    """vLLM's ``{"prompt": text, "multi_modal_data": {"image": image or [images]}}`` (or ``"prompt_token_ids"``
+    instead of ``"prompt"``: ``process_token_ids``) as the engine's prompt (its token ids) and its image tensors."""
     data = prompt["multi_modal_data"]
     if not isinstance(data, Mapping) or set(data) != {"image"}:
         raise ParameterError("multi_modal_data", f"multi_modal_data must be {{'image': an image or a list of them}} "
                                                  f"(PIL, uint8 numpy array or torch tensor, URL), got {data!r:.200}")
-    if not isinstance(prompt.get("prompt"), str) or "prompt_token_ids" in prompt:
+    if "prompt_token_ids" not in prompt and not isinstance(prompt.get("prompt"), str):
         raise ParameterError("multi_modal_data", "multi_modal_data needs 'prompt' (the text with its image "
-                                                 "placeholders), not 'prompt_token_ids'")
+                                                 "placeholders) or 'prompt_token_ids' (its ids)")
     images = data.get("image")
     images = [load_image(image, media, "multi_modal_data")
               for image in (images if isinstance(images, (list, tuple)) else [images])]
+    if "prompt_token_ids" in prompt:
+        ids, tensors = process_token_ids(processor, list(prompt["prompt_token_ids"]), images)
+        return {"prompt": prompt.get("prompt"), "prompt_token_ids": ids}, tensors
     ids, tensors = process(processor, prompt["prompt"], images)
     return {"prompt": prompt["prompt"], "prompt_token_ids": ids}, tensors
+
+
+def process_token_ids(processor, ids: list[int], images: list) -> tuple[list[int], dict]:
+    """``process`` for a prompt given as token ids, as vLLM takes them: one placeholder token per image (the
+    processor's begin-of-image token, or its image token), each replaced by the ids the processor expands it to for
+    that image, or ids that already hold every image's expansion (as many image tokens), kept as they are. The image
+    tensors are the processor's for all the images at once."""
+    if processor is None:
+        raise ParameterError("multi_modal_data", "images need the model's processor (LLM(..., processor=...))")
+    placeholder = getattr(processor, "boi_token", None) or getattr(processor, "image_token", None)
+    if placeholder is None:
+        raise ParameterError("multi_modal_data", f"{type(processor).__name__} names no image token: give 'prompt' "
+                                                 f"(text) with multi_modal_data")
+    placeholder_id = processor.tokenizer.convert_tokens_to_ids(placeholder)
+    expansions = [_expansion(processor, placeholder, image) for image in images]
+    _, tensors = process(processor, placeholder * len(images), images, add_special_tokens=False)
+    image_id = Counter(token for expansion in expansions for token in expansion).most_common(1)[0][0]
+    expanded = sum(expansion.count(image_id) for expansion in expansions)
+    if ids.count(image_id) == expanded:
+        return ids, tensors  # the placeholders were expanded already
+    if ids.count(placeholder_id) != len(images):
+        raise ParameterError("multi_modal_data", f"prompt_token_ids hold {ids.count(placeholder_id)} image "
+                                                 f"placeholders ({placeholder!r}, id {placeholder_id}) for "
+                                                 f"{len(images)} images: give one per image, or every image's "
+                                                 f"expansion")
+    out, expansion = [], iter(expansions)
+    for token in ids:
+        out.extend(next(expansion) if token == placeholder_id else (token,))
+    return out, tensors
+
+
+def _expansion(processor, placeholder: str, image) -> list[int]:
+    """The ids the processor writes for ``placeholder`` with ``image``, as they follow a word: after an anchor word,
+    whose ids are then dropped (a tokenizer that marks the start of a text, SentencePiece's prefix space, would mark
+    a placeholder written alone)."""
+    anchor = processor.tokenizer("a", add_special_tokens=False)["input_ids"]
+    ids, _ = process(processor, "a" + placeholder, [image], add_special_tokens=False)
+    if ids[:len(anchor)] == anchor:
+        return ids[len(anchor):]
+    return process(processor, placeholder, [image], add_special_tokens=False)[0]
 
 
 def render_chat(tokenizer, processor, conversation: list, media: MediaPolicy, template: dict) -> tuple[dict, dict | None]:

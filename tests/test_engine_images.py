@@ -356,6 +356,36 @@ def test_llm_generate_with_multi_modal_data_equals_generate(model, llm):
     assert len(outs[0].outputs[0].token_ids) == MAX_TOKENS
 
 
+def test_token_id_prompts_with_images_are_expanded_as_their_text_is(model, llm):
+    """vLLM's ``{"prompt_token_ids": ids, "multi_modal_data": ...}``: one placeholder token per image, each replaced
+    by what the processor writes for that image (the same ids as the prompt's text gives), or ids that hold the
+    expansions already; any other count of placeholders is refused, naming the field."""
+    from paged_hf import LLM
+    from vision_models import gemma3_processor, random_image, tiny_gemma3
+
+    images = [random_image(1), random_image(2, (30, 18))]
+    text = "A <image> and <image> too"
+    tokenizer = llm.processor.tokenizer
+    want = processed_reference(model, llm.processor, text, images)
+    expanded = llm.processor(text=[text], images=images, return_tensors="pt")["input_ids"][0].tolist()
+    for ids in (tokenizer(text)["input_ids"], expanded):
+        out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == want and out[0].prompt_token_ids == expanded
+    with pytest.raises(ValueError, match="prompt_token_ids hold 1 image placeholders") as error:
+        llm.generate({"prompt_token_ids": tokenizer("A <image>")["input_ids"], "multi_modal_data": {"image": images}},
+                     GREEDY, use_tqdm=False)
+    assert error.value.param == "multi_modal_data"
+    # Gemma 3's placeholder (its begin-of-image token) expands to newlines, the image's tokens and their end
+    gemma3, processor = tiny_gemma3(boi=512, eoi=513, image=514), gemma3_processor()
+    gemma_llm = LLM(gemma3, processor.tokenizer, processor=processor, enforce_eager=True, block_size=4, num_blocks=64)
+    text = "Look <start_of_image> and <start_of_image> now"
+    by_text, by_ids = gemma_llm.generate([{"prompt": text, "multi_modal_data": {"image": images}},
+                                          {"prompt_token_ids": processor.tokenizer(text)["input_ids"],
+                                           "multi_modal_data": {"image": images}}], GREEDY, use_tqdm=False)
+    assert by_ids.prompt_token_ids == by_text.prompt_token_ids
+    assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+
+
 def test_llm_takes_numpy_and_torch_images_as_their_pixels(model, llm):
     """vLLM's ``multi_modal_data`` takes numpy arrays and torch tensors of pixels as well as PIL images: uint8,
     channels last or first (first where both read so, as transformers' processors decide), grey without channels.
