@@ -107,7 +107,8 @@ class PagedEngine:
         """Phi-3's ``longrope`` chooses its factors from the longest position of a forward: past its
         ``original_max_position_embeddings`` one request of a step switches every request of it (as in vLLM)."""
         rope = getattr(text_config, "rope_parameters", None) or {}
-        for parameters in rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]:
+        per_layer_type = bool(rope) and all(isinstance(value, dict) for value in rope.values())  # Gemma 3's form
+        for parameters in rope.values() if per_layer_type else [rope]:
             original = parameters.get("original_max_position_embeddings")
             if parameters.get("rope_type") == "longrope" and original and self.max_model_len > original:
                 logger.warning("PagedEngine: the model's longrope chooses its factors from the longest position of "
