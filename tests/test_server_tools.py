@@ -217,13 +217,17 @@ def test_hermes_parsing_of_whole_answers():
     assert [c["function"]["name"] for c in plan.answer(two, "stop")[1]] == ["get_weather"]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(prefix=st.sampled_from(["", "Sure. ", "a < b and <tool", "<tool_cal"]),
-       calls=st.integers(0, 2), cuts=st.lists(st.integers(1, 400), max_size=12), parallel=st.booleans())
-def test_a_streamed_auto_answer_equals_the_whole_one_wherever_its_deltas_split(prefix, calls, cuts, parallel):
-    text = prefix + "\n".join([FORCED_CALL] * calls)
+       calls=st.integers(0, 2), cut=st.integers(0, len(FORCED_CALL) - 1), cuts=st.lists(st.integers(1, 400), max_size=12),
+       parallel=st.booleans())
+def test_a_streamed_auto_answer_equals_the_whole_one_wherever_its_deltas_split(prefix, calls, cut, cuts, parallel):
+    """Also where max_tokens cut the answer inside a call (``cut`` characters of one more call): the calls before it
+    are calls, its text content, streamed or not."""
+    text = prefix + "\n".join([FORCED_CALL] * calls) + FORCED_CALL[:cut]
+    reason = "length" if cut else "stop"
     plan = ToolPlan.of(TOOLS, "auto", parallel, "hermes")
-    whole_content, whole_calls, whole_reason = plan.answer(text, "stop")
+    whole_content, whole_calls, whole_reason = plan.answer(text, reason)
     state, content, names = plan.stream(), "", []
     pieces, start = [], 0
     for cut in sorted(set(cuts)) + [len(text)]:
@@ -235,7 +239,7 @@ def test_a_streamed_auto_answer_equals_the_whole_one_wherever_its_deltas_split(p
         names += [d["function"]["name"] for d in deltas]
     assert content == (whole_content or "")
     assert names == [c["function"]["name"] for c in whole_calls]
-    assert state.finish_reason("stop") == whole_reason
+    assert state.finish_reason(reason) == whole_reason
 
 
 # ------------------------------------------------------------------------------------ auto: strict tools (structural tag)

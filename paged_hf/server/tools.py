@@ -202,18 +202,12 @@ def _hermes_call(body: str) -> dict | None:
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[dict]]:
-    """(content, calls) of a whole hermes-format answer: the content is the text before the first
-    ``<tool_call>`` (None when empty and calls were made); an answer whose calls do not all parse is content."""
-    start = text.find(_OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    for match in re.finditer(re.escape(_OPEN) + r"(.*?)(?:" + re.escape(_CLOSE) + r"|\Z)", text[start:], re.DOTALL):
-        call = _hermes_call(match.group(1).strip())
-        if call is None:
-            return text, []
-        calls.append(call)
-    return text[:start] or None, calls
+    """(content, calls) of a whole hermes-format answer, exactly as a stream of it gives them (``ToolStream``): the
+    content is the text before the first ``<tool_call>`` (None when empty and calls were made) and the text of any
+    call that does not parse (one cut by ``max_tokens`` too); the text between and after calls is not content."""
+    content, deltas = ToolStream(ToolPlan("auto")).feed(text, finished=True)
+    calls = [{key: value for key, value in delta.items() if key != "index"} for delta in deltas]
+    return (content or None) if calls else content, calls
 
 
 class ToolStream:
