@@ -121,7 +121,8 @@ def process_token_ids(processor, ids: list[int], images: list) -> tuple[list[int
     if placeholder is None:
         raise ParameterError("multi_modal_data", f"{type(processor).__name__} names no image token: give 'prompt' "
                                                  f"(text) with multi_modal_data")
-    placeholder_id = processor.tokenizer.convert_tokens_to_ids(placeholder)
+    tokenizer = processor.tokenizer
+    placeholder_id = tokenizer.convert_tokens_to_ids(placeholder)
     expansions = [_expansion(processor, placeholder, image) for image in images]
     _, tensors = process(processor, placeholder * len(images), images, add_special_tokens=False)
     image_id = Counter(token for expansion in expansions for token in expansion).most_common(1)[0][0]
@@ -133,16 +134,22 @@ def process_token_ids(processor, ids: list[int], images: list) -> tuple[list[int
                                                  f"placeholders ({placeholder!r}, id {placeholder_id}) for "
                                                  f"{len(images)} images: give one per image, or every image's "
                                                  f"expansion")
-    out, expansion = [], iter(expansions)
-    for token in ids:
-        out.extend(next(expansion) if token == placeholder_id else (token,))
+    out, image = [], iter(images)
+    special = set(tokenizer.all_special_ids)
+    for position, token in enumerate(ids):
+        if token != placeholder_id:
+            out.append(token)
+        elif all(t in special and t != placeholder_id for t in ids[:position]):  # the text's start (after BOS)
+            out.extend(process(processor, placeholder, [next(image)], add_special_tokens=False)[0])
+        else:
+            out.extend(_expansion(processor, placeholder, next(image)))
     return out, tensors
 
 
 def _expansion(processor, placeholder: str, image) -> list[int]:
     """The ids the processor writes for ``placeholder`` with ``image``, as they follow a word: after an anchor word,
-    whose ids are then dropped (a tokenizer that marks the start of a text, SentencePiece's prefix space, would mark
-    a placeholder written alone)."""
+    whose ids are then dropped (a tokenizer that marks the start of a text, SentencePiece's prefix space, marks a
+    placeholder written alone, as it is at the start of a prompt)."""
     anchor = processor.tokenizer("a", add_special_tokens=False)["input_ids"]
     ids, _ = process(processor, "a" + placeholder, [image], add_special_tokens=False)
     if ids[:len(anchor)] == anchor:
