@@ -322,10 +322,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     structured_outputs: Any = None  # a StructuredOutputsParams (paged_hf.structured)
-    # ``bad_words`` as token sequences (``engine.validation.bad_words_token_ids``), when a front end tokenized them
-    # before queueing the request (the server does, in a handler's thread: never on the engine's); None: the engine
-    # tokenizes them. vLLM's SamplingParams has the same private field.
-    _bad_words_token_ids: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False, compare=False)
+    # ``(bad_words, their token sequences)`` (``engine.validation.bad_words_token_ids``), when a front end tokenized
+    # them before queueing the request (the server does, in a handler's thread: never on the engine's); the engine
+    # uses the sequences only while ``bad_words`` is still the words they came from (a ``dataclasses.replace`` of the
+    # words makes them stale), and tokenizes the words otherwise. vLLM's SamplingParams has such a private field.
+    _bad_words_token_ids: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)

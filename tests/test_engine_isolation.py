@@ -167,6 +167,19 @@ def test_bad_words_are_never_formed_and_change_nothing_before(stories):
     assert_all_freed(engine)
 
 
+def test_bad_words_tokenized_for_other_words_are_tokenized_again(stories):
+    """A front end tokenizes ``bad_words`` off the engine thread (``SamplingParams._bad_words_token_ids``); params
+    whose words were replaced since hold stale sequences, and the engine tokenizes the words they hold now."""
+    from paged_hf.engine.validation import bad_words_token_ids, tokenized_bad_words
+
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64, enforce_eager=True)
+    _, _, first = engine.check_request([1, 5], SamplingParams(bad_words=["dog"]))
+    assert tokenized_bad_words(first) == bad_words_token_ids(("dog",), tok)
+    _, _, second = engine.check_request([1, 5], dataclasses.replace(first, bad_words=["cat"]))
+    assert tokenized_bad_words(second) == bad_words_token_ids(("cat",), tok) != tokenized_bad_words(first)
+
+
 def test_detokenize_false_gives_token_ids_alone_and_negative_seeds_are_seeds(stories):
     """vLLM's ``detokenize=False``: the same tokens, no text, logprob entries unnamed; stop strings, which need the
     text, are refused by name. A negative seed (vLLM takes any int64) reproduces like any other."""

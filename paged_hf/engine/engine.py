@@ -34,7 +34,8 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 from .spec.config import check_tensor_parallel
 from .threads import StepPinning, bind_cpu_threads
-from .validation import bad_words_token_ids, check_drawable, check_params, check_prompt_ids, prompt_ids, vocab_size
+from .validation import (bad_words_token_ids, check_drawable, check_params, check_prompt_ids, prompt_ids,
+                         tokenized_bad_words, vocab_size)
 from .worker import build_kv, follow, max_model_len_of, prepare_model
 
 logger = logging.getLogger("paged_hf")
@@ -180,7 +181,7 @@ class PagedEngine:
             request_id = str(next(self._ids))
             while request_id in self.scheduler.requests:
                 request_id = str(next(self._ids))
-        bad_words = params._bad_words_token_ids or ()  # check_request tokenized them, if a front end had not
+        bad_words = tokenized_bad_words(params) or ()  # check_request tokenized them, if a front end had not
         grammar = self._compile_grammar(params)
         request = Request(request_id, text, ids, params, priority, cache_salt, RequestOutputKind(output_kind))
         request.reuse_prefix = bool(enable_prefix_caching)
@@ -211,9 +212,9 @@ class PagedEngine:
             # min_tokens past it is met as far as the context allows
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         check_params(params, len(ids), self.vocab_size, self.max_model_len, self.config)
-        if params.bad_words and params._bad_words_token_ids is None:
-            params = dataclasses.replace(params, _bad_words_token_ids=bad_words_token_ids(params.bad_words,
-                                                                                          self.tokenizer))
+        if params.bad_words and tokenized_bad_words(params) is None:
+            params = dataclasses.replace(params, _bad_words_token_ids=(
+                params.bad_words, bad_words_token_ids(params.bad_words, self.tokenizer)))
         check_drawable(params, self.eos_token_ids)
         # the longest the sequence can get; its last token is sampled, never stored
         if len(ids) + params.max_tokens > self.max_sequence_len:

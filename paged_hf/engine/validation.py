@@ -58,14 +58,21 @@ def check_params(params: SamplingParams, num_prompt_tokens: int, vocab_size: int
                                                f"vocabulary), got {bad[0]}")
 
 
+def tokenized_bad_words(params: SamplingParams) -> tuple[tuple[int, ...], ...] | None:
+    """``params.bad_words`` as token sequences, where a front end tokenized these very words
+    (``SamplingParams._bad_words_token_ids``); None where nothing, or other words, were tokenized."""
+    memo = params._bad_words_token_ids
+    return memo[1] if memo is not None and memo[0] == params.bad_words else None
+
+
 def check_drawable(params: SamplingParams, eos_token_ids) -> None:
     """``ParameterError`` naming ``allowed_token_ids`` where every token it allows is ruled out at the first step: by
     one-token ``bad_words`` (always), or with ``min_tokens`` by the end and stop tokens it holds back (the sampler's
-    rules). ``params._bad_words_token_ids``: the bad words, tokenized."""
+    rules). ``params``' bad words are tokenized (``tokenized_bad_words``)."""
     if params.allowed_token_ids is None:
         return
     allowed = set(params.allowed_token_ids)
-    banned = {ids[0] for ids in params._bad_words_token_ids or () if len(ids) == 1}
+    banned = {ids[0] for ids in tokenized_bad_words(params) or () if len(ids) == 1}
     if allowed <= banned:
         raise ParameterError("allowed_token_ids", "every token allowed_token_ids allows is a one-token bad_words "
                                                   "entry: no token can ever be drawn")

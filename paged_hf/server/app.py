@@ -194,8 +194,8 @@ def build_app(engine: PagedEngine, model_name: str | list[str], max_queue_len: i
             await check_compiles(engine.grammars, structured)
             rename = {**rename, "structured_outputs": structured.field}
         if params.bad_words:  # tokenized here, in a worker thread: a client's long words never stall the engine's
-            params = dataclasses.replace(params, _bad_words_token_ids=await run_in_threadpool(
-                bad_words_token_ids, params.bad_words, engine.tokenizer))
+            params = dataclasses.replace(params, _bad_words_token_ids=(params.bad_words, await run_in_threadpool(
+                bad_words_token_ids, params.bad_words, engine.tokenizer)))
         per_prompt = [params if body.max_tokens_given else
                       default_max_tokens(params, p, engine.max_sequence_len, chat, length_cap) for p in prompts]
         try:  # what the engine would refuse whatever its state, refused here: a 400 even while the queue is full
