@@ -40,4 +40,8 @@ def main(folder: str, tokenizer_path: str) -> None:
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    main(sys.argv[1], sys.argv[2])
+    try:
+        main(sys.argv[1], sys.argv[2])
+    finally:  # a gloo group left to the interpreter's exit can abort it ("terminate called without an active exception")
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
