@@ -125,9 +125,8 @@ class PagedLayer(CacheLayerMixin):
             self._shapes_checked = True
         fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
         if source.reads_blocks:
-            stored = (key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
             self._hand_over(kwargs, LayerStep(metadata, group, self.group.index, storage, fresh, self.layer_idx,
-                                              stored, key_states, value_states))
+                                              key_states, value_states))
             return key_states, value_states
         return source.dense_kv(self, storage, group, fresh)
 

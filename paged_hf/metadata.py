@@ -114,8 +114,8 @@ class LayerStep(NamedTuple):
     """What one layer's cache update hands its ``"paged"`` attention (the layer kwargs' ``METADATA_KEY``): the
     forward's metadata, the layer's group (and its index in ``metadata.groups``), the layer's storage, and, for a
     tail format, the forward's new K/V (``storage.FreshKV``: the attention writes the tails after it reads);
-    ``layer``: the layer's index; ``stored``: the stored K/V's (kv_heads, key head_dim, value head_dim); ``key``,
-    ``value``: the states the update returned, which the attention must be handed as they are."""
+    ``layer``: the layer's index; ``key``, ``value``: the states the update stored and returned, which the attention
+    must be handed as they are."""
 
     metadata: AttentionMetadata
     group: GroupMetadata
@@ -123,9 +123,13 @@ class LayerStep(NamedTuple):
     storage: object  # KVStorage
     fresh: object | None  # FreshKV
     layer: int
-    stored: tuple[int, int, int]
     key: torch.Tensor
     value: torch.Tensor
+
+    @property
+    def stored(self) -> tuple[int, int, int]:
+        """The stored K/V's kv_heads, key head_dim and value head_dim (as ``OpStep.stored``)."""
+        return self.key.shape[1], self.key.shape[-1], self.value.shape[-1]
 
 
 class AttentionBypassed(NotImplementedError):
