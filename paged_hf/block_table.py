@@ -9,6 +9,11 @@ Invariants:
 * Append-only, except ``truncate`` (rollback) and ``free_blocks_before`` (sliding windows).
 * Only a tail block that this table owns alone and that is not in the prefix cache is
   written in place; otherwise ``append`` copies it first (copy-on-write).
+* ``_tail_private`` (read by ``append_in_tail`` only while the tail is partial) is True only if the tail
+  block is this table's alone and unhashed; every method but ``append_in_tail`` sets it again. It stays
+  true without the table's knowledge because a partial tail gains a reference only through this table's
+  ``fork`` and is never hashed (the prefix cache registers full blocks; only ``truncate`` makes a full
+  block partial again). A false value is only a slower path.
 
 Prefix-cache hashing of full blocks is not done here (the engine does it).
 """
@@ -30,7 +35,7 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 class BlockTable:
     """Blocks of one sequence, allocated from (and returned to) a shared ``BlockPool``."""
 
-    __slots__ = ("pool", "block_size", "blocks", "_num_tokens", "_num_freed")
+    __slots__ = ("pool", "block_size", "blocks", "_num_tokens", "_num_freed", "_tail_private")
 
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         if block_size < 1:
@@ -40,6 +45,7 @@ class BlockTable:
         self.blocks: list[KVBlock | None] = []
         self._num_tokens = 0
         self._num_freed = 0  # length of the None prefix of blocks
+        self._tail_private = False  # see the module docstring
 
     @property
     def num_tokens(self) -> int:
@@ -69,14 +75,19 @@ class BlockTable:
 
     def append_in_tail(self) -> bool:
         """``append(1)`` when the token goes into the tail block in place (True: no block taken, nothing to copy);
-        False, nothing changed, otherwise. The decode steady state, asked of every running sequence each step."""
-        if self._num_tokens % self.block_size == 0:
+        False, nothing changed, otherwise. The decode steady state, asked of every running sequence each step: it
+        reads this table's own fields only (``_tail_private``), not its blocks, which a step's forward has evicted
+        from the CPU's caches."""
+        num_tokens = self._num_tokens
+        if num_tokens % self.block_size == 0 or not self._tail_private:
             return False
-        tail = self.blocks[-1]
-        if tail.ref_cnt != 1 or tail.block_hash is not None:
-            return False
-        self._num_tokens += 1
+        self._num_tokens = num_tokens + 1
         return True
+
+    def _refresh_tail(self) -> None:
+        """Sets ``_tail_private`` from the tail block itself (after any change but an in-place append)."""
+        tail = self.blocks[-1] if self.blocks else None
+        self._tail_private = tail is not None and tail.ref_cnt == 1 and tail.block_hash is None
 
     def num_new_blocks_needed(self, num_new_tokens: int) -> int:
         """Blocks ``append(num_new_tokens)`` would take from the pool, copy-on-write included."""
@@ -112,6 +123,7 @@ class BlockTable:
             copies.append((src.block_id, dst.block_id))
         self.blocks.extend(new_blocks)
         self._num_tokens += num_new_tokens
+        self._refresh_tail()
         assert len(self.blocks) == num_blocks_for(self.num_tokens, self.block_size)
         return copies
 
@@ -121,6 +133,7 @@ class BlockTable:
         self.pool.touch(blocks)
         self.blocks.extend(blocks)
         self._num_tokens += len(blocks) * self.block_size
+        self._refresh_tail()
 
     def restore(self, num_tokens: int, num_freed: int, blocks: list[KVBlock]) -> None:
         """Refills an empty table with freshly allocated ``blocks`` (swap-in): ``num_freed`` ``None`` entries
@@ -129,6 +142,7 @@ class BlockTable:
         self.blocks = [None] * num_freed + list(blocks)
         self._num_freed = num_freed
         self._num_tokens = num_tokens
+        self._refresh_tail()
 
     def fork(self) -> BlockTable:
         """A new table sharing every held block (one more reference each) and the same length."""
@@ -137,6 +151,8 @@ class BlockTable:
         child.blocks = list(self.blocks)
         child._num_tokens = self._num_tokens
         child._num_freed = self._num_freed
+        self._refresh_tail()  # the tail is shared now: the next append copies it
+        child._refresh_tail()
         return child
 
     def truncate(self, num_tokens: int) -> None:
@@ -158,6 +174,7 @@ class BlockTable:
         self._num_freed = min(self._num_freed, keep)
         self._num_tokens = num_tokens
         self.pool.free_blocks(reversed(dropped))
+        self._refresh_tail()
 
     def free_blocks_before(self, position: int) -> None:
         """Frees every block whose positions all lie below ``position`` (they become ``None``).
@@ -173,6 +190,7 @@ class BlockTable:
         self.blocks[self._num_freed:stop] = [None] * len(dropped)
         self._num_freed = stop
         self.pool.free_blocks(reversed(dropped))  # type: ignore[arg-type]
+        self._refresh_tail()
 
     def free(self) -> None:
         """Releases every held block (tail first) and empties the table."""
@@ -180,4 +198,5 @@ class BlockTable:
         self.blocks = []
         self._num_tokens = 0
         self._num_freed = 0
+        self._tail_private = False
         self.pool.free_blocks(reversed(held))

@@ -110,6 +110,22 @@ def test_fork_of_partial_tail_copies_on_write():
     pool.check_invariants()
 
 
+def test_a_parent_that_appends_first_after_a_fork_copies_its_tail_too():
+    """Either side of a fork copies a shared partial tail, the one that had it before included (its cached
+    in-place flag must not outlive the fork), and the side left alone with the block writes it in place again."""
+    pool = BlockPool(8)
+    parent = BlockTable(pool, 4)
+    append_slots(parent, 2)
+    assert parent.append_in_tail()  # private: in place (3 of 4)
+    child = parent.fork()
+    assert not parent.append_in_tail() and not child.append_in_tail() and parent.num_tokens == 3
+    slots, copies = append_slots(parent, 1)
+    assert copies == [(0, 1)] and slots == [1 * 4 + 3]
+    child.truncate(2)  # block 0 is the child's alone now: its next token goes in place
+    assert child.append_in_tail() and child.num_tokens == 3
+    pool.check_invariants()
+
+
 def test_cow_and_new_block_in_one_append():
     pool = BlockPool(8)
     parent = BlockTable(pool, 4)

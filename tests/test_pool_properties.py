@@ -250,6 +250,16 @@ class PoolMachine(RuleBasedStateMachine):
                     f"position {p} reads back a token it did not write")
 
     @invariant()
+    def in_place_tails_are_private(self):
+        """A table that would write its partial tail in place (``append_in_tail``) holds it alone, unhashed."""
+        if self.pool is None:
+            return
+        for table in self.tables:
+            if table.num_tokens % self.bs and table._tail_private:
+                tail = table.blocks[-1]
+                assert tail.ref_cnt == 1 and tail.block_hash is None, f"{tail} would be written in place"
+
+    @invariant()
     def cached_blocks_hold_their_tokens(self):
         if self.pool is None:
             return

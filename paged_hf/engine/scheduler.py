@@ -74,8 +74,8 @@ class Scheduler(StepUpdate):
         self.epoch = 0  # bumped by every change to ``running`` but a sequence's next token (``SchedulerOutput.epoch``)
         self._batch_ends = None  # (the runner's persistent decode batch, its BatchEnds), built at its first step
         self._forking: set[str] = set()  # requests of n > 1 whose other samples wait for the prompt (FORK_PENDING)
-        # (epoch, the running sequences, their kv) when the last step's decodes were all of them, in order: at the
-        # same epoch each of them is a decode again (it got its token and nothing else changed ``running``)
+        # (epoch, the running sequences, their kv, ``kv.decode_tables`` of those) when the last step's decodes were
+        # all of them, in order: at the same epoch each is a decode again (it got its token, nothing else changed)
         self._decode_run: tuple | None = None
 
     def _order(self, seq: Sequence) -> tuple:
@@ -322,8 +322,9 @@ class Scheduler(StepUpdate):
         one (a prompt chunk) or finds no room (preemption is the caller's); returns how many. What the caller's loop
         does with ``try_append`` and ``_schedule``, one decode at a time, in fewer passes: every decode step's steady
         state. ``last``: the previous step's ``_decode_run``."""
+        kv = self.kv
         if index == 0 and last is not None and last[0] == self.epoch and len(last[1]) <= budget:
-            run, kvs = list(last[1]), last[2]  # the same sequences as the last step, each one token further
+            run, kvs, tables = list(last[1]), last[2], last[3]  # the same sequences as the last step, one token on
         else:
             run, kvs = [], []
             for seq in islice(self.running, index, index + budget):
@@ -331,12 +332,12 @@ class Scheduler(StepUpdate):
                     break
                 run.append(seq)
                 kvs.append(seq.kv)
-        kv = self.kv
+            tables = kv.decode_tables(kvs)
         if index == 0 and len(run) == len(self.running):  # every running sequence decodes: the next step's run
-            self._decode_run = (self.epoch, tuple(run), kvs)
+            self._decode_run = (self.epoch, tuple(run), kvs, tables)
         # with prefix caching, a decode that takes a block (it may evict a cached one) goes after the registrations
         # of those before it: the caller's loop does it, in order
-        count = kv.append_decodes(kvs, grow=not kv.prefix_caching)
+        count = kv.append_decodes(kvs, grow=not kv.prefix_caching, tables=tables)
         if count < len(run):
             del run[count:]
         if not kv.prefix_caching and not self._forking:  # the steady state: one object per decode, nothing else

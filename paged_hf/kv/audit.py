@@ -1,7 +1,8 @@
 """The audit of a ``KVManager``'s bookkeeping across its pools and sequences (each pool audits itself too).
 
 Checked: every pool's own invariants (``BlockPool.check_invariants``); each block's ref count equals the number of
-tables holding it; no two sequences share a block-table row; every held row mirrors its tables. A failure raises
+tables holding it; no two sequences share a block-table row; every held row mirrors its tables; a table that would
+write its partial tail in place (``BlockTable.append_in_tail``) owns it alone and it is not in the prefix cache. A failure raises
 ``KVInvariantError``, an ``AssertionError`` raised explicitly, so the audit runs under ``python -O`` too.
 """
 
@@ -36,6 +37,12 @@ def check_manager(groups: list[LayerGroup], live: list[SequenceKV]) -> None:
                    f"{group.name}: block {block.block_id} has ref_cnt {block.ref_cnt} but "
                    f"{refs.get(block.block_id, 0)} tables hold it")
         for seq in live:
+            table = seq.tables[g]
+            if table.num_tokens % table.block_size and table._tail_private:  # noqa: SLF001 - the audit reads it
+                tail = table.blocks[-1]
+                _check(tail.ref_cnt == 1 and tail.block_hash is None,
+                       f"{group.name}: a table would write block {tail.block_id} in place (ref_cnt {tail.ref_cnt}, "
+                       f"hash {tail.block_hash})")
             if seq.row >= 0:
                 expected = [0 if b is None else b.block_id for b in seq.tables[g].blocks]
                 actual = group.rows.table[seq.row, : len(expected)].tolist() if expected else []

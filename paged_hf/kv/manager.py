@@ -195,15 +195,24 @@ class KVManager:
         self.append(seq, num_new_tokens)
         return True
 
-    def append_decodes(self, seqs: list[SequenceKV], grow: bool = True) -> int:
+    def decode_tables(self, seqs: list[SequenceKV]) -> list[BlockTable] | None:
+        """The tables ``append_decodes`` reads for ``seqs``, for a caller that asks it again for the same sequences
+        (each holds its tables as long as it holds blocks): with one group, each sequence's table; else None."""
+        return [seq.tables[0] for seq in seqs] if len(self.groups) == 1 else None
+
+    def append_decodes(self, seqs: list[SequenceKV], grow: bool = True,
+                       tables: list[BlockTable] | None = None) -> int:
         """``try_append(seq, 1)`` for each of ``seqs`` in turn, as long as it succeeds; returns how many did. The
         first that did not (no room: nothing changed) and those after it are left as they were. ``grow=False``
         also stops at the first token that needs a block (or a copy of its tail): only in-place appends, which take
         no block from the pool. A token that goes into the tail block of every group in place (most of them)
-        costs a few attribute reads: the decode steady state, asked of every running sequence each step."""
+        reads one object, its table (``tables``: ``decode_tables(seqs)``, kept by the caller): the decode steady
+        state, asked of every running sequence each step, after a forward that evicted the host's caches."""
         if len(self.groups) == 1:
-            for i, seq in enumerate(seqs):
-                if not seq.tables[0].append_in_tail() and not (grow and self._try_grow(seq, 1)):
+            if tables is None:
+                tables = [seq.tables[0] for seq in seqs]
+            for i, table in enumerate(tables):
+                if not table.append_in_tail() and not (grow and self._try_grow(seqs[i], 1)):
                     return i
             return len(seqs)
         for i, seq in enumerate(seqs):
