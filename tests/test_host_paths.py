@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kv_probe import block_ids
 from models import tiny_model
-from paged_hf.engine.sampler import greedy_tokens
+from paged_hf.engine.sampler import greedy_draw, greedy_tokens
 from paged_hf.kernels import cpu_ext
 from paged_hf.kv.manager import KVManager
 from paged_hf.metadata import long_tensor
@@ -48,6 +48,23 @@ def test_greedy_kernel_is_argmax_wherever_the_maximum_lies(rows, vocab, dtype, d
     kernel = cpu_ext.greedy_kernel()
     assert kernel is not None
     assert torch.equal(kernel(logits), torch.argmax(logits, dim=-1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 40), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       st.data())
+def test_greedy_draw_is_argmax_and_fails_exactly_the_rows_without_a_finite_maximum(rows, vocab, dtype, data):
+    """The sampler's greedy pick (the kernel marks the rows in its tokens; float16 takes torch's max and a gather):
+    argmax's tokens, and an error for each row whose chosen logit is NaN or infinite, and for no other."""
+    values = st.sampled_from([0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan")])
+    logits = torch.tensor(data.draw(st.lists(st.lists(values, min_size=vocab, max_size=vocab), min_size=rows,
+                                             max_size=rows)), dtype=dtype)
+    token_ids, errors = greedy_draw(logits)
+    expected = torch.argmax(logits, dim=-1)
+    assert token_ids == expected.tolist()
+    chosen = logits.gather(1, expected.unsqueeze(1)).squeeze(1)
+    assert sorted(errors) == (~torch.isfinite(chosen)).nonzero().view(-1).tolist()
+    assert all("no token can be drawn" in str(error) for error in errors.values())
 
 
 def test_greedy_tokens_take_the_cpu_kernel(monkeypatch):

@@ -61,15 +61,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], decode_token=None,
     if summary.grammar:
         logits = mask_logits(logits, [seq.grammar for seq in seqs])
     if summary.plain_greedy:  # the common fast path: one argmax over the batch
-        tokens = greedy_tokens(logits)
-        return SamplerOutput(tokens.tolist(), [None] * len(seqs), _undrawable(logits, tokens))
+        token_ids, errors = greedy_draw(logits)
+        return SamplerOutput(token_ids, [None] * len(seqs), errors)
     params = [seq.request.params for seq in seqs]
     held_back = _held_back_stops(seqs, params, eos_token_ids, logits.shape[-1])
     if held_back and summary.grammar:
         held_back = _yield_to_grammars(logits, seqs, held_back)
     if not held_back and all(p.plain_greedy for p in params):  # min_tokens, all reached
-        tokens = greedy_tokens(logits)
-        return SamplerOutput(tokens.tolist(), [None] * len(seqs), _undrawable(logits, tokens))
+        token_ids, errors = greedy_draw(logits)
+        return SamplerOutput(token_ids, [None] * len(seqs), errors)
     raw = logits
     logits = logits.float()
     errors: dict[int, BaseException] = {}
@@ -137,9 +137,28 @@ def _undrawable(logits: torch.Tensor, tokens: torch.Tensor) -> dict[int, BaseExc
     bad = ~torch.isfinite(chosen)
     if not bool(bad.any()):
         return {}
-    return {row: ValueError("the logits are not finite (NaN or inf, after logits processors, logit_bias and "
-                            "penalties) or rule out every token: no token can be drawn")
-            for row in bad.nonzero().view(-1).tolist()}
+    return {row: _not_drawable() for row in bad.nonzero().view(-1).tolist()}
+
+
+def _not_drawable() -> ValueError:
+    return ValueError("the logits are not finite (NaN or inf, after logits processors, logit_bias and penalties) or "
+                      "rule out every token: no token can be drawn")
+
+
+def greedy_draw(logits: torch.Tensor) -> tuple[list[int], dict[int, BaseException]]:
+    """``greedy_tokens(logits).tolist()`` and ``_undrawable``'s errors. On a CPU the C++ kernel marks the rows whose
+    maximum is not finite in the tokens themselves (``-1 - argmax``): one op a step, whose result a Python pass reads
+    (four tensor ops after a forward cost 0.07 ms at 256 rows, cold)."""
+    kernel = cpu_ext.greedy_kernel() if logits.device.type == "cpu" and logits.dim() == 2 \
+        and logits.dtype in (torch.float32, torch.bfloat16) else None
+    if kernel is None:
+        tokens = greedy_tokens(logits)
+        return tokens.tolist(), _undrawable(logits, tokens)
+    token_ids = kernel(logits, True).tolist()
+    if not token_ids or min(token_ids) >= 0:
+        return token_ids, {}
+    errors: dict[int, BaseException] = {row: _not_drawable() for row, token in enumerate(token_ids) if token < 0}
+    return [token if token >= 0 else -1 - token for token in token_ids], errors
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
