@@ -219,6 +219,17 @@ class _ShiftedNorm(torch.nn.Module):
         return self.norm(hidden) + 1.0
 
 
+def test_the_engine_binds_pools_it_built_once():
+    """The compiled forward binds the pools its cache built at the first forward (no pass over the layers a step),
+    every layer's, and nothing stays bound after a step."""
+    engine = PagedEngine(tiny_model("llama"), None, **STEADY)
+    tokens(engine)
+    cache = engine.runner.cache
+    bound = cache.pools()
+    assert bound is cache.pools() and sorted(bound.storages) == sorted(engine.kv.group_of)
+    assert getattr(ops._bound, "pools", None) is None
+
+
 def test_a_module_replaced_after_the_warm_up_gets_a_graph_of_its_own():
     """Assigning a submodule through the module API makes the next forward check every guard: the old graph
     (which would read the same ``weight`` and skip the shift) is not run for the new module."""
@@ -232,19 +243,32 @@ def test_a_module_replaced_after_the_warm_up_gets_a_graph_of_its_own():
 
 
 def test_a_parameter_converted_in_place_or_the_mode_switched_is_seen():
-    """``model.to`` converts parameters in place and ``model.train()`` sets a flag (no module edit either): the
-    dtypes and the mode are part of what is compared."""
+    """``model.to`` converts parameters in place and ``model.train()`` sets a flag (no module edit either): a
+    conversion anywhere (``Module._apply``) and the mode are part of what is compared, and the next forward checks
+    every guard, running the converted model's own graph."""
     model = tiny_model("llama")
-    compiled = PagedEngine(model, None, **STEADY).runner.compiled
+    engine = PagedEngine(model, None, **STEADY)
+    compiled = engine.runner.compiled
+    before = tokens(engine)
     state = compiled._state()
     model.lm_head.to(torch.float64)
     assert compiled._state() != state
+    state = compiled._state()
     model.lm_head.to(torch.float32)
-    assert compiled._state() == state
+    assert compiled._state() != state
+    state = compiled._state()
     model.train()
     assert compiled._state() != state
     model.eval()
     assert compiled._state() == state
+    torch.nn.Linear(2, 2).to(torch.float64)  # any module's conversion counts: the check is global
+    assert compiled._state() != state
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # an in-place change of values: the graph reads the parameter itself
+    checks = compiled.full_checks
+    flipped = tokens(engine)
+    assert compiled.full_checks == checks + 1, "a forward after conversions checks every guard, once"
+    assert flipped != before and flipped == tokens(PagedEngine(model, None, enforce_eager=True, **STEADY))
 
 
 def test_a_size_the_warm_up_did_not_see_compiles_its_graph(monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from .. import ops
 from ..cache_layer import PagedLayer
 from ..kernels import cpu_ext
 from ..kv.manager import KVManager
@@ -17,7 +18,7 @@ class EngineCache(Cache):
     """One forward's view of a ``KVManager`` and the ``LayerSource`` of its layers: set ``metadata`` before calling
     the model. ``num_decodes``: None for the eager forward; for the compiled one, the step's
     ``metadata.num_decodes`` as a ``[1]`` CPU tensor: the layers then go through the custom ops of ``paged_hf.ops``
-    (whose arguments are tensors, so no step's count is a graph constant), with this cache's ``storages()`` bound.
+    (whose arguments are tensors, so no step's count is a graph constant), with this cache's ``pools()`` bound.
     ``native_ops``: the format is "auto" and ``paged_hf_cpu``'s C++ store and attention are built, so a CPU forward
     in float32 or bfloat16 takes them (``ops.store_layer``); a plain bool, the same for a warm-up's scratch cache and
     the engine's, so the graph traced over one serves the other."""
@@ -30,10 +31,22 @@ class EngineCache(Cache):
         self.num_decodes: torch.Tensor | None = None
         self.kv = kv
         self.native_ops = kv.kv_format == "auto" and cpu_ext.loaded()
+        self._pools: ops.BoundPools | None = None
 
     def storages(self) -> dict:
-        """``{layer index: KVStorage}``: what the ops read (``ops.bind``)."""
+        """``{layer index: KVStorage}``: what the ops read."""
         return {idx: group.storages[idx] for idx, group in self.kv.group_of.items()}
+
+    def pools(self) -> ops.BoundPools:
+        """What the compiled forward binds (``ops.bind``). Built once every layer has its pool (the engine allocates
+        its pools once; a growable pool, which ``reserve`` may replace, is read again each time)."""
+        if self._pools is not None:
+            return self._pools
+        storages = self.storages()
+        pools = ops.pools(storages)
+        if not self.kv.growable and len(storages) == len(self.kv.group_of):
+            self._pools = pools
+        return pools
 
     def initialize_layer(self, layer: PagedLayer, key_states: torch.Tensor) -> None:
         """Nothing: the engine allocates its pools up front."""
