@@ -42,7 +42,10 @@ class BlockTableRows:
         if row < self.table.shape[0]:
             self.table[row, start:stop] = 0
 
-    def gather(self, rows: torch.Tensor, width: int) -> torch.Tensor:
-        """``[len(rows), width]``: the tables of ``rows`` (int64 host tensor), zero-padded to ``width`` columns."""
-        self._ensure(int(rows.max()) + 1 if rows.numel() else 1, width)
+    def gather(self, rows: torch.Tensor, width: int, num_rows: int | None = None) -> torch.Tensor:
+        """``[len(rows), width]``: the tables of ``rows`` (int64 host tensor), zero-padded to ``width`` columns.
+        ``num_rows``: ``max(rows) + 1``, where the caller knows it."""
+        if num_rows is None:
+            num_rows = int(rows.max()) + 1 if rows.numel() else 1
+        self._ensure(num_rows, width)
         return self.table[:, :width].index_select(0, rows)

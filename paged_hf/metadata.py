@@ -225,23 +225,42 @@ def build_metadata(kv: KVManager, seqs: list[SequenceKV], starts: list[int], cou
                      max(counts, default=0), device, token_index, batch_size, query_len, min_width)
 
 
+class DecodeLayout(NamedTuple):
+    """What decode-only forwards of the same ``S`` sequences share: ``index`` ``[S]`` (row ``s`` is sequence ``s``'s
+    only token), ``counts`` ``[S]`` ones, ``query_start_loc`` ``[S + 1]`` (``0 .. S``), ``num_rows``: one past the
+    highest block-table row. Read-only: a forward's metadata holds these tensors."""
+
+    index: torch.Tensor
+    counts: torch.Tensor
+    query_start_loc: torch.Tensor
+    num_rows: int
+
+
+def decode_layout(rows: torch.Tensor) -> DecodeLayout:
+    """The ``DecodeLayout`` of sequences holding block-table ``rows`` (``[S]`` int64 host tensor)."""
+    num_seqs = rows.shape[0]
+    return DecodeLayout(torch.arange(num_seqs), torch.ones(num_seqs, dtype=torch.long), torch.arange(num_seqs + 1),
+                        int(rows.max()) + 1 if num_seqs else 1)
+
+
 def decode_metadata(kv: KVManager, rows: torch.Tensor, starts: torch.Tensor, longest: int, device,
                     token_index: torch.Tensor | None = None, batch_size: int = 1, query_len: int | None = None,
-                    min_width: int = 1) -> AttentionMetadata:
+                    min_width: int = 1, layout: DecodeLayout | None = None) -> AttentionMetadata:
     """Metadata of a decode-only forward from tensors: sequence ``s`` holds block-table row ``rows[s]`` and adds one
     token at position ``starts[s]`` (``[S]`` int64 host tensors); ``longest``: ``max(starts) + 1``. A few tensor
-    ops, whatever ``S`` (the runner's persistent decode batch calls it without any list)."""
+    ops, whatever ``S`` (the runner's persistent decode batch calls it without any list, with the ``layout`` it
+    keeps: ``decode_layout(rows)``)."""
     num_seqs = rows.shape[0]
-    seq_index = torch.arange(num_seqs)
-    return _assemble(kv, rows, starts, torch.ones(num_seqs, dtype=torch.long), torch.arange(num_seqs + 1),
-                     seq_index, starts, longest, num_seqs, 1 if num_seqs else 0, device, token_index, batch_size,
-                     query_len, min_width)
+    layout = layout or decode_layout(rows)
+    return _assemble(kv, rows, starts, layout.counts, layout.query_start_loc, layout.index, starts, longest, num_seqs,
+                     1 if num_seqs else 0, device, token_index, batch_size, query_len, min_width, layout.num_rows)
 
 
 def _assemble(kv: KVManager, rows, starts_t, counts_t, query_start_loc, token_seq, positions, longest: int,
               num_decodes: int, max_query_len: int, device, token_index, batch_size: int, query_len: int | None,
-              min_width: int) -> AttentionMetadata:
-    """The ``AttentionMetadata`` of a forward laid out by ``build_metadata`` / ``decode_metadata`` (host tensors)."""
+              min_width: int, num_rows: int | None = None) -> AttentionMetadata:
+    """The ``AttentionMetadata`` of a forward laid out by ``build_metadata`` / ``decode_metadata`` (host tensors);
+    ``num_rows``: ``max(rows) + 1`` where the caller knows it."""
     num_seqs, num_tokens = rows.shape[0], positions.shape[0]
     decode_only = num_decodes == num_seqs
     seq_lens = starts_t + counts_t
@@ -250,7 +269,7 @@ def _assemble(kv: KVManager, rows, starts_t, counts_t, query_start_loc, token_se
         if kv.has_tail else None
     groups = []
     for group in kv.groups:
-        tables = group.rows.gather(rows, width)
+        tables = group.rows.gather(rows, width, num_rows)
         if decode_only:  # row s holds token s
             columns = tables.gather(1, (positions // kv.block_size).unsqueeze(1)).view(-1)
         else:

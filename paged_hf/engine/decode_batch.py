@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..metadata import long_tensor
+from ..metadata import DecodeLayout, decode_layout, long_tensor
 from .request import Sequence
 from .sampler import SamplingSummary, summarize
 from .scheduled import SchedulerOutput
@@ -29,7 +29,8 @@ from .scheduled import SchedulerOutput
 class DecodeBatch:
     """``seqs[s]`` is row ``s``; ``rows`` / ``positions`` / ``token_ids`` ``[S]`` int64 host tensors: its
     block-table row, the position of its next input token, that token (valid once ``advance``d); ``longest``:
-    ``max(positions) + 1``; ``epoch``: the scheduler's epoch the batch was built or advanced at."""
+    ``max(positions) + 1``; ``epoch``: the scheduler's epoch the batch was built or advanced at; ``layout``: what
+    every step's metadata shares (``decode_layout(rows)``)."""
 
     seqs: list[Sequence]
     rows: torch.Tensor
@@ -38,6 +39,7 @@ class DecodeBatch:
     longest: int
     summary: SamplingSummary
     epoch: int
+    layout: DecodeLayout
 
     @classmethod
     def of(cls, output: SchedulerOutput) -> DecodeBatch | None:
@@ -51,8 +53,9 @@ class DecodeBatch:
                 return None
             seqs.append(item.seq)
         starts = [item.start for item in scheduled]
-        return cls(seqs, long_tensor([seq.kv.row for seq in seqs]), long_tensor(starts), None, max(starts) + 1,
-                   summarize(seqs), output.epoch)
+        rows = long_tensor([seq.kv.row for seq in seqs])
+        return cls(seqs, rows, long_tensor(starts), None, max(starts) + 1, summarize(seqs), output.epoch,
+                   decode_layout(rows))
 
     def matches(self, output: SchedulerOutput) -> bool:
         """Whether ``output`` schedules this batch's next step: advanced, the same epoch, the same sequences in the
@@ -78,3 +81,6 @@ class DecodeBatch:
         assert actual == expected, f"the persistent decode batch is stale: {actual} != {expected}"
         assert self.longest == max(expected[1]) + 1, f"longest {self.longest} != {max(expected[1]) + 1}"
         assert self.summary == summarize(self.seqs), f"sampling summary {self.summary} is stale"
+        expected_layout = decode_layout(self.rows)
+        assert all(map(torch.equal, self.layout[:3], expected_layout[:3])) and \
+            self.layout.num_rows == expected_layout.num_rows, "the decode layout is stale"

@@ -200,7 +200,8 @@ class ModelRunner:
     def _plan_batch(self, batch: DecodeBatch, copies: list) -> tuple[StepInput, list[int], dict, dict]:
         """``plan`` of a steady decode step, from the persistent batch's tensors (no pass over the sequences)."""
         device = "cpu" if self.group is not None else self.device
-        metadata = decode_metadata(self.kv, batch.rows, batch.positions, batch.longest, device)
+        metadata = decode_metadata(self.kv, batch.rows, batch.positions, batch.longest, device,
+                                   layout=batch.layout)
         keep = metadata.token_seqs  # [S]: row s is sequence s's only token
         step = StepInput(batch.token_ids, metadata, keep, copies, self.kv.num_rows)
         return step, list(range(len(batch.seqs))), {}, {}
