@@ -2,8 +2,10 @@
 
 A step is schedule -> forward -> sample -> update. Everything but the forward is host work that a GPU waits on.
 This measures it on stories260K (a tiny real model, so the forward is short and the host work shows) with every
-sequence in decode: ``N`` requests of 32-token prompts are admitted and prefilled, then ``--steps`` decode steps
-are timed. The forward is the call of the compiled model (dynamo's guard check and the graph, the paged attention's
+sequence in decode: ``N`` requests are admitted and prefilled, then ``--steps`` decode steps are timed. The prompts
+have 32 to 47 tokens (``i % 16`` more for request ``i``), so that, as in serving, each step gives a new block to
+about one sequence in 16 (block size 16); ``--aligned`` gives every prompt 32 tokens, as before 2026-12-07's
+thirteenth session: then every sequence grows in the same step, one in 16, which the median leaves out. The forward is the call of the compiled model (dynamo's guard check and the graph, the paged attention's
 per-layer work included; hooks on the model would send a compiled engine back to eager), or, in an eager engine,
 the model's pre-hook to hook; the engine's planning before it is host work. "scheduler" is
 ``engine.scheduler.schedule()`` alone.
@@ -30,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(num_seqs: int, steps: int, warmup: int, output_kind: str = "final_only") -> dict:
+def measure(num_seqs: int, steps: int, warmup: int, output_kind: str = "final_only", aligned: bool = False) -> dict:
     """Median per-step times (ms) with ``num_seqs`` decoding sequences; imports paged_hf from ``sys.path``.
 
     ``output_kind``: what each step returns per request ("final_only" as ``generate`` asks, "delta" as a stream,
@@ -45,7 +47,7 @@ def measure(num_seqs: int, steps: int, warmup: int, output_kind: str = "final_on
     import paged_hf  # noqa: PLC0415
 
     model, tokenizer = load_model("stories260K", attn_implementation="paged")
-    prompts = [[1] + [(7 * i + j) % 500 + 3 for j in range(31)] for i in range(num_seqs)]
+    prompts = [[1] + [(7 * i + j) % 500 + 3 for j in range(31 + (0 if aligned else i % 16))] for i in range(num_seqs)]
     engine = paged_hf.PagedEngine(
         model, tokenizer, max_num_seqs=max(num_seqs, 1), max_num_batched_tokens=max(2048, num_seqs),
         block_size=16, num_blocks=num_seqs * 8 + 32, enable_prefix_caching=False, max_model_len=512,
@@ -121,7 +123,7 @@ def run_at(source: Path, args, num_seqs: int) -> dict:
     code = (f"import json, sys; sys.path.insert(0, {str(source)!r}); sys.path.insert(0, {str(ROOT / 'benchmarks')!r});"
             f"import torch; torch.set_num_threads({args.threads});"
             f"from overhead import measure; print('RESULT', json.dumps(measure({num_seqs}, {args.steps}, {args.warmup}, "
-            f"{args.output_kind!r})))")
+            f"{args.output_kind!r}, {args.aligned})))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=source)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
@@ -137,6 +139,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1, help="measurements per tree and batch size, alternating")
     parser.add_argument("--compare", metavar="REF", default=None, help="a git commit to measure beside this tree")
+    parser.add_argument("--aligned", action="store_true",
+                        help="every prompt 32 tokens: every sequence takes a block in the same step (default: staggered)")
     parser.add_argument("--output-kind", choices=["final_only", "delta", "cumulative"], default="final_only",
                         help="what each step returns per request (default: as generate asks)")
     args = parser.parse_args(argv)
