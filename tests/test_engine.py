@@ -430,3 +430,21 @@ def test_swap_space_is_allocated_as_it_is_used(stories, prompts, references):
     assert [o.outputs[0].token_ids for o in outs] == references
     assert grown < 256 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB for a few swapped blocks"  # measured: ~8 MiB
     assert_all_freed(engine)
+
+
+def test_blocks_that_decodes_fill_are_cached_for_later_prompts(stories):
+    """With prefix caching, each block a decode step fills is registered as it fills (vLLM caches generated blocks
+    too): a later prompt that continues the first request's text finds its generated blocks, the last block the
+    forward computed included, and its greedy tokens are those of a run without the cache."""
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    params = SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)
+    first = engine.generate(["Once upon a time there was a"], params, use_tqdm=False)[0]
+    prompt = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
+    computed = len(prompt) - 1  # the last token was sampled, never a forward's input
+    second = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                             use_tqdm=False)[0]
+    assert second.num_cached_tokens == computed // 4 * 4 > len(first.prompt_token_ids)
+    cold = PagedEngine(model, tok, block_size=4, num_blocks=64, enable_prefix_caching=False)
+    assert second.outputs[0].token_ids == cold.generate([prompt], SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids

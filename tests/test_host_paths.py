@@ -105,9 +105,12 @@ def _scenario(family: str, seed: int):
     return kv, seqs
 
 
+def _held(kv: KVManager, seqs) -> tuple:
+    return [(seq.num_tokens, [block_ids(t) for t in seq.tables]) for seq in seqs], kv.num_free_blocks
+
+
 def _state(kv: KVManager, seqs) -> tuple:
-    return ([(seq.num_tokens, [block_ids(t) for t in seq.tables]) for seq in seqs], kv.num_free_blocks,
-            kv.take_copies())
+    return (*_held(kv, seqs), kv.take_copies())
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # one layer group; a full and a sliding-window group
@@ -117,14 +120,18 @@ def test_append_decodes_is_try_append_one_at_a_time(family, grow, seed):
     fast_kv, fast = _scenario(family, seed)
     slow_kv, slow = _scenario(family, seed)
     assert _state(fast_kv, fast) == _state(slow_kv, slow)
-    count = fast_kv.append_decodes(fast, grow=grow)
-    expected = 0
+    fills = []  # on_fill's calls: which sequence's token filled its last block, each before the next append
+    count = fast_kv.append_decodes(fast, grow=grow, on_fill=lambda i: fills.append((i, _held(fast_kv, fast))))
+    expected, expected_fills = 0, []
     for seq in slow:  # the definition: in turn, until one fails (without grow: until one needs a block or copy)
         if not grow and not all(table.tail_has_room() for table in seq.tables):
             break
         if not slow_kv.try_append(seq, 1):
             break
+        if seq.num_tokens % 4 == 0:
+            expected_fills.append((expected, _held(slow_kv, slow)))
         expected += 1
     assert count == expected
+    assert fills == expected_fills
     assert _state(fast_kv, fast) == _state(slow_kv, slow)
     fast_kv.check_invariants()

@@ -335,19 +335,21 @@ class Scheduler(StepUpdate):
             tables = kv.decode_tables(kvs)
         if index == 0 and len(run) == len(self.running):  # every running sequence decodes: the next step's run
             self._decode_run = (self.epoch, tuple(run), kvs, tables)
-        # with prefix caching, a decode that takes a block (it may evict a cached one) goes after the registrations
-        # of those before it: the caller's loop does it, in order
-        count = kv.append_decodes(kvs, grow=not kv.prefix_caching, tables=tables)
+        # with prefix caching, the block a decode fills is registered before the next decode's append, which may
+        # evict a cached block (``_schedule`` after each ``try_append``, in the caller's loop, does the same)
+        on_fill = None
+        if kv.prefix_caching:
+            def on_fill(i: int) -> None:
+                seq = run[i]
+                kv.cache_full_blocks(seq.kv, seq.token_ids, seq.num_computed_tokens + 1, seq.request.cache_salt)
+        count = kv.append_decodes(kvs, tables=tables, on_fill=on_fill)
         if count < len(run):
             del run[count:]
-        if not kv.prefix_caching and not self._forking:  # the steady state: one object per decode, nothing else
+        if not self._forking:  # the steady state: one object per decode, nothing else
             out.extend([ScheduledSequence(seq, seq.num_computed_tokens, 1, True) for seq in run])
             return count
-        block_size = kv.block_size if kv.prefix_caching else 0
         for seq in run:
             start = seq.num_computed_tokens
-            if block_size and (start + 1) // block_size > seq.kv.num_cached_blocks:  # a block fills: register it
-                kv.cache_full_blocks(seq.kv, seq.token_ids, start + 1, seq.request.cache_salt)
             if seq.index == 0 and seq.request.params.n > 1:  # the chunk completing its prompt: the other samples fork
                 forks = tuple(s for s in seq.request.sequences[1:] if s.status is SequenceStatus.FORK_PENDING)
                 out.append(ScheduledSequence(seq, start, 1, True, forks))
