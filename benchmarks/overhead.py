@@ -5,7 +5,9 @@ This measures it on stories260K (a tiny real model, so the forward is short and 
 sequence in decode: ``N`` requests are admitted and prefilled, then ``--steps`` decode steps are timed. The prompts
 have 32 to 47 tokens (``i % 16`` more for request ``i``), so that, as in serving, each step gives a new block to
 about one sequence in 16 (block size 16); ``--aligned`` gives every prompt 32 tokens, as before 2026-12-07's
-thirteenth session: then every sequence grows in the same step, one in 16, which the median leaves out. The forward is the call of the compiled model (dynamo's guard check and the graph, the paged attention's
+thirteenth session: then every sequence grows in the same step, one in 16, which the median leaves out. Prefix
+caching is off unless ``--prefix-caching`` (the engine's default: each block a decode fills is hashed and
+registered). The forward is the call of the compiled model (dynamo's guard check and the graph, the paged attention's
 per-layer work included; hooks on the model would send a compiled engine back to eager), or, in an eager engine,
 the model's pre-hook to hook; the engine's planning before it is host work. "scheduler" is
 ``engine.scheduler.schedule()`` alone.
@@ -32,7 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(num_seqs: int, steps: int, warmup: int, output_kind: str = "final_only", aligned: bool = False) -> dict:
+def measure(num_seqs: int, steps: int, warmup: int, output_kind: str = "final_only", aligned: bool = False,
+            prefix_caching: bool = False) -> dict:
     """Median per-step times (ms) with ``num_seqs`` decoding sequences; imports paged_hf from ``sys.path``.
 
     ``output_kind``: what each step returns per request ("final_only" as ``generate`` asks, "delta" as a stream,
@@ -50,7 +53,7 @@ def measure(num_seqs: int, steps: int, warmup: int, output_kind: str = "final_on
     prompts = [[1] + [(7 * i + j) % 500 + 3 for j in range(31 + (0 if aligned else i % 16))] for i in range(num_seqs)]
     engine = paged_hf.PagedEngine(
         model, tokenizer, max_num_seqs=max(num_seqs, 1), max_num_batched_tokens=max(2048, num_seqs),
-        block_size=16, num_blocks=num_seqs * 8 + 32, enable_prefix_caching=False, max_model_len=512,
+        block_size=16, num_blocks=num_seqs * 8 + 32, enable_prefix_caching=prefix_caching, max_model_len=512,
     )
     params = paged_hf.SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
     kind = {}
@@ -123,7 +126,7 @@ def run_at(source: Path, args, num_seqs: int) -> dict:
     code = (f"import json, sys; sys.path.insert(0, {str(source)!r}); sys.path.insert(0, {str(ROOT / 'benchmarks')!r});"
             f"import torch; torch.set_num_threads({args.threads});"
             f"from overhead import measure; print('RESULT', json.dumps(measure({num_seqs}, {args.steps}, {args.warmup}, "
-            f"{args.output_kind!r}, {args.aligned})))")
+            f"{args.output_kind!r}, {args.aligned}, {args.prefix_caching})))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=source)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
@@ -139,6 +142,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1, help="measurements per tree and batch size, alternating")
     parser.add_argument("--compare", metavar="REF", default=None, help="a git commit to measure beside this tree")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="the engine's default: full blocks hashed and registered as decodes fill them")
     parser.add_argument("--aligned", action="store_true",
                         help="every prompt 32 tokens: every sequence takes a block in the same step (default: staggered)")
     parser.add_argument("--output-kind", choices=["final_only", "delta", "cumulative"], default="final_only",

@@ -84,6 +84,19 @@ class BlockTable:
         self._num_tokens = num_tokens + 1
         return True
 
+    def append_new_block(self) -> KVBlock | None:
+        """``append(1)`` for a table whose tail block is full (or that has none): the token starts a block, taken from
+        the pool and returned (None, nothing changed, when the pool has no free block). A decode's growth, once a
+        block per sequence, without ``append``'s general bookkeeping."""
+        assert self._num_tokens % self.block_size == 0, "the next token goes into the tail block"
+        if self.pool.num_free_blocks == 0:
+            return None
+        block = self.pool.get_new_blocks(1)[0]
+        self.blocks.append(block)
+        self._num_tokens += 1
+        self._tail_private = True  # a fresh block: ref_cnt 1, no hash
+        return block
+
     def _refresh_tail(self) -> None:
         """Sets ``_tail_private`` from the tail block itself (after any change but an in-place append)."""
         tail = self.blocks[-1] if self.blocks else None

@@ -217,10 +217,22 @@ class KVManager:
         if len(self.groups) == 1:
             if tables is None:
                 tables = [seq.tables[0] for seq in seqs]
+            rows = self.groups[0].rows
             for i, table in enumerate(tables):
-                if not table.append_in_tail() and not (grow and self._try_grow(seqs[i], 1)):
+                if table.append_in_tail():
+                    if on_fill is not None and table.num_tokens % bs == 0:
+                        on_fill(i)
+                    continue
+                if not grow:
                     return i
-                if on_fill is not None and table.num_tokens % bs == 0:
+                if table.num_tokens % bs == 0:  # the token starts a block (a decode's growth: no copy to make)
+                    block = table.append_new_block()
+                    if block is None:
+                        return i
+                    rows.write(seqs[i].row, len(table.blocks) - 1, [block.block_id])
+                elif not self._try_grow(seqs[i], 1):  # a shared partial tail: copied on write
+                    return i
+                if on_fill is not None and table.num_tokens % bs == 0:  # one-token blocks
                     on_fill(i)
             return len(seqs)
         for i, seq in enumerate(seqs):
