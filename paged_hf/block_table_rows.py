@@ -25,6 +25,14 @@ class BlockTableRows:
         self.table = table
         self._entries = table.numpy()
 
+    def __getstate__(self) -> dict:
+        return {"table": self.table}
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy.deepcopy`` of a cache, a pickle) writes through a view of its own table, not of the
+        original's copied separately."""
+        self._set(state["table"])
+
     def _ensure(self, num_rows: int, width: int) -> None:
         rows, cols = self.table.shape
         if num_rows <= rows and width <= cols:

@@ -1,6 +1,7 @@
 """BlockTable: slot arithmetic, copy-on-write, fork, truncate, sliding-window frees, atomicity."""
 
 import pytest
+import torch
 
 from kv_probe import block_ids, free_order
 from paged_hf.block_pool import BlockPool, NoFreeBlocksError
@@ -276,3 +277,20 @@ def test_append_failure_on_fresh_table():
     with pytest.raises(NoFreeBlocksError):
         append_slots(table, 9)
     assert table.blocks == [] and table.num_tokens == 0 and pool.num_free_blocks == 2
+
+
+def test_copied_block_table_rows_write_their_own_table():
+    """A deep copy or a pickle of the rows (a cache copied for each continuation) writes through a view of its own
+    table: the view is not copied apart from the tensor it shows."""
+    import copy
+    import pickle
+
+    from paged_hf.block_table_rows import BlockTableRows
+
+    rows = BlockTableRows(2, 4)
+    rows.write(0, 0, [5, 6])
+    for clone in (copy.deepcopy(rows), pickle.loads(pickle.dumps(rows))):
+        clone.write(0, 2, [7])
+        clone.write(5, 0, [9])  # grows the copy's table
+        assert clone.gather(torch.tensor([0, 5]), 3).tolist() == [[5, 6, 7], [9, 0, 0]]
+        assert rows.gather(torch.tensor([0]), 3).tolist() == [[5, 6, 0]]
