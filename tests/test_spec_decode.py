@@ -105,6 +105,20 @@ def test_prefix_hits_and_forks(stories, repeat_prompts):
     assert accepted(spec) > 20
 
 
+def test_blocks_accepted_drafts_fill_are_registered_in_the_step_that_verifies_them(stories, repeat_prompts):
+    """With prefix caching, a running sequence's computed full blocks are registered after every step, those its
+    accepted drafts filled included (the decode fast path registers a block only as a token fills it, so one left
+    for later would never be): the engine's invariant check after each step."""
+    model, tok = stories
+    engine = PagedEngine(model, tok, enforce_eager=True, block_size=4, num_blocks=512, speculative_config=NGRAM)
+    for prompt in repeat_prompts[:4]:
+        engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_invariants()
+    assert accepted(engine) > 20
+
+
 def test_greedy_tiny_random_model_equals_no_speculation():
     """A random llama repeats itself soon: long accepted runs, across block boundaries of size 2."""
     model = tiny_model("llama", attn_implementation="sdpa")

@@ -474,6 +474,12 @@ class PagedEngine:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
+        if self.kv.prefix_caching:  # the decode fast path registers blocks only as a token fills one
+            size = self.kv.block_size
+            for seq in self.scheduler.running:
+                assert seq.kv.num_cached_blocks >= seq.num_computed_tokens // size, (
+                    f"{seq.request.request_id}: {seq.num_computed_tokens} tokens computed, only "
+                    f"{seq.kv.num_cached_blocks} blocks registered in the prefix cache")
         batch = self.runner.batch
         if batch is not None and batch.epoch == self.scheduler.epoch:  # it may still run the next step
             batch.check()

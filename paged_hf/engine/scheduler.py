@@ -336,7 +336,8 @@ class Scheduler(StepUpdate):
         if index == 0 and len(run) == len(self.running):  # every running sequence decodes: the next step's run
             self._decode_run = (self.epoch, tuple(run), kvs, tables)
         # with prefix caching, the block a decode fills is registered before the next decode's append, which may
-        # evict a cached block (``_schedule`` after each ``try_append``, in the caller's loop, does the same)
+        # evict a cached block (``_schedule`` after each ``try_append``, in the caller's loop, does the same); the
+        # blocks before it are (``PagedEngine.check_invariants``): a block a token does not fill needs nothing
         on_fill = None
         if kv.prefix_caching:
             def on_fill(i: int) -> None:
