@@ -32,6 +32,11 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def _writable_in_place(block: KVBlock) -> bool:
+    """Whether a table holding ``block`` may write into it: it holds it alone, and it is not in the prefix cache."""
+    return block.ref_cnt == 1 and block.block_hash is None
+
+
 class BlockTable:
     """Blocks of one sequence, allocated from (and returned to) a shared ``BlockPool``."""
 
@@ -64,14 +69,11 @@ class BlockTable:
             return False
         tail = self.blocks[-1]
         assert tail is not None, "a partially filled tail block cannot have slid out"
-        return tail.ref_cnt > 1 or tail.block_hash is not None
+        return not _writable_in_place(tail)
 
     def tail_has_room(self) -> bool:
         """Whether the next token goes into the tail block in place (the decode fast path)."""
-        if self.num_tokens % self.block_size == 0:
-            return False
-        tail = self.blocks[-1]
-        return tail.ref_cnt == 1 and tail.block_hash is None
+        return self.num_tokens % self.block_size != 0 and _writable_in_place(self.blocks[-1])
 
     def append_in_tail(self) -> bool:
         """``append(1)`` when the token goes into the tail block in place (True: no block taken, nothing to copy);
@@ -99,8 +101,7 @@ class BlockTable:
 
     def _refresh_tail(self) -> None:
         """Sets ``_tail_private`` from the tail block itself (after any change but an in-place append)."""
-        tail = self.blocks[-1] if self.blocks else None
-        self._tail_private = tail is not None and tail.ref_cnt == 1 and tail.block_hash is None
+        self._tail_private = bool(self.blocks) and self.blocks[-1] is not None and _writable_in_place(self.blocks[-1])
 
     def num_new_blocks_needed(self, num_new_tokens: int) -> int:
         """Blocks ``append(num_new_tokens)`` would take from the pool, copy-on-write included."""

@@ -70,21 +70,21 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     return b"[%d:" % len(ints) + ints.tobytes() + b"]"
 
 
-@functools.lru_cache(maxsize=4096)
-def _cached_key_bytes(extra_keys: tuple) -> bytes:
+def _encoded(value: object) -> bytes:
     out: list[bytes] = []
-    _encode(extra_keys, out)
+    _encode(value, out)
     return b"".join(out)
 
 
+_cached_encoding = functools.lru_cache(maxsize=4096)(_encoded)
+
+
 def _key_bytes(extra_keys: tuple) -> bytes:
-    """``_encode(extra_keys)``, remembered for the few key tuples a process uses (a format and a salt)."""
+    """``_encoded(extra_keys)``, remembered for the few key tuples a process uses (a format and a salt)."""
     try:
-        return _cached_key_bytes(extra_keys)
+        return _cached_encoding(extra_keys)
     except TypeError:  # an unhashable key (a list inside): encoded each time
-        out: list[bytes] = []
-        _encode(extra_keys, out)
-        return b"".join(out)
+        return _encoded(extra_keys)
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:

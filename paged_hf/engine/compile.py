@@ -24,10 +24,9 @@ which still checks the input tensors' metadata and every guard that ever failed 
 of models that share one code object). That steady steps never need the rest is what the steady-serving test shows
 with ``evaluate_guards=True`` (every guard at every forward, recompiles made errors). Not seen: a plain Python
 attribute changed on a module or its config after the engine started, a parameter's ``.data`` replaced by hand. A
-Python frame run inside a skipped-guard
-call (a finalizer) is one dynamo has no graph for, and the forward fails: the cyclic collector is paused during
-those calls, and a forward that dynamo fails all the same switches the engine to every guard at every forward (the
-runner runs that step again).
+Python frame run inside a skipped-guard call (a finalizer) is one dynamo has no graph for, and the forward fails:
+the cyclic collector is paused during those calls, and a forward that dynamo fails all the same switches the engine
+to every guard at every forward (the runner runs that step again).
 """
 
 from __future__ import annotations

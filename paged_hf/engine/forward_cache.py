@@ -38,13 +38,12 @@ class EngineCache(Cache):
         return {idx: group.storages[idx] for idx, group in self.kv.group_of.items()}
 
     def pools(self) -> ops.BoundPools:
-        """What the compiled forward binds (``ops.bind``). Built once every layer has its pool (the engine allocates
-        its pools once; a growable pool, which ``reserve`` may replace, is read again each time)."""
+        """What the compiled forward binds (``ops.bind``). Built once (the engine allocates its pools once; a growable
+        pool, whose tensors ``reserve`` may replace, is read again each time)."""
         if self._pools is not None:
             return self._pools
-        storages = self.storages()
-        pools = ops.pools(storages)
-        if not self.kv.growable and len(storages) == len(self.kv.group_of):
+        pools = ops.pools(self.storages())
+        if not self.kv.growable:
             self._pools = pools
         return pools
 

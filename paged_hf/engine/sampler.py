@@ -149,8 +149,7 @@ def greedy_draw(logits: torch.Tensor) -> tuple[list[int], dict[int, BaseExceptio
     """``greedy_tokens(logits).tolist()`` and ``_undrawable``'s errors. On a CPU the C++ kernel marks the rows whose
     maximum is not finite in the tokens themselves (``-1 - argmax``): one op a step, whose result a Python pass reads
     (four tensor ops after a forward cost 0.07 ms at 256 rows, cold)."""
-    kernel = cpu_ext.greedy_kernel() if logits.device.type == "cpu" and logits.dim() == 2 \
-        and logits.dtype in (torch.float32, torch.bfloat16) else None
+    kernel = _greedy_kernel_for(logits)
     if kernel is None:
         tokens = greedy_tokens(logits)
         return tokens.tolist(), _undrawable(logits, tokens)
@@ -166,12 +165,20 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     as the maximum). On a CPU, float32 and bfloat16 rows go through the C++ kernel (``cpu_ext.greedy_kernel``: one
     pass a row, 2.5-4x faster than ``max(dim=-1)``), other dtypes or no kernels through ``max(dim=-1)``, itself
     2.5-4x faster than ``argmax`` (its generic reduction: 28 ms for 256 rows of a 49k vocabulary in float32)."""
+    kernel = _greedy_kernel_for(logits)
+    if kernel is not None:
+        return kernel(logits)
     if logits.device.type == "cpu":
-        kernel = cpu_ext.greedy_kernel() if logits.dtype in (torch.float32, torch.bfloat16) else None
-        if kernel is not None and logits.dim() == 2:
-            return kernel(logits)
         return torch.max(logits, dim=-1).indices
     return torch.argmax(logits, dim=-1)
+
+
+def _greedy_kernel_for(logits: torch.Tensor):
+    """``cpu_ext.greedy_kernel()`` where it serves ``logits`` (``[R, vocab]`` float32 or bfloat16 on a CPU), else
+    None."""
+    if logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return cpu_ext.greedy_kernel()
 
 
 def position_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_k: list[int],

@@ -2,8 +2,9 @@
 
 Checked: every pool's own invariants (``BlockPool.check_invariants``); each block's ref count equals the number of
 tables holding it; no two sequences share a block-table row; every held row mirrors its tables; a table that would
-write its partial tail in place (``BlockTable.append_in_tail``) owns it alone and it is not in the prefix cache. A failure raises
-``KVInvariantError``, an ``AssertionError`` raised explicitly, so the audit runs under ``python -O`` too.
+write its partial tail in place (``BlockTable.append_in_tail``) owns it alone and it is not in the prefix cache. A
+failure raises ``KVInvariantError``, an ``AssertionError`` raised explicitly, so the audit runs under ``python -O``
+too.
 """
 
 from __future__ import annotations
