@@ -59,7 +59,11 @@ class BlockTableRows:
     def gather(self, rows: torch.Tensor, width: int, num_rows: int | None = None) -> torch.Tensor:
         """``[len(rows), width]``: the tables of ``rows`` (int64 host tensor), zero-padded to ``width`` columns.
         ``num_rows``: ``max(rows) + 1``, where the caller knows it."""
+        return self.covering(rows, width, num_rows)[:, :width].index_select(0, rows)
+
+    def covering(self, rows: torch.Tensor, width: int, num_rows: int | None = None) -> torch.Tensor:
+        """The whole table, grown to hold ``rows`` and ``width`` columns (``gather``'s arguments)."""
         if num_rows is None:
             num_rows = int(rows.max()) + 1 if rows.numel() else 1
         self._ensure(num_rows, width)
-        return self.table[:, :width].index_select(0, rows)
+        return self.table

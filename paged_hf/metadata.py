@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 import torch
 
+from .block_table_rows import BlockTableRows
+from .kernels import cpu_ext
 from .kernels.fill_blocks import StorePlan
 from .kv.manager import KVManager
 from .kv.sequence import SequenceKV
@@ -269,12 +271,11 @@ def _assemble(kv: KVManager, rows, starts_t, counts_t, query_start_loc, token_se
         if kv.has_tail else None
     groups = []
     for group in kv.groups:
-        tables = group.rows.gather(rows, width, num_rows)
         if decode_only:  # row s holds token s
-            columns = tables.gather(1, (positions // kv.block_size).unsqueeze(1)).view(-1)
+            tables, slots = _decode_slots(group.rows, rows, positions, kv.block_size, width, num_rows)
         else:
-            columns = tables[token_seq, positions // kv.block_size]
-        slots = columns.long() * kv.block_size + positions % kv.block_size
+            tables = group.rows.gather(rows, width, num_rows)
+            slots = tables[token_seq, positions // kv.block_size].long() * kv.block_size + positions % kv.block_size
         plan = None if tails is None else tails.store_plan(tables, device)
         groups.append(GroupMetadata(tables.to(device, non_blocking=True), slots.to(device, non_blocking=True),
                                     kv.block_size, group.window, store_plan=plan))
@@ -289,6 +290,19 @@ def _assemble(kv: KVManager, rows, starts_t, counts_t, query_start_loc, token_se
         device=torch.device(device), batch_size=batch_size, query_len=num_tokens if query_len is None else query_len,
         token_index=token_index, tail_rows=None if tails is None else rows.to(device, non_blocking=True),
     )
+
+
+def _decode_slots(table_rows: BlockTableRows, rows: torch.Tensor, positions: torch.Tensor, block_size: int,
+                  width: int, num_rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode-only forward's block tables ``[S, width]`` of ``rows`` and the slot of each row's one token, at
+    ``positions`` (``[S]``): one call of the C++ kernel (``cpu_ext.decode_slots_kernel``) where it is built, else
+    the same in torch ops."""
+    kernel = cpu_ext.decode_slots_kernel()
+    if kernel is not None:
+        return kernel(table_rows.covering(rows, width, num_rows), rows, positions, block_size, width)
+    tables = table_rows.gather(rows, width, num_rows)
+    columns = tables.gather(1, (positions // block_size).unsqueeze(1)).view(-1)
+    return tables, columns.long() * block_size + positions % block_size
 
 
 @dataclass(frozen=True)

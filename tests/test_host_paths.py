@@ -1,6 +1,7 @@
 """The engine step's host fast paths give exactly what the general paths give: the decode admission
 (``KVManager.append_decodes``) against ``try_append`` one sequence at a time, the greedy pick against
-``torch.argmax``, and the buffer-built index tensors against ``torch.tensor``."""
+``torch.argmax``, the C++ decode slots against the torch ops, and the buffer-built index tensors against
+``torch.tensor``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from models import tiny_model
 from paged_hf.engine.sampler import greedy_draw, greedy_tokens
 from paged_hf.kernels import cpu_ext
 from paged_hf.kv.manager import KVManager
+from paged_hf import metadata
+from paged_hf.block_table_rows import BlockTableRows
 from paged_hf.metadata import long_tensor
 
 
@@ -76,6 +79,54 @@ def test_greedy_tokens_take_the_cpu_kernel(monkeypatch):
     assert calls == [torch.Size([3, 40])]
     assert torch.equal(greedy_tokens(logits.half()), torch.argmax(logits.half(), dim=-1))  # float16: torch's max
     assert len(calls) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 5), st.sampled_from([1, 2, 4, 16]), st.data())
+def test_decode_slots_kernel_is_the_torch_path(num_rows, width, block_size, data):
+    """``metadata._decode_slots`` through the C++ kernel and through torch's ops: the same tables (rows gathered,
+    padding included) and slots, for any rows (repeated, out of order) and any position inside the tables; a
+    position past them or a row past the table is refused."""
+    table_rows = BlockTableRows(num_rows=2, width=2)  # grown by the call
+    for row in range(num_rows):
+        table_rows.write(row, 0, data.draw(st.lists(st.integers(0, 2**31 - 1), max_size=width)))
+    num_seqs = data.draw(st.integers(0, 6))
+    rows = long_tensor(data.draw(st.lists(st.integers(0, num_rows - 1), min_size=num_seqs, max_size=num_seqs)))
+    positions = long_tensor(data.draw(st.lists(st.integers(0, width * block_size - 1), min_size=num_seqs,
+                                               max_size=num_seqs)))
+    kernel = cpu_ext.decode_slots_kernel()
+    assert kernel is not None
+    tables, slots = metadata._decode_slots(table_rows, rows, positions, block_size, width, num_rows)
+    expected = table_rows.gather(rows, width, num_rows)
+    columns = expected.gather(1, (positions // block_size).unsqueeze(1)).view(-1)
+    assert tables.dtype == torch.int32 and torch.equal(tables, expected)
+    assert slots.dtype == torch.long and torch.equal(slots, columns.long() * block_size + positions % block_size)
+    if num_seqs:
+        with pytest.raises(RuntimeError, match="is past the"):
+            kernel(table_rows.table, rows, positions + width * block_size, block_size, width)
+        with pytest.raises(RuntimeError, match="is not in"):
+            kernel(table_rows.table, rows + table_rows.table.shape[0], positions, block_size, width)
+
+
+def test_decode_metadata_takes_the_kernel_and_falls_back_to_torch(monkeypatch):
+    """A decode step's metadata from the kernel where it is built, from torch's ops where it is not: the same."""
+    kv = KVManager(tiny_model("llama").config, 4, "auto", num_blocks=32)
+    seqs = [kv.new_sequence() for _ in range(3)]
+    for seq, count in zip(seqs, (5, 9, 1)):
+        assert kv.try_append(seq, count)
+    rows, starts = long_tensor([seq.row for seq in seqs]), long_tensor([seq.num_tokens - 1 for seq in seqs])
+    calls = []
+    kernel = cpu_ext.decode_slots_kernel()
+    monkeypatch.setattr(cpu_ext, "decode_slots_kernel", lambda: lambda *args: calls.append(1) or kernel(*args))
+    native = metadata.decode_metadata(kv, rows, starts, int(starts.max()) + 1, "cpu")
+    monkeypatch.setattr(cpu_ext, "decode_slots_kernel", lambda: None)
+    torch_path = metadata.decode_metadata(kv, rows, starts, int(starts.max()) + 1, "cpu")
+    assert calls == [1]
+    for ours, theirs in zip(native.groups, torch_path.groups):
+        assert torch.equal(ours.block_tables, theirs.block_tables) and torch.equal(ours.slot_mapping,
+                                                                                  theirs.slot_mapping)
+    assert native.groups[0].slot_mapping.tolist() == [
+        block_ids(seq.tables[0])[(seq.num_tokens - 1) // 4] * 4 + (seq.num_tokens - 1) % 4 for seq in seqs]
 
 
 @settings(max_examples=50, deadline=None)

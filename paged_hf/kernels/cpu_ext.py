@@ -11,7 +11,7 @@ once per call and shared by each GQA group), else torch's causal flash kernel; `
 products of a few rows run ``csrc/amx_linear.cpp``'s AMX tiles where the CPU has them, and whose products on a CPU
 with AVX2 but no AVX-512 run ``csrc/avx2_linear.cpp``; ``pin_threads`` (``csrc/pin_threads.cpp``) binds each of
 torch's intra-op threads to its own CPU; ``greedy`` (``csrc/greedy.cpp``) is the sampler's argmax over a step's
-logits.
+logits; ``decode_slots`` (``csrc/decode_slots.cpp``) is a decode step's block tables and slots (``metadata.py``).
 The library is compiled once per machine with the system's C++ compiler (``$CXX`` or ``c++``) against the installed
 torch (``FLAGS``, with ``-march=native`` unless ``$PAGED_HF_CPU_ARCH`` names another target; ``-fopenmp`` so
 ``at::parallel_for`` runs on torch's own OpenMP threads: the soname resolves to torch's runtime), into
@@ -49,7 +49,7 @@ logger = logging.getLogger("paged_hf")
 ENV_VAR = "PAGED_HF_CPU_KERNELS"
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_decode.cpp", "paged_prefill.cpp", "paged_step.cpp", "packed_linear.cpp",
-                             "amx_linear.cpp", "avx2_linear.cpp", "pin_threads.cpp", "greedy.cpp"))
+                             "amx_linear.cpp", "avx2_linear.cpp", "pin_threads.cpp", "greedy.cpp", "decode_slots.cpp"))
 HEADERS = tuple(Path(__file__).with_name("csrc") / name  # included by the sources: part of the build's hash
                 for name in ("vec16.h", "amx.h", "amx_linear.h", "avx2_linear.h", "huge_buffer.h",
                              "paged_attention.h"))
@@ -74,6 +74,12 @@ def greedy_kernel():
     """``torch.ops.paged_hf_cpu.greedy`` (``logits [R, V]`` float32/bfloat16 -> ``[R]`` int64, argmax's index),
     or None."""
     return torch.ops.paged_hf_cpu.greedy if _loaded() else None
+
+
+def decode_slots_kernel():
+    """``torch.ops.paged_hf_cpu.decode_slots`` (``table [R, C]`` int32, ``rows [S]``, ``positions [S]`` int64,
+    ``block_size``, ``width`` -> ``tables [S, width]`` int32, ``slots [S]`` int64), or None."""
+    return torch.ops.paged_hf_cpu.decode_slots if _loaded() else None
 
 
 def pin_threads():
