@@ -116,6 +116,30 @@ class PoolMachine(RuleBasedStateMachine):
         table, content, _ = self.pick(i)
         self.append(table, content, n)
 
+    @precondition(lambda self: self.tables)
+    @rule(i=index)
+    def decode_one_token(self, i):
+        """A decode's append as the engine's steady step makes it (``KVManager.append_decodes``): in the tail in
+        place, or a new block when the tail is full, else (a shared or hashed partial tail) the general append."""
+        table, content, _ = self.pick(i)
+        if table.append_in_tail():
+            position = table.num_tokens - 1
+        elif table.num_tokens % self.bs == 0:
+            before = self.snapshot()
+            if table.append_new_block() is None:
+                assert self.pool.num_free_blocks == 0 and self.snapshot() == before
+                return
+            position = table.num_tokens - 1
+            assert position % self.bs == 0 and table.blocks[-1].ref_cnt == 1
+        else:
+            self.append(table, content, 1)
+            return
+        assert len(table.blocks) == num_blocks_for(position + 1, self.bs)
+        block = table.blocks[position // self.bs]
+        self.storage.setdefault(block.block_id, [None] * self.bs)[position % self.bs] = self.next_token
+        content.append(self.next_token)
+        self.next_token += 1
+
     @precondition(lambda self: 0 < len(self.tables) < MAX_TABLES)
     @rule(i=index, then=st.sampled_from([None, "parent", "child"]), x=index)
     def fork(self, i, then, x):
