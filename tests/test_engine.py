@@ -432,10 +432,77 @@ def test_swap_space_is_allocated_as_it_is_used(stories, prompts, references):
     assert_all_freed(engine)
 
 
+def test_a_prompt_admitted_while_a_request_decodes_finds_its_generated_blocks(stories):
+    """Decode steps register nothing (a steady step's host work); the first lookup after them registers the
+    running sequences' computed blocks first: a prompt that continues a running request's text hits every block its
+    decodes filled so far, and gives the tokens of a run without the cache. A step without a lookup registers no
+    block."""
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    first = engine.add_request("Once upon a time there was a", params)
+    outputs = {}
+    for _ in range(12):
+        for out in engine.step():
+            outputs[out.request_id] = out
+    registered = []
+    cache = engine.kv.prefix_cache
+    original = cache.cache_full_blocks
+    cache.cache_full_blocks = lambda *args, **kwargs: registered.append(args[2]) or original(*args, **kwargs)
+    engine.step()  # a steady decode step: nothing to register
+    assert registered == [] and engine.scheduler.unregistered_decodes
+    running = engine.scheduler.running[0]
+    prompt = list(running.token_ids)
+    computed = running.num_computed_tokens
+    assert computed // 4 > len(running.request.prompt_token_ids) // 4 + 1  # decodes filled blocks
+    second = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_invariants()
+    assert done[second].num_cached_tokens == computed // 4 * 4
+    assert done[first].outputs[0].token_ids[: len(prompt) - len(done[first].prompt_token_ids)] == \
+        prompt[len(done[first].prompt_token_ids):]
+    cold = PagedEngine(model, tok, block_size=4, num_blocks=64, enable_prefix_caching=False)
+    assert done[second].outputs[0].token_ids == cold.generate([prompt], SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_sequence_preempted_by_recompute_finds_the_blocks_it_generated(stories):
+    """A sequence preempted by recompute registers the blocks its decodes filled before it frees them: computed
+    again, it finds them in the cache (its prompt and generated blocks) and goes on with the same tokens."""
+    model, tok = stories
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompt = "Once upon a time there was a"
+    reference = PagedEngine(model, tok, block_size=4, num_blocks=64, enable_prefix_caching=False).generate(
+        [prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64, preemption_mode="recompute")
+    request = engine.add_request(prompt, params)
+    for _ in range(14):
+        engine.step()
+    seq = engine.scheduler.running[0]
+    computed = seq.num_computed_tokens
+    engine.scheduler._preempt(seq)
+    assert seq.kv.num_tokens == 0 and engine.scheduler.waiting[0] is seq
+    hits = []
+    find = engine.kv.find_prefix_hit
+    engine.kv.find_prefix_hit = lambda *args: hits.append(find(*args).num_tokens) or find(*args)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert seq.request.metrics.num_preemptions == 1
+    assert hits[0] == computed // 4 * 4 > len(seq.request.prompt_token_ids)
+    assert done[request].outputs[0].token_ids == reference
+
+
 def test_blocks_that_decodes_fill_are_cached_for_later_prompts(stories):
-    """With prefix caching, each block a decode step fills is registered as it fills (vLLM caches generated blocks
-    too): a later prompt that continues the first request's text finds its generated blocks, the last block the
-    forward computed included, and its greedy tokens are those of a run without the cache."""
+    """With prefix caching, the blocks decode steps fill are registered, at the latest when their sequence ends (vLLM
+    caches generated blocks too): a later prompt that continues the first request's text finds its generated blocks,
+    the last block the forward computed included, and its greedy tokens are those of a run without the cache."""
     model, tok = stories
     engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
     params = SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)

@@ -474,7 +474,8 @@ class PagedEngine:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
-        if self.kv.prefix_caching:  # the decode fast path registers blocks only as a token fills one
+        if self.kv.prefix_caching and not self.scheduler.unregistered_decodes:  # since the last lookup, every
+            # running sequence's computed full block is registered (decode runs register theirs at the next one)
             size = self.kv.block_size
             for seq in self.scheduler.running:
                 assert seq.kv.num_cached_blocks >= seq.num_computed_tokens // size, (

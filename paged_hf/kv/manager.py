@@ -24,8 +24,6 @@ Policy: blocks are freed tail first, so a finished sequence's tail is evicted be
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from ..block_pool import BlockPool
 from ..block_table import BlockTable
 from ..kernels.kv_format import KV_FORMATS
@@ -211,24 +209,18 @@ class KVManager:
         (each holds its tables as long as it holds blocks): with one group, each sequence's table; else None."""
         return [seq.tables[0] for seq in seqs] if len(self.groups) == 1 else None
 
-    def append_decodes(self, seqs: list[SequenceKV], grow: bool = True, tables: list[BlockTable] | None = None,
-                       on_fill: Callable[[int], None] | None = None) -> int:
+    def append_decodes(self, seqs: list[SequenceKV], grow: bool = True, tables: list[BlockTable] | None = None) -> int:
         """``try_append(seq, 1)`` for each of ``seqs`` in turn, as long as it succeeds; returns how many did. The
         first that did not (no room: nothing changed) and those after it are left as they were. ``grow=False``
         also stops at the first token that needs a block (or a copy of its tail): only in-place appends, which take
-        no block from the pool. ``on_fill(i)``: called right after ``seqs[i]``'s token filled its last block, before
-        the next sequence's append (prefix caching registers the block there: a later decode's new block may evict
-        a cached one, as one ``try_append`` after another would). A token that goes into the tail block of every
-        group in place (most of them) reads one object, its table (``tables``: ``decode_tables(seqs)``, kept by the
-        caller): the decode steady state, asked of every running sequence each step, after a forward that evicted
-        the host's caches."""
-        bs = self.block_size
+        no block from the pool. A token that goes into the tail block of every group in place (most of them) reads
+        one object, its table (``tables``: ``decode_tables(seqs)``, kept by the caller): the decode steady state,
+        asked of every running sequence each step, after a forward that evicted the host's caches. Registering the
+        blocks the tokens fill in the prefix cache is the caller's (the scheduler defers it to its next lookup)."""
         if len(self.groups) == 1:
             for i, table in enumerate(tables or self.decode_tables(seqs)):
                 if not table.append_in_tail() and not (grow and self._try_grow(seqs[i], 1)):
                     return i
-                if on_fill is not None and table.num_tokens % bs == 0:
-                    on_fill(i)
             return len(seqs)
         for i, seq in enumerate(seqs):
             if all(table.tail_has_room() for table in seq.tables):
@@ -236,8 +228,6 @@ class KVManager:
                     table.append_in_tail()
             elif not (grow and self._try_grow(seq, 1)):
                 return i
-            if on_fill is not None and seq.num_tokens % bs == 0:
-                on_fill(i)
         return len(seqs)
 
     def reserve(self, seqs: list[SequenceKV], counts: list[int]) -> None:
@@ -311,9 +301,10 @@ class KVManager:
         self.prefix_cache.admit(seq, hit, token_ids, count_query)
         self.rows.write(seq)
 
-    def cache_full_blocks(self, seq: SequenceKV, token_ids: list[int], num_tokens: int, salt=None) -> None:
+    def cache_full_blocks(self, seq: SequenceKV, token_ids: list[int], num_tokens: int, salt=None,
+                          computed: bool = False) -> None:
         """Registers ``seq``'s full blocks among its first ``num_tokens`` (see ``PrefixCache.cache_full_blocks``)."""
-        self.prefix_cache.cache_full_blocks(seq, token_ids, num_tokens, salt)
+        self.prefix_cache.cache_full_blocks(seq, token_ids, num_tokens, salt, computed)
 
     def end_step(self, failed: bool) -> None:
         """Closes a step (a failed one unregisters the blocks registered for it)."""

@@ -105,9 +105,9 @@ class PrefixCache:
                     self._register(group.pool, block, hashes[i], token_ids[i * bs : (i + 1) * bs])
             table.restore(hit.num_tokens, part.num_skipped, blocks)
 
-    def _register(self, pool: BlockPool, block: KVBlock, block_hash: int, token_ids) -> None:
+    def _register(self, pool: BlockPool, block: KVBlock, block_hash: int, token_ids, computed: bool = False) -> None:
         pool.cache_full_block(block, block_hash, token_ids)
-        if block.block_hash is not None:
+        if block.block_hash is not None and not computed:
             self._step_registered.append((pool, block))
 
     def counters(self) -> dict[str, int]:
@@ -119,12 +119,14 @@ class PrefixCache:
                     host_cache_blocks_total=0 if host is None else host.num_blocks * len(self.groups),
                     host_cache_bytes=0 if host is None else host.nbytes)
 
-    def cache_full_blocks(self, seq: SequenceKV, token_ids: list[int], num_tokens: int, salt=None) -> None:
+    def cache_full_blocks(self, seq: SequenceKV, token_ids: list[int], num_tokens: int, salt=None,
+                          computed: bool = False) -> None:
         """Registers the full blocks among the first ``num_tokens`` of ``token_ids`` in every group.
 
         Called when a step is scheduled, for the tokens it will have computed: a sequence admitted later in the same
         step can then hit blocks this step's forward fills, which is correct because every layer stores the whole
-        step's K/V before it attends. ``end_step(failed=True)`` unregisters them if the forward fails.
+        step's K/V before it attends. ``end_step(failed=True)`` unregisters them if the forward fails, unless
+        ``computed``: earlier steps computed these tokens (blocks registered after the fact), their K/V stays.
         """
         if not self.enabled:
             return
@@ -137,7 +139,8 @@ class PrefixCache:
             for i in range(seq.num_cached_blocks, full):
                 block = table.blocks[i]
                 if block is not None and block.block_hash is None:
-                    self._register(group.pool, block, seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
+                    self._register(group.pool, block, seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs],
+                                   computed)
         seq.num_cached_blocks = full
 
     def check_invariants(self) -> None:
