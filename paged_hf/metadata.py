@@ -265,6 +265,8 @@ def _assemble(kv: KVManager, rows, starts_t, counts_t, query_start_loc, token_se
     ``num_rows``: ``max(rows) + 1`` where the caller knows it."""
     num_seqs, num_tokens = rows.shape[0], positions.shape[0]
     decode_only = num_decodes == num_seqs
+    target = torch.device(device)
+    move = _host if target.type == "cpu" else (lambda tensor: tensor.to(target, non_blocking=True))
     seq_lens = starts_t + counts_t
     width = max(min_width, table_width(-(-longest // kv.block_size)))
     tails = _tail_plan(kv.block_size, rows, starts_t, counts_t, query_start_loc, token_seq, positions) \
@@ -277,19 +279,22 @@ def _assemble(kv: KVManager, rows, starts_t, counts_t, query_start_loc, token_se
             tables = group.rows.gather(rows, width, num_rows)
             slots = tables[token_seq, positions // kv.block_size].long() * kv.block_size + positions % kv.block_size
         plan = None if tails is None else tails.store_plan(tables, device)
-        groups.append(GroupMetadata(tables.to(device, non_blocking=True), slots.to(device, non_blocking=True),
-                                    kv.block_size, group.window, store_plan=plan))
+        groups.append(GroupMetadata(move(tables), move(slots), kv.block_size, group.window, store_plan=plan))
     prefill_loc = None
     if 0 < num_decodes < num_seqs:
-        prefill_loc = (query_start_loc[num_decodes:] - num_decodes).to(device, non_blocking=True)
+        prefill_loc = move(query_start_loc[num_decodes:] - num_decodes)
     return AttentionMetadata(
         num_seqs=num_seqs, num_decodes=num_decodes, num_tokens=num_tokens, max_query_len=max_query_len,
-        seq_lens=seq_lens.to(device, non_blocking=True), query_start_loc=query_start_loc.to(device, non_blocking=True),
-        prefill_query_start_loc=prefill_loc, positions=positions.to(device, non_blocking=True),
-        token_seqs=token_seq.to(device, non_blocking=True), groups=groups,
-        device=torch.device(device), batch_size=batch_size, query_len=num_tokens if query_len is None else query_len,
-        token_index=token_index, tail_rows=None if tails is None else rows.to(device, non_blocking=True),
+        seq_lens=move(seq_lens), query_start_loc=move(query_start_loc), prefill_query_start_loc=prefill_loc,
+        positions=move(positions), token_seqs=move(token_seq), groups=groups, device=target, batch_size=batch_size,
+        query_len=num_tokens if query_len is None else query_len, token_index=token_index,
+        tail_rows=None if tails is None else move(rows),
     )
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host tensor for a forward on the host: itself (``.to`` is a dispatched op, a few us each after a forward)."""
+    return tensor
 
 
 def _decode_slots(table_rows: BlockTableRows, rows: torch.Tensor, positions: torch.Tensor, block_size: int,

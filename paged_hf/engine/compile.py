@@ -236,6 +236,9 @@ class CompiledForward:
                                       backend=_INDUCTOR if backend == "inductor" else backend)
         self.checked: tuple | None = None  # the model's state at the last full check, None: check again
         self.full_checks = 0  # forwards that evaluated every guard
+        # ``[n]`` int64 tensors by value, read-only: a step's ``num_decodes`` input (one per batch size, not one op
+        # a step)
+        self._counts: dict[int, torch.Tensor] = {}
 
     def _state(self) -> tuple:
         """What the skipped guards would see change: hook registrations, module API edits and conversions, the
@@ -249,7 +252,9 @@ class CompiledForward:
     def forward(self, engine_cache: EngineCache, metadata: AttentionMetadata, inputs: dict, every_guard: bool):
         """``__call__``, with every guard evaluated if ``every_guard``."""
         _mark_dynamic(metadata, inputs)
-        engine_cache.num_decodes = torch.tensor([metadata.num_decodes], dtype=torch.long)
+        engine_cache.num_decodes = self._counts.get(metadata.num_decodes)
+        if engine_cache.num_decodes is None:
+            engine_cache.num_decodes = self._counts[metadata.num_decodes] = torch.tensor([metadata.num_decodes])
         state = self._state()
         full = every_guard or state != self.checked or not _default_stance()
         try:

@@ -345,7 +345,8 @@ class ModelRunner:
         except Exception as error:
             raise BlockCopyError(f"the step's block copies failed: {type(error).__name__}: {error}") from error
         metadata = step.metadata if step.metadata.device == self.device else step.metadata.to(self.device)
-        keep = step.keep.to(self.device, non_blocking=True)
+        on_host = self.device.type == "cpu"  # the step's tensors are there: no ``.to`` (a dispatched op each)
+        keep = step.keep if on_host else step.keep.to(self.device, non_blocking=True)
         attention = self.model.config._attn_implementation
         if attention != "paged":  # another user of the model switched it: the engine's forward reads the blocks
             logger.warning("the engine's model was switched to attn_implementation=%r; switching it back to 'paged' "
@@ -353,7 +354,8 @@ class ModelRunner:
             self.model.set_attn_implementation("paged")
         eager = step.inputs_embeds is not None or step.position_ids is not None
         if step.inputs_embeds is None:
-            tokens = dict(input_ids=step.input_ids.to(self.device, non_blocking=True).unsqueeze(0))
+            input_ids = step.input_ids if on_host else step.input_ids.to(self.device, non_blocking=True)
+            tokens = dict(input_ids=input_ids.unsqueeze(0))
             if self.graphs is not None and not eager:  # a decode-only step that fits a bucket runs there
                 logits = self.graphs.run(tokens["input_ids"][0], metadata, keep)
                 if logits is not None:
