@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from kv_probe import block_ids
 from models import tiny_model
+from paged_hf.engine.ends import BatchEnds, RequestEnds
 from paged_hf.engine.sampler import greedy_draw, greedy_tokens
 from paged_hf.kernels import cpu_ext
 from paged_hf.kv.manager import KVManager
@@ -134,6 +136,27 @@ def test_decode_metadata_takes_the_kernel_and_falls_back_to_torch(monkeypatch):
 def test_long_tensor_equals_torch_tensor(values):
     out = long_tensor(values)
     assert out.dtype == torch.long and torch.equal(out, torch.tensor(values, dtype=torch.long))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.data())
+def test_batch_ends_name_the_rows_the_tensor_test_names_at_every_step(num_rows, data):
+    """``BatchEnds.ending_rows`` (a set test, and the margin before any row reaches its length) against the tensor
+    test it skips: at every step of a batch whose rows grow one token a step, the same rows."""
+    stops = data.draw(st.sets(st.integers(0, 9), max_size=3))
+    positions = long_tensor(data.draw(st.lists(st.integers(0, 20), min_size=num_rows, max_size=num_rows)))
+    max_len = data.draw(st.lists(st.integers(1, 30), min_size=num_rows, max_size=num_rows))
+    seqs = [mock.Mock(request=mock.Mock(request_id=str(r), params=mock.Mock(logprobs=None, stop=None)), grammar=None)
+            for r in range(num_rows)]
+    ends = {str(r): RequestEnds(frozenset(stops), max_len[r], frozenset(), 64) for r in range(num_rows)}
+    longest = int(positions.max()) + 1
+    batch_ends = BatchEnds.of(seqs, ends, positions, longest)
+    for _ in range(data.draw(st.integers(1, 25))):
+        tokens = data.draw(st.lists(st.integers(0, 12), min_size=num_rows, max_size=num_rows))
+        token_ids = long_tensor(tokens)
+        expected = ((positions + 1 >= long_tensor(max_len)) | torch.isin(token_ids, long_tensor(sorted(stops))))
+        assert batch_ends.ending_rows(positions, token_ids, tokens, longest) == expected.nonzero().view(-1).tolist()
+        positions, longest = positions + 1, longest + 1
 
 
 def _scenario(family: str, seed: int):

@@ -48,23 +48,38 @@ class BatchEnds(NamedTuple):
     """The end tests of a persistent decode batch's rows as tensors (``DecodeBatch.seqs``; built once per batch):
     row ``r`` may end when its length reaches ``max_len[r]`` or it draws one of ``stop_ids`` (every row's stop token
     ids, a superset for each row: ``RequestEnds.reached`` decides). ``quiet``: no row has a grammar or logprobs or
-    needs the output stage per token (each reports only when it ends, ``FINAL_ONLY``, and has no stop strings)."""
+    needs the output stage per token (each reports only when it ends, ``FINAL_ONLY``, and has no stop strings).
+    Every row grows by one token a step, so no row reaches its length before the batch's ``longest`` is ``margin``
+    past ``start`` (its value at the build): until then, a step whose tokens avoid ``stop_set`` ends no row, and
+    ``ending_rows`` says so without a tensor op."""
 
     quiet: bool
     max_len: torch.Tensor  # [S] int64
     stop_ids: torch.Tensor  # [K] int64
+    stop_set: frozenset[int]  # the same ids
+    margin: int  # min(max_len - lengths) at the build
+    start: int  # the batch's ``longest`` at the build
 
     @classmethod
-    def of(cls, seqs: list[Sequence], ends: Mapping[str, RequestEnds]) -> BatchEnds:
+    def of(cls, seqs: list[Sequence], ends: Mapping[str, RequestEnds], positions: torch.Tensor,
+           longest: int) -> BatchEnds:
+        """The ends of rows ``seqs`` whose next input tokens take ``positions`` (their lengths - 1), the longest of
+        which is ``longest`` tokens long."""
         row_ends = [ends[seq.request.request_id] for seq in seqs]
         quiet = all(seq.grammar is None and seq.request.params.logprobs is None and not seq.request.params.stop
                     and seq.request.output_kind is RequestOutputKind.FINAL_ONLY for seq in seqs)
-        return cls(quiet, long_tensor([e.max_len for e in row_ends]),
-                   long_tensor(sorted(frozenset().union(*(e.token_ids for e in row_ends)))))
+        max_len = long_tensor([e.max_len for e in row_ends])
+        stops = frozenset().union(*(e.token_ids for e in row_ends))
+        margin = int((max_len - (positions + 1)).min()) if seqs else 0
+        return cls(quiet, max_len, long_tensor(sorted(stops)), stops, margin, longest)
 
-    def ending_rows(self, lengths: torch.Tensor, token_ids: torch.Tensor) -> list[int]:
-        """The rows that may end now, at ``lengths`` tokens after appending ``token_ids`` (``[S]`` each)."""
-        maybe = lengths >= self.max_len
+    def ending_rows(self, positions: torch.Tensor, token_ids: torch.Tensor, tokens: list[int],
+                    longest: int) -> list[int]:
+        """The rows that may end now, after appending ``token_ids`` (``[S]``; ``tokens``: as a list) at
+        ``positions`` (``[S]``, the batch's: lengths - 1) in the batch whose longest row is now ``longest``."""
+        if longest - self.start < self.margin and self.stop_set.isdisjoint(tokens):
+            return []
+        maybe = positions + 1 >= self.max_len
         if self.stop_ids.numel():
             maybe |= torch.isin(token_ids, self.stop_ids)
         return maybe.nonzero().view(-1).tolist()

@@ -85,10 +85,11 @@ class StepUpdate:
 
     def _apply_quiet_decodes(self, batch: "DecodeBatch", token_ids: list[int], touched: dict[str, Request]) -> bool:
         """A step that ran from the persistent decode batch, in one pass, when its rows are quiet (``BatchEnds``):
-        each row computed its token and appends the one it drew; only the rows that may end (one vector test) go
-        through ``RequestEnds.reached``. Returns False, changing nothing, for a batch that is not quiet."""
+        each row computed its token and appends the one it drew; only the rows that may end (``BatchEnds``: a set
+        test, a vector test once a row may reach its length) go through ``RequestEnds.reached``. Returns False,
+        changing nothing, for a batch that is not quiet."""
         if self._batch_ends is None or self._batch_ends[0] is not batch:
-            self._batch_ends = (batch, BatchEnds.of(batch.seqs, self._ends))
+            self._batch_ends = (batch, BatchEnds.of(batch.seqs, self._ends, batch.positions, batch.longest))
         ends = self._batch_ends[1]
         if not ends.quiet:
             return False
@@ -96,7 +97,7 @@ class StepUpdate:
             seq.num_computed_tokens += 1
             seq.token_ids.append(token)
         self.num_generated_tokens += len(token_ids)
-        for row in ends.ending_rows(batch.positions + 1, batch.token_ids):  # advanced: positions are lengths - 1
+        for row in ends.ending_rows(batch.positions, batch.token_ids, token_ids, batch.longest):  # advanced
             seq = batch.seqs[row]
             end = self._ends[seq.request.request_id].reached(seq, token_ids[row])
             if end is not None:
