@@ -65,9 +65,10 @@ class DecodeBatch:
                 and output.num_decodes == len(scheduled)
                 and all(map(operator.is_, (item.seq for item in scheduled), self.seqs)))
 
-    def advance(self, token_ids: list[int]) -> None:
-        """After the step sampled ``token_ids[s]`` for every row: the next step's inputs."""
-        self.token_ids = long_tensor(token_ids)
+    def advance(self, token_ids: list[int], tensor: torch.Tensor | None = None) -> None:
+        """After the step sampled ``token_ids[s]`` for every row: the next step's inputs. ``tensor``: the same ids as
+        an int64 host tensor, where the sampler has one."""
+        self.token_ids = long_tensor(token_ids) if tensor is None else tensor
         self.positions = self.positions + 1
         self.longest += 1
 

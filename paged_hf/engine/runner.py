@@ -250,7 +250,7 @@ class ModelRunner:
             drawn = sample(model_output.logits, batch.seqs, self.token_text, self.eos_token_ids, batch.summary)
             if not drawn.errors:
                 ran = batch.token_ids is not None  # it ran the step (else it was built from the sequences)
-                batch.advance(drawn.token_ids)
+                batch.advance(drawn.token_ids, drawn.token_tensor)
                 return RunnerOutput(batch.seqs, drawn.token_ids, drawn.logprobs, batch=batch if ran else None)
             self.batch = None  # the rows that failed leave: the next step rebuilds it
         result = RunnerOutput()
