@@ -1,11 +1,11 @@
 // paged_hf_cpu::decode_slots(Tensor table [R, C] int32, Tensor rows [S] int64, Tensor positions [S] int64,
 //                            int block_size, int width) -> (Tensor [S, width] int32, Tensor [S] int64)
-//     a decode-only step's block tables and K/V slots from a layer group's table of rows (paged_hf/block_table_rows.py):
-//     row s of the first result is table[rows[s], :width], and the second holds the slot of sequence s's one new
-//     token, at position positions[s]: its block table[rows[s], positions[s] / block_size] times block_size plus
-//     positions[s] % block_size. What metadata.py's torch path computes with eight ops (index_select, a gather,
-//     divisions, a multiply and add), in one call: each op's dispatch, run right after a forward that evicted the
-//     CPU's caches, cost 10 us of a steady step's host work.
+//     a decode-only step's block tables and K/V slots from a layer group's table of rows
+//     (paged_hf/block_table_rows.py): row s of the first result is table[rows[s], :width], and the second holds the
+//     slot of sequence s's one new token, at position positions[s]: its block table[rows[s], positions[s] /
+//     block_size] times block_size plus positions[s] % block_size. What metadata.py's torch path computes with
+//     eight ops (index_select, a gather, divisions, a multiply and add), in one call: each op's dispatch, run right
+//     after a forward that evicted the CPU's caches, cost 10 us of a steady step's host work.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
