@@ -6,11 +6,11 @@ sequence in decode: ``N`` requests are admitted and prefilled, then ``--steps`` 
 have 32 to 47 tokens (``i % 16`` more for request ``i``), so that, as in serving, each step gives a new block to
 about one sequence in 16 (block size 16); ``--aligned`` gives every prompt 32 tokens, as before 2026-12-07's
 thirteenth session: then every sequence grows in the same step, one in 16, which the median leaves out. Prefix
-caching is off unless ``--prefix-caching`` (the engine's default: each block a decode fills is hashed and
-registered). The forward is the call of the compiled model (dynamo's guard check and the graph, the paged attention's
-per-layer work included; hooks on the model would send a compiled engine back to eager), or, in an eager engine,
-the model's pre-hook to hook; the engine's planning before it is host work. "scheduler" is
-``engine.scheduler.schedule()`` alone.
+caching is off unless ``--prefix-caching`` (the engine's default: the blocks decodes fill are hashed and
+registered before the next prefix lookup, none here). The forward is the call of the compiled model (dynamo's guard
+check and the graph, the paged attention's per-layer work included; hooks on the model would send a compiled engine
+back to eager), or, in an eager engine, the model's pre-hook to hook; the engine's planning before it is host work.
+"scheduler" is ``engine.scheduler.schedule()`` alone.
 
 ``--compare REF`` runs the same measurement on commit ``REF`` of this repository (a temporary git worktree,
 imported in a subprocess) and prints both side by side in one run, interleaved per batch size.
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="measurements per tree and batch size, alternating")
     parser.add_argument("--compare", metavar="REF", default=None, help="a git commit to measure beside this tree")
     parser.add_argument("--prefix-caching", action="store_true",
-                        help="the engine's default: full blocks hashed and registered as decodes fill them")
+                        help="the engine's default: generated blocks registered before the next prefix lookup")
     parser.add_argument("--aligned", action="store_true",
                         help="every prompt 32 tokens: every sequence takes a block in the same step (default: staggered)")
     parser.add_argument("--output-kind", choices=["final_only", "delta", "cumulative"], default="final_only",

@@ -86,7 +86,7 @@ def test_greedy_tokens_take_the_cpu_kernel(monkeypatch):
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 9), st.integers(1, 5), st.sampled_from([1, 2, 4, 16]), st.data())
 def test_decode_slots_kernel_is_the_torch_path(num_rows, width, block_size, data):
-    """``metadata._decode_slots`` through the C++ kernel and through torch's ops: the same tables (rows gathered,
+    """The C++ decode slots kernel and torch's ops (``metadata``'s path without it): the same tables (rows gathered,
     padding included) and slots, for any rows (repeated, out of order) and any position inside the tables; a
     position past them or a row past the table is refused."""
     table_rows = BlockTableRows(num_rows=2, width=2)  # grown by the call
@@ -98,7 +98,7 @@ def test_decode_slots_kernel_is_the_torch_path(num_rows, width, block_size, data
                                                max_size=num_seqs)))
     kernel = cpu_ext.decode_slots_kernel()
     assert kernel is not None
-    tables, slots = metadata._decode_slots(table_rows, rows, positions, block_size, width, num_rows)
+    tables, slots = kernel(table_rows.covering(rows, width, num_rows), rows, positions, block_size, width)
     expected = table_rows.gather(rows, width, num_rows)
     columns = expected.gather(1, (positions // block_size).unsqueeze(1)).view(-1)
     assert tables.dtype == torch.int32 and torch.equal(tables, expected)

@@ -165,8 +165,6 @@ class StepUpdate:
         self.speculator.record(seq, run.num_drafts, run.num_accepted)
         if seq.status is not SequenceStatus.RUNNING:
             return
-        if self.kv.prefix_caching:  # the blocks the accepted drafts filled hold their K/V now: registered at once,
-            # so a running sequence's computed full blocks are always registered (the decode fast path relies on it)
-            self.kv.cache_full_blocks(seq.kv, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
+        self._register(seq)  # the blocks the accepted drafts filled hold their K/V now: registered at once
         if seq.kv.num_tokens > seq.num_computed_tokens:
             self.kv.truncate(seq.kv, seq.num_computed_tokens)
