@@ -2,11 +2,14 @@
 messages and the images in order, and a text (or token ids) with its images to token ids (placeholders expanded)
 plus the processor's tensors, which is what ``PagedEngine.add_request(..., images=...)`` takes.
 
-Content parts: ``{"type": "text", "text"}``, ``{"type": "image_url", "image_url": {"url": ...}}`` (or the URL
-string), and vLLM's ``{"type": "image_pil", "image_pil": <PIL image>}``. Each image part becomes
+Content parts: ``{"type": "text", "text"}``, ``{"type": "image_url", "image_url": {"url": ..., "detail": ...}}`` (or
+the URL string), and vLLM's ``{"type": "image_pil", "image_pil": <PIL image>}``. Each image part becomes
 ``{"type": "image"}`` in the message the chat template sees (what Hugging Face processors' templates read); a
 template that reads a message's content as a string gets the processor's image placeholder, one line per image,
-before the message's text (``placeholder``, as vLLM writes them).
+before the message's text (``placeholder``, as vLLM writes them). An image part's ``detail`` is OpenAI's: ``"low"``
+hands the processor the image scaled down (aspect kept) to fit ``LOW_DETAIL_SIDE`` pixels a side, as OpenAI's
+low-resolution mode sees it (fewer image tokens where the processor sizes them by the image, as Qwen2-VL's does);
+``"high"`` and ``"auto"`` hand it the image as read (the processor's own resolution is the most there is).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from .engine.multimodal import IMAGE_KEYS
 from .media import MediaPolicy, load_image
 
 IMAGE_PART_TYPES = ("image_url", "image_pil")
+DETAILS = ("auto", "low", "high")  # an image_url part's ``detail``
+LOW_DETAIL_SIDE = 512  # pixels a side of a ``detail: "low"`` image, at most
 
 
 _PROBE = "\x01paged-hf-probe\x01"
@@ -59,10 +64,14 @@ def split_chat(messages: list, load: Callable[[object], object], field: str = "m
             if kind == "text":
                 parts.append({"type": "text", "text": part.get("text", "")})
             elif kind in IMAGE_PART_TYPES:
-                value = part.get(kind)
+                value, detail = part.get(kind), None
                 if kind == "image_url" and isinstance(value, Mapping):
-                    value = value.get("url")
-                images.append(load(value))
+                    value, detail = value.get("url"), value.get("detail")
+                    if detail is not None and detail not in DETAILS:
+                        raise ParameterError(field, f"messages.{index}: image_url.detail must be one of "
+                                                    f"{list(DETAILS)}, got {detail!r:.40}")
+                image = load(value)
+                images.append(low_detail(image) if detail == "low" else image)
                 parts.append({"type": "image"})
                 has_image = True
             else:
@@ -75,6 +84,17 @@ def split_chat(messages: list, load: Callable[[object], object], field: str = "m
             content = parts if has_image else text
         rendered.append({**message, "content": content})
     return rendered, images
+
+
+def low_detail(image):
+    """``image`` (PIL) scaled down, aspect kept, to fit ``LOW_DETAIL_SIDE`` pixels a side (as it is if it fits)."""
+    width, height = image.size
+    scale = LOW_DETAIL_SIDE / max(width, height)
+    if scale >= 1:
+        return image
+    from PIL import Image  # noqa: PLC0415 - an optional dependency, imported with the image that needs it
+
+    return image.resize((max(1, round(width * scale)), max(1, round(height * scale))), Image.Resampling.BICUBIC)
 
 
 def process(processor, text: str, images: list, add_special_tokens: bool = True) -> tuple[list[int], dict]:

@@ -447,6 +447,27 @@ def test_llm_chat_reads_image_content_parts(model, llm):
                                                            [image, random_image(4)], add_special_tokens=False)
 
 
+def test_image_detail_low_scales_the_image_down_and_high_keeps_it():
+    """OpenAI's ``detail``: "low" hands the processor the image scaled to fit 512 pixels a side (aspect kept),
+    "high" / "auto" / none the image as read; another value is refused naming it."""
+    from vision_models import random_image
+
+    from paged_hf.config import ParameterError
+    from paged_hf.multimodal_prompts import split_chat
+
+    big, small = random_image(5, (1030, 3)), random_image(6, (40, 30))
+
+    def sizes(detail):
+        parts = [{"type": "image_url", "image_url": {"url": image, "detail": detail}} for image in (big, small)]
+        return [image.size for image in split_chat([{"role": "user", "content": parts}], lambda image: image)[1]]
+
+    assert sizes("low") == [(512, 1), (40, 30)]
+    assert sizes("high") == sizes("auto") == sizes(None) == [(1030, 3), (40, 30)]
+    with pytest.raises(ParameterError, match=r"messages\.0: image_url\.detail must be one of \['auto', 'low', "
+                                             r"'high'\], got 'medium'"):
+        sizes("medium")
+
+
 def test_a_chat_template_that_reads_content_as_a_string_gets_placeholders(model, llm):
     """A template written for plain strings (``{{ m['content'] }}``) would print the parts list: it gets the
     processor's image placeholder, a line per image, before the message's text (vLLM's "string" content format)."""

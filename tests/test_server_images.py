@@ -8,6 +8,7 @@ import base64
 import io
 
 import pytest
+import torch
 
 uvicorn = pytest.importorskip("uvicorn", reason="the server needs uvicorn (pip install 'paged_hf[server]')")
 openai = pytest.importorskip("openai", reason="the tests drive the server with the openai client")
@@ -125,7 +126,7 @@ def test_bad_images_get_400_and_the_server_stays_healthy(served, client, url, me
         parts = [(data_url(random_image(i)),) for i in range(3)]
     messages = user("Look ", *parts)
     if url == "detail":
-        messages[0]["content"][1]["image_url"] = {"url": data_url(random_image(1)), "detail": "high"}
+        messages[0]["content"][1]["image_url"] = {"url": data_url(random_image(1)), "detail": "medium"}
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="llava", messages=messages, max_tokens=MAX_TOKENS)
     assert message in str(info.value)
@@ -134,6 +135,23 @@ def test_bad_images_get_400_and_the_server_stays_healthy(served, client, url, me
                                         max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
     served[1].check_invariants()
+
+
+@pytest.mark.parametrize("detail", ["low", "high"])
+def test_image_detail_is_honoured(served, client, detail):
+    """OpenAI's ``detail``: "low" answers as the engine on the image scaled to fit 512 pixels a side, "high" as on
+    the image itself (a 1030x3 image: its low-detail pixels differ)."""
+    from paged_hf.multimodal_prompts import low_detail
+
+    image = random_image(8, (1030, 3))
+    messages = user("Look ", (data_url(image),))
+    messages[0]["content"][1]["image_url"]["detail"] = detail
+    answer = client.chat.completions.create(model="llava", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    seen = low_detail(image) if detail == "low" else image
+    ids, images = expected(served, "user: Look <image>assistant:", [seen])
+    _, other = expected(served, "user: Look <image>assistant:", [image if detail == "low" else low_detail(image)])
+    assert not torch.equal(images["pixel_values"], other["pixel_values"])
+    assert answer.choices[0].message.content == _engine_text(served, ids, images)
 
 
 def test_image_parts_on_a_server_without_a_processor(served):

@@ -232,7 +232,7 @@ class CompletionRequest(_Sampling):
 
 class ImageUrl(StrictBody):
     url: str
-    detail: Literal["auto"] | None = None  # the model's processor sizes the image: "low" / "high" are refused
+    detail: Literal["auto", "low", "high"] | None = None  # "low": scaled to fit 512 pixels a side (multimodal_prompts)
 
 
 class ContentPart(StrictBody):
