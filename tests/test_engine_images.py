@@ -387,6 +387,29 @@ def test_token_id_prompts_with_images_are_expanded_as_their_text_is(model, llm):
         assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
 
 
+def test_qwen2_vl_token_id_prompts_with_images_equal_generate():
+    """Qwen2-VL's placeholder is its image token between <|vision_start|> and <|vision_end|>: one per image in the
+    ids becomes the image's merged patches (as many image tokens), and the greedy tokens (M-RoPE positions from the
+    expanded ids and the grids) equal ``generate``'s on the processed text."""
+    from paged_hf import LLM
+    from vision_models import qwen2_vl_processor, random_image, tiny_qwen2_vl
+
+    model, processor = tiny_qwen2_vl(), qwen2_vl_processor()
+    llm = LLM(model, processor.tokenizer, processor=processor, enforce_eager=True, block_size=4, num_blocks=128)
+    images = [random_image(1, (28, 20)), random_image(2, (40, 12))]
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+    for text in (f"Look {image} and {image} too", f"{image}{image} two"):
+        ids = processor.tokenizer(text)["input_ids"]
+        by_ids = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, GREEDY,
+                              use_tqdm=False)[0]
+        expanded = processor(text=[text], images=images, return_tensors="pt")["input_ids"][0].tolist()
+        assert by_ids.prompt_token_ids == expanded and expanded.count(515) > ids.count(515) == 2
+        try:
+            assert by_ids.outputs[0].token_ids == processed_reference(model, processor, text, images)
+        finally:
+            model.set_attn_implementation("paged")  # the reference ran sdpa
+
+
 def test_llm_takes_numpy_and_torch_images_as_their_pixels(model, llm):
     """vLLM's ``multi_modal_data`` takes numpy arrays and torch tensors of pixels as well as PIL images: uint8,
     channels last or first (first where both read so, as transformers' processors decide), grey without channels.

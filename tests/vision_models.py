@@ -104,6 +104,25 @@ def qwen2_vl_images(images: list) -> dict:
     return dict(processor(images, return_tensors="pt"))
 
 
+def qwen2_vl_processor():
+    """Qwen2-VL's processor: ``qwen2_vl_images``' image processor and the stories260K tokenizer with its vision tokens
+    added (<|vision_start|> 513, <|vision_end|> 514, <|image_pad|> 515, <|video_pad|> 516). Its video processor needs
+    torchvision, which this project's tests do without: the processor is built without one (no video is asked of it)."""
+    from unittest import mock
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    require_stories()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(STORIES)
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|unused|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]})
+    assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == QWEN_IMAGE_TOKEN_ID
+    images = Qwen2VLImageProcessorPil(min_pixels=8 * 8, max_pixels=32 * 32, patch_size=4, merge_size=2,
+                                      temporal_patch_size=2)
+    with mock.patch.object(transformers.ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
+        return transformers.Qwen2VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=None)
+
+
 def qwen2_vl_prompt(image_inputs: dict, seed: int, text_len: int = 3) -> list[int]:
     """Token ids: text, then per image <vision_start>, its merged patches' placeholders, <vision_end>, text."""
     generator = torch.Generator().manual_seed(seed)
