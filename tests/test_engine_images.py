@@ -146,7 +146,7 @@ def test_image_and_text_requests_share_a_step(family):
     engine.check_invariants()
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])
+@pytest.mark.parametrize("family", VISION_FAMILIES)
 def test_prefix_hits_the_same_image_and_misses_another(family):
     model = family_model(family)
     engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
@@ -306,7 +306,7 @@ def test_limit_mm_per_prompt_is_checked():
     assert EngineConfig(limit_mm_per_prompt={"image": 2, "video": 0, "audio": 0}).limit_mm_per_prompt["image"] == 2
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "mllama"])
+@pytest.mark.parametrize("family", ["mllama", "idefics3"])
 def test_families_without_engine_images_are_refused_by_name(family):
     model = types.SimpleNamespace(config=types.SimpleNamespace(model_type=family, image_token_id=IMAGE_TOKEN_ID))
     ids = [1, 2] + [IMAGE_TOKEN_ID] * IMAGE_TOKENS

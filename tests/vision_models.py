@@ -95,6 +95,24 @@ def tiny_qwen2_vl(attn_implementation: str = "sdpa", seed: int = 0):
     return model
 
 
+def tiny_qwen2_5_vl(attn_implementation: str = "sdpa", seed: int = 0):
+    """``tiny_qwen2_vl``'s text model and ids with Qwen2.5-VL's vision tower: 2 blocks on 4x4 patches merged 2x2, the
+    first attending within windows of 2x2 merged patches (``window_size`` 16 pixels), the second over the image."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=16, fullatt_block_indexes=[1],
+                  tokens_per_second=2)
+    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE_TOKEN_ID,
+                                           video_token_id=516, vision_start_token_id=VISION_START,
+                                           vision_end_token_id=VISION_END)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
 def qwen2_vl_images(images: list) -> dict:
     """Qwen2-VL's PIL image processor on ``images`` (resized to 64..1024 pixels, 4x4 patches, 2x2 merge)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -135,7 +153,8 @@ def qwen2_vl_prompt(image_inputs: dict, seed: int, text_len: int = 3) -> list[in
 
 
 # ------------------------------------------------------------------------------------------------ both families
-VISION_FAMILIES = ("llava", "qwen2_vl", "gemma3")
+VISION_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3")
+QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # the same processor, ids and M-RoPE
 QWEN_SIZES = ((28, 20), (16, 16), (40, 12), (20, 20))  # images of 8, 4, 6 and 4 placeholders
 
 
@@ -144,7 +163,7 @@ def vision_model(family: str):
         model = tiny_gemma3()
         model.set_attn_implementation("sdpa")
         return model
-    return tiny_llava() if family == "llava" else tiny_qwen2_vl()
+    return tiny_llava() if family == "llava" else tiny_qwen2_vl() if family == "qwen2_vl" else tiny_qwen2_5_vl()
 
 
 def vision_case(family: str, num_images: int, seed: int) -> tuple[list[int], dict | None]:
@@ -164,10 +183,11 @@ def vision_case(family: str, num_images: int, seed: int) -> tuple[list[int], dic
 
 
 def generate_kwargs(family: str, ids: list[int], images: dict | None) -> dict:
-    """What ``model.generate`` takes besides the ids for ``images`` (Qwen2-VL: the token types of its M-RoPE)."""
+    """What ``model.generate`` takes besides the ids for ``images`` (Qwen2-VL, Qwen2.5-VL: the token types of their
+    M-RoPE)."""
     if images is None:
         return {}
-    if family == "qwen2_vl":
+    if family in QWEN_FAMILIES:
         return {**images, "mm_token_type_ids": (torch.tensor([ids]) == QWEN_IMAGE_TOKEN_ID).int()}
     if family == "gemma3":  # its image tokens attend to each other both ways
         return {**images, "token_type_ids": (torch.tensor([ids]) == GEMMA_IMAGE_TOKEN_ID).long()}

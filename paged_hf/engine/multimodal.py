@@ -13,15 +13,15 @@ Prefix caching sees the images through the request's block keys (``hashing.Conte
 placeholder tokens carries the digests of its images, and the chained hash carries them to every later block, so
 the same image hits and another image behind the same placeholders misses.
 
-The runner's side is ``image_encoder.py``. Families (``IMAGE_FAMILIES``): LLaVA (causal attention over the image tokens, plain RoPE) and Qwen2-VL, whose
-M-RoPE positions (three rows: time, height, width) come from the model's ``get_rope_index`` once per request, at
+The runner's side is ``image_encoder.py``. Families (``IMAGE_FAMILIES``): LLaVA (causal attention over the image tokens, plain RoPE); Qwen2-VL and
+Qwen2.5-VL (whose vision tower attends within windows: the model's own ``get_image_features``), whose M-RoPE positions (three rows: time, height, width) come from the model's ``get_rope_index`` once per request, at
 ``add_request``; a step then hands the model ``[3, 1, T]`` position ids, sliced from them for prompt tokens and
 ``position + rope delta`` for generated ones, and runs eagerly (the paged attention's causality still reads the
 plain positions); and Gemma 3, whose image tokens attend to each other both ways: its images are never split across
 chunks (``ImageChunks``: a chunk ends before an image it cannot finish), and the step's image queries are attended
 again with a wider bound (``AttentionMetadata.pad_queries``: keys up to the image's last token, from the query's own
-window start), which is transformers' mask for them (causal OR same image, within the window). Qwen2.5-VL is refused
-with a ``NotImplementedError``: it is not tested here.
+window start), which is transformers' mask for them (causal OR same image, within the window). Other families' images raise
+``NotImplementedError`` naming the family (their text runs).
 """
 
 from __future__ import annotations
@@ -36,14 +36,11 @@ import torch
 from ..config import ParameterError
 from ..hashing import ContentSpans
 
-IMAGE_FAMILIES = ("llava", "qwen2_vl", "gemma3")  # config.model_type of the models whose images the engine runs
-MROPE_FAMILIES = ("qwen2_vl",)
+IMAGE_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3")  # config.model_type of the models whose images run
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 BIDIRECTIONAL_FAMILIES = ("gemma3",)  # an image's tokens attend to each other both ways
 FIXED_LENGTH_FAMILIES = ("llava",)  # every image takes the same number of placeholder tokens, with no marker around
-REFUSED = {
-    "qwen2_5_vl": "Qwen2.5-VL's images are not tested with the engine (Qwen2-VL's are)",
-}
-# the processor tensors the encoder takes: one row per image, except Qwen2-VL's pixel_values (one row per patch, the
+# the processor tensors the encoder takes: one row per image, except Qwen2-VL's and Qwen2.5-VL's pixel_values (one row per patch, the
 # image's rows being the product of its image_grid_thw row)
 IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw")
 
@@ -112,11 +109,9 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
     if token is None:
         raise ParameterError("images", f"{type(model).__name__} reads no images (its config names no image token)")
     family = model.config.model_type
-    if family in REFUSED:
-        raise NotImplementedError(f"PagedEngine does not run images on {family} yet: {REFUSED[family]}; its "
-                                  f"text-only requests run. Image families: {list(IMAGE_FAMILIES)}")
     if family not in IMAGE_FAMILIES:
-        raise NotImplementedError(f"PagedEngine runs images on {list(IMAGE_FAMILIES)} models, not {family!r}")
+        raise NotImplementedError(f"PagedEngine runs images on {list(IMAGE_FAMILIES)} models, not {family!r} (its "
+                                  f"text-only requests run)")
     if not isinstance(images, Mapping) or not isinstance(images.get("pixel_values"), torch.Tensor):
         raise ParameterError("images", "images must be the processor's tensors: a mapping with 'pixel_values' "
                                        f"(a tensor, one row per image), got {type(images).__name__}")
