@@ -113,6 +113,29 @@ def tiny_qwen2_5_vl(attn_implementation: str = "sdpa", seed: int = 0):
     return model
 
 
+def tiny_qwen3_vl(attn_implementation: str = "sdpa", seed: int = 0, moe: bool = False):
+    """``tiny_qwen2_vl``'s ids with Qwen3-VL (``moe``: Qwen3-VL-MoE, 4 experts, 2 a token): 3 text layers with
+    interleaved M-RoPE, a 3-block vision tower on 4x4 patches merged 2x2 whose first two blocks' merged rows are also
+    added to the first two decoder layers' image rows (DeepStack)."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True})
+    if moe:
+        text.update(moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3, num_position_embeddings=64,
+                  deepstack_visual_indexes=[0, 1])
+    config_class = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
+    config = config_class(text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE_TOKEN_ID, video_token_id=516,
+                          vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+    torch.manual_seed(seed)
+    model_class = transformers.Qwen3VLMoeForConditionalGeneration if moe else transformers.Qwen3VLForConditionalGeneration
+    model = model_class(config).eval()
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
 def qwen2_vl_images(images: list) -> dict:
     """Qwen2-VL's PIL image processor on ``images`` (resized to 64..1024 pixels, 4x4 patches, 2x2 merge)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -153,8 +176,8 @@ def qwen2_vl_prompt(image_inputs: dict, seed: int, text_len: int = 3) -> list[in
 
 
 # ------------------------------------------------------------------------------------------------ both families
-VISION_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3")
-QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # the same processor, ids and M-RoPE
+VISION_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3")
+QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # the same processor, ids and M-RoPE form
 QWEN_SIZES = ((28, 20), (16, 16), (40, 12), (20, 20))  # images of 8, 4, 6 and 4 placeholders
 
 
@@ -163,6 +186,8 @@ def vision_model(family: str):
         model = tiny_gemma3()
         model.set_attn_implementation("sdpa")
         return model
+    if family.startswith("qwen3_vl"):
+        return tiny_qwen3_vl(moe=family == "qwen3_vl_moe")
     return tiny_llava() if family == "llava" else tiny_qwen2_vl() if family == "qwen2_vl" else tiny_qwen2_5_vl()
 
 

@@ -1,8 +1,9 @@
 """The runner's side of images: ``ImageEncoder`` runs the vision tower for the images a step needs (once per image,
 every image of the step in one call per shape) and caches their embeddings on their requests until their tokens are
-computed; it builds the step's ``inputs_embeds`` (text embeddings with the image rows written in), Qwen2-VL's
-``[3, T]`` M-RoPE position ids, and Gemma 3's widened image queries. The request's side (``RequestImages``) is
-``multimodal.py``.
+computed; it builds the step's token inputs (``inputs_embeds``: text embeddings with the image rows written in; for
+Qwen3-VL, whose vision tower also feeds rows to its first decoder layers (DeepStack), the token ids with the step's
+image rows as the model's ``mm_encoder_outputs``), Qwen2-VL's ``[3, T]`` M-RoPE position ids, and Gemma 3's widened
+image queries. The request's side (``RequestImages``) is ``multimodal.py``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..metadata import PadQueries
-from .multimodal import RequestImages
+from .multimodal import DEEPSTACK_FAMILIES, RequestImages
 
 
 class ImageEncoder:
@@ -21,10 +22,15 @@ class ImageEncoder:
         self.model = model
         self.embed_tokens = model.get_input_embeddings()
         self.num_encoded_images = 0
+        self.deepstack = model.config.model_type in DEEPSTACK_FAMILIES
+        self.encoder_output = None  # the class of a DeepStack tower's outputs (pooler_output, deepstack_features)
 
-    def inputs_embeds(self, scheduled, input_ids: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor | None:
-        """``[T, hidden]`` embeddings of the packed step (``input_ids`` ``[T]``, sequence ``i``'s rows from
-        ``query_start_loc[i]``) with the image rows written in; None when no scheduled token is an image's."""
+    def step_inputs(self, scheduled, input_ids: torch.Tensor, query_start_loc: torch.Tensor) -> dict | None:
+        """The model's token keywords for the packed step (``input_ids`` ``[T]``, sequence ``i``'s rows from
+        ``query_start_loc[i]``) when some scheduled token is an image's, else None: ``inputs_embeds`` ``[1, T,
+        hidden]`` with the image rows written in, or, for a DeepStack model, ``input_ids`` ``[1, T]`` and
+        ``mm_encoder_outputs`` holding the step's image rows in row order (the model writes them at its image tokens
+        and adds each DeepStack layer's rows after that decoder layer)."""
         needed = []  # (row of the step, images, image index, first token, last token + 1)
         for i, item in enumerate(scheduled):
             images = item.seq.request.images
@@ -36,15 +42,24 @@ class ImageEncoder:
         if not needed:
             return None
         self._encode([(images, index) for _, images, index, _, _ in needed if index not in images.embeds])
-        device = self.embed_tokens.weight.device
-        embeds = self.embed_tokens(input_ids.to(device))
         starts = query_start_loc.tolist()
+        pieces = []  # (first row, image index's rows first .. last - 1 of its embeddings, images, index)
         for i, images, index, start, stop in needed:
             span = images.spans[index]
             first, last = max(start, span.offset), min(stop, span.end)
-            row = starts[i] + first - start
-            embeds[row : row + last - first] = images.embeds[index][first - span.offset : last - span.offset]
-        return embeds
+            pieces.append((starts[i] + first - start, first - span.offset, last - span.offset, images, index))
+        device = self.embed_tokens.weight.device
+        if self.deepstack:
+            pieces.sort(key=lambda piece: piece[0])
+            rows = torch.cat([images.embeds[index][a:b] for _, a, b, images, index in pieces])
+            layers = [torch.cat([images.deepstack[index][layer][a:b] for _, a, b, images, index in pieces])
+                      for layer in range(len(pieces[0][3].deepstack[pieces[0][4]]))]
+            outputs = self.encoder_output(pooler_output=(rows,), deepstack_features=[(layer,) for layer in layers])
+            return dict(input_ids=input_ids.to(device).unsqueeze(0), mm_encoder_outputs={"image": outputs})
+        embeds = self.embed_tokens(input_ids.to(device))
+        for row, a, b, images, index in pieces:
+            embeds[row : row + b - a] = images.embeds[index][a:b]
+        return dict(inputs_embeds=embeds.unsqueeze(0))
 
     def _encode(self, missing: list[tuple[RequestImages, int]]) -> None:
         """Runs the vision tower once over the ``missing`` images (grouped by shape), caching each one's
@@ -59,8 +74,9 @@ class ImageEncoder:
             batch = {name: torch.cat([images.spans[index].tensors[name] for images, index in members]).to(device)
                      for name in members[0][0].spans[members[0][1]].tensors}
             batch["pixel_values"] = batch["pixel_values"].to(dtype)
-            features = self.model.get_image_features(**batch).pooler_output
-            for (images, index), feature in zip(members, features):
+            encoded = self.model.get_image_features(**batch)
+            self.encoder_output = type(encoded)  # the model's forward takes it back as ``mm_encoder_outputs``
+            for member, ((images, index), feature) in enumerate(zip(members, encoded.pooler_output)):
                 span = images.spans[index]
                 feature = feature.reshape(-1, feature.shape[-1])
                 if feature.shape[0] != span.length:
@@ -68,6 +84,8 @@ class ImageEncoder:
                                      f"{span.length} placeholder tokens for it (the processor expands them: use "
                                      f"the model's processor)")
                 images.embeds[index] = feature.to(dtype)
+                if self.deepstack:  # [layer][image] -> this image's rows of each DeepStack layer
+                    images.deepstack[index] = [layer[member].to(dtype) for layer in encoded.deepstack_features]
             self.num_encoded_images += len(members)
 
     @staticmethod
@@ -131,3 +149,4 @@ class ImageEncoder:
                 stop = item.start + item.num_tokens
                 for index in [i for i in images.embeds if images.spans[i].end <= stop]:
                     del images.embeds[index]
+                    images.deepstack.pop(index, None)

@@ -13,8 +13,11 @@ Prefix caching sees the images through the request's block keys (``hashing.Conte
 placeholder tokens carries the digests of its images, and the chained hash carries them to every later block, so
 the same image hits and another image behind the same placeholders misses.
 
-The runner's side is ``image_encoder.py``. Families (``IMAGE_FAMILIES``): LLaVA (causal attention over the image tokens, plain RoPE); Qwen2-VL and
-Qwen2.5-VL (whose vision tower attends within windows: the model's own ``get_image_features``), whose M-RoPE positions (three rows: time, height, width) come from the model's ``get_rope_index`` once per request, at
+The runner's side is ``image_encoder.py``. Families (``IMAGE_FAMILIES``): LLaVA (causal attention over the image
+tokens, plain RoPE); Qwen2-VL, Qwen2.5-VL (whose vision tower attends within windows: the model's own
+``get_image_features``) and Qwen3-VL / Qwen3-VL-MoE (whose tower's earlier blocks also give rows that the first
+decoder layers add to the image tokens' hidden states, DeepStack: cached per image beside its embeddings), whose
+M-RoPE positions (three rows: time, height, width) come from the model's ``get_rope_index`` once per request, at
 ``add_request``; a step then hands the model ``[3, 1, T]`` position ids, sliced from them for prompt tokens and
 ``position + rope delta`` for generated ones, and runs eagerly (the paged attention's causality still reads the
 plain positions); and Gemma 3, whose image tokens attend to each other both ways: its images are never split across
@@ -36,8 +39,10 @@ import torch
 from ..config import ParameterError
 from ..hashing import ContentSpans
 
-IMAGE_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3")  # config.model_type of the models whose images run
-MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+# config.model_type of the models whose images run
+IMAGE_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3")
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+DEEPSTACK_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")  # the vision tower's rows also enter the first decoder layers
 BIDIRECTIONAL_FAMILIES = ("gemma3",)  # an image's tokens attend to each other both ways
 FIXED_LENGTH_FAMILIES = ("llava",)  # every image takes the same number of placeholder tokens, with no marker around
 # the processor tensors the encoder takes: one row per image, except Qwen2-VL's and Qwen2.5-VL's pixel_values (one row per patch, the
@@ -68,6 +73,7 @@ class RequestImages:
 
     spans: list[ImageSpan]
     embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    deepstack: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # per DeepStack layer, as ``embeds``
     mrope_positions: torch.Tensor | None = None
     rope_delta: int = 0
     bidirectional: bool = False

@@ -74,16 +74,16 @@ class StepInput:
     """What every rank needs to run one forward: the packed token ids ``[T]``, the attention metadata, the rows of
     logits to keep and the block copies to run first. Built by the leader (``ModelRunner.plan``); under tensor
     parallelism it is broadcast, with its tensors on the CPU, and each rank moves it to its device.
-    ``inputs_embeds`` ``[T, hidden]``: a step that computes image tokens (one process only) runs on these, eagerly,
-    instead of ``input_ids``; ``position_ids`` ``[3, T]``: a step with M-RoPE requests (Qwen2-VL) runs eagerly on
-    these instead of the metadata's positions."""
+    ``image_inputs``: a step that computes image tokens (one process only) runs eagerly on these model keywords
+    (``ImageEncoder.step_inputs``) instead of ``input_ids``; ``position_ids`` ``[3, T]``: a step with M-RoPE
+    requests (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) runs eagerly on these instead of the metadata's positions."""
 
     input_ids: torch.Tensor
     metadata: AttentionMetadata
     keep: torch.Tensor
     copies: list = field(default_factory=list)
     num_rows: int = 0  # the leader's block-table rows (a follower gives its tail formats as many tail rows)
-    inputs_embeds: torch.Tensor | None = None
+    image_inputs: dict | None = None
     position_ids: torch.Tensor | None = None
 
 
@@ -306,14 +306,14 @@ class ModelRunner:
     def _run_planned(self, output: SchedulerOutput, copies: list, persistent: bool = False) -> ModelOutput:
         step, sample_rows, prompt_rows, draft_rows = self.plan(output, copies, persistent)
         if self.images is not None:  # the vision tower runs here, for the images this step's tokens need
-            step.inputs_embeds = self.images.inputs_embeds(output.scheduled, step.input_ids,
-                                                           step.metadata.query_start_loc)
+            step.image_inputs = self.images.step_inputs(output.scheduled, step.input_ids,
+                                                        step.metadata.query_start_loc)
             step.position_ids = self.images.positions(output.scheduled, step.metadata.positions,
                                                       step.metadata.query_start_loc)
             step.metadata.pad_queries = self.images.bidirectional_queries(output.scheduled, step.metadata)
         self.broadcast(("step", step))
         logits = self.run(step)
-        if step.inputs_embeds is not None:
+        if step.image_inputs is not None:
             self.images.release(output.scheduled)
         return ModelOutput(logits, sample_rows, prompt_rows, draft_rows)
 
@@ -352,8 +352,8 @@ class ModelRunner:
             logger.warning("the engine's model was switched to attn_implementation=%r; switching it back to 'paged' "
                            "for the engine's forward", attention)
             self.model.set_attn_implementation("paged")
-        eager = step.inputs_embeds is not None or step.position_ids is not None
-        if step.inputs_embeds is None:
+        eager = step.image_inputs is not None or step.position_ids is not None
+        if step.image_inputs is None:
             input_ids = step.input_ids if on_host else step.input_ids.to(self.device, non_blocking=True)
             tokens = dict(input_ids=input_ids.unsqueeze(0))
             if self.graphs is not None and not eager:  # a decode-only step that fits a bucket runs there
@@ -361,7 +361,7 @@ class ModelRunner:
                 if logits is not None:
                     return logits
         else:
-            tokens = dict(inputs_embeds=step.inputs_embeds.unsqueeze(0))
+            tokens = step.image_inputs
         self.cache.metadata = metadata
         kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
         positions = metadata.positions.unsqueeze(0) if step.position_ids is None else step.position_ids.unsqueeze(1)
