@@ -97,7 +97,7 @@ class EngineStats(KVCacheStats):
     num_steps: int = 0  # steps that ran a forward since start
     num_step_tokens: int = 0  # the tokens those steps forwarded: prompt chunks and decode inputs (drafts included)
     tensor_parallel_size: int = 1  # ranks the model and every KV block are split over (each holds its share)
-    num_encoded_images: int = 0  # vision-tower runs, one per image (again after a recompute)
+    num_encoded_images: int = 0  # images encoded (tiles for Idefics3 / SmolVLM; again after a recompute)
     # speculative decoding (vLLM's counters; all 0 without it): verified runs with drafts, draft tokens, accepted
     # draft tokens, and per draft position j the runs whose draft j was accepted
     spec_decode_num_drafts: int = 0

@@ -17,7 +17,7 @@ from paged_hf import PagedEngine, SamplingParams, attention
 from paged_hf.engine.multimodal import request_images
 from paged_hf.hashing import ContentSpans, extend_block_hashes
 from models import token_logprobs
-from vision_models import (IMAGE_TOKEN_ID, IMAGE_TOKENS, VISION_FAMILIES, generate_kwargs, prompt_with_images,
+from vision_models import (IMAGE_TOKEN_ID, IMAGE_TOKENS, TILED, VISION_FAMILIES, generate_kwargs, prompt_with_images,
                            random_pixels, tiny_llava, vision_case, vision_model)
 
 MAX_TOKENS = 6
@@ -65,6 +65,12 @@ def reference(model, num_images: int, seed: int, family: str = "llava"):
     return _references[key]
 
 
+def encoded_units(family: str, num_images: int, seed: int) -> int:
+    """What the vision tower encodes for a case: its images, or its tiles (Idefics3, SmolVLM)."""
+    images = case_inputs(num_images, seed, family)[1]
+    return images["pixel_values"].shape[1] if family in TILED and images else num_images
+
+
 def run_cases(engine, cases, family: str = "llava"):
     inputs = [case_inputs(*case, family) for case in cases]
     return engine.generate([ids for ids, _ in inputs], GREEDY, use_tqdm=False, images=[i for _, i in inputs])
@@ -82,6 +88,8 @@ def test_engine_equals_generate(family, options):
     model = family_model(family)
     if family == "gemma3" and "num_blocks" in options:  # its sliding window frees blocks: a smaller pool preempts
         options = {**options, "num_blocks": 6}
+    if family in TILED and "num_blocks" in options:  # its prompts are longest (tiles): a pool that holds them
+        options = {**options, "num_blocks": 20}
     engine = PagedEngine(model, None, **{"block_size": 4, "num_blocks": 128, "enforce_eager": True, **options})
     outs = run_cases(engine, CASES, family)
     for out, case in zip(outs, CASES):
@@ -91,8 +99,8 @@ def test_engine_equals_generate(family, options):
         torch.testing.assert_close(token_logprobs(out.outputs[0]), logprobs, atol=2e-5, rtol=0)
     if options.get("preemption_mode"):
         assert engine.get_stats()["preemption_count"] > 0, "the pool must force preemption"
-    else:  # the vision tower ran once per image, whatever the chunking
-        assert engine.runner.images.num_encoded_images == sum(n for n, _ in CASES)
+    else:  # the vision tower ran once per image (per tile for tiled families), whatever the chunking
+        assert engine.runner.images.num_encoded_images == sum(encoded_units(family, *case) for case in CASES)
     engine.check_invariants()
     assert engine.get_stats()["kv_cache_used"] == 0
 
@@ -123,7 +131,7 @@ def test_parallel_samples_of_an_image_request_share_its_prompt(family):
     out = engine.generate([ids], SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
                           use_tqdm=False, images=[images])[0]
     assert [c.token_ids for c in out.outputs] == [reference(model, 2, 1, family)[0]] * 2
-    assert engine.get_stats()["num_encoded_images"] == 2
+    assert engine.get_stats()["num_encoded_images"] == encoded_units(family, 2, 1)
     engine.check_invariants()
 
 
@@ -306,7 +314,7 @@ def test_limit_mm_per_prompt_is_checked():
     assert EngineConfig(limit_mm_per_prompt={"image": 2, "video": 0, "audio": 0}).limit_mm_per_prompt["image"] == 2
 
 
-@pytest.mark.parametrize("family", ["mllama", "idefics3"])
+@pytest.mark.parametrize("family", ["mllama", "llava_next"])
 def test_families_without_engine_images_are_refused_by_name(family):
     model = types.SimpleNamespace(config=types.SimpleNamespace(model_type=family, image_token_id=IMAGE_TOKEN_ID))
     ids = [1, 2] + [IMAGE_TOKEN_ID] * IMAGE_TOKENS
@@ -408,6 +416,31 @@ def test_qwen2_vl_token_id_prompts_with_images_equal_generate():
             assert by_ids.outputs[0].token_ids == processed_reference(model, processor, text, images)
         finally:
             model.set_attn_implementation("paged")  # the reference ran sdpa
+
+
+def test_idefics3_images_through_its_processor_are_tiles_counted_as_images():
+    """Idefics3's processor cuts each image into crops plus a global view, each a run of placeholders after its
+    marker: text and token-id prompts answer as generate on the processed text, and ``limit_mm_per_prompt`` counts
+    images (global views), not tiles."""
+    from paged_hf import LLM
+    from vision_models import idefics3_processor, random_image, tiny_tiled
+
+    model, processor = tiny_tiled("idefics3"), idefics3_processor()
+    llm = LLM(model, processor.tokenizer, processor=processor, enforce_eager=True, block_size=4, num_blocks=128,
+              limit_mm_per_prompt={"image": 2})
+    images = [random_image(1, (40, 20)), random_image(2, (10, 10))]  # 2 and 4 crops
+    text = "Look <image> and <image> too"
+    want = processed_reference(model, processor, text, images)
+    model.set_attn_implementation("paged")  # the reference ran sdpa
+    by_text = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0]
+    assert llm.llm_engine.get_stats()["num_encoded_images"] == 3 + 5  # every tile once
+    by_ids = llm.generate({"prompt_token_ids": processor.tokenizer(text)["input_ids"],
+                           "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0]
+    assert by_text.outputs[0].token_ids == want and by_ids.outputs[0].token_ids == want
+    assert by_ids.prompt_token_ids == by_text.prompt_token_ids
+    with pytest.raises(ValueError, match="the request has 3 images; at most 2"):
+        llm.generate({"prompt": "<image><image><image>", "multi_modal_data": {"image": images + images[:1]}},
+                     GREEDY, use_tqdm=False)
 
 
 def test_llm_takes_numpy_and_torch_images_as_their_pixels(model, llm):
@@ -602,14 +635,17 @@ def test_a_compiled_engine_runs_image_steps_eagerly_and_the_rest_compiled():
     engine.check_invariants()
 
 
-def test_llm_loads_a_vision_language_folder_with_its_processor(tmp_path, model):
+@pytest.mark.parametrize("family", ["llava", "idefics3"])
+def test_llm_loads_a_vision_language_folder_with_its_processor(tmp_path, model, family):
     from paged_hf import LLM
-    from vision_models import llava_processor, random_image
+    from vision_models import idefics3_processor, llava_processor, random_image, tiny_tiled
 
+    model, processor = (tiny_tiled("idefics3"), idefics3_processor()) if family == "idefics3" else \
+        (model, llava_processor())
     model.save_pretrained(tmp_path)
-    llava_processor().save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", enforce_eager=True, block_size=4, num_blocks=64)
-    assert type(llm.model).__name__ == "LlavaForConditionalGeneration" and llm.processor is not None
-    text, image = "Look <image> at it", random_image(0)
+    assert type(llm.model).__name__ == type(model).__name__ and type(llm.processor) is type(processor)
+    text, image = "Look <image> at it", random_image(0, (40, 20))
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == processed_reference(model, llava_processor(), text, [image])
+    assert out.outputs[0].token_ids == processed_reference(model, processor, text, [image])

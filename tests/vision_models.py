@@ -136,6 +136,69 @@ def tiny_qwen3_vl(attn_implementation: str = "sdpa", seed: int = 0, moe: bool = 
     return model
 
 
+# ------------------------------------------------------------------------------------------------ Idefics3, SmolVLM
+FAKE_IMAGE, GLOBAL_IMAGE, FIRST_ROW_COL = 513, 514, 515  # <fake_token_around_image>, <global-img>, <row_1_col_1>
+TILE_TOKENS = 4  # a 16x16 tile: 16 patches, pixel-shuffled by 2 into 4 tokens
+TILE_LAYOUTS = ((1, 2), (2, 2), (0, 0))  # rows x columns of crops before each image's global view (0: no crops)
+
+
+def tiny_tiled(family: str, attn_implementation: str = "sdpa", seed: int = 0):
+    """A 2-layer Llama behind a 2-layer SigLIP tower on 16x16 tiles of 4x4 patches, pixel-shuffled by 2 (4 tokens a
+    tile): ``family`` "idefics3" or "smolvlm"; the vocabulary holds the stories260K tokenizer's ids, ``<image>`` (512)
+    and ``idefics3_processor``'s tokens."""
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=IMAGE_SIZE, patch_size=PATCH)
+    text = dict(model_type="llama", vocab_size=560, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0)
+    config_class, model_class = (transformers.Idefics3Config, transformers.Idefics3ForConditionalGeneration) \
+        if family == "idefics3" else (transformers.SmolVLMConfig, transformers.SmolVLMForConditionalGeneration)
+    config = config_class(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID, scale_factor=2)
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def tiled_case(num_images: int, seed: int) -> tuple[list[int], dict | None]:
+    """Token ids as Idefics3's processor writes them (each image: a run of ``TILE_TOKENS`` placeholders per crop after
+    its row/column marker, then one after ``<global-img>``), with random tiles ``[1, tiles, 3, 16, 16]``."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = [1] + torch.randint(3, 500, (3,), generator=generator).tolist()
+    tiles = 0
+    for image in range(num_images):
+        rows, cols = TILE_LAYOUTS[(seed + image) % len(TILE_LAYOUTS)]
+        for row in range(rows):
+            for col in range(cols):
+                ids += [FAKE_IMAGE, FIRST_ROW_COL + 6 * row + col] + [IMAGE_TOKEN_ID] * TILE_TOKENS
+            ids += [13] if rows else []
+        ids += [FAKE_IMAGE, GLOBAL_IMAGE] + [IMAGE_TOKEN_ID] * TILE_TOKENS + [FAKE_IMAGE]
+        ids += torch.randint(3, 500, (2,), generator=generator).tolist()
+        tiles += rows * cols + 1
+    if not num_images:
+        return ids, None
+    pixels = torch.randn(1, tiles, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)
+    return ids, {"pixel_values": pixels, "pixel_attention_mask": torch.ones(1, tiles, IMAGE_SIZE, IMAGE_SIZE,
+                                                                            dtype=torch.bool)}
+
+
+def idefics3_processor():
+    """Idefics3's processor: its PIL image processor (images resized to 32 pixels on their longer side, cut in 16x16
+    crops plus the whole image at 16) and the stories260K tokenizer with ``<image>`` (512) and the processor's
+    markers added, as in ``tiled_case``."""
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    require_stories()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(STORIES)
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<image>", "<fake_token_around_image>", "<global-img>",
+        *[f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)], "<end_of_utterance>"]})
+    assert tokenizer.convert_tokens_to_ids(["<image>", "<global-img>"]) == [IMAGE_TOKEN_ID, GLOBAL_IMAGE]
+    images = Idefics3ImageProcessorPil(do_image_splitting=True, size={"longest_edge": 2 * IMAGE_SIZE},
+                                       max_image_size={"longest_edge": IMAGE_SIZE})
+    return transformers.Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=TILE_TOKENS)
+
+
 def qwen2_vl_images(images: list) -> dict:
     """Qwen2-VL's PIL image processor on ``images`` (resized to 64..1024 pixels, 4x4 patches, 2x2 merge)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -176,7 +239,8 @@ def qwen2_vl_prompt(image_inputs: dict, seed: int, text_len: int = 3) -> list[in
 
 
 # ------------------------------------------------------------------------------------------------ both families
-VISION_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3")
+VISION_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3", "smolvlm")
+TILED = ("idefics3", "smolvlm")
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # the same processor, ids and M-RoPE form
 QWEN_SIZES = ((28, 20), (16, 16), (40, 12), (20, 20))  # images of 8, 4, 6 and 4 placeholders
 
@@ -186,6 +250,8 @@ def vision_model(family: str):
         model = tiny_gemma3()
         model.set_attn_implementation("sdpa")
         return model
+    if family in TILED:
+        return tiny_tiled(family)
     if family.startswith("qwen3_vl"):
         return tiny_qwen3_vl(moe=family == "qwen3_vl_moe")
     return tiny_llava() if family == "llava" else tiny_qwen2_vl() if family == "qwen2_vl" else tiny_qwen2_5_vl()
@@ -193,6 +259,8 @@ def vision_model(family: str):
 
 def vision_case(family: str, num_images: int, seed: int) -> tuple[list[int], dict | None]:
     """A prompt of ``num_images`` random images for ``family``: its token ids and the engine's ``images``."""
+    if family in TILED:
+        return tiled_case(num_images, seed)
     if family == "llava":
         ids = prompt_with_images(num_images, seed)
         return ids, ({"pixel_values": random_pixels(num_images, seed)} if num_images else None)

@@ -11,18 +11,19 @@ from __future__ import annotations
 import torch
 
 from ..metadata import PadQueries
-from .multimodal import DEEPSTACK_FAMILIES, RequestImages
+from .multimodal import DEEPSTACK_FAMILIES, TILED_FAMILIES, RequestImages
 
 
 class ImageEncoder:
     """The runner's side: runs the vision tower (``model.get_image_features``) for the images a step needs and
-    builds the step's ``inputs_embeds``. ``num_encoded_images``: vision-tower runs so far, one per image."""
+    builds the step's token inputs. ``num_encoded_images``: images encoded so far (tiles for a tiled family)."""
 
     def __init__(self, model) -> None:
         self.model = model
         self.embed_tokens = model.get_input_embeddings()
         self.num_encoded_images = 0
         self.deepstack = model.config.model_type in DEEPSTACK_FAMILIES
+        self.tiled = model.config.model_type in TILED_FAMILIES
         self.encoder_output = None  # the class of a DeepStack tower's outputs (pooler_output, deepstack_features)
 
     def step_inputs(self, scheduled, input_ids: torch.Tensor, query_start_loc: torch.Tensor) -> dict | None:
@@ -74,6 +75,8 @@ class ImageEncoder:
             batch = {name: torch.cat([images.spans[index].tensors[name] for images, index in members]).to(device)
                      for name in members[0][0].spans[members[0][1]].tensors}
             batch["pixel_values"] = batch["pixel_values"].to(dtype)
+            if self.tiled:  # ``[tiles, 1, ...]``: one output per batch row, so one per tile
+                batch = {name: value.unsqueeze(1) for name, value in batch.items()}
             encoded = self.model.get_image_features(**batch)
             self.encoder_output = type(encoded)  # the model's forward takes it back as ``mm_encoder_outputs``
             for member, ((images, index), feature) in enumerate(zip(members, encoded.pooler_output)):

@@ -14,7 +14,9 @@ placeholder tokens carries the digests of its images, and the chained hash carri
 the same image hits and another image behind the same placeholders misses.
 
 The runner's side is ``image_encoder.py``. Families (``IMAGE_FAMILIES``): LLaVA (causal attention over the image
-tokens, plain RoPE); Qwen2-VL, Qwen2.5-VL (whose vision tower attends within windows: the model's own
+tokens, plain RoPE); Idefics3 and SmolVLM (an image is tiles, its crops and the whole image scaled down, each a
+run of placeholders after a marker: each tile is an image span of its own here; ``limit_mm_per_prompt`` counts the
+global views, one per image); Qwen2-VL, Qwen2.5-VL (whose vision tower attends within windows: the model's own
 ``get_image_features``) and Qwen3-VL / Qwen3-VL-MoE (whose tower's earlier blocks also give rows that the first
 decoder layers add to the image tokens' hidden states, DeepStack: cached per image beside its embeddings), whose
 M-RoPE positions (three rows: time, height, width) come from the model's ``get_rope_index`` once per request, at
@@ -40,14 +42,17 @@ from ..config import ParameterError
 from ..hashing import ContentSpans
 
 # config.model_type of the models whose images run
-IMAGE_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3")
+IMAGE_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3", "smolvlm")
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 DEEPSTACK_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")  # the vision tower's rows also enter the first decoder layers
+# an image is tiles (its crops, then the whole image scaled down), each a run of placeholders after its own marker
+# token; the processor's tensors are ``[1, tiles, ...]``; here each tile is an image span of its own
+TILED_FAMILIES = ("idefics3", "smolvlm")
 BIDIRECTIONAL_FAMILIES = ("gemma3",)  # an image's tokens attend to each other both ways
 FIXED_LENGTH_FAMILIES = ("llava",)  # every image takes the same number of placeholder tokens, with no marker around
 # the processor tensors the encoder takes: one row per image, except Qwen2-VL's and Qwen2.5-VL's pixel_values (one row per patch, the
 # image's rows being the product of its image_grid_thw row)
-IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw")
+IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask")
 
 
 @dataclass
@@ -124,14 +129,17 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
     unknown = sorted(set(images) - set(IMAGE_KEYS))
     if unknown:
         raise ParameterError("images", f"images has unsupported key(s) {unknown}; allowed keys are {list(IMAGE_KEYS)}")
+    if family in TILED_FAMILIES:
+        images = _tiles(images)
     pixels = images["pixel_values"]
     grid = images.get("image_grid_thw")
     count = grid.shape[0] if isinstance(grid, torch.Tensor) and grid.dim() > 0 else \
         pixels.shape[0] if pixels.dim() > 0 else 0
     if count == 0:
         raise ParameterError("images", "images['pixel_values'] holds no image")
-    if max_images is not None and count > max_images:
-        raise ParameterError("images", f"the request has {count} images; at most {max_images} are allowed "
+    num_images = _tiled_images(ids, runs) if family in TILED_FAMILIES else count
+    if max_images is not None and num_images > max_images:
+        raise ParameterError("images", f"the request has {num_images} images; at most {max_images} are allowed "
                                        f"(limit_mm_per_prompt)")
     if not torch.isfinite(pixels).all():
         raise ParameterError("images", "pixel_values holds NaN or infinite values")
@@ -162,6 +170,28 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
     if family in MROPE_FAMILIES:
         result.mrope_positions, result.rope_delta = _mrope_positions(model, ids, token, images["image_grid_thw"])
     return result
+
+
+def _tiles(images: Mapping) -> dict:
+    """A tiled family's processor tensors (``pixel_values`` ``[1, tiles, C, H, W]``, ``pixel_attention_mask`` ``[1,
+    tiles, H, W]``: one prompt's) with a row per tile."""
+    pixels = images["pixel_values"]
+    if pixels.dim() != 5 or pixels.shape[0] != 1:
+        raise ParameterError("images", f"images['pixel_values'] must be the processor's [1, tiles, channels, height, "
+                                       f"width] of one prompt, got {list(pixels.shape)}")
+    out = dict(images)
+    for name in ("pixel_values", "pixel_attention_mask"):
+        value = images.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[:2] == pixels.shape[:2]:
+            out[name] = value[0]
+    return out
+
+
+def _tiled_images(ids: list[int], runs: list[tuple[int, int]]) -> int:
+    """The images of a tiled family's prompt: each ends with its global view, whose run follows the same marker token
+    (the last run's: the prompt's last image ends it); the other tiles' markers name their row and column."""
+    marker = ids[runs[-1][0] - 1] if runs and runs[-1][0] > 0 else None
+    return sum(offset > 0 and ids[offset - 1] == marker for offset, _ in runs)
 
 
 def _pixel_rows(images, count: int, runs: list[tuple[int, int]], model) -> list[int]:
