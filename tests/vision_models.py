@@ -136,6 +136,53 @@ def tiny_qwen3_vl(attn_implementation: str = "sdpa", seed: int = 0, moe: bool = 
     return model
 
 
+# ------------------------------------------------------------------------------------------------ LLaVA-NeXT
+NEXT_PINPOINTS = [[16, 32], [32, 16], [32, 32]]
+NEXT_SIZES = ((40, 20), (30, 30), (50, 17), (16, 16))
+
+
+def tiny_llava_next(attn_implementation: str = "sdpa", seed: int = 0):
+    """``tiny_llava``'s towers as LLaVA-NeXT: each image is its 16x16 base view and the crops of its best grid
+    (``NEXT_PINPOINTS``), their features unpadded to the image's aspect with a newline row after each line."""
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH,
+                                           projection_dim=32)
+    text = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = transformers.LlavaNextConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID,
+                                          image_grid_pinpoints=NEXT_PINPOINTS, vision_feature_layer=-2,
+                                          vision_feature_select_strategy="default")
+    torch.manual_seed(seed)
+    model = transformers.LlavaNextForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers starts the newline at zeros
+        model.model.image_newline.normal_()
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def llava_next_processor():
+    """LLaVA-NeXT's processor: its PIL image processor (16x16 views, ``NEXT_PINPOINTS``) and ``llava_processor``'s
+    tokenizer (``<image>`` 512)."""
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    images = LlavaNextImageProcessorPil(size={"shortest_edge": IMAGE_SIZE}, image_grid_pinpoints=NEXT_PINPOINTS,
+                                        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    return transformers.LlavaNextProcessor(image_processor=images, tokenizer=llava_processor().tokenizer,
+                                           patch_size=PATCH, vision_feature_select_strategy="default",
+                                           num_additional_image_tokens=1)
+
+
+def llava_next_case(num_images: int, seed: int) -> tuple[list[int], dict | None]:
+    """A text of ``num_images`` images of ``NEXT_SIZES`` through ``llava_next_processor``: its ids and tensors."""
+    words = ["Look", "at", "the", "cat", "and", "dog", "now"]
+    text = " ".join(words[(seed + i) % len(words)] + " <image>" for i in range(num_images)) + " " + words[seed % 7]
+    images = [random_image(seed * 10 + i, NEXT_SIZES[(seed + i) % len(NEXT_SIZES)]) for i in range(num_images)]
+    out = llava_next_processor()(text=[text], images=images or None, return_tensors="pt")
+    tensors = {name: out[name] for name in ("pixel_values", "image_sizes")} if num_images else None
+    return out["input_ids"][0].tolist(), tensors
+
+
 # ------------------------------------------------------------------------------------------------ Idefics3, SmolVLM
 FAKE_IMAGE, GLOBAL_IMAGE, FIRST_ROW_COL = 513, 514, 515  # <fake_token_around_image>, <global-img>, <row_1_col_1>
 TILE_TOKENS = 4  # a 16x16 tile: 16 patches, pixel-shuffled by 2 into 4 tokens
@@ -239,7 +286,8 @@ def qwen2_vl_prompt(image_inputs: dict, seed: int, text_len: int = 3) -> list[in
 
 
 # ------------------------------------------------------------------------------------------------ both families
-VISION_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3", "smolvlm")
+VISION_FAMILIES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3",
+                   "smolvlm")
 TILED = ("idefics3", "smolvlm")
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # the same processor, ids and M-RoPE form
 QWEN_SIZES = ((28, 20), (16, 16), (40, 12), (20, 20))  # images of 8, 4, 6 and 4 placeholders
@@ -252,6 +300,8 @@ def vision_model(family: str):
         return model
     if family in TILED:
         return tiny_tiled(family)
+    if family == "llava_next":
+        return tiny_llava_next()
     if family.startswith("qwen3_vl"):
         return tiny_qwen3_vl(moe=family == "qwen3_vl_moe")
     return tiny_llava() if family == "llava" else tiny_qwen2_vl() if family == "qwen2_vl" else tiny_qwen2_5_vl()
@@ -261,6 +311,8 @@ def vision_case(family: str, num_images: int, seed: int) -> tuple[list[int], dic
     """A prompt of ``num_images`` random images for ``family``: its token ids and the engine's ``images``."""
     if family in TILED:
         return tiled_case(num_images, seed)
+    if family == "llava_next":
+        return llava_next_case(num_images, seed)
     if family == "llava":
         ids = prompt_with_images(num_images, seed)
         return ids, ({"pixel_values": random_pixels(num_images, seed)} if num_images else None)
