@@ -288,6 +288,33 @@ def test_a_request_that_fails_in_decode_fails_alone(stories):
     assert_all_freed(engine)
 
 
+def test_a_request_whose_sampling_fails_in_decode_leaves_the_seeded_draws_of_the_others_as_alone(stories):
+    """A logits processor raising in a steady decode step fails its request; the step's other rows keep the draw
+    they made beside it: a seeded request's tokens are those of its solo run, and a processor of a surviving row
+    sees each position once."""
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=42, ignore_eos=True)
+    alone = solo_tokens(stories, story_openings()[0], seeded)
+    calls = []
+
+    def counting(output_ids, logits):
+        calls.append(len(output_ids))
+        return logits
+
+    def failing(output_ids, logits):
+        if len(output_ids) == 3:
+            raise RuntimeError("this processor fails at the 4th token")
+        return logits
+
+    model, tok = stories
+    params = [dataclasses.replace(seeded, logits_processors=[counting]),
+              dataclasses.replace(seeded, seed=None, logits_processors=[failing])]
+    outs = PagedEngine(model, tok, block_size=4, num_blocks=64).generate(story_openings()[:2], params,
+                                                                          use_tqdm=False)
+    assert outs[1].outputs[0].finish_reason == "error" and "fails at the 4th token" in outs[1].error
+    assert outs[0].outputs[0].token_ids == alone
+    assert calls == list(range(12)), "one call per position, the failing step's included"
+
+
 def test_a_request_reading_the_prefix_a_failing_request_writes_in_the_same_step_computes_it_again(stories):
     """Admitted in one step, ``reader`` hits the prefix blocks ``writer`` fills in that very forward. The writer's
     forward raises, so those blocks never get their K/V: the reader must not read them, and gets its solo tokens."""
