@@ -182,7 +182,8 @@ def test_bad_words_tokenized_for_other_words_are_tokenized_again(stories):
 
 def test_detokenize_false_gives_token_ids_alone_and_negative_seeds_are_seeds(stories):
     """vLLM's ``detokenize=False``: the same tokens, no text, logprob entries unnamed; stop strings, which need the
-    text, are refused by name. A negative seed (vLLM takes any int64) reproduces like any other."""
+    text, are refused by name. A negative seed (vLLM takes any int64) reproduces like any other, except -1: no seed,
+    as vLLM's SamplingParams reads it (clients send seed=-1 for "random")."""
     model, tok = stories
     engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
@@ -196,9 +197,14 @@ def test_detokenize_false_gives_token_ids_alone_and_negative_seeds_are_seeds(sto
     with pytest.raises(ParameterError, match="stop strings need the output's text") as info:
         SamplingParams(stop=["x"], detokenize=False)
     assert info.value.param == "stop"
-    sampled = [SamplingParams(max_tokens=8, temperature=1.0, seed=seed) for seed in (-1, -1, -2**63)]
+    sampled = [SamplingParams(max_tokens=8, temperature=1.0, seed=seed) for seed in (-2, -2, -2**63)]
     runs = [o.outputs[0].token_ids for o in engine.generate(["Once upon a time"] * 3, sampled, use_tqdm=False)]
     assert runs[0] == runs[1] != runs[2]
+    unseeded = SamplingParams(max_tokens=8, temperature=1.0, seed=-1)
+    assert unseeded.seed is None
+    torch.manual_seed(0)
+    runs = [o.outputs[0].token_ids for o in engine.generate(["Once upon a time"] * 4, unseeded, use_tqdm=False)]
+    assert len(set(map(tuple, runs))) > 1, "seed=-1 draws like no seed"
     assert_all_freed(engine)
 
 
