@@ -276,7 +276,7 @@ class SamplingParams:
     """How to sample one request (vLLM's names). ``temperature`` in [0, 2] (OpenAI's and vLLM's range); below
     ``GREEDY_BELOW`` (1e-5, as vLLM) it is greedy: the limit of sampling as the temperature goes to 0 (dividing
     float32 logits by 1e-45 would overflow to NaN). ``n > 1`` with greedy sampling gives n equal samples (OpenAI
-    accepts it; vLLM refuses it).
+    accepts it; vLLM refuses it). ``seed``: any int64; -1 means no seed, as vLLM's (clients send it for "random").
 
     ``logprobs=k``: each generated token's logprob (and its rank) plus the ``k`` most likely tokens';
     ``prompt_logprobs=k``: the same for every prompt token after the first. Logprobs are those of the model's raw
@@ -343,6 +343,8 @@ class SamplingParams:
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_int("seed", self.seed, -MAX_SEED - 1, allow_none=True, maximum=MAX_SEED)
+        if self.seed == -1:
+            object.__setattr__(self, "seed", None)
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
         _check_bool("ignore_eos", self.ignore_eos)

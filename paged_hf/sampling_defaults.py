@@ -11,7 +11,8 @@ from .config import SamplingParams
 
 # (generation_config field, SamplingParams field)
 GENERATION_DEFAULTS = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
-                       ("repetition_penalty", "repetition_penalty"), ("max_new_tokens", "max_tokens"))
+                       ("repetition_penalty", "repetition_penalty"), ("presence_penalty", "presence_penalty"),
+                       ("frequency_penalty", "frequency_penalty"), ("max_new_tokens", "max_tokens"))
 CHOICES = ("auto", "vllm")
 
 

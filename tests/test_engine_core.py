@@ -153,8 +153,11 @@ def test_stop_strings_are_found_across_steps_in_the_new_text_only():
 
 # ------------------------------------------------------------------------------------------------- sampler
 def _filter_one(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The per-row definition: temperature, then top-k (ties at the k-th kept), top-p, min-p."""
+    """The per-row definition, in vLLM's order: temperature, then min-p, top-k (ties at the k-th kept), top-p."""
     logits = logits / params.temperature
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if 0 < params.top_k < logits.shape[-1]:
         logits = logits.masked_fill(logits < torch.topk(logits, params.top_k).values[-1], float("-inf"))
     if params.top_p < 1.0:
@@ -162,9 +165,6 @@ def _filter_one(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.softmax(sorted_logits, dim=-1)
         drop = probs.cumsum(-1) - probs > params.top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if params.min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     return logits
 
 
@@ -180,6 +180,15 @@ def test_batched_filtering_equals_the_per_row_definition():
         expected = _filter_one(logits[row], p)
         assert torch.equal(torch.isinf(batched[row]), torch.isinf(expected)), (row, p)
         assert torch.allclose(batched[row][~torch.isinf(expected)], expected[~torch.isinf(expected)])
+
+
+def test_top_p_counts_only_what_min_p_left_as_vllm():
+    """vLLM applies min-p before top-k/top-p: top-p's mass is that of the min-p survivors, renormalized. Here min-p
+    keeps the two best (0.40, 0.24: 0.625 and 0.375 renormalized), and top_p=0.5 then keeps the best alone; top-p
+    measured on the whole distribution (0.40 < 0.5) would have kept the second too, drawn 37.5% of the time."""
+    logits = torch.tensor([[0.40, 0.24, 0.12, 0.12, 0.12]]).log()
+    kept = torch.isfinite(_filter(logits, [SamplingParams(top_p=0.5, min_p=0.5)]))
+    assert kept.tolist() == [[True, False, False, False, False]]
 
 
 def test_batched_penalties_equal_the_per_row_definition():

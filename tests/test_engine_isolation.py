@@ -182,7 +182,8 @@ def test_bad_words_tokenized_for_other_words_are_tokenized_again(stories):
 
 def test_detokenize_false_gives_token_ids_alone_and_negative_seeds_are_seeds(stories):
     """vLLM's ``detokenize=False``: the same tokens, no text, logprob entries unnamed; stop strings, which need the
-    text, are refused by name. A negative seed (vLLM takes any int64) reproduces like any other."""
+    text, are refused by name. A negative seed (vLLM takes any int64) reproduces like any other, except -1: no seed,
+    as vLLM's SamplingParams reads it (clients send seed=-1 for "random")."""
     model, tok = stories
     engine = PagedEngine(model, tok, block_size=4, num_blocks=64)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
@@ -196,9 +197,14 @@ def test_detokenize_false_gives_token_ids_alone_and_negative_seeds_are_seeds(sto
     with pytest.raises(ParameterError, match="stop strings need the output's text") as info:
         SamplingParams(stop=["x"], detokenize=False)
     assert info.value.param == "stop"
-    sampled = [SamplingParams(max_tokens=8, temperature=1.0, seed=seed) for seed in (-1, -1, -2**63)]
+    sampled = [SamplingParams(max_tokens=8, temperature=1.0, seed=seed) for seed in (-2, -2, -2**63)]
     runs = [o.outputs[0].token_ids for o in engine.generate(["Once upon a time"] * 3, sampled, use_tqdm=False)]
     assert runs[0] == runs[1] != runs[2]
+    unseeded = SamplingParams(max_tokens=8, temperature=1.0, seed=-1)
+    assert unseeded.seed is None
+    torch.manual_seed(0)
+    runs = [o.outputs[0].token_ids for o in engine.generate(["Once upon a time"] * 4, unseeded, use_tqdm=False)]
+    assert len(set(map(tuple, runs))) > 1, "seed=-1 draws like no seed"
     assert_all_freed(engine)
 
 
@@ -286,6 +292,33 @@ def test_a_request_that_fails_in_decode_fails_alone(stories):
     assert [o.outputs[0].token_ids for o in outs[:4]] == references
     assert outs[4].outputs[0].finish_reason == "error" and outs[4].outputs[0].token_ids == [poison]
     assert_all_freed(engine)
+
+
+def test_a_request_whose_sampling_fails_in_decode_leaves_the_seeded_draws_of_the_others_as_alone(stories):
+    """A logits processor raising in a steady decode step fails its request; the step's other rows keep the draw
+    they made beside it: a seeded request's tokens are those of its solo run, and a processor of a surviving row
+    sees each position once."""
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=42, ignore_eos=True)
+    alone = solo_tokens(stories, story_openings()[0], seeded)
+    calls = []
+
+    def counting(output_ids, logits):
+        calls.append(len(output_ids))
+        return logits
+
+    def failing(output_ids, logits):
+        if len(output_ids) == 3:
+            raise RuntimeError("this processor fails at the 4th token")
+        return logits
+
+    model, tok = stories
+    params = [dataclasses.replace(seeded, logits_processors=[counting]),
+              dataclasses.replace(seeded, seed=None, logits_processors=[failing])]
+    outs = PagedEngine(model, tok, block_size=4, num_blocks=64).generate(story_openings()[:2], params,
+                                                                          use_tqdm=False)
+    assert outs[1].outputs[0].finish_reason == "error" and "fails at the 4th token" in outs[1].error
+    assert outs[0].outputs[0].token_ids == alone
+    assert calls == list(range(12)), "one call per position, the failing step's included"
 
 
 def test_a_request_reading_the_prefix_a_failing_request_writes_in_the_same_step_computes_it_again(stories):

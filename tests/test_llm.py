@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from paged_hf import LLM, PagedEngine, RequestsFailed, SamplingParams
 from models import require_stories, smollm2_dir, stories_model, stories_tokenizer
@@ -199,6 +200,22 @@ def test_a_loaded_model_and_tokenizer_the_seed_and_the_models_sampling_defaults(
     assert completions(runs[0]) == completions(runs[1]), "the same seed samples the same tokens"
     assert completions(runs[0]) != completions(runs[2])
     assert LLM(model, tokenizer=tok, generation_config="vllm").get_default_sampling_params() == SamplingParams()
+
+
+def test_presence_and_frequency_penalties_of_the_generation_config_are_defaults(tmp_path):
+    """vLLM's --generation-config reads presence_penalty and frequency_penalty too (GenerationConfig keeps them as
+    extra fields), from the model's config ("auto") and from a folder's generation_config.json."""
+    model, tok = stories_model(), stories_tokenizer()
+    saved = model.generation_config
+    model.generation_config = GenerationConfig(presence_penalty=1.5, frequency_penalty=0.5)
+    try:
+        defaults = LLM(model, tokenizer=tok).get_default_sampling_params()
+    finally:
+        model.generation_config = saved
+    assert (defaults.presence_penalty, defaults.frequency_penalty) == (1.5, 0.5)
+    GenerationConfig(presence_penalty=-0.5, do_sample=True, temperature=0.3).save_pretrained(tmp_path)
+    defaults = LLM(model, tokenizer=tok, generation_config=str(tmp_path)).get_default_sampling_params()
+    assert (defaults.presence_penalty, defaults.frequency_penalty, defaults.temperature) == (-0.5, 0.0, 0.3)
 
 
 def test_gguf_paths(tmp_path):

@@ -269,6 +269,16 @@ def test_max_tokens_is_filled_in_from_the_room_the_prompt_leaves(server):
     assert out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"] == 512
 
 
+def test_min_tokens_is_checked_against_the_default_max_tokens_of_its_endpoint(server):
+    """A chat completion without max_tokens may ask min_tokens past a completion's 16: its max_tokens is the room
+    its prompt leaves (vLLM's), not 16. A completion without max_tokens gets 16, so min_tokens=20 is a 400, as
+    vLLM's."""
+    out = post(server, CHAT, {"messages": MESSAGES, "min_tokens": 20, "stop": ["."], "temperature": 0})
+    assert out.status_code == 200, out.text
+    assert out.json()["usage"]["completion_tokens"] >= 20
+    assert_error(post(server, COMPLETIONS, {"prompt": "Once", "min_tokens": 20}), 400, "min_tokens", "[0, 16]")
+
+
 def stream(server, path: str, body: dict) -> list[dict]:
     with httpx.stream("POST", server[0].url + path, json={**body, "stream": True}, timeout=60) as response:
         events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]

@@ -33,7 +33,7 @@ from .image_encoder import ImageEncoder
 from .multimodal import image_token_id
 from .request import PositionLogprobs, Request, Sequence
 from .scratch import ScratchForwards
-from .sampler import position_logprobs, sample
+from .sampler import SamplerOutput, position_logprobs, sample
 from .scheduled import ScheduledSequence, SchedulerOutput
 from .spec.verify import VerifiedRun, verify
 
@@ -253,6 +253,7 @@ class ModelRunner:
                 batch.advance(drawn.token_ids, drawn.token_tensor)
                 return RunnerOutput(batch.seqs, drawn.token_ids, drawn.logprobs, batch=batch if ran else None)
             self.batch = None  # the rows that failed leave: the next step rebuilds it
+            return _without_failed(batch.seqs, drawn, RunnerOutput())  # drawn once: seeded generators step once
         result = RunnerOutput()
         logits = model_output.logits
         for index, (first, count) in model_output.prompt_rows.items():
@@ -284,19 +285,7 @@ class ModelRunner:
             picked = logits
         else:
             picked = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
-        drawn = sample(picked, seqs, self.token_text, self.eos_token_ids)
-        if not drawn.errors:
-            result.seqs, result.token_ids, result.logprobs = seqs, drawn.token_ids, drawn.logprobs
-            return result
-        failed = {id(seqs[row].request): seqs[row].request for row in drawn.errors}
-        for row, error in drawn.errors.items():
-            result.errors.append((seqs[row].request, error))
-        for seq, token, entry in zip(seqs, drawn.token_ids, drawn.logprobs):
-            if id(seq.request) not in failed:
-                result.seqs.append(seq)
-                result.token_ids.append(token)
-                result.logprobs.append(entry)
-        return result
+        return _without_failed(seqs, sample(picked, seqs, self.token_text, self.eos_token_ids), result)
 
     @torch.inference_mode()
     def forward(self, output: SchedulerOutput) -> ModelOutput:
@@ -409,3 +398,20 @@ def _prompt_positions(item) -> int:
     """Prompt positions of this chunk whose next token is a prompt token (their logits score the prompt)."""
     prompt_len = len(item.seq.request.prompt_token_ids)
     return max(0, min(item.start + item.num_tokens, prompt_len - 1) - item.start)
+
+
+def _without_failed(seqs: list[Sequence], drawn: SamplerOutput, result: RunnerOutput) -> RunnerOutput:
+    """``result`` with ``drawn``'s tokens of ``seqs`` (``drawn``'s row ``r`` is ``seqs[r]``'s), less every request
+    one of whose rows failed: those go to its errors."""
+    if not drawn.errors:
+        result.seqs, result.token_ids, result.logprobs = seqs, drawn.token_ids, drawn.logprobs
+        return result
+    failed = {id(seqs[row].request): seqs[row].request for row in drawn.errors}
+    for row, error in drawn.errors.items():
+        result.errors.append((seqs[row].request, error))
+    for seq, token, entry in zip(seqs, drawn.token_ids, drawn.logprobs):
+        if id(seq.request) not in failed:
+            result.seqs.append(seq)
+            result.token_ids.append(token)
+            result.logprobs.append(entry)
+    return result

@@ -1,9 +1,10 @@
 """Batched sampling from one engine step's logits: tensor ops over the whole batch, per-row parameters as tensors.
 
 Rows are processed in float32: user logits processors (per row, the only Python loop, for rows that have them),
-logit biases (one scatter-add over the rows that have them), penalties (rows that use them), then greedy rows take the argmax and the other rows are tempered and filtered
-(top-k, top-p, min-p as row-wise thresholds) and sampled. A request with a ``seed`` samples with its own
-``torch.Generator``, so its tokens do not depend on the rest of the batch; the others share one draw.
+logit biases (one scatter-add over the rows that have them), penalties (rows that use them), then greedy rows take
+the argmax and the other rows are tempered and filtered (min-p, top-k, top-p as row-wise thresholds, vLLM's order)
+and sampled. A request with a ``seed`` samples with its own ``torch.Generator``, so its tokens do not depend on the
+rest of the batch; the others share one draw.
 
 Logprobs are those of the model's raw distribution (``log_softmax`` of the logits, before any processing), as a
 plain forward over prompt + output gives them: the sampled token's, its rank, and the top ``k``. Rows constrained by
@@ -313,10 +314,17 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]
 
 
 def _filter(logits: torch.Tensor, params) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p as row-wise thresholds (removed tokens get -inf)."""
+    """Temperature, then min-p, top-k and top-p as row-wise thresholds (removed tokens get -inf), in vLLM's order:
+    min-p is measured on the tempered distribution, and top-p on what min-p and top-k left (renormalized), so a
+    token min-p removed never counts toward top-p's mass."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
     logits = logits / temperature.unsqueeze(1)
+    min_p = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_p):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = torch.tensor(min_p, dtype=probs.dtype, device=device).view(-1, 1) * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     vocab = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
@@ -332,11 +340,6 @@ def _filter(logits: torch.Tensor, params) -> torch.Tensor:
             drop_sorted = probs.cumsum(-1) - probs > threshold
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
-    min_p = [p.min_p for p in params]
-    if any(m > 0.0 for m in min_p):
-        probs = torch.softmax(logits, dim=-1)
-        threshold = torch.tensor(min_p, dtype=probs.dtype, device=device).view(-1, 1) * probs.amax(-1, keepdim=True)
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 

@@ -163,7 +163,7 @@ def build_app(engine: PagedEngine, model_name: str | list[str], max_queue_len: i
                                 "/v1/completions, which streams them)", "prompt_logprobs")
         max_tokens = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         rename = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens}
-        params = sampling_params(body, defaults, body.num_top_logprobs, rename, body.prompt_logprobs)
+        params = sampling_params(body, defaults, body.num_top_logprobs, rename, body.prompt_logprobs, chat=True)
         tools = body.tool_plan(tool_call_parser)
         structured = body.structured()
         constraint = tool_constraint(tools, structured)
@@ -232,10 +232,12 @@ def _truncation(body) -> int | None:
 
 
 def sampling_params(body, defaults: SamplingParams, logprobs: int | None, rename: dict[str, str],
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """``body``'s ``SamplingParams``, ``defaults`` for the fields it leaves out; a bad value is a 400 naming it."""
+                    prompt_logprobs: int | None = None, chat: bool = False) -> SamplingParams:
+    """``body``'s ``SamplingParams``, ``defaults`` for the fields it leaves out; a bad value is a 400 naming it.
+    Without a ``max_tokens`` in the body, a completion's is ``DEFAULT_COMPLETION_TOKENS`` and a chat completion's
+    None until ``default_max_tokens`` gives it its prompt's room (so ``min_tokens`` is checked against that room)."""
     try:
-        return body.sampling_params(defaults, DEFAULT_COMPLETION_TOKENS, logprobs, prompt_logprobs)
+        return body.sampling_params(defaults, None if chat else DEFAULT_COMPLETION_TOKENS, logprobs, prompt_logprobs)
     except ValueError as error:
         raise bad_request(error, rename) from None
 

@@ -133,7 +133,7 @@ class _Sampling(StrictBody):
         """The structured output this body asks for (``response_format``, ``guided_*``, ``structured_outputs``)."""
         return structured_field(self)
 
-    def sampling_params(self, defaults: SamplingParams, default_max_tokens: int, logprobs: int | None,
+    def sampling_params(self, defaults: SamplingParams, default_max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's ``SamplingParams``, ``defaults``' values for the fields it leaves out (the model's
         generation_config); ``max_tokens`` is ``default_max_tokens`` when the body has none (the handler sets it per
