@@ -88,8 +88,8 @@ def test_engine_equals_generate(family, options):
     model = family_model(family)
     if family == "gemma3" and "num_blocks" in options:  # its sliding window frees blocks: a smaller pool preempts
         options = {**options, "num_blocks": 6}
-    if family in ("llava_next", *TILED) and "num_blocks" in options:  # longer prompts: a pool that holds each
-        options = {**options, "num_blocks": 50 if family == "llava_next" else 20}
+    if family in ("llava_next", "llava_onevision", *TILED) and "num_blocks" in options:  # a pool that holds each
+        options = {**options, "num_blocks": 20 if family in TILED else 50}
     engine = PagedEngine(model, None, **{"block_size": 4, "num_blocks": 128, "enforce_eager": True, **options})
     outs = run_cases(engine, CASES, family)
     for out, case in zip(outs, CASES):
@@ -314,7 +314,7 @@ def test_limit_mm_per_prompt_is_checked():
     assert EngineConfig(limit_mm_per_prompt={"image": 2, "video": 0, "audio": 0}).limit_mm_per_prompt["image"] == 2
 
 
-@pytest.mark.parametrize("family", ["mllama", "llava_onevision"])
+@pytest.mark.parametrize("family", ["mllama", "mistral3"])
 def test_families_without_engine_images_are_refused_by_name(family):
     model = types.SimpleNamespace(config=types.SimpleNamespace(model_type=family, image_token_id=IMAGE_TOKEN_ID))
     ids = [1, 2] + [IMAGE_TOKEN_ID] * IMAGE_TOKENS

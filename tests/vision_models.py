@@ -173,12 +173,48 @@ def llava_next_processor():
                                            num_additional_image_tokens=1)
 
 
-def llava_next_case(num_images: int, seed: int) -> tuple[list[int], dict | None]:
-    """A text of ``num_images`` images of ``NEXT_SIZES`` through ``llava_next_processor``: its ids and tensors."""
+def tiny_llava_onevision(attn_implementation: str = "sdpa", seed: int = 0):
+    """LLaVA-OneVision: a 2-layer SigLIP tower on 16x16 views of 4x4 patches (every token kept: "full") and a
+    2-layer Qwen2, the views and crops as ``tiny_llava_next``'s."""
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH)
+    text = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = transformers.LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID,
+                                               video_token_id=513, image_grid_pinpoints=NEXT_PINPOINTS,
+                                               vision_feature_layer=-1, vision_feature_select_strategy="full")
+    torch.manual_seed(seed)
+    model = transformers.LlavaOnevisionForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers starts the newline at zeros
+        model.model.image_newline.normal_()
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def llava_onevision_processor():
+    """LLaVA-OneVision's processor: its PIL image processor (16x16 views, ``NEXT_PINPOINTS``) and ``llava_processor``'s
+    tokenizer; built without its video processor, which needs torchvision (no video is asked of it)."""
+    from unittest import mock
+
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import \
+        LlavaOnevisionImageProcessorPil
+
+    images = LlavaOnevisionImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                             image_grid_pinpoints=NEXT_PINPOINTS)
+    with mock.patch.object(transformers.ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
+        return transformers.LlavaOnevisionProcessor(image_processor=images, tokenizer=llava_processor().tokenizer,
+                                                    video_processor=None, num_image_tokens=(IMAGE_SIZE // PATCH) ** 2,
+                                                    vision_feature_select_strategy="full")
+
+
+def llava_next_case(num_images: int, seed: int, family: str = "llava_next") -> tuple[list[int], dict | None]:
+    """A text of ``num_images`` images of ``NEXT_SIZES`` through the family's processor: its ids and tensors."""
     words = ["Look", "at", "the", "cat", "and", "dog", "now"]
     text = " ".join(words[(seed + i) % len(words)] + " <image>" for i in range(num_images)) + " " + words[seed % 7]
     images = [random_image(seed * 10 + i, NEXT_SIZES[(seed + i) % len(NEXT_SIZES)]) for i in range(num_images)]
-    out = llava_next_processor()(text=[text], images=images or None, return_tensors="pt")
+    processor = llava_next_processor() if family == "llava_next" else llava_onevision_processor()
+    out = processor(text=[text], images=images or None, return_tensors="pt")
     tensors = {name: out[name] for name in ("pixel_values", "image_sizes")} if num_images else None
     return out["input_ids"][0].tolist(), tensors
 
@@ -286,7 +322,7 @@ def qwen2_vl_prompt(image_inputs: dict, seed: int, text_len: int = 3) -> list[in
 
 
 # ------------------------------------------------------------------------------------------------ both families
-VISION_FAMILIES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3",
+VISION_FAMILIES = ("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3",
                    "smolvlm")
 TILED = ("idefics3", "smolvlm")
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # the same processor, ids and M-RoPE form
@@ -302,6 +338,8 @@ def vision_model(family: str):
         return tiny_tiled(family)
     if family == "llava_next":
         return tiny_llava_next()
+    if family == "llava_onevision":
+        return tiny_llava_onevision()
     if family.startswith("qwen3_vl"):
         return tiny_qwen3_vl(moe=family == "qwen3_vl_moe")
     return tiny_llava() if family == "llava" else tiny_qwen2_vl() if family == "qwen2_vl" else tiny_qwen2_5_vl()
@@ -311,8 +349,8 @@ def vision_case(family: str, num_images: int, seed: int) -> tuple[list[int], dic
     """A prompt of ``num_images`` random images for ``family``: its token ids and the engine's ``images``."""
     if family in TILED:
         return tiled_case(num_images, seed)
-    if family == "llava_next":
-        return llava_next_case(num_images, seed)
+    if family in ("llava_next", "llava_onevision"):
+        return llava_next_case(num_images, seed, family)
     if family == "llava":
         ids = prompt_with_images(num_images, seed)
         return ids, ({"pixel_values": random_pixels(num_images, seed)} if num_images else None)

@@ -14,7 +14,8 @@ placeholder tokens carries the digests of its images, and the chained hash carri
 the same image hits and another image behind the same placeholders misses.
 
 The runner's side is ``image_encoder.py``. Families (``IMAGE_FAMILIES``): LLaVA (causal attention over the image
-tokens, plain RoPE) and LLaVA-NeXT (an image's run is as long as its aspect makes it: ``image_sizes``); Idefics3 and SmolVLM (an image is tiles, its crops and the whole image scaled down, each a
+tokens, plain RoPE), LLaVA-NeXT and LLaVA-OneVision (an image's run is as long as its aspect makes it:
+``image_sizes``); Idefics3 and SmolVLM (an image is tiles, its crops and the whole image scaled down, each a
 run of placeholders after a marker: each tile is an image span of its own here; ``limit_mm_per_prompt`` counts the
 global views, one per image); Qwen2-VL, Qwen2.5-VL (whose vision tower attends within windows: the model's own
 ``get_image_features``) and Qwen3-VL / Qwen3-VL-MoE (whose tower's earlier blocks also give rows that the first
@@ -42,7 +43,7 @@ from ..config import ParameterError
 from ..hashing import ContentSpans
 
 # config.model_type of the models whose images run
-IMAGE_FAMILIES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3",
+IMAGE_FAMILIES = ("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3",
                   "smolvlm")
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 DEEPSTACK_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")  # the vision tower's rows also enter the first decoder layers
