@@ -43,8 +43,8 @@ from ..config import ParameterError
 from ..hashing import ContentSpans
 
 # config.model_type of the models whose images run
-IMAGE_FAMILIES = ("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3",
-                  "smolvlm")
+IMAGE_FAMILIES = ("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+                  "gemma3", "idefics3", "smolvlm")
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 DEEPSTACK_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")  # the vision tower's rows also enter the first decoder layers
 # an image is tiles (its crops, then the whole image scaled down), each a run of placeholders after its own marker
