@@ -26,8 +26,8 @@ M-RoPE positions (three rows: time, height, width) come from the model's ``get_r
 plain positions); and Gemma 3, whose image tokens attend to each other both ways: its images are never split across
 chunks (``ImageChunks``: a chunk ends before an image it cannot finish), and the step's image queries are attended
 again with a wider bound (``AttentionMetadata.pad_queries``: keys up to the image's last token, from the query's own
-window start), which is transformers' mask for them (causal OR same image, within the window). Other families' images raise
-``NotImplementedError`` naming the family (their text runs).
+window start), which is transformers' mask for them (causal OR same image, within the window). Other families'
+images raise ``NotImplementedError`` naming the family (their text runs).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ DEEPSTACK_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")  # the vision tower's rows als
 TILED_FAMILIES = ("idefics3", "smolvlm")
 BIDIRECTIONAL_FAMILIES = ("gemma3",)  # an image's tokens attend to each other both ways
 FIXED_LENGTH_FAMILIES = ("llava",)  # every image takes the same number of placeholder tokens, with no marker around
-# the processor tensors the encoder takes: one row per image, except Qwen2-VL's and Qwen2.5-VL's pixel_values (one row per patch, the
-# image's rows being the product of its image_grid_thw row)
+# the processor tensors the encoder takes: one row per image (per tile for the tiled families), except the Qwen
+# models' pixel_values (one row per patch, the image's rows being the product of its image_grid_thw row)
 IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask")
 
 
