@@ -55,6 +55,11 @@ def paged_attention_forward(
     if step is None:
         if softcap is None and s_aux is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale)
+        causal = kwargs.get("is_causal")
+        if attention_mask is None and query.shape[2] > 1 and (getattr(module, "is_causal", True) if causal is None
+                                                              else causal):
+            # sdpa's mask builder leaves out a plain causal mask (None: sdpa's ``is_causal``, aligned top-left)
+            attention_mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
         return dense_attention(query, key, value, attention_mask, scale, softcap, s_aux), None
 
     metadata, group, storage, fresh = step.metadata, step.group, step.storage, step.fresh

@@ -41,7 +41,7 @@ VLLM_KEYWORDS: dict[str, tuple | None] = {
     "pipeline_parallel_size": (1,), "quantization": (None,), "cpu_offload_gb": (0,),
     "enable_chunked_prefill": (True, None),
     "max_seq_len_to_capture": None, "disable_custom_all_reduce": None,
-    "disable_log_stats": None,
+    "disable_log_stats": None, "logprobs_mode": ("raw_logprobs",),
 }
 WHY_NOT = {
     "pipeline_parallel_size": "pipeline parallelism is not supported",
@@ -49,6 +49,7 @@ WHY_NOT = {
                     "or quantize the KV blocks with kv_cache_dtype",
     "cpu_offload_gb": "weight offloading is not supported",
     "enable_chunked_prefill": "the engine always chunks prefills within max_num_batched_tokens",
+    "logprobs_mode": "logprobs are the model's raw log_softmax, before penalties, temperature and filtering",
 }
 # The compilation_config entries LLM honours (as the engine options of the same names); the engine compiles its
 # forward its own way, so any other entry is refused by name.

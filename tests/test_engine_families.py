@@ -135,6 +135,20 @@ def test_longrope_warns_that_a_step_shares_its_factors(caplog):
     assert "longrope" not in caplog.text
 
 
+def test_a_softcapped_model_keeps_its_plain_forward_after_an_engine_took_it():
+    """The engine leaves the model on ``attn_implementation="paged"``; the model's own forward (no cache, no padding:
+    sdpa's mask builder gives no mask, meaning causal) then attends through the dense fallback, which Gemma2's
+    softcapping needs. It equals the eager forward: causal, not every token attending to the later ones."""
+    model = tiny_model("gemma2", num_hidden_layers=1)
+    ids = torch.tensor([prompts()[3]])
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+        PagedEngine(model, None, num_blocks=16, block_size=4, enforce_eager=True)
+        assert model.config._attn_implementation == "paged"
+        torch.testing.assert_close(model(input_ids=ids).logits, reference)
+        torch.testing.assert_close(model(input_ids=ids[:, :5]).logits, reference[:, :5])
+
+
 def test_an_attention_that_never_reads_the_blocks_is_refused_at_start():
     """XGLM and MPT loaded with ``attn_implementation="paged"`` (their configs take the name, their code ignores
     it): layer 1's update finds layer 0's step untaken. ``generate`` on the ``PagedCache`` fails there instead of

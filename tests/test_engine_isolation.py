@@ -88,6 +88,21 @@ def test_the_engine_refuses_what_it_cannot_run_naming_the_field(stories, prompt,
     assert_all_freed(engine)
 
 
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_logprobs_past_the_vocabulary_are_refused_where_max_logprobs_allows_them(stories, field):
+    """With ``max_logprobs`` above the vocabulary (512), k = 512 gives every token; k = 513 is a ``ParameterError``
+    naming the field before the request is queued, not a ``topk`` error raised out of a step that strands it."""
+    model, tok = stories
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=64, max_logprobs=1000)
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1, **{field: 512}), use_tqdm=False)[0]
+    entry = out.prompt_logprobs[1] if field == "prompt_logprobs" else out.outputs[0].logprobs[0]
+    assert sorted(lp.rank for lp in entry.values()) == list(range(1, 513))
+    with pytest.raises(ParameterError, match=r"at most 512 \(the model's vocabulary\), got 513") as info:
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=1, **{field: 513}))
+    assert info.value.param == field
+    assert_all_freed(engine)
+
+
 @pytest.mark.parametrize("field, value", [
     ("temperature", NAN), ("temperature", INF), ("top_p", NAN), ("min_p", NAN), ("presence_penalty", NAN),
     ("frequency_penalty", -INF), ("repetition_penalty", NAN), ("repetition_penalty", INF),

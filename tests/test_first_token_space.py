@@ -39,6 +39,20 @@ def test_engine_text_and_stream_equal_decode_of_prompt_plus_output(stories, stop
         assert "".join(engine.stream(prompt, params)) == expected
 
 
+@pytest.mark.parametrize("stop", [None, ["zzz"]])
+def test_a_prompt_ending_in_a_byte_fallback_character_keeps_the_first_space(stories, stop):
+    """A prompt ending in "é" as byte-fallback tokens (<0xC3><0xA9>, a whole character, as a tokenizer without the
+    piece gives it): the output's first word-start token (" to", forced) keeps its space, as decode(prompt + output)
+    has it; vLLM's text has it too."""
+    model, tok = stories
+    ids = tok("Lily said caf")["input_ids"] + tok.convert_tokens_to_ids(["<0xC3>", "<0xA9>"])
+    assert tok.decode(ids, skip_special_tokens=True).endswith("café")
+    to = tok.convert_tokens_to_ids("\u2581to")
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, allowed_token_ids=[to], stop=stop)
+    out = PagedEngine(model, tok).generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    assert out.outputs[0].text == output_text(tok, ids, out.outputs[0].token_ids) == " to to to"
+
+
 def test_logprob_tokens_are_named_in_context(stories):
     model, tok = stories
     engine = PagedEngine(model, tok)

@@ -112,6 +112,8 @@ def test_chat_takes_one_conversation_or_a_list(llm):
         ({"distributed_executor_backend": "slurm"}, r"distributed_executor_backend must be one of"),
         ({"quantization": "awq"}, r"quantization must be one of \[None\]"),
         ({"enable_chunked_prefill": False}, "enable_chunked_prefill must be one of"),
+        ({"logprobs_mode": "processed_logprobs"}, r"logprobs_mode must be one of \['raw_logprobs'\] here \(logprobs "
+                                                  r"are the model's raw log_softmax"),
         ({"max_num_seqs": 0}, "max_num_seqs must be an int >= 1"),
         ({"kv_cache_dtype": "int3"}, "kv_cache_dtype must be one of"),
         ({"swap_spaces": 4}, r"unknown keyword\(s\) \['swap_spaces'\] \('swap_spaces': did you mean 'swap_space'\?\)"),
@@ -130,7 +132,8 @@ def test_constructor_refuses_what_it_cannot_honour_naming_it(kwargs, message):
 
 def test_accepted_vllm_keywords_that_tune_absent_machinery():
     llm = LLM(str(require_stories()), enforce_eager=False, disable_log_stats=True, tensor_parallel_size=1,
-              num_gpu_blocks_override=40, kv_cache_memory_bytes=None, seed=None)
+              num_gpu_blocks_override=40, kv_cache_memory_bytes=None, seed=None,
+              logprobs_mode="raw_logprobs")  # vLLM's default mode, the one the sampler's logprobs have
     assert llm.get_stats()["kv_cache_total"] == 40, "num_gpu_blocks_override is vLLM's num_blocks"
 
 

@@ -23,6 +23,9 @@ import transformers  # noqa: E402
 from served import Served, stories_folder  # noqa: E402
 
 from paged_hf import PagedEngine, SamplingParams  # noqa: E402
+from paged_hf.engine.detokenizer import Decoder  # noqa: E402
+from paged_hf.engine.request import Logprob  # noqa: E402
+from paged_hf.server.logprobs import ChoiceLogprobs  # noqa: E402
 
 PROMPT = "Once upon a time, there was a little girl named Lily. She"
 SERVE_ARGS = ("--num-blocks", "256", "--max-model-len", "512", "--log-level", "debug")
@@ -116,6 +119,26 @@ def test_echo_with_completion_is_the_prompt_then_the_completion(client, hf):
     assert_scores_prompt(model, ids, legacy, k=2)
     assert legacy["token_logprobs"][len(ids):] == pytest.approx(plain.logprobs.token_logprobs, abs=TOLERANCE)
     assert echoed.text.endswith(plain.text) and echoed.text.startswith(tok.decode(ids, skip_special_tokens=True))
+
+
+def test_echo_top_logprobs_never_show_a_beaten_token_as_the_best(hf):
+    """lm-eval's ``is_greedy`` is ``token_logprob == max(top_logprobs.values())``, and ``top_logprobs`` is keyed by
+    text: two tokens of one name keep one value. A byte token held back in context ("") and the end token (which
+    decode skips: "") shared a name, as do "A" and its byte token <0x41>; the token, listed last, overwrote the
+    better one and looked greedy. A special token is named by its piece (as vLLM), and the token comes first, so a
+    same-named alternative keeps its own value (vLLM's order)."""
+    _, tok = hf
+    decode = Decoder(tok)
+    byte, letter, letter_byte = tok.convert_tokens_to_ids(["<0xE2>", "A", "<0x41>"])
+    ids = tok("Lily said")["input_ids"] + [letter, byte]
+    entries = [None] * (len(ids) - 2) + [{letter_byte: Logprob(-0.2, 1), letter: Logprob(-3.0, 7)},
+                                         {EOS: Logprob(-0.1, 1), byte: Logprob(-5.0, 40)}]
+    legacy = ChoiceLogprobs(decode).completion(ids, entries, top=1)
+    assert legacy["tokens"][-2:] == ["A", ""]  # the byte waits for the rest of its character
+    assert legacy["top_logprobs"][-2] == {"A": -0.2}  # <0x41>'s own value, the best one
+    assert legacy["top_logprobs"][-1] == {"": -5.0, "</s>": -0.1}
+    for token_logprob, top in zip(legacy["token_logprobs"][-2:], legacy["top_logprobs"][-2:]):
+        assert token_logprob < max(top.values())  # neither token is greedy
 
 
 def test_echoed_text_is_its_tokens(client):

@@ -129,8 +129,11 @@ def test_a_prompt_the_engine_refuses_aborts_the_prompts_queued_before_it(server)
 
 # --------------------------------------------------------------------------- 5, 6, 7, 8, 9: values, names
 @pytest.mark.parametrize("path, body, status, param, message", [
-    (COMPLETIONS, {"logprobs": 1000}, 400, "logprobs", "logprobs must be in [0, 20]"),
-    (CHAT, {"logprobs": True, "top_logprobs": 1000}, 400, "top_logprobs", "top_logprobs must be in [0, 20]"),
+    (COMPLETIONS, {"logprobs": 1000}, 400, "logprobs", "at most 20 (max_logprobs), got 1000"),
+    (COMPLETIONS, {"logprobs": -1}, 400, "logprobs", "logprobs must be an int >= 0, got -1"),
+    (COMPLETIONS, {"echo": True, "logprobs": 21}, 400, "logprobs", "at most 20 (max_logprobs), got 21"),
+    (CHAT, {"logprobs": True, "top_logprobs": 1000}, 400, "top_logprobs", "at most 20 (max_logprobs), got 1000"),
+    (CHAT, {"logprobs": True, "top_logprobs": -1}, 400, "top_logprobs", "top_logprobs must be an int >= 0"),
     (CHAT, {"top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
     (COMPLETIONS, {"temperature": "NaN"}, 400, "temperature", "finite"),
     (CHAT, {"top_p": "NaN"}, 400, "top_p", "finite"),
@@ -178,6 +181,19 @@ def test_bad_values_get_the_right_status_naming_the_field(server, path, body, st
     assert_error(response, status, param, message, code="model_not_found" if status == 404 else None)
     assert "retry-after" not in response.headers
     assert_idle(server, within=0.0)
+
+
+def test_max_logprobs_is_the_limit_of_logprobs_and_top_logprobs(stories):
+    """``--max-logprobs 30`` (the engine's max_logprobs) raises the limit of every logprobs field, as in vLLM: a
+    fixed 20 refused ``logprobs`` / ``top_logprobs`` past it while ``prompt_logprobs`` took 30."""
+    with serving(stories, 16, **ENGINE_OPTIONS, max_logprobs=30) as served:
+        body = {"prompt": "Once upon a time", "max_tokens": 1, "logprobs": 25, "echo": True, "temperature": 0}
+        choice = post(served, COMPLETIONS, body).json()["choices"][0]
+        assert all(len(top) >= 25 for top in choice["logprobs"]["top_logprobs"][1:])
+        body = {"messages": MESSAGES, "max_tokens": 1, "logprobs": True, "top_logprobs": 25}
+        assert len(post(served, CHAT, body).json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 25
+        assert_error(post(served, CHAT, {**body, "top_logprobs": 31}), 400, "top_logprobs", "at most 30")
+        assert_idle(served, within=0.0)
 
 
 def test_bodies_past_the_limit_are_413_at_once(server):

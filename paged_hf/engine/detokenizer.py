@@ -96,12 +96,13 @@ class IncrementalDetokenizer:
         self.origin = origin
         self.text = ""
         base = max(origin - CONTEXT_TOKENS, 0) if len(token_ids) >= origin else origin
-        if base < origin and token_ids[origin - 1] in decode.byte_tokens:  # the output may finish its character
-            base = origin
         while 0 < base < origin and token_ids[base] in decode.byte_tokens:  # never start inside a byte run
             base -= 1
+        base_text = decode(list(token_ids[base:origin])) if base < origin else ""
+        if base < origin and token_ids[origin - 1] in decode.byte_tokens and base_text.endswith(_INCOMPLETE):
+            base, base_text = origin, ""  # the prompt ends inside a character, which the output may finish
         self.base = base  # first context token: the text is what the output adds to decode(token_ids[base:origin])
-        self.base_text = decode(list(token_ids[base:origin])) if base < origin else ""
+        self.base_text = base_text
         self.prefix_offset = base  # first token of the context window
         self.read_offset = origin  # first token whose text is not emitted yet
         self.done = False  # the text is final (finished, or cut at a stop string)

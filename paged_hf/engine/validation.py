@@ -3,8 +3,8 @@
 ``SamplingParams`` checks each value on its own (types, ranges, finite numbers); this module checks what depends on
 the model and the engine: token ids inside the vocabulary (an id past it would make the embedding lookup raise in
 the middle of a batch), a prompt that leaves no room to generate, and the engine's per-request limits
-(``EngineConfig.max_logprobs``, ``max_n``, ``max_stop_strings``). Each failure is a ``ParameterError`` naming the
-field, so that a server can answer 400 with it.
+(``EngineConfig.max_logprobs``, ``max_n``, ``max_stop_strings``; logprobs past the vocabulary). Each failure is a
+``ParameterError`` naming the field, so that a server can answer 400 with it.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ def check_params(params: SamplingParams, num_prompt_tokens: int, vocab_size: int
         value = getattr(params, name)
         if value is not None and value > config.max_logprobs:
             raise ParameterError(name, f"{name} must be at most {config.max_logprobs} (max_logprobs), got {value}")
+        if value is not None and value > vocab_size:  # a max_logprobs raised past the vocabulary lets it through
+            raise ParameterError(name, f"{name} must be at most {vocab_size} (the model's vocabulary), got {value}")
     if params.n > config.max_n:
         raise ParameterError("n", f"n must be at most {config.max_n} (max_n), got {params.n}")
     if len(params.stop) > config.max_stop_strings:

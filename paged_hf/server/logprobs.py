@@ -5,7 +5,9 @@ the first one), so that the tokens of a
 choice concatenate to its text (a SentencePiece token's leading space included, which decoding it alone would
 drop); the sampled token's text comes from an incremental detokenizer over the choice's tokens (a token that ends
 inside a multi-byte character gets "", the token completing it the character). With ``echo`` the prompt's tokens
-come first, the first of them with ``null`` logprobs (nothing predicts it).
+come first, the first of them with ``null`` logprobs (nothing predicts it). An alternative that decoding skips (a
+special token) is named by its piece, as in vLLM. ``top_logprobs`` is keyed by text, so two tokens of one name keep
+one value: the token itself is listed first, and a same-named alternative overwrites it (vLLM's order).
 
 Chat: each entry carries the token's own bytes (``TokenBytes``): a byte-fallback token (``<0xE2>``) or a byte-level
 BPE token holds raw bytes; when they are not valid UTF-8 alone (part of a character), ``token`` is OpenAI's
@@ -97,6 +99,7 @@ class ChoiceLogprobs:
         self.token_bytes = token_bytes
         self.token_ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.detokenizer = IncrementalDetokenizer(decode, len(self.token_ids), self.token_ids)
+        self.special_ids = getattr(decode, "special_tokens", frozenset())  # the tokens decode skips
         self.offset = 0  # characters of text before the next token
 
     def _in_context(self, window: list[int], token: int, context: str) -> str:
@@ -113,7 +116,12 @@ class ChoiceLogprobs:
             context = self.decode(window) if window else ""
             names = {}
             for alternative in entry or ():
-                names[alternative] = text if alternative == token else self._in_context(window, alternative, context)
+                if alternative == token:
+                    names[alternative] = text
+                elif alternative in self.special_ids:  # named by its piece, as vLLM: decode skips it ("")
+                    names[alternative] = self.decode.token_text(alternative)
+                else:
+                    names[alternative] = self._in_context(window, alternative, context)
             out.append((token, text, entry, names, window, context))
         return out
 
@@ -131,7 +139,10 @@ class ChoiceLogprobs:
                 out["top_logprobs"].append(None)
                 continue
             out["token_logprobs"].append(json_logprob(entry[token].logprob))
-            out["top_logprobs"].append({names[t]: json_logprob(lp.logprob) for t, lp in entry.items()
+            # the token first: an alternative whose text is the same (two tokens, one name) overwrites it, as in
+            # vLLM, so the best value listed is the token's only where no listed token beats it (lm-eval's is_greedy)
+            ordered = sorted(entry.items(), key=lambda item: item[0] != token)
+            out["top_logprobs"].append({names[t]: json_logprob(lp.logprob) for t, lp in ordered
                                         if top is None or lp.rank <= top or t == token})
         return out
 

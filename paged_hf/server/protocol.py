@@ -24,8 +24,6 @@ from .errors import ApiError
 from .structured import StructuredField, structured_field
 from .tools import ToolPlan
 
-MAX_COMPLETION_LOGPROBS = 20  # vLLM's limit for /v1/completions "logprobs" (its max_logprobs; OpenAI caps at 5)
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for /v1/chat/completions "top_logprobs"
 logger = logging.getLogger("paged_hf")
 
 # Fields that change nothing here: the caller's records (store, metadata, user, safety_identifier), routing and
@@ -225,9 +223,8 @@ class CompletionRequest(_Sampling):
         if self.best_of is not None and self.best_of != n:
             raise ApiError(400, f"best_of must equal n (paged_hf returns every sample: it does not rank extra "
                                 f"ones), got best_of={self.best_of}, n={n}", "best_of")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
-            raise ApiError(400, f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {self.logprobs}",
-                           "logprobs")
+        if self.logprobs is not None and self.logprobs < 0:  # the most: the engine's max_logprobs (--max-logprobs)
+            raise ApiError(400, f"logprobs must be an int >= 0, got {self.logprobs}", "logprobs")
 
 
 class ImageUrl(StrictBody):
@@ -421,7 +418,6 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise ApiError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
-                               "top_logprobs")
+            if self.top_logprobs < 0:  # the most: the engine's max_logprobs (--max-logprobs; 20 by default)
+                raise ApiError(400, f"top_logprobs must be an int >= 0, got {self.top_logprobs}", "top_logprobs")
 
