@@ -336,6 +336,33 @@ def test_a_request_whose_sampling_fails_in_decode_leaves_the_seeded_draws_of_the
     assert calls == list(range(12)), "one call per position, the failing step's included"
 
 
+def test_prompt_logprobs_over_nan_logits_fail_their_request_alone(stories):
+    """A model whose logits turn NaN at a prompt position (here the last kept row of the prefill step, one of the
+    scoring request's prompt rows): that request fails with an error naming its prompt positions instead of
+    handing NaN logprobs out (JSON cannot carry them), draws no token, and the request beside it is its solo run."""
+    model, tok = stories
+    scoring = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1)
+    plain = SamplingParams(max_tokens=3, temperature=0.0)
+    alone = solo_tokens(stories, story_openings()[1], plain)
+
+    def poison(module, args, out):
+        if out.shape[1] > 2:  # the prefill step: the ends of both prompts, then the scoring prompt's rows
+            out = out.clone()
+            out[0, -1] = float("nan")
+        return out
+
+    handle = model.lm_head.register_forward_hook(poison)
+    try:
+        engine = PagedEngine(model, tok, block_size=4, num_blocks=64, enforce_eager=True)
+        outs = engine.generate(story_openings()[:2], [scoring, plain], use_tqdm=False)
+    finally:
+        handle.remove()
+    assert outs[0].outputs[0].finish_reason == "error" and "hold NaN or +inf" in outs[0].error
+    assert outs[0].outputs[0].token_ids == [] and not any(outs[0].prompt_logprobs or ())  # no entry handed out
+    assert outs[1].error is None and outs[1].outputs[0].token_ids == alone
+    assert_all_freed(engine)
+
+
 def test_a_request_reading_the_prefix_a_failing_request_writes_in_the_same_step_computes_it_again(stories):
     """Admitted in one step, ``reader`` hits the prefix blocks ``writer`` fills in that very forward. The writer's
     forward raises, so those blocks never get their K/V: the reader must not read them, and gets its solo tokens."""

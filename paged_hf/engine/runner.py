@@ -256,12 +256,21 @@ class ModelRunner:
             return _without_failed(batch.seqs, drawn, RunnerOutput())  # drawn once: seeded generators step once
         result = RunnerOutput()
         logits = model_output.logits
+        failed: set[int] = set()  # requests whose prompt logits are not finite: they fail, and draw nothing
         for index, (first, count) in model_output.prompt_rows.items():
             item = output.scheduled[index]
-            targets = item.seq.request.prompt_token_ids[item.start + 1 : item.start + 1 + count]
+            request = item.seq.request
+            rows = logits[first : first + count]
+            if bool(torch.isnan(rows).any()) or bool(torch.isposinf(rows).any()):
+                failed.add(id(request))
+                result.errors.append((request, ValueError(
+                    f"the model's logits at prompt positions {item.start}..{item.start + count - 1} hold NaN or "
+                    f"+inf: their prompt_logprobs cannot be computed")))
+                continue
+            targets = request.prompt_token_ids[item.start + 1 : item.start + 1 + count]
             chosen = torch.tensor(targets, dtype=torch.long, device=logits.device)
-            params = item.seq.request.params
-            entries = position_logprobs(logits[first : first + count], chosen, [params.prompt_logprobs] * count,
+            params = request.params
+            entries = position_logprobs(rows, chosen, [params.prompt_logprobs] * count,
                                         self.token_text if params.detokenize else None)
             result.prompt_logprobs.append((item, entries))
         if model_output.draft_rows:
@@ -271,9 +280,11 @@ class ModelRunner:
             result.errors.extend(errors)
         sampling = [item for item in output.scheduled if item.samples and not item.draft_token_ids]
         seqs, rows = [item.seq for item in sampling], model_output.sample_rows
-        if any(item.forks for item in sampling):  # the samples of a completed prompt draw from its row
+        if failed or any(item.forks for item in sampling):  # forks draw from their prompt's row; failed: nothing
             seqs, rows = [], []
             for item, row in zip(sampling, model_output.sample_rows):
+                if id(item.seq.request) in failed:
+                    continue
                 seqs.append(item.seq)
                 rows.append(row)
                 for fork in item.forks:
