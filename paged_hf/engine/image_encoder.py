@@ -53,8 +53,9 @@ class ImageEncoder:
         if self.deepstack:
             pieces.sort(key=lambda piece: piece[0])
             rows = torch.cat([images.embeds[index][a:b] for _, a, b, images, index in pieces])
+            num_layers = len(pieces[0][3].deepstack[pieces[0][4]])  # the model's DeepStack layers
             layers = [torch.cat([images.deepstack[index][layer][a:b] for _, a, b, images, index in pieces])
-                      for layer in range(len(pieces[0][3].deepstack[pieces[0][4]]))]
+                      for layer in range(num_layers)]
             outputs = self.encoder_output(pooler_output=(rows,), deepstack_features=[(layer,) for layer in layers])
             return dict(input_ids=input_ids.to(device).unsqueeze(0), mm_encoder_outputs={"image": outputs})
         embeds = self.embed_tokens(input_ids.to(device))
