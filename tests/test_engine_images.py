@@ -649,3 +649,32 @@ def test_llm_loads_a_vision_language_folder_with_its_processor(tmp_path, model, 
     text, image = "Look <image> at it", random_image(0, (40, 20))
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == processed_reference(model, processor, text, [image])
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_a_generated_image_token_stays_text_beside_deepstack_image_rows(family, caplog):
+    """A DeepStack model writes its image rows at every token of the image token's id: a generated one (which
+    ``generate`` embeds as text) in a step with image rows, another request's decode or a recomputed output after
+    preemption, takes its own embedding and no DeepStack rows. Before, the forward raised (features 14, tokens 15):
+    the mixed step ran again in parts, and the preempted request failed."""
+    model = family_model(family)
+    ids, images = case_inputs(2, 1, family)
+    text_ids, _ = case_inputs(0, 2, family)
+    forced = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0,
+                            allowed_token_ids=[model.config.image_token_id])
+    outs = []
+    for options in ({}, {"num_blocks": 17, "preemption_mode": "recompute", "enable_prefix_caching": False}):
+        engine = PagedEngine(model, None, **{"block_size": 4, "num_blocks": 128, "enforce_eager": True, **options})
+        with caplog.at_level("WARNING", logger="paged_hf"):
+            engine.add_request(text_ids, forced, request_id="text")
+            engine.step()  # the text request's first token is the image token: it decodes beside the image prefills
+            outs.append(engine.generate([ids, ids], forced, use_tqdm=False, images=[images, images]))
+        assert not [r.getMessage() for r in caplog.records if "in parts" in r.getMessage()]
+        assert all(out.error is None for out in outs[-1])
+        engine.check_invariants()
+        assert engine.get_stats()["kv_cache_used"] == 0
+    assert engine.get_stats()["preemption_count"] > 0
+    for out in outs[1]:
+        assert out.outputs[0].token_ids == outs[0][0].outputs[0].token_ids
+        torch.testing.assert_close(token_logprobs(out.outputs[0]), token_logprobs(outs[0][0].outputs[0]), atol=2e-5,
+                                   rtol=0)
