@@ -678,3 +678,27 @@ def test_a_generated_image_token_stays_text_beside_deepstack_image_rows(family, 
         assert out.outputs[0].token_ids == outs[0][0].outputs[0].token_ids
         torch.testing.assert_close(token_logprobs(out.outputs[0]), token_logprobs(outs[0][0].outputs[0]), atol=2e-5,
                                    rtol=0)
+
+
+@pytest.mark.parametrize("family, change, message", [
+    ("llava_next", lambda i: {"pixel_values": i["pixel_values"]}, r"llava_next images need images\['image_sizes'\]"),
+    ("llava_onevision", lambda i: {**i, "image_sizes": -i["image_sizes"]}, "integer tensor .images, 2. of positive"),
+    ("llava_next", lambda i: {**i, "image_sizes": torch.ones(2, 3, dtype=torch.long)}, r"image_sizes'\] must be"),
+    ("llava_next", lambda i: {**i, "pixel_values": i["pixel_values"][:, 0]}, "images, patches, channels, height"),
+    ("llava_onevision", lambda i: {**i, "pixel_values": i["pixel_values"][:, :2]}, "takes 5 patches but"),
+    ("qwen3_vl", lambda i: {"pixel_values": i["pixel_values"]}, r"qwen3_vl images need images\['image_grid_thw'\]"),
+    ("qwen2_5_vl", lambda i: {**i, "image_grid_thw": i["image_grid_thw"].float()}, "integer tensor .images, 3."),
+    ("qwen3_vl_moe", lambda i: {**i, "pixel_values": i["pixel_values"][:, :-1]}, r"must be \[patches, 96\]"),
+], ids=["next-no-sizes", "onevision-negative-sizes", "next-sizes-3-wide", "next-4d-pixels", "onevision-few-patches",
+        "qwen3-no-grid", "qwen2.5-float-grid", "qwen3-moe-patch-width"])
+def test_bad_tensors_of_the_sized_families_are_refused_naming_the_field(family, change, message):
+    """LLaVA-NeXT / -OneVision need ``image_sizes`` and a patch row per image, the Qwen models an integer
+    ``image_grid_thw`` and patches of the tower's width: each is refused at ``add_request``, naming the field (before,
+    most passed, and the request failed in its first forward on a TypeError or a RuntimeError from the tower, after
+    a failed step)."""
+    ids, images = case_inputs(2, 1, family)
+    engine = PagedEngine(family_model(family), None, block_size=4, num_blocks=128, enforce_eager=True)
+    with pytest.raises(ValueError, match=message) as error:
+        engine.add_request(ids, GREEDY, images=change(images))
+    assert error.value.param == "images"
+    assert not engine.has_unfinished_requests()

@@ -55,6 +55,9 @@ FIXED_LENGTH_FAMILIES = ("llava",)  # every image takes the same number of place
 # the processor tensors the encoder takes: one row per image (per tile for the tiled families), except the Qwen
 # models' pixel_values (one row per patch, the image's rows being the product of its image_grid_thw row)
 IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask")
+# the tensors a family's tower cannot do without besides pixel_values: integer rows of (height, width) / (t, h, w)
+REQUIRED_KEYS = {"llava_next": ("image_sizes", 2), "llava_onevision": ("image_sizes", 2),
+                 **{family: ("image_grid_thw", 3) for family in MROPE_FAMILIES}}
 
 
 @dataclass
@@ -131,6 +134,9 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
     unknown = sorted(set(images) - set(IMAGE_KEYS))
     if unknown:
         raise ParameterError("images", f"images has unsupported key(s) {unknown}; allowed keys are {list(IMAGE_KEYS)}")
+    if family in REQUIRED_KEYS:
+        _check_sizes(images, *REQUIRED_KEYS[family], family)
+        _check_pixels(images, model.config)
     if family in TILED_FAMILIES:
         images = _tiles(images)
     pixels = images["pixel_values"]
@@ -172,6 +178,43 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
     if family in MROPE_FAMILIES:
         result.mrope_positions, result.rope_delta = _mrope_positions(model, ids, token, images["image_grid_thw"])
     return result
+
+
+def _check_sizes(images: Mapping, name: str, width: int, family: str) -> None:
+    """``images[name]`` must be ``[N, width]`` positive integers (the tower sizes each image by its row)."""
+    value = images.get(name)
+    if value is None:
+        raise ParameterError("images", f"{family} images need images[{name!r}] (the processor's, one row per "
+                                       f"image) beside pixel_values")
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[1] != width or \
+            value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool or \
+            not bool((value > 0).all()):
+        shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ParameterError("images", f"images[{name!r}] must be an integer tensor [images, {width}] of positive "
+                                       f"sizes, got {shape}")
+
+
+def _check_pixels(images: Mapping, config) -> None:
+    """``pixel_values`` in the form the family's tower reads: LLaVA-NeXT's ``[images, patches, C, H, W]`` (at least
+    the patches of each image's best grid: the processor pads the others), the Qwen models' ``[patches, C * t * p *
+    p]``."""
+    pixels, vision = images["pixel_values"], config.vision_config
+    if "image_grid_thw" in images:
+        width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        if pixels.dim() != 2 or pixels.shape[1] != width:
+            raise ParameterError("images", f"images['pixel_values'] must be [patches, {width}] (channels x "
+                                           f"temporal_patch_size x patch_size^2), got {list(pixels.shape)}")
+        return
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches  # noqa: PLC0415
+
+    if pixels.dim() != 5 or pixels.shape[0] != images["image_sizes"].shape[0]:
+        raise ParameterError("images", f"images['pixel_values'] must be [images, patches, channels, height, width] "
+                                       f"with a row per image_sizes row, got {list(pixels.shape)}")
+    for index, size in enumerate(images["image_sizes"].tolist()):
+        needed = image_size_to_num_patches(size, config.image_grid_pinpoints, vision.image_size)
+        if pixels.shape[1] < needed:
+            raise ParameterError("images", f"image {index} of size {size} (image_sizes) takes {needed} patches but "
+                                           f"images['pixel_values'] holds {pixels.shape[1]} a row")
 
 
 def _tiles(images: Mapping) -> dict:
