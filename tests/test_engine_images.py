@@ -702,3 +702,32 @@ def test_bad_tensors_of_the_sized_families_are_refused_naming_the_field(family, 
         engine.add_request(ids, GREEDY, images=change(images))
     assert error.value.param == "images"
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])
+def test_adjacent_images_of_the_packed_families_are_split_by_their_sizes(family):
+    """"<image><image>": LLaVA-NeXT's and -OneVision's processors write the two images' runs with nothing between
+    them, each as long as its image_sizes make it (88 and 34 tokens here). The engine splits the run by those
+    lengths (before, it refused the prompt: "1 runs of image placeholder tokens for 2 images"); tokens and logprobs
+    equal generate's."""
+    from vision_models import NEXT_SIZES, llava_next_processor, llava_onevision_processor, random_image
+
+    model = family_model(family)
+    processor = llava_next_processor() if family == "llava_next" else llava_onevision_processor()
+    inputs = processor(text=["Look <image><image> now"], images=[random_image(i, NEXT_SIZES[i]) for i in (1, 2)],
+                       return_tensors="pt")
+    ids, images = inputs["input_ids"][0].tolist(), {k: inputs[k] for k in ("pixel_values", "image_sizes")}
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
+    out = engine.generate([ids], GREEDY, use_tqdm=False, images=[images])[0]
+    assert [(s.offset, s.length) for s in request_images(images, ids, model, None).spans] == [(5, 88), (93, 34)]
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        expected = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None,
+                                  pad_token_id=0, return_dict_in_generate=True, output_logits=True,
+                                  cache=DynamicCache(config=model.config))
+    tokens = expected.sequences[0, len(ids):].tolist()
+    assert out.error is None and out.outputs[0].token_ids == tokens
+    torch.testing.assert_close(token_logprobs(out.outputs[0]),
+                               [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in
+                                zip(expected.logits, tokens)], atol=2e-5, rtol=0)
+    engine.check_invariants()

@@ -52,6 +52,7 @@ DEEPSTACK_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")  # the vision tower's rows als
 TILED_FAMILIES = ("idefics3", "smolvlm")
 BIDIRECTIONAL_FAMILIES = ("gemma3",)  # an image's tokens attend to each other both ways
 FIXED_LENGTH_FAMILIES = ("llava",)  # every image takes the same number of placeholder tokens, with no marker around
+PACKED_FAMILIES = ("llava_next", "llava_onevision")  # an image's tokens follow from its image_sizes, no marker around
 # the processor tensors the encoder takes: one row per image (per tile for the tiled families), except the Qwen
 # models' pixel_values (one row per patch, the image's rows being the product of its image_grid_thw row)
 IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask")
@@ -152,7 +153,10 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
     if not torch.isfinite(pixels).all():
         raise ParameterError("images", "pixel_values holds NaN or infinite values")
     if len(runs) < count and family in FIXED_LENGTH_FAMILIES:
-        runs = _split_runs(runs, _llava_image_tokens(model.config))
+        per = _llava_image_tokens(model.config)
+        runs = _split_runs(runs, [per] * count) if per else runs
+    elif len(runs) < count and family in PACKED_FAMILIES:
+        runs = _split_runs(runs, _packed_lengths(model, images))
     if len(runs) != count:
         raise ParameterError("images", f"the prompt holds {len(runs)} runs of image placeholder tokens (id {token}) "
                                        f"for {count} images: the processor writes one run per image")
@@ -292,12 +296,45 @@ def _llava_image_tokens(config) -> int | None:
     return (size // patch) ** 2 + (getattr(config, "vision_feature_select_strategy", "default") == "full")
 
 
-def _split_runs(runs: list[tuple[int, int]], per: int | None) -> list[tuple[int, int]]:
-    """``runs`` cut into images of ``per`` tokens each (two images with nothing between them are one run); unchanged
-    where a run is not a whole number of images."""
-    if not per or any(length % per for _, length in runs):
+def _packed_lengths(model, images: Mapping) -> list[int] | None:
+    """The placeholder tokens of each LLaVA-NeXT / -OneVision image (its base view, then its grid's crops unpadded to
+    its aspect, a newline after each line): the model's own ``pack_image_features`` on meta tensors of the tower's
+    output shapes, which computes nothing. None where the model's packing does not take them."""
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches  # noqa: PLC0415
+
+    config, inner = model.config, model.model
+    vision, hidden = config.vision_config, config.text_config.hidden_size
+    side = vision.image_size // vision.patch_size
+    extra = {"vision_aspect_ratio": config.vision_aspect_ratio} if config.model_type == "llava_onevision" else \
+        {"vision_feature_select_strategy": config.vision_feature_select_strategy}
+    lengths = []
+    try:
+        for size in images["image_sizes"]:
+            patches = image_size_to_num_patches(size.tolist(), config.image_grid_pinpoints, vision.image_size)
+            features = torch.empty(patches, side * side, hidden, device="meta")
+            packed = inner.pack_image_features([features], size[None], image_newline=inner.image_newline.to("meta"),
+                                               **extra)[0]
+            lengths.append(packed[0].shape[0])
+    except Exception:  # noqa: BLE001 - another version's packing: the runs stay as they are
+        return None
+    return lengths
+
+
+def _split_runs(runs: list[tuple[int, int]], lengths: list[int] | None) -> list[tuple[int, int]]:
+    """``runs`` cut into images of ``lengths`` tokens, in order (two images with nothing between them are one run);
+    unchanged where the runs are not the images' lengths end to end."""
+    if lengths is None:
         return runs
-    return [(offset + i * per, per) for offset, length in runs for i in range(length // per)]
+    out, images = [], iter(lengths)
+    for offset, length in runs:
+        end = offset + length
+        while offset < end:
+            size = next(images, None)
+            if size is None or offset + size > end:
+                return runs
+            out.append((offset, size))
+            offset += size
+    return out if len(out) == len(lengths) else runs
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
