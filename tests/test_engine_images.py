@@ -731,3 +731,20 @@ def test_adjacent_images_of_the_packed_families_are_split_by_their_sizes(family)
                                [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in
                                 zip(expected.logits, tokens)], atol=2e-5, rtol=0)
     engine.check_invariants()
+
+
+@pytest.mark.parametrize("family", TILED)
+def test_bad_tile_tensors_are_refused_naming_the_field(family):
+    """A ``pixel_attention_mask`` that is not ``[1, tiles, H, W]`` of the pixels (before: a RuntimeError from the
+    tower's first forward, after a failed step), and tiles that do not match the prompt's runs (counted as tiles)."""
+    ids, images = case_inputs(2, 1, family)  # 6 tiles
+    engine = PagedEngine(family_model(family), None, block_size=4, num_blocks=128, enforce_eager=True)
+    mask = images["pixel_attention_mask"]
+    fewer = {"pixel_values": images["pixel_values"][:, :-1]}
+    for bad, message in (({**images, "pixel_attention_mask": mask[:, :, :8]}, r"must be \[1, tiles, height, width\]"),
+                         ({**images, "pixel_attention_mask": mask[:, :-1]}, "got .1, 5, 16, 16."),
+                         (fewer, "6 runs .* for 5 tiles: .* one run per tile")):
+        with pytest.raises(ValueError, match=message) as error:
+            engine.add_request(ids, GREEDY, images=bad)
+        assert error.value.param == "images"
+    assert not engine.has_unfinished_requests()

@@ -158,8 +158,9 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
     elif len(runs) < count and family in PACKED_FAMILIES:
         runs = _split_runs(runs, _packed_lengths(model, images))
     if len(runs) != count:
+        unit = "tiles" if family in TILED_FAMILIES else "images"
         raise ParameterError("images", f"the prompt holds {len(runs)} runs of image placeholder tokens (id {token}) "
-                                       f"for {count} images: the processor writes one run per image")
+                                       f"for {count} {unit}: the processor writes one run per {unit[:-1]}")
     rows = _pixel_rows(images, count, runs, model)
     for name, value in images.items():
         if name != "pixel_values" and (not isinstance(value, torch.Tensor) or value.dim() == 0 or
@@ -228,12 +229,13 @@ def _tiles(images: Mapping) -> dict:
     if pixels.dim() != 5 or pixels.shape[0] != 1:
         raise ParameterError("images", f"images['pixel_values'] must be the processor's [1, tiles, channels, height, "
                                        f"width] of one prompt, got {list(pixels.shape)}")
-    out = dict(images)
-    for name in ("pixel_values", "pixel_attention_mask"):
-        value = images.get(name)
-        if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[:2] == pixels.shape[:2]:
-            out[name] = value[0]
-    return out
+    mask = images.get("pixel_attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or
+                             mask.shape != (*pixels.shape[:2], *pixels.shape[3:])):
+        shape = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ParameterError("images", f"images['pixel_attention_mask'] must be [1, tiles, height, width] as "
+                                       f"pixel_values {list(pixels.shape)}, got {shape}")
+    return {**images, "pixel_values": pixels[0], **({"pixel_attention_mask": mask[0]} if mask is not None else {})}
 
 
 def _tiled_images(ids: list[int], runs: list[tuple[int, int]]) -> int:
