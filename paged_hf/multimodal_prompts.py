@@ -121,6 +121,9 @@ def image_prompt(prompt: Mapping, processor, media: MediaPolicy) -> tuple[dict, 
         raise ParameterError("multi_modal_data", "multi_modal_data needs 'prompt' (the text with its image "
                                                  "placeholders) or 'prompt_token_ids' (its ids)")
     images = data.get("image")
+    if isinstance(images, (list, tuple)) and not images:
+        raise ParameterError("multi_modal_data", "multi_modal_data['image'] is an empty list: give one image or more, "
+                                                 "or a prompt without multi_modal_data")
     images = [load_image(image, media, "multi_modal_data")
               for image in (images if isinstance(images, (list, tuple)) else [images])]
     if "prompt_token_ids" in prompt:

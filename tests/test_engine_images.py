@@ -748,3 +748,20 @@ def test_bad_tile_tensors_are_refused_naming_the_field(family):
             engine.add_request(ids, GREEDY, images=bad)
         assert error.value.param == "images"
     assert not engine.has_unfinished_requests()
+
+
+def test_an_empty_image_list_is_refused_naming_the_field():
+    """``{"image": []}``: Idefics3's processor raised IndexError on it (a text prompt), and token ids read the
+    expansion of no image (IndexError, or "max() arg is an empty sequence" with LLaVA-NeXT's); it is refused, naming
+    ``multi_modal_data``, and nothing is queued."""
+    from paged_hf import LLM
+    from vision_models import idefics3_processor, tiny_tiled
+
+    processor = idefics3_processor()
+    llm = LLM(tiny_tiled("idefics3"), processor.tokenizer, processor=processor, enforce_eager=True, block_size=4,
+              num_blocks=64)
+    for prompt in ({"prompt": "Look <image>"}, {"prompt_token_ids": [1, 5, 6]}):
+        with pytest.raises(ValueError, match=r"multi_modal_data\['image'\] is an empty list") as error:
+            llm.generate({**prompt, "multi_modal_data": {"image": []}}, GREEDY, use_tqdm=False)
+        assert error.value.param == "multi_modal_data"
+    assert not llm.llm_engine.has_unfinished_requests()
