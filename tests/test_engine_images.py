@@ -765,3 +765,24 @@ def test_an_empty_image_list_is_refused_naming_the_field():
             llm.generate({**prompt, "multi_modal_data": {"image": []}}, GREEDY, use_tqdm=False)
         assert error.value.param == "multi_modal_data"
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_string_chat_template_gets_qwens_image_between_its_vision_markers():
+    """Qwen-VL's placeholder for a template that reads content as a string is its image token between
+    <|vision_start|> and <|vision_end|>, as its own templates write it and vLLM's string format does (before: a bare
+    <|image_pad|>, an image the model never saw without its markers); greedy tokens equal generate's on that text."""
+    from paged_hf import LLM
+    from vision_models import qwen2_vl_processor, random_image
+
+    model, processor = family_model("qwen3_vl"), qwen2_vl_processor()
+    llm = LLM(model, processor.tokenizer, processor=processor, enforce_eager=True, block_size=4, num_blocks=64)
+    image = random_image(1, (28, 20))
+    parts = [{"type": "text", "text": "What?"}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    try:
+        out = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False, chat_template=template)[0]
+        assert out.prompt == "user: <|vision_start|><|image_pad|><|vision_end|>\nWhat?\nassistant:"
+        assert out.outputs[0].token_ids == processed_reference(model, processor, out.prompt, [image],
+                                                               add_special_tokens=False)
+    finally:
+        model.set_attn_implementation("paged")  # the reference ran sdpa
