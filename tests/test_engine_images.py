@@ -786,3 +786,32 @@ def test_a_string_chat_template_gets_qwens_image_between_its_vision_markers():
                                                                add_special_tokens=False)
     finally:
         model.set_attn_implementation("paged")  # the reference ran sdpa
+
+
+@pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])
+def test_an_image_hits_the_prefix_cache_whatever_the_prompts_other_images_pad_it_to(family):
+    """The processor pads every image's patch rows to the prompt's longest; an image's digest is of its own rows, so
+    the same first image hits its blocks in a prompt whose second image takes more patches (before: 3 patches alone,
+    5 padded: another digest, only the text before it hit). Tokens equal generate's on the padded tensors."""
+    from vision_models import llava_next_processor, llava_onevision_processor, random_image
+
+    model = family_model(family)
+    processor = llava_next_processor() if family == "llava_next" else llava_onevision_processor()
+    first, second = random_image(1, (40, 20)), random_image(2, (30, 30))  # 3 and 5 patches
+    engine = PagedEngine(model, None, block_size=4, num_blocks=256, enforce_eager=True)
+    outs = []
+    for text, images in (("Look <image> then", [first]), ("Look <image> then <image> x", [first, second])):
+        inputs = processor(text=[text], images=images, return_tensors="pt")
+        ids = inputs["input_ids"][0].tolist()
+        outs.append(engine.generate([ids], GREEDY, use_tqdm=False, images=[
+            {k: inputs[k] for k in ("pixel_values", "image_sizes")}])[0])
+    assert inputs["pixel_values"].shape[1] == 5
+    tensors = {k: inputs[k] for k in ("pixel_values", "image_sizes")}
+    first_end = request_images(tensors, ids, model, None).spans[0].end
+    assert outs[1].metrics.num_prefix_cached_tokens >= first_end // 4 * 4  # every block of the first image
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        expected = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None,
+                                  pad_token_id=0, cache=DynamicCache(config=model.config))[0, len(ids):].tolist()
+    assert outs[1].outputs[0].token_ids == expected
+    engine.check_invariants()

@@ -135,9 +135,10 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
     unknown = sorted(set(images) - set(IMAGE_KEYS))
     if unknown:
         raise ParameterError("images", f"images has unsupported key(s) {unknown}; allowed keys are {list(IMAGE_KEYS)}")
+    patches = None  # LLaVA-NeXT / -OneVision: each image's own patch rows (the processor pads them to the longest)
     if family in REQUIRED_KEYS:
         _check_sizes(images, *REQUIRED_KEYS[family], family)
-        _check_pixels(images, model.config)
+        patches = _check_pixels(images, model.config)
     if family in TILED_FAMILIES:
         images = _tiles(images)
     pixels = images["pixel_values"]
@@ -171,6 +172,8 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
     for i, (offset, length) in enumerate(runs):  # copies: the caller may reuse its tensors (the digest is of these)
         tensors = {name: (value[bounds[i] : bounds[i + 1]] if name == "pixel_values" else value[i : i + 1])
                    .detach().to("cpu", copy=True) for name, value in images.items()}
+        if patches:  # without the padding, an image's digest and tensors do not depend on the prompt's other images
+            tensors["pixel_values"] = tensors["pixel_values"][:, : patches[i]].clone()
         spans.append(ImageSpan(offset, length, tensors, _digest(tensors)))
     result = RequestImages(spans, bidirectional=family in BIDIRECTIONAL_FAMILIES)
     longest = max(length for _, length in runs)
@@ -199,27 +202,29 @@ def _check_sizes(images: Mapping, name: str, width: int, family: str) -> None:
                                        f"sizes, got {shape}")
 
 
-def _check_pixels(images: Mapping, config) -> None:
+def _check_pixels(images: Mapping, config) -> list[int] | None:
     """``pixel_values`` in the form the family's tower reads: LLaVA-NeXT's ``[images, patches, C, H, W]`` (at least
     the patches of each image's best grid: the processor pads the others), the Qwen models' ``[patches, C * t * p *
-    p]``."""
+    p]``. LLaVA-NeXT's patches of each image, None for the Qwen models."""
     pixels, vision = images["pixel_values"], config.vision_config
     if "image_grid_thw" in images:
         width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
         if pixels.dim() != 2 or pixels.shape[1] != width:
             raise ParameterError("images", f"images['pixel_values'] must be [patches, {width}] (channels x "
                                            f"temporal_patch_size x patch_size^2), got {list(pixels.shape)}")
-        return
+        return None
     from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches  # noqa: PLC0415
 
     if pixels.dim() != 5 or pixels.shape[0] != images["image_sizes"].shape[0]:
         raise ParameterError("images", f"images['pixel_values'] must be [images, patches, channels, height, width] "
                                        f"with a row per image_sizes row, got {list(pixels.shape)}")
+    patches = []
     for index, size in enumerate(images["image_sizes"].tolist()):
-        needed = image_size_to_num_patches(size, config.image_grid_pinpoints, vision.image_size)
-        if pixels.shape[1] < needed:
-            raise ParameterError("images", f"image {index} of size {size} (image_sizes) takes {needed} patches but "
-                                           f"images['pixel_values'] holds {pixels.shape[1]} a row")
+        patches.append(image_size_to_num_patches(size, config.image_grid_pinpoints, vision.image_size))
+        if pixels.shape[1] < patches[-1]:
+            raise ParameterError("images", f"image {index} of size {size} (image_sizes) takes {patches[-1]} patches "
+                                           f"but images['pixel_values'] holds {pixels.shape[1]} a row")
+    return patches
 
 
 def _tiles(images: Mapping) -> dict:
