@@ -24,6 +24,7 @@ from .media import MediaPolicy, load_image
 IMAGE_PART_TYPES = ("image_url", "image_pil")
 DETAILS = ("auto", "low", "high")  # an image_url part's ``detail``
 LOW_DETAIL_SIDE = 512  # pixels a side of a ``detail: "low"`` image, at most
+QWEN_VISION = {"<|image_pad|>": ("<|vision_start|>", "<|vision_end|>")}  # the Qwen-VL models' image between markers
 
 
 _PROBE = "\x01paged-hf-probe\x01"
@@ -32,7 +33,8 @@ _reads_parts: dict[str, bool] = {}  # by template: whether it reads content part
 
 def image_placeholder(tokenizer, processor, chat_template: str | None = None) -> str | None:
     """The text that stands for an image in a chat template that reads content as a string (the processor's image
-    token, or its begin-of-image token where it has one); None for a template that reads content parts."""
+    token, or its begin-of-image token where it has one; a Qwen-VL image token between its vision start and end
+    tokens, as its own templates write it); None for a template that reads content parts."""
     template = chat_template if chat_template is not None else tokenizer.chat_template
     key = str(template)
     if key not in _reads_parts:
@@ -44,7 +46,11 @@ def image_placeholder(tokenizer, processor, chat_template: str | None = None) ->
             _reads_parts[key] = False
     if _reads_parts[key]:
         return None
-    return getattr(processor, "boi_token", None) or getattr(processor, "image_token", None)
+    token = getattr(processor, "boi_token", None) or getattr(processor, "image_token", None)
+    markers = QWEN_VISION.get(token)
+    if markers and all(marker in processor.tokenizer.get_vocab() for marker in markers):
+        return f"{markers[0]}{token}{markers[1]}"
+    return token
 
 
 def split_chat(messages: list, load: Callable[[object], object], field: str = "messages",
@@ -121,6 +127,9 @@ def image_prompt(prompt: Mapping, processor, media: MediaPolicy) -> tuple[dict, 
         raise ParameterError("multi_modal_data", "multi_modal_data needs 'prompt' (the text with its image "
                                                  "placeholders) or 'prompt_token_ids' (its ids)")
     images = data.get("image")
+    if isinstance(images, (list, tuple)) and not images:
+        raise ParameterError("multi_modal_data", "multi_modal_data['image'] is an empty list: give one image or more, "
+                                                 "or a prompt without multi_modal_data")
     images = [load_image(image, media, "multi_modal_data")
               for image in (images if isinstance(images, (list, tuple)) else [images])]
     if "prompt_token_ids" in prompt:

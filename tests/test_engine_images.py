@@ -649,3 +649,169 @@ def test_llm_loads_a_vision_language_folder_with_its_processor(tmp_path, model, 
     text, image = "Look <image> at it", random_image(0, (40, 20))
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == processed_reference(model, processor, text, [image])
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_a_generated_image_token_stays_text_beside_deepstack_image_rows(family, caplog):
+    """A DeepStack model writes its image rows at every token of the image token's id: a generated one (which
+    ``generate`` embeds as text) in a step with image rows, another request's decode or a recomputed output after
+    preemption, takes its own embedding and no DeepStack rows. Before, the forward raised (features 14, tokens 15):
+    the mixed step ran again in parts, and the preempted request failed."""
+    model = family_model(family)
+    ids, images = case_inputs(2, 1, family)
+    text_ids, _ = case_inputs(0, 2, family)
+    forced = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0,
+                            allowed_token_ids=[model.config.image_token_id])
+    outs = []
+    for options in ({}, {"num_blocks": 17, "preemption_mode": "recompute", "enable_prefix_caching": False}):
+        engine = PagedEngine(model, None, **{"block_size": 4, "num_blocks": 128, "enforce_eager": True, **options})
+        with caplog.at_level("WARNING", logger="paged_hf"):
+            engine.add_request(text_ids, forced, request_id="text")
+            engine.step()  # the text request's first token is the image token: it decodes beside the image prefills
+            outs.append(engine.generate([ids, ids], forced, use_tqdm=False, images=[images, images]))
+        assert not [r.getMessage() for r in caplog.records if "in parts" in r.getMessage()]
+        assert all(out.error is None for out in outs[-1])
+        engine.check_invariants()
+        assert engine.get_stats()["kv_cache_used"] == 0
+    assert engine.get_stats()["preemption_count"] > 0
+    for out in outs[1]:
+        assert out.outputs[0].token_ids == outs[0][0].outputs[0].token_ids
+        torch.testing.assert_close(token_logprobs(out.outputs[0]), token_logprobs(outs[0][0].outputs[0]), atol=2e-5,
+                                   rtol=0)
+
+
+@pytest.mark.parametrize("family, change, message", [
+    ("llava_next", lambda i: {"pixel_values": i["pixel_values"]}, r"llava_next images need images\['image_sizes'\]"),
+    ("llava_onevision", lambda i: {**i, "image_sizes": -i["image_sizes"]}, "integer tensor .images, 2. of positive"),
+    ("llava_next", lambda i: {**i, "image_sizes": torch.ones(2, 3, dtype=torch.long)}, r"image_sizes'\] must be"),
+    ("llava_next", lambda i: {**i, "pixel_values": i["pixel_values"][:, 0]}, "images, patches, channels, height"),
+    ("llava_onevision", lambda i: {**i, "pixel_values": i["pixel_values"][:, :2]}, "takes 5 patches but"),
+    ("qwen3_vl", lambda i: {"pixel_values": i["pixel_values"]}, r"qwen3_vl images need images\['image_grid_thw'\]"),
+    ("qwen2_5_vl", lambda i: {**i, "image_grid_thw": i["image_grid_thw"].float()}, "integer tensor .images, 3."),
+    ("qwen3_vl_moe", lambda i: {**i, "pixel_values": i["pixel_values"][:, :-1]}, r"must be \[patches, 96\]"),
+], ids=["next-no-sizes", "onevision-negative-sizes", "next-sizes-3-wide", "next-4d-pixels", "onevision-few-patches",
+        "qwen3-no-grid", "qwen2.5-float-grid", "qwen3-moe-patch-width"])
+def test_bad_tensors_of_the_sized_families_are_refused_naming_the_field(family, change, message):
+    """LLaVA-NeXT / -OneVision need ``image_sizes`` and a patch row per image, the Qwen models an integer
+    ``image_grid_thw`` and patches of the tower's width: each is refused at ``add_request``, naming the field (before,
+    most passed, and the request failed in its first forward on a TypeError or a RuntimeError from the tower, after
+    a failed step)."""
+    ids, images = case_inputs(2, 1, family)
+    engine = PagedEngine(family_model(family), None, block_size=4, num_blocks=128, enforce_eager=True)
+    with pytest.raises(ValueError, match=message) as error:
+        engine.add_request(ids, GREEDY, images=change(images))
+    assert error.value.param == "images"
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])
+def test_adjacent_images_of_the_packed_families_are_split_by_their_sizes(family):
+    """"<image><image>": LLaVA-NeXT's and -OneVision's processors write the two images' runs with nothing between
+    them, each as long as its image_sizes make it (88 and 34 tokens here). The engine splits the run by those
+    lengths (before, it refused the prompt: "1 runs of image placeholder tokens for 2 images"); tokens and logprobs
+    equal generate's."""
+    from vision_models import NEXT_SIZES, llava_next_processor, llava_onevision_processor, random_image
+
+    model = family_model(family)
+    processor = llava_next_processor() if family == "llava_next" else llava_onevision_processor()
+    inputs = processor(text=["Look <image><image> now"], images=[random_image(i, NEXT_SIZES[i]) for i in (1, 2)],
+                       return_tensors="pt")
+    ids, images = inputs["input_ids"][0].tolist(), {k: inputs[k] for k in ("pixel_values", "image_sizes")}
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
+    out = engine.generate([ids], GREEDY, use_tqdm=False, images=[images])[0]
+    assert [(s.offset, s.length) for s in request_images(images, ids, model, None).spans] == [(5, 88), (93, 34)]
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        expected = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None,
+                                  pad_token_id=0, return_dict_in_generate=True, output_logits=True,
+                                  cache=DynamicCache(config=model.config))
+    tokens = expected.sequences[0, len(ids):].tolist()
+    assert out.error is None and out.outputs[0].token_ids == tokens
+    torch.testing.assert_close(token_logprobs(out.outputs[0]),
+                               [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in
+                                zip(expected.logits, tokens)], atol=2e-5, rtol=0)
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("family", TILED)
+def test_bad_tile_tensors_are_refused_naming_the_field(family):
+    """A ``pixel_attention_mask`` that is not ``[1, tiles, H, W]`` of the pixels (before: a RuntimeError from the
+    tower's first forward, after a failed step), and tiles that do not match the prompt's runs (counted as tiles)."""
+    ids, images = case_inputs(2, 1, family)  # 6 tiles
+    engine = PagedEngine(family_model(family), None, block_size=4, num_blocks=128, enforce_eager=True)
+    mask = images["pixel_attention_mask"]
+    fewer = {"pixel_values": images["pixel_values"][:, :-1]}
+    for bad, message in (({**images, "pixel_attention_mask": mask[:, :, :8]}, r"must be \[1, tiles, height, width\]"),
+                         ({**images, "pixel_attention_mask": mask[:, :-1]}, "got .1, 5, 16, 16."),
+                         (fewer, "6 runs .* for 5 tiles: .* one run per tile")):
+        with pytest.raises(ValueError, match=message) as error:
+            engine.add_request(ids, GREEDY, images=bad)
+        assert error.value.param == "images"
+    assert not engine.has_unfinished_requests()
+
+
+def test_an_empty_image_list_is_refused_naming_the_field():
+    """``{"image": []}``: Idefics3's processor raised IndexError on it (a text prompt), and token ids read the
+    expansion of no image (IndexError, or "max() arg is an empty sequence" with LLaVA-NeXT's); it is refused, naming
+    ``multi_modal_data``, and nothing is queued."""
+    from paged_hf import LLM
+    from vision_models import idefics3_processor, tiny_tiled
+
+    processor = idefics3_processor()
+    llm = LLM(tiny_tiled("idefics3"), processor.tokenizer, processor=processor, enforce_eager=True, block_size=4,
+              num_blocks=64)
+    for prompt in ({"prompt": "Look <image>"}, {"prompt_token_ids": [1, 5, 6]}):
+        with pytest.raises(ValueError, match=r"multi_modal_data\['image'\] is an empty list") as error:
+            llm.generate({**prompt, "multi_modal_data": {"image": []}}, GREEDY, use_tqdm=False)
+        assert error.value.param == "multi_modal_data"
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_string_chat_template_gets_qwens_image_between_its_vision_markers():
+    """Qwen-VL's placeholder for a template that reads content as a string is its image token between
+    <|vision_start|> and <|vision_end|>, as its own templates write it and vLLM's string format does (before: a bare
+    <|image_pad|>, an image the model never saw without its markers); greedy tokens equal generate's on that text."""
+    from paged_hf import LLM
+    from vision_models import qwen2_vl_processor, random_image
+
+    model, processor = family_model("qwen3_vl"), qwen2_vl_processor()
+    llm = LLM(model, processor.tokenizer, processor=processor, enforce_eager=True, block_size=4, num_blocks=64)
+    image = random_image(1, (28, 20))
+    parts = [{"type": "text", "text": "What?"}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    try:
+        out = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False, chat_template=template)[0]
+        assert out.prompt == "user: <|vision_start|><|image_pad|><|vision_end|>\nWhat?\nassistant:"
+        assert out.outputs[0].token_ids == processed_reference(model, processor, out.prompt, [image],
+                                                               add_special_tokens=False)
+    finally:
+        model.set_attn_implementation("paged")  # the reference ran sdpa
+
+
+@pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])
+def test_an_image_hits_the_prefix_cache_whatever_the_prompts_other_images_pad_it_to(family):
+    """The processor pads every image's patch rows to the prompt's longest; an image's digest is of its own rows, so
+    the same first image hits its blocks in a prompt whose second image takes more patches (before: 3 patches alone,
+    5 padded: another digest, only the text before it hit). Tokens equal generate's on the padded tensors."""
+    from vision_models import llava_next_processor, llava_onevision_processor, random_image
+
+    model = family_model(family)
+    processor = llava_next_processor() if family == "llava_next" else llava_onevision_processor()
+    first, second = random_image(1, (40, 20)), random_image(2, (30, 30))  # 3 and 5 patches
+    engine = PagedEngine(model, None, block_size=4, num_blocks=256, enforce_eager=True)
+    outs = []
+    for text, images in (("Look <image> then", [first]), ("Look <image> then <image> x", [first, second])):
+        inputs = processor(text=[text], images=images, return_tensors="pt")
+        ids = inputs["input_ids"][0].tolist()
+        outs.append(engine.generate([ids], GREEDY, use_tqdm=False, images=[
+            {k: inputs[k] for k in ("pixel_values", "image_sizes")}])[0])
+    assert inputs["pixel_values"].shape[1] == 5
+    tensors = {k: inputs[k] for k in ("pixel_values", "image_sizes")}
+    first_end = request_images(tensors, ids, model, None).spans[0].end
+    assert outs[1].metrics.num_prefix_cached_tokens >= first_end // 4 * 4  # every block of the first image
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        expected = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None,
+                                  pad_token_id=0, cache=DynamicCache(config=model.config))[0, len(ids):].tolist()
+    assert outs[1].outputs[0].token_ids == expected
+    engine.check_invariants()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..metadata import PadQueries
-from .multimodal import DEEPSTACK_FAMILIES, TILED_FAMILIES, RequestImages
+from .multimodal import DEEPSTACK_FAMILIES, TILED_FAMILIES, RequestImages, image_token_id
 
 
 class ImageEncoder:
@@ -23,6 +23,7 @@ class ImageEncoder:
         self.embed_tokens = model.get_input_embeddings()
         self.num_encoded_images = 0
         self.deepstack = model.config.model_type in DEEPSTACK_FAMILIES
+        self.token = image_token_id(model)
         self.tiled = model.config.model_type in TILED_FAMILIES
         self.encoder_output = None  # the class of a DeepStack tower's outputs (pooler_output, deepstack_features)
 
@@ -51,17 +52,30 @@ class ImageEncoder:
             pieces.append((starts[i] + first - start, first - span.offset, last - span.offset, images, index))
         device = self.embed_tokens.weight.device
         if self.deepstack:
-            pieces.sort(key=lambda piece: piece[0])
-            rows = torch.cat([images.embeds[index][a:b] for _, a, b, images, index in pieces])
-            num_layers = len(pieces[0][3].deepstack[pieces[0][4]])  # the model's DeepStack layers
-            layers = [torch.cat([images.deepstack[index][layer][a:b] for _, a, b, images, index in pieces])
-                      for layer in range(num_layers)]
-            outputs = self.encoder_output(pooler_output=(rows,), deepstack_features=[(layer,) for layer in layers])
-            return dict(input_ids=input_ids.to(device).unsqueeze(0), mm_encoder_outputs={"image": outputs})
+            return self._deepstack_inputs(pieces, input_ids.to(device))
         embeds = self.embed_tokens(input_ids.to(device))
         for row, a, b, images, index in pieces:
             embeds[row : row + b - a] = images.embeds[index][a:b]
         return dict(inputs_embeds=embeds.unsqueeze(0))
+
+    def _deepstack_inputs(self, pieces: list, input_ids: torch.Tensor) -> dict:
+        """A DeepStack model's keywords for the step (``input_ids`` ``[T]``): the model writes ``mm_encoder_outputs``'
+        rows, in row order, at every token equal to its image token, so a token of that id outside the step's image
+        spans (a generated one) gets a row too: its own embedding, and zero DeepStack rows, which leave it text."""
+        rows = [(row, images.embeds[index][a:b], [layer[a:b] for layer in images.deepstack[index]])
+                for row, a, b, images, index in pieces]
+        spans = torch.zeros_like(input_ids, dtype=torch.bool)
+        for row, embeds, _ in rows:
+            spans[row : row + embeds.shape[0]] = True
+        stray = ((input_ids == self.token) & ~spans).nonzero().flatten().tolist()
+        if stray:
+            text = self.embed_tokens(input_ids[stray[:1]])
+            rows += [(row, text, [layer.new_zeros(1, layer.shape[-1]) for layer in rows[0][2]]) for row in stray]
+        rows.sort(key=lambda piece: piece[0])
+        image = torch.cat([embeds for _, embeds, _ in rows])
+        layers = [torch.cat([deepstack[layer] for _, _, deepstack in rows]) for layer in range(len(rows[0][2]))]
+        outputs = self.encoder_output(pooler_output=(image,), deepstack_features=[(layer,) for layer in layers])
+        return dict(input_ids=input_ids.unsqueeze(0), mm_encoder_outputs={"image": outputs})
 
     def _encode(self, missing: list[tuple[RequestImages, int]]) -> None:
         """Runs the vision tower once over the ``missing`` images (grouped by shape), caching each one's

@@ -52,9 +52,13 @@ DEEPSTACK_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")  # the vision tower's rows als
 TILED_FAMILIES = ("idefics3", "smolvlm")
 BIDIRECTIONAL_FAMILIES = ("gemma3",)  # an image's tokens attend to each other both ways
 FIXED_LENGTH_FAMILIES = ("llava",)  # every image takes the same number of placeholder tokens, with no marker around
+PACKED_FAMILIES = ("llava_next", "llava_onevision")  # an image's tokens follow from its image_sizes, no marker around
 # the processor tensors the encoder takes: one row per image (per tile for the tiled families), except the Qwen
 # models' pixel_values (one row per patch, the image's rows being the product of its image_grid_thw row)
 IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask")
+# the tensors a family's tower cannot do without besides pixel_values: integer rows of (height, width) / (t, h, w)
+REQUIRED_KEYS = {"llava_next": ("image_sizes", 2), "llava_onevision": ("image_sizes", 2),
+                 **{family: ("image_grid_thw", 3) for family in MROPE_FAMILIES}}
 
 
 @dataclass
@@ -131,6 +135,10 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
     unknown = sorted(set(images) - set(IMAGE_KEYS))
     if unknown:
         raise ParameterError("images", f"images has unsupported key(s) {unknown}; allowed keys are {list(IMAGE_KEYS)}")
+    patches = None  # LLaVA-NeXT / -OneVision: each image's own patch rows (the processor pads them to the longest)
+    if family in REQUIRED_KEYS:
+        _check_sizes(images, *REQUIRED_KEYS[family], family)
+        patches = _check_pixels(images, model.config)
     if family in TILED_FAMILIES:
         images = _tiles(images)
     pixels = images["pixel_values"]
@@ -146,10 +154,14 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
     if not torch.isfinite(pixels).all():
         raise ParameterError("images", "pixel_values holds NaN or infinite values")
     if len(runs) < count and family in FIXED_LENGTH_FAMILIES:
-        runs = _split_runs(runs, _llava_image_tokens(model.config))
+        per = _llava_image_tokens(model.config)
+        runs = _split_runs(runs, [per] * count) if per else runs
+    elif len(runs) < count and family in PACKED_FAMILIES:
+        runs = _split_runs(runs, _packed_lengths(model, images))
     if len(runs) != count:
+        unit = "tiles" if family in TILED_FAMILIES else "images"
         raise ParameterError("images", f"the prompt holds {len(runs)} runs of image placeholder tokens (id {token}) "
-                                       f"for {count} images: the processor writes one run per image")
+                                       f"for {count} {unit}: the processor writes one run per {unit[:-1]}")
     rows = _pixel_rows(images, count, runs, model)
     for name, value in images.items():
         if name != "pixel_values" and (not isinstance(value, torch.Tensor) or value.dim() == 0 or
@@ -160,6 +172,8 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
     for i, (offset, length) in enumerate(runs):  # copies: the caller may reuse its tensors (the digest is of these)
         tensors = {name: (value[bounds[i] : bounds[i + 1]] if name == "pixel_values" else value[i : i + 1])
                    .detach().to("cpu", copy=True) for name, value in images.items()}
+        if patches:  # without the padding, an image's digest and tensors do not depend on the prompt's other images
+            tensors["pixel_values"] = tensors["pixel_values"][:, : patches[i]].clone()
         spans.append(ImageSpan(offset, length, tensors, _digest(tensors)))
     result = RequestImages(spans, bidirectional=family in BIDIRECTIONAL_FAMILIES)
     longest = max(length for _, length in runs)
@@ -174,6 +188,45 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
     return result
 
 
+def _check_sizes(images: Mapping, name: str, width: int, family: str) -> None:
+    """``images[name]`` must be ``[N, width]`` positive integers (the tower sizes each image by its row)."""
+    value = images.get(name)
+    if value is None:
+        raise ParameterError("images", f"{family} images need images[{name!r}] (the processor's, one row per "
+                                       f"image) beside pixel_values")
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[1] != width or \
+            value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool or \
+            not bool((value > 0).all()):
+        shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ParameterError("images", f"images[{name!r}] must be an integer tensor [images, {width}] of positive "
+                                       f"sizes, got {shape}")
+
+
+def _check_pixels(images: Mapping, config) -> list[int] | None:
+    """``pixel_values`` in the form the family's tower reads: LLaVA-NeXT's ``[images, patches, C, H, W]`` (at least
+    the patches of each image's best grid: the processor pads the others), the Qwen models' ``[patches, C * t * p *
+    p]``. LLaVA-NeXT's patches of each image, None for the Qwen models."""
+    pixels, vision = images["pixel_values"], config.vision_config
+    if "image_grid_thw" in images:
+        width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        if pixels.dim() != 2 or pixels.shape[1] != width:
+            raise ParameterError("images", f"images['pixel_values'] must be [patches, {width}] (channels x "
+                                           f"temporal_patch_size x patch_size^2), got {list(pixels.shape)}")
+        return None
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches  # noqa: PLC0415
+
+    if pixels.dim() != 5 or pixels.shape[0] != images["image_sizes"].shape[0]:
+        raise ParameterError("images", f"images['pixel_values'] must be [images, patches, channels, height, width] "
+                                       f"with a row per image_sizes row, got {list(pixels.shape)}")
+    patches = []
+    for index, size in enumerate(images["image_sizes"].tolist()):
+        patches.append(image_size_to_num_patches(size, config.image_grid_pinpoints, vision.image_size))
+        if pixels.shape[1] < patches[-1]:
+            raise ParameterError("images", f"image {index} of size {size} (image_sizes) takes {patches[-1]} patches "
+                                           f"but images['pixel_values'] holds {pixels.shape[1]} a row")
+    return patches
+
+
 def _tiles(images: Mapping) -> dict:
     """A tiled family's processor tensors (``pixel_values`` ``[1, tiles, C, H, W]``, ``pixel_attention_mask`` ``[1,
     tiles, H, W]``: one prompt's) with a row per tile."""
@@ -181,12 +234,13 @@ def _tiles(images: Mapping) -> dict:
     if pixels.dim() != 5 or pixels.shape[0] != 1:
         raise ParameterError("images", f"images['pixel_values'] must be the processor's [1, tiles, channels, height, "
                                        f"width] of one prompt, got {list(pixels.shape)}")
-    out = dict(images)
-    for name in ("pixel_values", "pixel_attention_mask"):
-        value = images.get(name)
-        if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[:2] == pixels.shape[:2]:
-            out[name] = value[0]
-    return out
+    mask = images.get("pixel_attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or
+                             mask.shape != (*pixels.shape[:2], *pixels.shape[3:])):
+        shape = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ParameterError("images", f"images['pixel_attention_mask'] must be [1, tiles, height, width] as "
+                                       f"pixel_values {list(pixels.shape)}, got {shape}")
+    return {**images, "pixel_values": pixels[0], **({"pixel_attention_mask": mask[0]} if mask is not None else {})}
 
 
 def _tiled_images(ids: list[int], runs: list[tuple[int, int]]) -> int:
@@ -249,12 +303,45 @@ def _llava_image_tokens(config) -> int | None:
     return (size // patch) ** 2 + (getattr(config, "vision_feature_select_strategy", "default") == "full")
 
 
-def _split_runs(runs: list[tuple[int, int]], per: int | None) -> list[tuple[int, int]]:
-    """``runs`` cut into images of ``per`` tokens each (two images with nothing between them are one run); unchanged
-    where a run is not a whole number of images."""
-    if not per or any(length % per for _, length in runs):
+def _packed_lengths(model, images: Mapping) -> list[int] | None:
+    """The placeholder tokens of each LLaVA-NeXT / -OneVision image (its base view, then its grid's crops unpadded to
+    its aspect, a newline after each line): the model's own ``pack_image_features`` on meta tensors of the tower's
+    output shapes, which computes nothing. None where the model's packing does not take them."""
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches  # noqa: PLC0415
+
+    config, inner = model.config, model.model
+    vision, hidden = config.vision_config, config.text_config.hidden_size
+    side = vision.image_size // vision.patch_size
+    extra = {"vision_aspect_ratio": config.vision_aspect_ratio} if config.model_type == "llava_onevision" else \
+        {"vision_feature_select_strategy": config.vision_feature_select_strategy}
+    lengths = []
+    try:
+        for size in images["image_sizes"]:
+            patches = image_size_to_num_patches(size.tolist(), config.image_grid_pinpoints, vision.image_size)
+            features = torch.empty(patches, side * side, hidden, device="meta")
+            packed = inner.pack_image_features([features], size[None], image_newline=inner.image_newline.to("meta"),
+                                               **extra)[0]
+            lengths.append(packed[0].shape[0])
+    except Exception:  # noqa: BLE001 - another version's packing: the runs stay as they are
+        return None
+    return lengths
+
+
+def _split_runs(runs: list[tuple[int, int]], lengths: list[int] | None) -> list[tuple[int, int]]:
+    """``runs`` cut into images of ``lengths`` tokens, in order (two images with nothing between them are one run);
+    unchanged where the runs are not the images' lengths end to end."""
+    if lengths is None:
         return runs
-    return [(offset + i * per, per) for offset, length in runs for i in range(length // per)]
+    out, images = [], iter(lengths)
+    for offset, length in runs:
+        end = offset + length
+        while offset < end:
+            size = next(images, None)
+            if size is None or offset + size > end:
+                return runs
+            out.append((offset, size))
+            offset += size
+    return out if len(out) == len(lengths) else runs
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
