@@ -178,6 +178,27 @@ def test_prefix_hits_the_same_image_and_misses_another(family):
     engine.check_invariants()
 
 
+@pytest.mark.parametrize("family", ["llava", "qwen3_vl", "idefics3"])
+def test_an_image_two_requests_hold_is_encoded_once_in_their_step(family):
+    """Two requests whose prompts differ before the same image (no prefix hit) compute its tokens in one step: the
+    vision tower runs on it once and both read its embeddings (DeepStack rows too), each answer that of
+    ``generate``."""
+    model = family_model(family)
+    ids, images = case_inputs(1, 3, family)
+    other = [ids[0], (ids[1] + 1) % 500 + 3, *ids[2:]]
+    engine = PagedEngine(model, None, block_size=4, num_blocks=128, enforce_eager=True)
+    outs = engine.generate([ids, other], GREEDY, use_tqdm=False, images=[images, images])
+    assert engine.get_stats()["num_encoded_images"] == encoded_units(family, 1, 3)
+    model.set_attn_implementation("sdpa")
+    for out, prompt in zip(outs, (ids, other)):
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), **generate_kwargs(family, prompt, images),
+                                      do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0,
+                                      cache=DynamicCache(config=model.config))[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == expected
+    engine.check_invariants()
+
+
 def test_adjacent_llava_images_are_told_apart_by_their_fixed_length(model):
     """"<image><image>": LLaVA's processor writes the two runs of placeholders with nothing between them; each
     image's tokens are a fixed count, so the run splits in two. Tokens and logprobs equal generate's."""

@@ -78,13 +78,33 @@ class ImageEncoder:
         return dict(input_ids=input_ids.unsqueeze(0), mm_encoder_outputs={"image": outputs})
 
     def _encode(self, missing: list[tuple[RequestImages, int]]) -> None:
-        """Runs the vision tower once over the ``missing`` images (grouped by shape), caching each one's
-        embeddings on its request; ``ValueError`` when an image's embeddings do not match its placeholders."""
+        """Runs the vision tower once over the ``missing`` images (grouped by shape; an image that several of them
+        hold, by its pixels' digest, once: the others share its embeddings), caching each one's embeddings on its
+        request; ``ValueError`` when an image's embeddings do not match its placeholders."""
         groups: dict[tuple, list[tuple[RequestImages, int]]] = {}
+        copies: dict[str, list[tuple[RequestImages, int]]] = {}  # by digest: the images after the first
         for images, index in missing:
-            tensors = images.spans[index].tensors
+            span = images.spans[index]
+            if span.digest in copies:
+                copies[span.digest].append((images, index))
+                continue
+            copies[span.digest] = []
+            tensors = span.tensors
             groups.setdefault(tuple((n, tuple(t.shape), t.dtype) for n, t in sorted(tensors.items())), []).append(
                 (images, index))
+        self._run_tower(groups)
+        for first in (member for members in groups.values() for member in members):
+            images, index = first
+            for other, other_index in copies[images.spans[index].digest]:
+                if other.spans[other_index].length != images.spans[index].length:
+                    raise ValueError(f"image {other_index} gives {images.spans[index].length} embeddings but the "
+                                     f"prompt holds {other.spans[other_index].length} placeholder tokens for it")
+                other.embeds[other_index] = images.embeds[index]
+                if self.deepstack:
+                    other.deepstack[other_index] = images.deepstack[index]
+
+    def _run_tower(self, groups: dict[tuple, list[tuple[RequestImages, int]]]) -> None:
+        """``_encode``'s vision tower: one call per group of images of one shape."""
         device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
         for members in groups.values():
             batch = {name: torch.cat([images.spans[index].tensors[name] for images, index in members]).to(device)
