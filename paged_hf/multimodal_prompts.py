@@ -48,8 +48,11 @@ def image_placeholder(tokenizer, processor, chat_template: str | None = None) ->
         return None
     token = getattr(processor, "boi_token", None) or getattr(processor, "image_token", None)
     markers = QWEN_VISION.get(token)
-    if markers and all(marker in processor.tokenizer.get_vocab() for marker in markers):
-        return f"{markers[0]}{token}{markers[1]}"
+    if markers is None:
+        return token
+    vocab = processor.tokenizer
+    if all(i is not None and i != vocab.unk_token_id for i in vocab.convert_tokens_to_ids(list(markers))):
+        return f"{markers[0]}{token}{markers[1]}"  # (a lookup per marker, not a copy of the whole vocabulary)
     return token
 
 

@@ -18,6 +18,23 @@ IMAGE_TOKEN_ID = 512  # the stories260K vocabulary (512) plus "<image>"
 VOCAB = 520
 
 
+def seeded_model(model_class, config, seed: int, attn_implementation: str):
+    """``model_class(config)`` in eval mode, its weights drawn after ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def without_video_processor(processor_class, **parts):
+    """``processor_class(**parts, video_processor=None)``: transformers' video processors need torchvision, which
+    these tests do without (no video is asked of the processor), and the processor checks each part's class."""
+    from unittest import mock
+
+    with mock.patch.object(transformers.ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
+        return processor_class(**parts, video_processor=None)
+
+
 def tiny_llava(attn_implementation: str = "sdpa", seed: int = 0):
     vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH,
@@ -27,10 +44,7 @@ def tiny_llava(attn_implementation: str = "sdpa", seed: int = 0):
                                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
     config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID,
                                       vision_feature_layer=-2, vision_feature_select_strategy="default")
-    torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config).eval()
-    model.set_attn_implementation(attn_implementation)
-    return model
+    return seeded_model(transformers.LlavaForConditionalGeneration, config, seed, attn_implementation)
 
 
 def llava_processor():
@@ -76,41 +90,35 @@ def prompt_with_images(num_images: int, seed: int, text_len: int = 3) -> list[in
 # ------------------------------------------------------------------------------------------------ Qwen2-VL
 VISION_START, VISION_END, QWEN_IMAGE_TOKEN_ID = 513, 514, 515
 GEMMA_IMAGE_TOKEN_ID = 515
+# the text model of the tiny Qwen2-VL and Qwen2.5-VL: 2 layers, M-RoPE sections 2/3/3 of head_dim 16
+QWEN2_TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
 
 
 def tiny_qwen2_vl(attn_implementation: str = "sdpa", seed: int = 0):
     """A 2-layer Qwen2-VL (M-RoPE sections 2/3/3 of head_dim 16) with a 2-block vision tower on 4x4 patches, merged
     2x2; ids 513-516 are its vision start / end, image and video tokens."""
-    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    text = QWEN2_TEXT
     vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
                   temporal_patch_size=2, in_channels=3)
     config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE_TOKEN_ID,
                                         video_token_id=516, vision_start_token_id=VISION_START,
                                         vision_end_token_id=VISION_END)
-    torch.manual_seed(seed)
-    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
-    model.set_attn_implementation(attn_implementation)
-    return model
+    return seeded_model(transformers.Qwen2VLForConditionalGeneration, config, seed, attn_implementation)
 
 
 def tiny_qwen2_5_vl(attn_implementation: str = "sdpa", seed: int = 0):
     """``tiny_qwen2_vl``'s text model and ids with Qwen2.5-VL's vision tower: 2 blocks on 4x4 patches merged 2x2, the
     first attending within windows of 2x2 merged patches (``window_size`` 16 pixels), the second over the image."""
-    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    text = QWEN2_TEXT
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=16, fullatt_block_indexes=[1],
                   tokens_per_second=2)
     config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE_TOKEN_ID,
                                            video_token_id=516, vision_start_token_id=VISION_START,
                                            vision_end_token_id=VISION_END)
-    torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
-    model.set_attn_implementation(attn_implementation)
-    return model
+    return seeded_model(transformers.Qwen2_5_VLForConditionalGeneration, config, seed, attn_implementation)
 
 
 def tiny_qwen3_vl(attn_implementation: str = "sdpa", seed: int = 0, moe: bool = False):
@@ -127,13 +135,11 @@ def tiny_qwen3_vl(attn_implementation: str = "sdpa", seed: int = 0, moe: bool = 
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3, num_position_embeddings=64,
                   deepstack_visual_indexes=[0, 1])
     config_class = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
-    config = config_class(text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE_TOKEN_ID, video_token_id=516,
-                          vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
-    torch.manual_seed(seed)
-    model_class = transformers.Qwen3VLMoeForConditionalGeneration if moe else transformers.Qwen3VLForConditionalGeneration
-    model = model_class(config).eval()
-    model.set_attn_implementation(attn_implementation)
-    return model
+    config = config_class(text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE_TOKEN_ID,
+                          video_token_id=516, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+    model_class = transformers.Qwen3VLMoeForConditionalGeneration if moe else \
+        transformers.Qwen3VLForConditionalGeneration
+    return seeded_model(model_class, config, seed, attn_implementation)
 
 
 # ------------------------------------------------------------------------------------------------ LLaVA-NeXT
@@ -153,11 +159,14 @@ def tiny_llava_next(attn_implementation: str = "sdpa", seed: int = 0):
     config = transformers.LlavaNextConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID,
                                           image_grid_pinpoints=NEXT_PINPOINTS, vision_feature_layer=-2,
                                           vision_feature_select_strategy="default")
-    torch.manual_seed(seed)
-    model = transformers.LlavaNextForConditionalGeneration(config).eval()
-    with torch.no_grad():  # transformers starts the newline at zeros
+    model = seeded_model(transformers.LlavaNextForConditionalGeneration, config, seed, attn_implementation)
+    return with_random_newline(model)
+
+
+def with_random_newline(model):
+    """``model`` with its image newline embedding drawn at random (transformers starts it at zeros)."""
+    with torch.no_grad():
         model.model.image_newline.normal_()
-    model.set_attn_implementation(attn_implementation)
     return model
 
 
@@ -184,28 +193,21 @@ def tiny_llava_onevision(attn_implementation: str = "sdpa", seed: int = 0):
     config = transformers.LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID,
                                                video_token_id=513, image_grid_pinpoints=NEXT_PINPOINTS,
                                                vision_feature_layer=-1, vision_feature_select_strategy="full")
-    torch.manual_seed(seed)
-    model = transformers.LlavaOnevisionForConditionalGeneration(config).eval()
-    with torch.no_grad():  # transformers starts the newline at zeros
-        model.model.image_newline.normal_()
-    model.set_attn_implementation(attn_implementation)
-    return model
+    model = seeded_model(transformers.LlavaOnevisionForConditionalGeneration, config, seed, attn_implementation)
+    return with_random_newline(model)
 
 
 def llava_onevision_processor():
     """LLaVA-OneVision's processor: its PIL image processor (16x16 views, ``NEXT_PINPOINTS``) and ``llava_processor``'s
     tokenizer; built without its video processor, which needs torchvision (no video is asked of it)."""
-    from unittest import mock
-
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import \
         LlavaOnevisionImageProcessorPil
 
     images = LlavaOnevisionImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
                                              image_grid_pinpoints=NEXT_PINPOINTS)
-    with mock.patch.object(transformers.ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
-        return transformers.LlavaOnevisionProcessor(image_processor=images, tokenizer=llava_processor().tokenizer,
-                                                    video_processor=None, num_image_tokens=(IMAGE_SIZE // PATCH) ** 2,
-                                                    vision_feature_select_strategy="full")
+    return without_video_processor(transformers.LlavaOnevisionProcessor, image_processor=images,
+                                   tokenizer=llava_processor().tokenizer, num_image_tokens=(IMAGE_SIZE // PATCH) ** 2,
+                                   vision_feature_select_strategy="full")
 
 
 def llava_next_case(num_images: int, seed: int, family: str = "llava_next") -> tuple[list[int], dict | None]:
@@ -237,10 +239,7 @@ def tiny_tiled(family: str, attn_implementation: str = "sdpa", seed: int = 0):
     config_class, model_class = (transformers.Idefics3Config, transformers.Idefics3ForConditionalGeneration) \
         if family == "idefics3" else (transformers.SmolVLMConfig, transformers.SmolVLMForConditionalGeneration)
     config = config_class(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN_ID, scale_factor=2)
-    torch.manual_seed(seed)
-    model = model_class(config).eval()
-    model.set_attn_implementation(attn_implementation)
-    return model
+    return seeded_model(model_class, config, seed, attn_implementation)
 
 
 def tiled_case(num_images: int, seed: int) -> tuple[list[int], dict | None]:
@@ -295,8 +294,6 @@ def qwen2_vl_processor():
     """Qwen2-VL's processor: ``qwen2_vl_images``' image processor and the stories260K tokenizer with its vision tokens
     added (<|vision_start|> 513, <|vision_end|> 514, <|image_pad|> 515, <|video_pad|> 516). Its video processor needs
     torchvision, which this project's tests do without: the processor is built without one (no video is asked of it)."""
-    from unittest import mock
-
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     require_stories()
@@ -306,8 +303,7 @@ def qwen2_vl_processor():
     assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == QWEN_IMAGE_TOKEN_ID
     images = Qwen2VLImageProcessorPil(min_pixels=8 * 8, max_pixels=32 * 32, patch_size=4, merge_size=2,
                                       temporal_patch_size=2)
-    with mock.patch.object(transformers.ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
-        return transformers.Qwen2VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=None)
+    return without_video_processor(transformers.Qwen2VLProcessor, image_processor=images, tokenizer=tokenizer)
 
 
 def qwen2_vl_prompt(image_inputs: dict, seed: int, text_len: int = 3) -> list[int]:
@@ -322,8 +318,8 @@ def qwen2_vl_prompt(image_inputs: dict, seed: int, text_len: int = 3) -> list[in
 
 
 # ------------------------------------------------------------------------------------------------ both families
-VISION_FAMILIES = ("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3",
-                   "smolvlm")
+VISION_FAMILIES = ("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+                   "gemma3", "idefics3", "smolvlm")
 TILED = ("idefics3", "smolvlm")
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # the same processor, ids and M-RoPE form
 QWEN_SIZES = ((28, 20), (16, 16), (40, 12), (20, 20))  # images of 8, 4, 6 and 4 placeholders

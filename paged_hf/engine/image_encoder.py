@@ -82,26 +82,25 @@ class ImageEncoder:
         hold, by its pixels' digest, once: the others share its embeddings), caching each one's embeddings on its
         request; ``ValueError`` when an image's embeddings do not match its placeholders."""
         groups: dict[tuple, list[tuple[RequestImages, int]]] = {}
-        copies: dict[str, list[tuple[RequestImages, int]]] = {}  # by digest: the images after the first
+        encoded: dict[str, tuple[RequestImages, int]] = {}  # by digest: the image the tower runs on
+        copies = []  # (an image, the encoded one of the same digest)
         for images, index in missing:
             span = images.spans[index]
-            if span.digest in copies:
-                copies[span.digest].append((images, index))
+            if span.digest in encoded:
+                copies.append(((images, index), encoded[span.digest]))
                 continue
-            copies[span.digest] = []
-            tensors = span.tensors
-            groups.setdefault(tuple((n, tuple(t.shape), t.dtype) for n, t in sorted(tensors.items())), []).append(
-                (images, index))
+            encoded[span.digest] = (images, index)
+            groups.setdefault(tuple((n, tuple(t.shape), t.dtype) for n, t in sorted(span.tensors.items())),
+                              []).append((images, index))
         self._run_tower(groups)
-        for first in (member for members in groups.values() for member in members):
-            images, index = first
-            for other, other_index in copies[images.spans[index].digest]:
-                if other.spans[other_index].length != images.spans[index].length:
-                    raise ValueError(f"image {other_index} gives {images.spans[index].length} embeddings but the "
-                                     f"prompt holds {other.spans[other_index].length} placeholder tokens for it")
-                other.embeds[other_index] = images.embeds[index]
-                if self.deepstack:
-                    other.deepstack[other_index] = images.deepstack[index]
+        for (images, index), (source, source_index) in copies:
+            length = source.spans[source_index].length
+            if images.spans[index].length != length:
+                raise ValueError(f"image {index} gives {length} embeddings but the prompt holds "
+                                 f"{images.spans[index].length} placeholder tokens for it")
+            images.embeds[index] = source.embeds[source_index]
+            if self.deepstack:
+                images.deepstack[index] = source.deepstack[source_index]
 
     def _run_tower(self, groups: dict[tuple, list[tuple[RequestImages, int]]]) -> None:
         """``_encode``'s vision tower: one call per group of images of one shape."""
