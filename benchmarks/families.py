@@ -6,8 +6,9 @@ vocabulary) and the family's own defaults otherwise (partial rotary, parallel at
 prompts of 5-30 tokens generate ``--tokens`` greedy tokens each, chunked in 9-token steps over 4-token blocks. The
 compiled graphs check their custom ops' output sizes and strides (inductor's size asserts, off in the engine
 itself): a fake that disagrees with its op fails by name instead of giving wrong values. A family the engine refuses
-(attention in the model's own code, K/V changed after the cache update, latent attention, linear or convolution
-layers) is listed with its error; a family transformers lacks is skipped.
+(attention in the model's own code, K/V changed after the cache update, latent attention, layers that neither
+attend nor keep a recurrent state) is listed with its error; a family transformers lacks is skipped. A hybrid (its
+recurrent layers beside attention) runs eagerly: its "compiled" column says so.
 
     PYTHONPATH=. python benchmarks/families.py
     PYTHONPATH=. python benchmarks/families.py --families phi gpt_neox falcon
@@ -34,18 +35,31 @@ FAMILIES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2"
             "dots1", "afmoe", "gpt_oss", "gpt_neox", "falcon", "gpt2", "gpt_bigcode", "gptj", "codegen", "opt",
             "biogpt", "persimmon", "nemotron", "smollm3", "helium", "glm", "glm4", "exaone4", "ernie4_5", "arcee",
             "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "doge",
+            # hybrids: recurrent layers (gated DeltaNet, short convolutions, Mamba2, Mamba) beside attention
+            "qwen3_5_text", "qwen3_next", "lfm2", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba",
             # refused by name: attention in the model's own code, K/V changed after the update, MLA, layers that
-            # are not (full or sliding) attention
-            "mpt", "bloom", "xglm", "gpt_neo", "jetmoe", "deepseek_v3", "llama4_text", "lfm2", "qwen3_next",
-            "falcon_h1", "minimax")
+            # are not attention nor recurrent
+            "mpt", "bloom", "xglm", "gpt_neo", "jetmoe", "deepseek_v3", "llama4_text", "minimax")
+DELTANET = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=8)
 # What a family's defaults need to fit the tiny shape (rotary wider than a head, a layer pattern per layer, MLA's
 # and the MoE's sizes); a family whose KV heads follow another field (GPT-BigCode's multi_query) keeps them.
 OVERRIDES = {
     "gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8),
     "gpt_neo": dict(num_layers=2, attention_types=[[["global", "local"], 1]], window_size=8),
-    # hybrids: two layers of their default pattern would all be linear-attention layers
-    **{name: dict(num_hidden_layers=4) for name in ("qwen3_next", "jamba", "bamba", "recurrent_gemma")},
+    # hybrids: four layers, two of them recurrent (two of their default pattern would all be recurrent), with the
+    # linear attention's and the Mamba mixers' heads sized for the tiny width
+    **{name: dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, **DELTANET)
+       for name in ("qwen3_5_text", "qwen3_next")},
     "lfm2": dict(num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2),
+    "granitemoehybrid": dict(num_hidden_layers=4, layer_types=["mamba", "attention"] * 2, **MAMBA2),
+    "bamba": dict(num_hidden_layers=4, attn_layer_indices=[1, 3], **MAMBA2),
+    "falcon_h1": dict(num_hidden_layers=4, mamba_d_ssm=128, **MAMBA2),
+    "nemotron_h": dict(num_hidden_layers=4, layers_block_type=["mamba", "attention", "mamba", "mlp"],
+                       mamba_num_heads=8, mamba_head_dim=16, n_groups=1, ssm_state_size=16, chunk_size=8),
+    "jamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, mamba_d_state=8, mamba_expand=2, mamba_dt_rank=8),
+    "recurrent_gemma": dict(num_hidden_layers=4),
     **{name: dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16,
                   v_head_dim=16, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
                   topk_group=1) for name in ("deepseek_v2", "deepseek_v3")},

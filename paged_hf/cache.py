@@ -23,7 +23,8 @@ from dataclasses import asdict
 from enum import Enum
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import (Cache, DummyLayer, DynamicCache, LinearAttentionLayer,
+                                      get_layer_types_and_kwargs)
 
 from .cache_layer import PagedLayer
 from .config import CacheConfig
@@ -32,6 +33,7 @@ from .kv import sizing
 from .kv.growth import PagedCacheFullError
 from .kv.manager import KVManager
 from .kv.model_config import block_id_bytes, check_supported, local_kv_heads
+from .kv.recurrent import HYBRID_LAYER_TYPES, RECURRENT_LAYER_TYPES
 from .kv.sequence import SequenceKV
 from .kv_stats import PagedCacheStats
 from .metadata import METADATA_KEY, AttentionMetadata, drop_handed_steps, table_width
@@ -100,7 +102,7 @@ class PagedCache(DynamicCache):
             raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
         self.kv = KVManager(self.text_config, block_size, kv_cache_dtype, num_blocks, num_kv_heads=num_kv_heads)
         sizing.check_fits_on(self.kv, _devices())  # a pool no device here can hold fails now, not at the first forward
-        Cache.__init__(self, layers=[PagedLayer(self, idx, self.kv.group_of[idx]) for idx in sorted(self.kv.group_of)])
+        Cache.__init__(self, layers=self._make_layers())
         self._min_table_width = table_width(-(-max_length // block_size)) if max_length else 1
         self._last_layer = max(self.kv.group_of)
         self.rows: list[SequenceKV] = []  # one sequence per batch row
@@ -116,6 +118,62 @@ class PagedCache(DynamicCache):
         # This forward's masks: None (none built yet), "paged" (a plain one: None given, the paged attention derives
         # it) or "dense" (one the paged attention does not express: the forward runs densely, ``answer_densely``)
         self._masks: str | None = None
+
+    def _make_layers(self) -> list:
+        """A ``PagedLayer`` per attention layer. A recurrent layer keeps its states as on ``DynamicCache``
+        (transformers' ``LinearAttentionLayer``: one row per batch row, fixed size; a ``"hybrid"`` layer has one
+        beside its ``PagedLayer``), in ``self._recurrent``; a MoE or MLP block keeps nothing."""
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(self.text_config)
+        self._recurrent: dict[int, LinearAttentionLayer] = {}
+        layers = []
+        for idx, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+            if layer_type in RECURRENT_LAYER_TYPES + HYBRID_LAYER_TYPES:
+                self._recurrent[idx] = LinearAttentionLayer(number_of_states=kwargs.get("number_of_states", 1))
+            if idx in self.kv.group_of:
+                layers.append(PagedLayer(self, idx, self.kv.group_of[idx]))
+            else:
+                layers.append(self._recurrent.get(idx) or DummyLayer())
+        return layers
+
+    def _recurrent_layers(self) -> list[LinearAttentionLayer]:
+        return list(self._recurrent.values())
+
+    # ------------------------------------------------------- the recurrent layers' states (Cache's interface)
+    def _states_of(self, layer_idx: int) -> LinearAttentionLayer:
+        states = self._recurrent.get(layer_idx)
+        if states is None:
+            raise ValueError(f"layer {layer_idx} keeps no recurrent state (it is not a linear-attention, state-space "
+                             f"or convolution layer)")
+        return states
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        states = self._states_of(layer_idx)
+        return states.conv_states[state_idx] if states.has_previous_state[state_idx] else None
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        return self._states_of(layer_idx).update_conv_state(conv_states, state_idx, **kwargs)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        states = self._states_of(layer_idx)
+        return states.recurrent_states[state_idx] if states.has_previous_state[state_idx] else None
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
+        return self._states_of(layer_idx).update_recurrent_state(recurrent_states, state_idx, **kwargs)
+
+    def increase_count(self, layer_idx: int, state_idx: int) -> None:
+        self._states_of(layer_idx).increase_count(state_idx)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return getattr(self._recurrent.get(layer_idx), "record_past", False)
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        indices = self._recurrent if layer_idx is None else [layer_idx]
+        return max((getattr(self._recurrent[i], "recurrent_states_to_keep", 0) or 0
+                    for i in indices if self.is_recording_past(i)), default=0)
+
+    def activate_past_recording(self, **kwargs) -> None:
+        for states in self._recurrent.values():
+            states.activate_past_recording(**kwargs)
 
     @property
     def seq_length(self) -> int:
@@ -250,7 +308,10 @@ class PagedCache(DynamicCache):
 
     # ------------------------------------------------------------------------- generate's hooks
     def _select_rows(self, rows: list[int]) -> None:
-        """Row ``i`` becomes old row ``rows[i]``, sharing its blocks (fork); unused rows are freed."""
+        """Row ``i`` becomes old row ``rows[i]``, sharing its blocks (fork); unused rows are freed. A recurrent
+        layer's rows are selected the same way (copied: they are small)."""
+        for layer in self._recurrent_layers():
+            layer.reorder_cache(torch.tensor(rows, dtype=torch.long))
         forks = [self.kv.fork(self.rows[r]) for r in rows]
         for seq in self.rows:
             self.kv.discard(seq)
@@ -284,6 +345,8 @@ class PagedCache(DynamicCache):
                 f"crop takes a negative number of tokens to remove (as DynamicCache), got {tokens_to_remove}"
             )
         remove = -tokens_to_remove
+        for layer in self._recurrent_layers():  # back to the states they recorded (activate_past_recording)
+            layer.crop(tokens_to_remove)
         if remove == 0 or not self.rows:
             return
         dropped = self.timeline.crop(remove)
@@ -295,6 +358,8 @@ class PagedCache(DynamicCache):
         """Frees every sequence's blocks; the pool tensors stay allocated for reuse."""
         for seq in self.rows:
             self.kv.discard(seq)
+        for layer in self._recurrent_layers():
+            layer.reset()
         self.rows = []
         self.timeline.reset()
         self._metadata, self._state = None, _Forward.IDLE
@@ -309,6 +374,8 @@ class PagedCache(DynamicCache):
         """Every forward is planned before its layers run and a layer's update is tensor work only, so the torch
         path compiles (fullgraph, one shape per decode step). The Triton kernels have not run under torch.compile
         on a GPU yet: a pool on them (CUDA) says False, so ``generate`` does not compile it by itself."""
+        if not all(layer.is_compileable for layer in self._recurrent_layers()):
+            return False
         storages = [s for g in self.kv.groups for s in g.storages.values()]
         if storages:
             return not any(s.kernels.triton for s in storages)

@@ -30,6 +30,7 @@ import torch
 from .kernels import cpu_ext
 from .kernels.fill_blocks import StorePlan
 from .kv.manager import KVManager
+from .kv.recurrent import RecurrentStep
 from .kv.sequence import SequenceKV
 
 # The layer kwargs entry the "paged" attention reads: a ``LayerStep``.
@@ -88,6 +89,7 @@ class AttentionMetadata:
     token_index: torch.Tensor | None = None
     pad_queries: PadQueries | None = None
     tail_rows: torch.Tensor | None = None  # [S] int64: each sequence's tail row (formats with a tail), else None
+    recurrent: RecurrentStep | None = None  # how the recurrent layers split the row (a model with such layers)
 
     @property
     def decode_only(self) -> bool:
@@ -291,6 +293,7 @@ def _assemble(kv: KVManager, rows, starts_t, counts_t, query_start_loc, token_se
         positions=move(positions), token_seqs=move(token_seq), groups=groups, device=target, batch_size=batch_size,
         query_len=num_tokens if query_len is None else query_len, token_index=token_index,
         tail_rows=None if tails is None else move(rows),
+        recurrent=None if kv.recurrent is None else RecurrentStep.of(rows, starts_t, counts_t, query_start_loc, move),
     )
 
 

@@ -81,10 +81,14 @@ class PagedEngine:
         self._attach_draft_model()
         if self.group is not None and not self.config.enforce_eager:
             logger.info("PagedEngine: tensor parallelism runs the forward eagerly on every rank (enforce_eager)")
+        recurrent = self.kv.recurrent is not None
+        if recurrent and not self.config.enforce_eager:
+            logger.info("PagedEngine: a model with recurrent layers runs its forward eagerly (enforce_eager): each "
+                        "recurrent layer splits the step by sequence in Python")
         self.runner = ModelRunner(model, self.kv, self.group, _executor, self.eos_token_ids,
                                   self.output.token_text if tokenizer is not None else None,
-                                  compile=not self.config.enforce_eager and self.group is None,
-                                  graphs=None if self.group is not None else
+                                  compile=not self.config.enforce_eager and self.group is None and not recurrent,
+                                  graphs=None if self.group is not None or recurrent else
                                   graph_options(self.config, model.device, self.max_model_len))
         self._ids = itertools.count()
         # Outputs have one reader each: ``generate`` and each ``stream`` read their own requests' (their readers are

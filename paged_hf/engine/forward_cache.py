@@ -5,7 +5,7 @@ scheduler, not this object, decides what each forward holds."""
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DummyLayer
 
 from .. import ops
 from ..cache_layer import PagedLayer
@@ -26,12 +26,22 @@ class EngineCache(Cache):
     reads_blocks = True  # the engine's model runs the paged attention
 
     def __init__(self, kv: KVManager) -> None:
-        super().__init__(layers=[PagedLayer(self, idx, kv.group_of[idx]) for idx in sorted(kv.group_of)])
+        # a layer without K/V (recurrent: its mixer reads ``recurrent_step``; or a MoE block) holds a DummyLayer
+        super().__init__(layers=[PagedLayer(self, idx, kv.group_of[idx]) if idx in kv.group_of else DummyLayer()
+                                 for idx in range(kv.text_config.num_hidden_layers)])
         self.metadata: AttentionMetadata | None = None
         self.num_decodes: torch.Tensor | None = None
         self.kv = kv
         self.native_ops = kv.kv_format == "auto" and cpu_ext.loaded()
         self._pools: ops.BoundPools | None = None
+
+    @property
+    def recurrent_step(self) -> tuple | None:
+        """``(RecurrentStates, RecurrentStep)`` of the forward running, for the recurrent layers' mixers
+        (``engine.recurrent_mixers``); None for a model without them."""
+        if self.kv.recurrent is None or self.metadata is None:
+            return None
+        return self.kv.recurrent, self.metadata.recurrent
 
     def storages(self) -> dict:
         """``{layer index: KVStorage}``: what the ops read."""

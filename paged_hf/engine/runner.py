@@ -112,6 +112,9 @@ class ModelRunner:
         self.last_broadcast = time.monotonic()
         scratch = ScratchForwards(kv, model.dtype, self.device)  # the start probe's and the warm-up's pools
         self._probe(scratch)
+        if scratch.kv.recurrent is not None:  # the probe's forward wrote one sequence's states: their size
+            logger.info("PagedEngine: the recurrent layers' states take %.2f MiB per running sequence (beside the "
+                        "KV pool)", scratch.kv.recurrent.bytes_per_row / 2**20)
         self.compiled: CompiledForward | None = self._compile(scratch) if compile else None
         self.graphs: DecodeGraphs | None = None
         if graphs is not None:
@@ -367,13 +370,18 @@ class ModelRunner:
         positions = metadata.positions.unsqueeze(0) if step.position_ids is None else step.position_ids.unsqueeze(1)
         inputs = dict(**tokens, position_ids=positions, cache=self.cache, attention_mask=self.no_mask, use_cache=True,
                       **kwargs)
+        states = self.kv.recurrent  # the recurrent layers' writes land only when the forward returned
         try:
             out = self._eager(inputs) if eager else self._forward(metadata, inputs)
         except Exception as error:
+            if states is not None:
+                states.discard()
             self._check_group(error)
             raise
         finally:
             self.cache.metadata = None
+        if states is not None:
+            states.commit()
         return out.logits[0] if self.keeps_logits else out.logits[0, keep]
 
     def _static_forward(self, bucket) -> torch.Tensor:

@@ -49,10 +49,14 @@ class ScratchForwards:
                       attention_mask=attention_mask, use_cache=True)
         if keeps_logits:
             inputs["logits_to_keep"] = metadata.query_start_loc[1:] - 1
+        if metadata.recurrent is not None:  # no scratch sequence ever wrote a state
+            metadata.recurrent = metadata.recurrent.all_fresh()
         self.cache.metadata = metadata
         try:
             yield metadata, inputs
         finally:
             self.cache.metadata = None
+            if self.kv.recurrent is not None:
+                self.kv.recurrent.discard()
             for seq in seqs:
                 self.kv.free(seq)

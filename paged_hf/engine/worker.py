@@ -21,6 +21,8 @@ from ..kv.manager import KVManager
 from ..kv.model_config import available_memory, block_id_bytes, check_supported, local_kv_heads
 from ..kv.sizing import allocate_all
 from ..packed_linear import pack_linears
+from ..kv.recurrent import recurrent_layers
+from .recurrent_mixers import check_options, wrap_mixers
 from .runner import ModelRunner
 
 logger = logging.getLogger("paged_hf")
@@ -42,6 +44,9 @@ def prepare_model(model):
                 f"PagedEngine cannot serve {type(model).__name__}: its attention is its own code, outside "
                 f"transformers' attention interface, so it cannot read the paged blocks (attn_implementation stays "
                 f"{model.config._attn_implementation!r})")
+    if wrap_mixers(model):
+        logger.info("PagedEngine: %s has recurrent layers; their states take a row per running sequence",
+                    type(model).__name__)
     pack_linears(model, available_memory(model.device))
     return model.eval()
 
@@ -64,11 +69,17 @@ def build_kv(model, config: EngineConfig, group=None) -> KVManager:
     the model's device, its Triton kernels compiled (a collective under tensor parallelism: every rank calls it)."""
     text_config = model.config.get_text_config(decoder=True)
     tp_size = group.size if group is not None else 1
+    check_options(config, text_config, group is not None)
+    recurrent = bool(recurrent_layers(text_config))
+    if recurrent and config.enable_prefix_caching:
+        logger.warning("PagedEngine: prefix caching is off for %r: a cached block holds K/V but not the recurrent "
+                       "layers' states after it (enable_prefix_caching=False says so)", text_config.model_type)
     num_blocks = config.num_blocks or _blocks_from_memory(model, config, text_config, tp_size)
     if group is not None:  # every rank must hold the same blocks: the smallest pool wins
         num_blocks = group.min(num_blocks)
     kv = KVManager(text_config, config.block_size, config.kv_cache_dtype, num_blocks,
-                   enable_prefix_caching=config.enable_prefix_caching, swap_space_bytes=int(config.swap_space * GIB),
+                   enable_prefix_caching=config.enable_prefix_caching and not recurrent,
+                   swap_space_bytes=0 if recurrent else int(config.swap_space * GIB),
                    num_kv_heads=local_kv_heads(text_config, tp_size),
                    kv_offloading_bytes=int(config.kv_offloading_size * GIB))
     allocate_all(kv, model.dtype, model.device)

@@ -22,8 +22,13 @@ from ..block_pool import BlockPool
 from ..block_table import num_blocks_for
 from ..block_table_rows import BlockTableRows
 from ..storage import KVStorage
+from .recurrent import RECURRENT_LAYER_TYPES
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# layers with no K/V: recurrent ones keep states (``recurrent``), "dummy" ones (a MoE or MLP block) keep nothing
+STATE_ONLY_LAYER_TYPES = RECURRENT_LAYER_TYPES + ("dummy",)
+# recurrent layers that attend too: their K/V go to the group of the attention they name
+ATTENTION_OF_HYBRID = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 
 
 class FullAttention:
@@ -87,11 +92,15 @@ class LayerGroup:
 
 
 def layer_groups(text_config, block_size: int) -> list[LayerGroup]:
-    """The groups of a decoder config's layers, in the order of their first layer. NotImplementedError for a layer
-    type the paged cache cannot hold."""
+    """The groups of a decoder config's attention layers, in the order of their first layer (layers without K/V
+    belong to none). NotImplementedError for a layer type the paged cache cannot hold, or for a model with no
+    attention layer (a state-space model)."""
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
     groups: dict[int | None, LayerGroup] = {}
     for layer_idx, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+        if layer_type in STATE_ONLY_LAYER_TYPES:
+            continue
+        layer_type = ATTENTION_OF_HYBRID.get(layer_type, layer_type)
         if layer_type not in SUPPORTED_LAYER_TYPES:
             raise NotImplementedError(
                 f"PagedCache supports layer types {SUPPORTED_LAYER_TYPES}; layer {layer_idx} is {layer_type!r}"
@@ -101,4 +110,7 @@ def layer_groups(text_config, block_size: int) -> list[LayerGroup]:
             policy = FullAttention() if window is None else SlidingWindow(window)
             groups[window] = LayerGroup(len(groups), policy, block_size)
         groups[window].layer_indices.append(layer_idx)
+    if not groups:
+        raise NotImplementedError(f"PagedCache pages attention K/V; no layer of {text_config.model_type!r} attends "
+                                  f"(layer types {sorted(set(layer_types))})")
     return list(groups.values())

@@ -37,6 +37,7 @@ from .host_tier import HostTier
 from .model_config import check_supported, head_dim_of, kv_heads_of
 from .prefix_cache import PrefixCache
 from .prefix_hit import PrefixHit
+from .recurrent import RecurrentStates, recurrent_layers
 from .rows import RowAllocator
 from .sequence import SequenceKV
 from .sizing import block_id_bytes
@@ -72,6 +73,11 @@ class KVManager:
         self.groups = layer_groups(text_config, block_size)
         self.group_of = {idx: group for group in self.groups for idx in group.layer_indices}
         self.growable = num_blocks is None
+        layers = recurrent_layers(text_config)
+        # the recurrent layers' states, a row per sequence row; None: every layer attends. A cached block would
+        # hold K/V without the states after it, so prefix caching is off with them (the engine says so)
+        self.recurrent = RecurrentStates(layers) if layers else None
+        enable_prefix_caching = enable_prefix_caching and self.recurrent is None
         for group in self.groups:  # a growable pool starts empty: ``reserve`` sizes it for the first forward
             group.pool = BlockPool(num_blocks or 0, enable_caching=enable_prefix_caching and num_blocks is not None)
         self.copies = CopyLog()
@@ -81,7 +87,7 @@ class KVManager:
         self.prefix_cache = PrefixCache(self.groups, block_size, self.kv_format, caching, host)
         num_cpu_blocks = int(swap_space_bytes // block_id_bytes(self)) if swap_space_bytes else 0
         self.swap = SwapSpace(num_cpu_blocks, len(self.groups), self.kv_format, self.head_dim)
-        self.rows = RowAllocator(self.groups, self.has_tail)
+        self.rows = RowAllocator(self.groups, self.has_tail, self.recurrent)
         self._live: dict[int, SequenceKV] = {}  # id -> every sequence made and not freed
 
     @property
@@ -155,6 +161,8 @@ class KVManager:
         child.num_cached_blocks = seq.num_cached_blocks
         self._live[id(child)] = child
         self.rows.write(child)
+        if self.recurrent is not None:  # the child goes on from the parent's states
+            self.recurrent.copy_row(seq.row, child.row)
         if self._has_partial_tail(seq):  # the child's tail row starts as a copy of the parent's
             for g in range(len(self.groups)):
                 self.copies.record(g, [(seq.row, child.row)], CopyKind.FORK_TAIL)
@@ -312,8 +320,9 @@ class KVManager:
 
     # -------------------------------------------------------------------------------------------- swap
     def can_swap_out(self, seq: SequenceKV) -> bool:
-        """Whether the swap space has room for every block ``seq`` holds."""
-        return self.swap.can_hold(seq)
+        """Whether the swap space has room for every block ``seq`` holds (never with recurrent states: they are
+        not swapped)."""
+        return self.recurrent is None and self.swap.can_hold(seq)
 
     def swap_out(self, seq: SequenceKV) -> None:
         """Moves ``seq``'s blocks to CPU blocks (the copies are recorded) and frees them on the device."""

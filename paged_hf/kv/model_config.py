@@ -10,6 +10,7 @@ import os
 import torch
 
 from ..quant import check_kv_format, layer_block_bytes
+from .recurrent import kv_layers
 
 STATE_SPACE_MODEL_TYPES = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm")
 
@@ -51,7 +52,7 @@ def block_id_bytes(text_config, block_size: int, kv_cache_dtype: str, num_kv_hea
     head_dim = head_dim_of(text_config)
     layer = layer_block_bytes(check_kv_format(kv_cache_dtype, head_dim), block_size,
                               num_kv_heads or kv_heads_of(text_config), head_dim, dtype or config_dtype(text_config))
-    return layer * text_config.num_hidden_layers
+    return layer * len(kv_layers(text_config))
 
 
 def available_memory(device: torch.device) -> int:

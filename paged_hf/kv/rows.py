@@ -1,20 +1,23 @@
 """Sequence rows: each sequence that holds device blocks holds one row, the same index in every group's
 ``BlockTableRows`` and, for a format with a full-precision tail (int4), in every layer's tail pools. Rows are
-reused (last freed, first taken); the tail pools grow with the number of rows ever handed out.
+reused (last freed, first taken); the tail pools and the recurrent states grow with the number of rows ever handed
+out.
 """
 
 from __future__ import annotations
 
 from .layer_groups import LayerGroup
+from .recurrent import RecurrentStates
 from .sequence import SequenceKV
 
 
 class RowAllocator:
     """Hands out rows and keeps each held row equal to its sequence's tables (0 where a block is freed)."""
 
-    def __init__(self, groups: list[LayerGroup], has_tail: bool) -> None:
+    def __init__(self, groups: list[LayerGroup], has_tail: bool, states: RecurrentStates | None = None) -> None:
         self.groups = groups
         self.has_tail = has_tail
+        self.states = states  # recurrent layers' states: a row for each row handed out
         self.num_rows = 0  # rows handed out so far
         self._free: list[int] = []
 
@@ -32,7 +35,10 @@ class RowAllocator:
             self._cover_tails()
 
     def _cover_tails(self) -> None:
-        """Every layer's tail pools hold a row for each row handed out (after a layer's storage is made, too)."""
+        """Every layer's tail pools (and the recurrent states) hold a row for each row handed out (after a layer's
+        storage is made, too)."""
+        if self.states is not None:
+            self.states.ensure_rows(self.num_rows)
         if self.has_tail:
             for group in self.groups:
                 for storage in group.storages.values():

@@ -1,0 +1,119 @@
+"""The engine's forward through the recurrent layers of hybrid models (linear attention, Mamba, short convolutions:
+``kv.recurrent``).
+
+The engine lays a step's sequences back to back in one row; attention reads each sequence's own blocks, but a
+recurrent layer runs a causal convolution and a scan along its input, which must not cross from one sequence into
+the next. So each recurrent layer's module (its *mixer*: the child of the decoder layer that owns a ``Conv1d`` and
+reads ``cache``) runs once per step on the continuing decodes as a batch ``[D, 1, hidden]``, and once per other
+sequence on its own tokens ``[1, q, hidden]`` (a prompt chunk, or a sequence's first token), each time with a
+``StateView`` of its sequences' state rows in place of the cache. Outside the engine (``generate``, any other
+cache) the mixer runs as it always did.
+
+Options the states rule out, refused by name before anything is built (``check_options``): prefix caching and
+offloading (a cached block holds K/V, not the recurrent state after it), swap preemption, speculative decoding (a
+rejected draft would have to roll the state back), tensor parallelism. The forward runs eagerly: a step's pieces
+are Python slices, which a compiled graph would fix.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+
+from ..kv.recurrent import RecurrentStates, RecurrentStep, recurrent_layers
+
+logger = logging.getLogger("paged_hf")
+
+_MIXER_MARK = "_paged_hf_mixer_forward"
+
+
+def find_mixers(model, layers: list[int]) -> dict[int, torch.nn.Module]:
+    """``{layer index: mixer}`` for each recurrent layer: the module with that ``layer_idx`` that owns a ``Conv1d``
+    and whose forward takes ``cache``. NotImplementedError naming the layer where there is not exactly one."""
+    found: dict[int, list[torch.nn.Module]] = {idx: [] for idx in layers}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if idx in found and any(isinstance(child, torch.nn.Conv1d) for child in module.children()) \
+                and "cache" in inspect.signature(module.forward).parameters:
+            found[idx].append(module)
+    for idx, modules in found.items():
+        if len(modules) != 1:
+            raise NotImplementedError(
+                f"PagedEngine runs a recurrent layer through its mixer (the module of the layer that owns its "
+                f"convolution and reads the cache); layer {idx} of {type(model).__name__} has {len(modules)} such "
+                f"modules ({[type(m).__name__ for m in modules]})")
+    return {idx: modules[0] for idx, modules in found.items()}
+
+
+def wrap_mixers(model) -> int:
+    """Makes each recurrent layer's mixer split the engine's packed row by sequence (idempotent); returns how many
+    layers are recurrent. Another cache than the engine's reaches the mixer's own forward unchanged."""
+    text_config = model.config.get_text_config(decoder=True)
+    layers = recurrent_layers(text_config)
+    for mixer in find_mixers(model, layers).values():
+        if not hasattr(mixer, _MIXER_MARK):
+            original = mixer.forward
+            setattr(mixer, _MIXER_MARK, original)
+            mixer.forward = _packed_forward(original)
+    return len(layers)
+
+
+def _packed_forward(original):
+    def forward(hidden_states, *args, cache=None, attention_mask=None, **kwargs):
+        step = getattr(cache, "recurrent_step", None)
+        if step is None:
+            return original(hidden_states, *args, cache=cache, attention_mask=attention_mask, **kwargs)
+        states, plan = step
+        return run_packed(original, hidden_states, states, plan, args, kwargs)
+    return forward
+
+
+def run_packed(mixer_forward, hidden_states: torch.Tensor, states: RecurrentStates, plan: RecurrentStep, args,
+               kwargs) -> torch.Tensor:
+    """The mixer over a packed row ``[1, T, hidden]``: the decodes as one batch, every other sequence alone."""
+    out = torch.empty_like(hidden_states)
+    if plan.decode_rows.numel():
+        view = states.view(plan.decode_rows, fresh=False)
+        if plan.decodes_are_first:
+            batch = hidden_states[0, : plan.decode_rows.numel()].unsqueeze(1)
+        else:
+            batch = hidden_states[0].index_select(0, plan.decode_tokens).unsqueeze(1)
+        result = _call(mixer_forward, batch, view, args, kwargs)  # [D, 1, hidden]
+        if plan.decodes_are_first:
+            out[0, : plan.decode_rows.numel()] = result[:, 0]
+        else:
+            out[0].index_copy_(0, plan.decode_tokens, result[:, 0])
+    for i, (first, end, fresh) in enumerate(plan.pieces):
+        view = states.view(plan.piece_rows[i : i + 1], fresh)
+        out[:, first:end] = _call(mixer_forward, hidden_states[:, first:end], view, args, kwargs)
+    return out
+
+
+def _call(mixer_forward, hidden_states, view, args, kwargs) -> torch.Tensor:
+    result = mixer_forward(hidden_states, *args, cache=view, attention_mask=None, **kwargs)
+    if not isinstance(result, torch.Tensor):
+        raise NotImplementedError(f"a recurrent layer's mixer returned {type(result).__name__}, not a tensor")
+    view.finish()
+    return result
+
+
+def check_options(config, text_config, tensor_parallel: bool) -> None:
+    """ValueError naming the option that a model with recurrent layers cannot honour (see the module docstring);
+    NotImplementedError under tensor parallelism."""
+    layers = recurrent_layers(text_config)
+    if not layers:
+        return
+    what = f"{text_config.model_type!r} has recurrent layers ({len(layers)} of {text_config.num_hidden_layers})"
+    if tensor_parallel:
+        raise NotImplementedError(f"PagedEngine runs models with recurrent layers on one process: {what}")
+    if config.preemption_mode == "swap":
+        raise ValueError(f"preemption_mode='swap' is not supported: {what}, whose states are not swapped; use "
+                         f"'recompute' or 'auto'")
+    if config.speculative_config is not None:
+        raise ValueError(f"speculative_config is not supported: {what}, whose states cannot roll back a rejected "
+                         f"draft")
+    if config.kv_offloading_size:
+        raise ValueError(f"kv_offloading_size is not supported: {what}; it offloads prefix-cached blocks, and "
+                         f"prefix caching is off for such models")
