@@ -214,3 +214,48 @@ def test_generate_on_the_paged_cache_equals_dynamic_cache(family, generation, at
         assert torch.equal(model.generate(**inputs, cache_implementation="paged"), expected)
     finally:
         model.set_attn_implementation("sdpa")
+
+
+def test_qwen3_5_checkpoints_class_serves_text():
+    """Qwen3.5 checkpoints load as ``Qwen3_5ForConditionalGeneration`` (a vision tower beside the hybrid text model,
+    M-RoPE positions): its text requests equal ``generate``'s, chunked or not."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration  # noqa: PLC0415 - this test only
+
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                layer_types=["linear_attention", "full_attention"] * 2, **DELTANET)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=500, video_token_id=501,
+                           vision_start_token_id=502, vision_end_token_id=503)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = [model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(ids):].tolist() for ids in prompts()]
+    for options in ({}, {"block_size": 4, "max_num_batched_tokens": 5}):
+        outs = PagedEngine(model, None, num_blocks=64, **options).generate(prompts(), params, use_tqdm=False)
+        assert [out.outputs[0].token_ids for out in outs] == expected
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_images_equal_generate(moe):
+    """Qwen3.5's images through the engine (the Qwen family's M-RoPE path; the hybrid text model's recurrent layers
+    over the image rows): one, two and no images, with ``n=2``, whole or in chunks (an image is never split)."""
+    from vision_models import generate_kwargs, tiny_qwen3_5, vision_case  # noqa: PLC0415 - Pillow: this test only
+
+    model = tiny_qwen3_5(moe=moe)
+    cases = [vision_case("qwen3_vl", num_images, seed) for num_images, seed in ((1, 0), (2, 1), (0, 2), (1, 3))]
+    expected = [model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                               pad_token_id=0, **generate_kwargs("qwen3_vl", ids, images))[0, len(ids):].tolist()
+                for ids, images in cases]
+    for options in ({}, {"block_size": 4, "max_num_batched_tokens": 24}):
+        engine = PagedEngine(model, None, num_blocks=128, **options)
+        ids = [engine.add_request(prompt, SamplingParams(n=1 + i % 2, max_tokens=8, temperature=0, ignore_eos=True),
+                                  images=images) for i, (prompt, images) in enumerate(cases)]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((out.request_id, out) for out in engine.step() if out.finished)
+        for request_id, tokens in zip(ids, expected):
+            assert [sample.token_ids for sample in done[request_id].outputs] == \
+                [tokens] * len(done[request_id].outputs)
+        engine.check_invariants()

@@ -142,6 +142,28 @@ def tiny_qwen3_vl(attn_implementation: str = "sdpa", seed: int = 0, moe: bool = 
     return seeded_model(model_class, config, seed, attn_implementation)
 
 
+def tiny_qwen3_5(attn_implementation: str = "sdpa", seed: int = 0, moe: bool = False):
+    """``tiny_qwen2_vl``'s ids with Qwen3.5 (``moe``: Qwen3.5-MoE, 4 experts, 2 a token): a hybrid text model of 4
+    layers (gated DeltaNet and attention alternating) with interleaved M-RoPE, a 2-block vision tower on 4x4
+    patches merged 2x2."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0,
+                layer_types=["linear_attention", "full_attention"] * 2, linear_num_value_heads=4,
+                linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True, "partial_rotary_factor": 1.0})
+    if moe:
+        text.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=32)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3, num_position_embeddings=64)
+    config_class = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    config = config_class(text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE_TOKEN_ID,
+                          video_token_id=516, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+    model_class = transformers.Qwen3_5MoeForConditionalGeneration if moe else \
+        transformers.Qwen3_5ForConditionalGeneration
+    return seeded_model(model_class, config, seed, attn_implementation)
+
+
 # ------------------------------------------------------------------------------------------------ LLaVA-NeXT
 NEXT_PINPOINTS = [[16, 32], [32, 16], [32, 32]]
 NEXT_SIZES = ((40, 20), (30, 30), (50, 17), (16, 16))

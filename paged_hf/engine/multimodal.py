@@ -19,7 +19,9 @@ tokens, plain RoPE), LLaVA-NeXT and LLaVA-OneVision (an image's run is as long a
 run of placeholders after a marker: each tile is an image span of its own here; ``limit_mm_per_prompt`` counts the
 global views, one per image); Qwen2-VL, Qwen2.5-VL (whose vision tower attends within windows: the model's own
 ``get_image_features``) and Qwen3-VL / Qwen3-VL-MoE (whose tower's earlier blocks also give rows that the first
-decoder layers add to the image tokens' hidden states, DeepStack: cached per image beside its embeddings), whose
+decoder layers add to the image tokens' hidden states, DeepStack: cached per image beside its embeddings) and
+Qwen3.5 / Qwen3.5-MoE (Qwen2.5-VL's form over a hybrid text model, whose recurrent layers ``recurrent_mixers``
+runs), whose
 M-RoPE positions (three rows: time, height, width) come from the model's ``get_rope_index`` once per request, at
 ``add_request``; a step then hands the model ``[3, 1, T]`` position ids, sliced from them for prompt tokens and
 ``position + rope delta`` for generated ones, and runs eagerly (the paged attention's causality still reads the
@@ -44,8 +46,8 @@ from ..hashing import ContentSpans
 
 # config.model_type of the models whose images run
 IMAGE_FAMILIES = ("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
-                  "gemma3", "idefics3", "smolvlm")
-MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+                  "qwen3_5", "qwen3_5_moe", "gemma3", "idefics3", "smolvlm")
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 DEEPSTACK_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")  # the vision tower's rows also enter the first decoder layers
 # an image is tiles (its crops, then the whole image scaled down), each a run of placeholders after its own marker
 # token; the processor's tensors are ``[1, tiles, ...]``; here each tile is an image span of its own
