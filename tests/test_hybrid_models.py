@@ -259,3 +259,22 @@ def test_qwen3_5_images_equal_generate(moe):
             assert [sample.token_ids for sample in done[request_id].outputs] == \
                 [tokens] * len(done[request_id].outputs)
         engine.check_invariants()
+
+
+def test_the_states_are_allocated_up_front_out_of_the_kv_memory_budget():
+    """Each running sequence's states (and the queue head's) are allocated at start, out of ``kv_cache_memory``:
+    the pool and the states fit it together; a budget the states alone fill is refused naming the options."""
+    from paged_hf.engine.recurrent_mixers import state_shapes  # noqa: PLC0415
+    from paged_hf.kv.recurrent import state_bytes  # noqa: PLC0415
+
+    model = tiny_hybrid("qwen3_5_text")
+    per_sequence = state_bytes(state_shapes(model))
+    assert per_sequence == 2 * (4 * 16 * 16 * 4 + (2 * 2 * 16 + 4 * 16) * 4 * 4)  # recurrent + conv, float32
+    budget = 0.001  # GiB
+    engine = PagedEngine(model, None, kv_cache_memory=budget, max_num_seqs=8)
+    assert engine.kv.recurrent.nbytes == 9 * per_sequence
+    assert engine.kv.stats().kv_cache_bytes + engine.kv.recurrent.nbytes <= budget * 2**30
+    with pytest.raises(ValueError, match="lower max_num_seqs or raise kv_cache_memory"):
+        PagedEngine(model, None, kv_cache_memory=budget, max_num_seqs=1000)
+    outs = engine.generate(prompts(), GREEDY, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outs] == [tokens for tokens, _ in references("qwen3_5_text")]

@@ -60,6 +60,19 @@ def wrap_mixers(model) -> int:
     return len(layers)
 
 
+def state_shapes(model) -> dict:
+    """``{(kind, layer, state_idx): (shape, dtype)}`` of one sequence's states: each recurrent layer's mixer run
+    once on one zero token (its own forward, fresh states), its writes kept by a scratch ``RecurrentStates``."""
+    text_config = model.config.get_text_config(decoder=True)
+    scratch = RecurrentStates(recurrent_layers(text_config))
+    rows = torch.zeros(1, dtype=torch.long, device=model.device)
+    hidden = torch.zeros((1, 1, text_config.hidden_size), dtype=model.dtype, device=model.device)
+    with torch.inference_mode():
+        for mixer in find_mixers(model, scratch.layers).values():
+            _call(getattr(mixer, _MIXER_MARK, mixer.forward), hidden, scratch.view(rows, fresh=True), (), {})
+    return scratch.staged_shapes()
+
+
 def _packed_forward(original):
     def forward(hidden_states, *args, cache=None, attention_mask=None, **kwargs):
         step = getattr(cache, "recurrent_step", None)

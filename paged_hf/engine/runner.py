@@ -112,9 +112,6 @@ class ModelRunner:
         self.last_broadcast = time.monotonic()
         scratch = ScratchForwards(kv, model.dtype, self.device)  # the start probe's and the warm-up's pools
         self._probe(scratch)
-        if scratch.kv.recurrent is not None:  # the probe's forward wrote one sequence's states: their size
-            logger.info("PagedEngine: the recurrent layers' states take %.2f MiB per running sequence (beside the "
-                        "KV pool)", scratch.kv.recurrent.bytes_per_row / 2**20)
         self.compiled: CompiledForward | None = self._compile(scratch) if compile else None
         self.graphs: DecodeGraphs | None = None
         if graphs is not None:

@@ -21,8 +21,8 @@ from ..kv.manager import KVManager
 from ..kv.model_config import available_memory, block_id_bytes, check_supported, local_kv_heads
 from ..kv.sizing import allocate_all
 from ..packed_linear import pack_linears
-from ..kv.recurrent import recurrent_layers
-from .recurrent_mixers import check_options, wrap_mixers
+from ..kv.recurrent import recurrent_layers, state_bytes
+from .recurrent_mixers import check_options, state_shapes, wrap_mixers
 from .runner import ModelRunner
 
 logger = logging.getLogger("paged_hf")
@@ -71,10 +71,18 @@ def build_kv(model, config: EngineConfig, group=None) -> KVManager:
     tp_size = group.size if group is not None else 1
     check_options(config, text_config, group is not None)
     recurrent = bool(recurrent_layers(text_config))
-    if recurrent and config.enable_prefix_caching:
-        logger.warning("PagedEngine: prefix caching is off for %r: a cached block holds K/V but not the recurrent "
-                       "layers' states after it (enable_prefix_caching=False says so)", text_config.model_type)
-    num_blocks = config.num_blocks or _blocks_from_memory(model, config, text_config, tp_size)
+    shapes, state_rows = {}, 0
+    if recurrent:
+        if config.enable_prefix_caching:
+            logger.warning("PagedEngine: prefix caching is off for %r: a cached block holds K/V but not the "
+                           "recurrent layers' states after it (enable_prefix_caching=False says so)",
+                           text_config.model_type)
+        shapes, state_rows = state_shapes(model), config.max_num_seqs + 1  # the running ones, and the queue's head
+        logger.info("PagedEngine: the recurrent layers' states take %.2f MiB a sequence, %.2f GiB for %d rows "
+                    "(max_num_seqs + 1)%s", state_bytes(shapes) / 2**20, state_bytes(shapes) * state_rows / GIB,
+                    state_rows, "" if config.num_blocks else ", out of the KV memory budget")
+    num_blocks = config.num_blocks or _blocks_from_memory(model, config, text_config, tp_size,
+                                                          state_bytes(shapes) * state_rows)
     if group is not None:  # every rank must hold the same blocks: the smallest pool wins
         num_blocks = group.min(num_blocks)
     kv = KVManager(text_config, config.block_size, config.kv_cache_dtype, num_blocks,
@@ -83,20 +91,30 @@ def build_kv(model, config: EngineConfig, group=None) -> KVManager:
                    num_kv_heads=local_kv_heads(text_config, tp_size),
                    kv_offloading_bytes=int(config.kv_offloading_size * GIB))
     allocate_all(kv, model.dtype, model.device)
+    if kv.recurrent is not None:
+        kv.recurrent.allocate(shapes, state_rows, model.device)
     _warm_up_kernels(kv, text_config, model.dtype)
     return kv
 
 
-def _blocks_from_memory(model, config: EngineConfig, text_config, tp_size: int) -> int:
+def _blocks_from_memory(model, config: EngineConfig, text_config, tp_size: int, state_bytes: int = 0) -> int:
     """Blocks that fit the KV memory budget (``kv_cache_memory``, else the device default: see ``EngineConfig``),
     capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use. With a draft model, the budget
-    holds its pool too (as many blocks, in the model's dtype): a block id counts both."""
+    holds its pool too (as many blocks, in the model's dtype): a block id counts both. ``state_bytes``: what the
+    recurrent layers' states take out of the budget first (ValueError, naming the options, where nothing is left)."""
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory * GIB
     elif model.device.type == "cuda":
         budget = available_memory(model.device) * config.gpu_memory_utilization
     else:
         budget = min(DEFAULT_CPU_KV_CACHE_GIB * GIB, available_memory(model.device) / 2)
+    if state_bytes:
+        if state_bytes >= budget:
+            raise ValueError(
+                f"the recurrent layers' states of max_num_seqs={config.max_num_seqs} sequences take "
+                f"{state_bytes / GIB:.2f} GiB, the whole KV memory budget ({budget / GIB:.2f} GiB): lower max_num_seqs "
+                f"or raise kv_cache_memory")
+        budget -= state_bytes
     per_block = block_id_bytes(text_config, config.block_size, config.kv_cache_dtype,
                                local_kv_heads(text_config, tp_size), dtype=model.dtype) + \
         _draft_block_bytes(config, model.dtype)

@@ -21,6 +21,7 @@ transformers' ``LinearAttentionLayer``'s, so a layer computes exactly what it co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,32 +45,43 @@ def recurrent_layers(text_config) -> list[int]:
     return [i for i, kind in enumerate(layer_types) if kind in RECURRENT_LAYER_TYPES + HYBRID_LAYER_TYPES]
 
 
+StateKey = tuple[str, int, int]  # (kind: "conv" or "recurrent", layer index, state_idx)
+
+
 class RecurrentStates:
-    """The recurrent states of ``layers``, one row per sequence row. Each ``(kind, layer, state_idx)`` store is made
-    at its first write (the layer's call tells its shape and dtype) with as many rows as handed out, and grows with
-    them (``ensure_rows``); a new row is zeros, and a sequence's first forward never reads it (it is fresh)."""
+    """The recurrent states of ``layers``, one row per sequence row. The engine allocates every store up front for
+    its running sequences (``allocate``, from the shapes a one-token forward showed); a store written before it is
+    allocated (``generate``'s scratch, a test) is made at its first write with as many rows as handed out. Stores
+    grow with the rows (``ensure_rows``: by a quarter, which copies them, so the engine reserves enough); a new row
+    is zeros, and a sequence's first forward never reads it (it is fresh)."""
 
     def __init__(self, layers: list[int]) -> None:
         self.layers = layers
         self.num_rows = 0
-        self._stores: dict[tuple[str, int, int], torch.Tensor] = {}
-        self._staged: list[tuple[tuple[str, int, int], torch.Tensor, torch.Tensor]] = []
+        self._stores: dict[StateKey, torch.Tensor] = {}
+        self._staged: list[tuple[StateKey, torch.Tensor, torch.Tensor]] = []
+
+    def allocate(self, shapes: dict[StateKey, tuple[tuple[int, ...], torch.dtype]], num_rows: int, device) -> None:
+        """Makes each store ``[num_rows, *shape]`` (zeros) now."""
+        self.num_rows = max(self.num_rows, num_rows)
+        for key, (shape, dtype) in shapes.items():
+            self._stores[key] = torch.zeros((self.num_rows, *shape), dtype=dtype, device=device)
 
     def ensure_rows(self, num_rows: int) -> None:
-        """Every store has at least ``num_rows`` rows (capacity doubles, so growth is rare)."""
+        """Every store has at least ``num_rows`` rows."""
         self.num_rows = max(self.num_rows, num_rows)
         for key, store in self._stores.items():
             if store.shape[0] < self.num_rows:
-                grown = store.new_zeros((max(self.num_rows, 2 * store.shape[0]), *store.shape[1:]))
+                grown = store.new_zeros((max(self.num_rows, store.shape[0] + store.shape[0] // 4), *store.shape[1:]))
                 grown[: store.shape[0]] = store
                 self._stores[key] = grown
 
-    def read(self, key: tuple[str, int, int], rows: torch.Tensor) -> torch.Tensor:
+    def read(self, key: StateKey, rows: torch.Tensor) -> torch.Tensor:
         """The states of ``rows`` (``[R]`` int64), a copy ``[R, ...]``. KeyError: nothing was ever written there
         (a continuing sequence always wrote its state in its earlier forwards)."""
         return self._stores[key].index_select(0, rows)
 
-    def stage(self, key: tuple[str, int, int], rows: torch.Tensor, values: torch.Tensor) -> None:
+    def stage(self, key: StateKey, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Writes ``values`` ``[R, ...]`` to ``rows`` when the forward returns (``commit``)."""
         store = self._stores.get(key)
         if store is None:
@@ -79,6 +91,10 @@ class RecurrentStates:
             raise RuntimeError(f"layer {key[1]} wrote a {key[0]} state of shape {tuple(values.shape[1:])}, but its "
                                f"earlier ones were {tuple(store.shape[1:])}")
         self._staged.append((key, rows, values))
+
+    def staged_shapes(self) -> dict[StateKey, tuple[tuple[int, ...], torch.dtype]]:
+        """The shape and dtype of one row of each store the staged writes go to (what ``allocate`` takes)."""
+        return {key: (tuple(values.shape[1:]), values.dtype) for key, _, values in self._staged}
 
     def commit(self) -> None:
         """Lands the staged writes of the forward that just returned."""
@@ -99,13 +115,13 @@ class RecurrentStates:
     def nbytes(self) -> int:
         return sum(store.nbytes for store in self._stores.values())
 
-    @property
-    def bytes_per_row(self) -> int:
-        """Bytes one sequence's states take in every layer (0 before the first forward wrote them)."""
-        return sum(store[0].nbytes for store in self._stores.values())
-
     def view(self, rows: torch.Tensor, fresh: bool) -> "StateView":
         return StateView(self, rows, fresh)
+
+
+def state_bytes(shapes: dict[StateKey, tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """Bytes one sequence's states take, for ``RecurrentStates.allocate``'s ``shapes``."""
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
 
 
 class StateView:
@@ -117,8 +133,8 @@ class StateView:
         self.states = states
         self.rows = rows
         self.fresh = fresh
-        self._read_conv: dict[tuple[str, int, int], torch.Tensor] = {}
-        self._written: set[tuple[str, int, int]] = set()
+        self._read_conv: dict[StateKey, torch.Tensor] = {}
+        self._written: set[StateKey] = set()
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         if self.fresh:
