@@ -106,6 +106,19 @@ class RecurrentStates:
         """Drops the staged writes of a forward that raised: every state stays as it was before it."""
         self._staged.clear()
 
+    def row_copy(self, row: torch.Tensor, layer_idx: int) -> "RecurrentStates":
+        """A one-row ``RecurrentStates`` holding copies of ``row``'s (``[1]`` int64) states of layer ``layer_idx``:
+        a scratch whose commits the engine's states never see (``stage`` its stores back)."""
+        copy = RecurrentStates([layer_idx])
+        copy.num_rows = 1
+        copy._stores = {key: self.read(key, row) for key in self._stores if key[1] == layer_idx}
+        return copy
+
+    def stage_copy(self, copy: "RecurrentStates", rows: torch.Tensor) -> None:
+        """Stages the states of ``copy`` (a ``row_copy``, written since) to ``rows`` ``[1]``."""
+        for key, store in copy._stores.items():
+            self.stage(key, rows, store)
+
     def copy_row(self, src: int, dst: int) -> None:
         """Row ``dst`` takes row ``src``'s states (a forked sequence continues from its parent's)."""
         for store in self._stores.values():
