@@ -58,7 +58,8 @@ def wrap_mixers(model) -> int:
         if not hasattr(mixer, _MIXER_MARK):
             original = mixer.forward
             setattr(mixer, _MIXER_MARK, original)
-            stepwise = not continues_chunks(original, text_config.hidden_size, model.dtype, model.device)
+            device = next(mixer.parameters()).device  # the mixer's own (a model split across devices)
+            stepwise = not continues_chunks(original, text_config.hidden_size, model.dtype, device)
             if stepwise:
                 logger.info("PagedEngine: layer %d's %s starts a chunk of several tokens from zeros whatever its "
                             "state; a prompt chunk that continues one runs through it a token at a time", idx,
