@@ -6,8 +6,10 @@ recurrent layer runs a causal convolution and a scan along its input, which must
 the next. So each recurrent layer's module (its *mixer*: the child of the decoder layer that owns a ``Conv1d`` and
 reads ``cache``) runs once per step on the continuing decodes as a batch ``[D, 1, hidden]``, and once per other
 sequence on its own tokens ``[1, q, hidden]`` (a prompt chunk, or a sequence's first token), each time with a
-``StateView`` of its sequences' state rows in place of the cache. Outside the engine (``generate``, any other
-cache) the mixer runs as it always did.
+``StateView`` of its sequences' state rows in place of the cache. A mixer whose several-token form ignores the state
+it continues (Jamba's and Zamba's selective scan; ``continues_chunks`` probes each mixer once) runs a chunk that
+continues a state a token at a time. Outside the engine (``generate``, any other cache) the mixer runs as it always
+did.
 
 Options the states rule out, refused by name before anything is built (``check_options``): prefix caching and
 offloading (a cached block holds K/V, not the recurrent state after it), swap preemption, speculative decoding (a
@@ -52,12 +54,33 @@ def wrap_mixers(model) -> int:
     layers are recurrent. Another cache than the engine's reaches the mixer's own forward unchanged."""
     text_config = model.config.get_text_config(decoder=True)
     layers = recurrent_layers(text_config)
-    for mixer in find_mixers(model, layers).values():
+    for idx, mixer in find_mixers(model, layers).items():
         if not hasattr(mixer, _MIXER_MARK):
             original = mixer.forward
             setattr(mixer, _MIXER_MARK, original)
-            mixer.forward = _packed_forward(original)
+            device = next(mixer.parameters()).device  # the mixer's own (a model split across devices)
+            stepwise = not continues_chunks(original, text_config.hidden_size, model.dtype, device)
+            if stepwise:
+                logger.info("PagedEngine: layer %d's %s starts a chunk of several tokens from zeros whatever its "
+                            "state; a prompt chunk that continues one runs through it a token at a time", idx,
+                            type(mixer).__name__)
+            mixer.forward = _packed_forward(original, idx, stepwise)
     return len(layers)
+
+
+def continues_chunks(mixer_forward, hidden_size: int, dtype: torch.dtype, device, tokens: int = 4) -> bool:
+    """Whether the mixer, over ``tokens`` tokens that continue a state, gives what it gives over them at the end of
+    one longer run (within 1e-3 of its largest output). transformers' selective scan of Jamba and Zamba takes no
+    initial state: their several-token form restarts from zeros (their one-token decode reads the state)."""
+    hidden = torch.randn((1, 2 * tokens, hidden_size), generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    row = torch.zeros(1, dtype=torch.long, device=device)
+    whole, split = RecurrentStates([]), RecurrentStates([])
+    with torch.inference_mode():
+        expected = _call(mixer_forward, hidden, whole.view(row, fresh=True), (), {})[:, tokens:].float()
+        _call(mixer_forward, hidden[:, :tokens], split.view(row, fresh=True), (), {})
+        split.commit()
+        got = _call(mixer_forward, hidden[:, tokens:], split.view(row, fresh=False), (), {}).float()
+    return bool((got - expected).abs().max() <= 1e-3 * expected.abs().max())
 
 
 def state_shapes(model) -> dict:
@@ -73,19 +96,21 @@ def state_shapes(model) -> dict:
     return scratch.staged_shapes()
 
 
-def _packed_forward(original):
+def _packed_forward(original, layer_idx: int, stepwise: bool):
     def forward(hidden_states, *args, cache=None, attention_mask=None, **kwargs):
         step = getattr(cache, "recurrent_step", None)
         if step is None:
             return original(hidden_states, *args, cache=cache, attention_mask=attention_mask, **kwargs)
         states, plan = step
-        return run_packed(original, hidden_states, states, plan, args, kwargs)
+        return run_packed(original, hidden_states, states, plan, args, kwargs, layer_idx if stepwise else None)
     return forward
 
 
 def run_packed(mixer_forward, hidden_states: torch.Tensor, states: RecurrentStates, plan: RecurrentStep, args,
-               kwargs) -> torch.Tensor:
-    """The mixer over a packed row ``[1, T, hidden]``: the decodes as one batch, every other sequence alone."""
+               kwargs, stepwise_layer: int | None = None) -> torch.Tensor:
+    """The mixer over a packed row ``[1, T, hidden]``: the decodes as one batch, every other sequence alone.
+    ``stepwise_layer``: the mixer's layer, whose several-token form ignores the state (``continues_chunks``): a
+    chunk that continues a state runs a token at a time, each reading the state the one before left."""
     out = torch.empty_like(hidden_states)
     if plan.decode_rows.numel():
         view = states.view(plan.decode_rows, fresh=False)
@@ -99,8 +124,17 @@ def run_packed(mixer_forward, hidden_states: torch.Tensor, states: RecurrentStat
         else:
             out[0].index_copy_(0, plan.decode_tokens, result[:, 0])
     for i, (first, end, fresh) in enumerate(plan.pieces):
-        view = states.view(plan.piece_rows[i : i + 1], fresh)
-        out[:, first:end] = _call(mixer_forward, hidden_states[:, first:end], view, args, kwargs)
+        rows = plan.piece_rows[i : i + 1]
+        if stepwise_layer is None or fresh or end - first == 1:
+            out[:, first:end] = _call(mixer_forward, hidden_states[:, first:end], states.view(rows, fresh), args,
+                                      kwargs)
+            continue
+        scratch = states.row_copy(rows, stepwise_layer)
+        for token in range(first, end):
+            out[:, token : token + 1] = _call(mixer_forward, hidden_states[:, token : token + 1],
+                                              scratch.view(torch.zeros_like(rows), fresh=False), args, kwargs)
+            scratch.commit()
+        states.stage_copy(scratch, rows)
     return out
 
 

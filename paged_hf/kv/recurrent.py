@@ -106,6 +106,19 @@ class RecurrentStates:
         """Drops the staged writes of a forward that raised: every state stays as it was before it."""
         self._staged.clear()
 
+    def row_copy(self, row: torch.Tensor, layer_idx: int) -> "RecurrentStates":
+        """A one-row ``RecurrentStates`` holding copies of ``row``'s (``[1]`` int64) states of layer ``layer_idx``:
+        a scratch whose commits the engine's states never see (``stage`` its stores back)."""
+        copy = RecurrentStates([layer_idx])
+        copy.num_rows = 1
+        copy._stores = {key: self.read(key, row) for key in self._stores if key[1] == layer_idx}
+        return copy
+
+    def stage_copy(self, copy: "RecurrentStates", rows: torch.Tensor) -> None:
+        """Stages the states of ``copy`` (a ``row_copy``, written since) to ``rows`` ``[1]``."""
+        for key, store in copy._stores.items():
+            self.stage(key, rows, store)
+
     def copy_row(self, src: int, dst: int) -> None:
         """Row ``dst`` takes row ``src``'s states (a forked sequence continues from its parent's)."""
         for store in self._stores.values():
@@ -134,6 +147,7 @@ class StateView:
         self.rows = rows
         self.fresh = fresh
         self._read_conv: dict[StateKey, torch.Tensor] = {}
+        self._read_recurrent: dict[StateKey, torch.Tensor] = {}
         self._written: set[StateKey] = set()
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
@@ -164,12 +178,23 @@ class StateView:
         return full
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return None if self.fresh else self.states.read(("recurrent", layer_idx, state_idx), self.rows)
+        """A copy of the rows' states (the same one each time). A layer that updates it in place and never calls
+        ``update_recurrent_state`` (Zamba's decode: transformers' layer hands out the stored tensor itself) has it
+        staged by ``finish``."""
+        if self.fresh:
+            return None
+        key = ("recurrent", layer_idx, state_idx)
+        state = self._read_recurrent.get(key)
+        if state is None:
+            state = self._read_recurrent[key] = self.states.read(key, self.rows)
+        return state
 
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        """Stages the last state (a list holds the states after each of the last tokens: the last one counts)."""
+        """Keeps the last state for ``finish`` to stage (a list holds the states after each of the last tokens: the
+        last one counts)."""
         last = recurrent_states if isinstance(recurrent_states, torch.Tensor) else recurrent_states[-1]
-        self.states.stage(("recurrent", layer_idx, state_idx), self.rows, last)
+        key = ("recurrent", layer_idx, state_idx)
+        self._read_recurrent[key] = last
         return last
 
     def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
@@ -183,7 +208,10 @@ class StateView:
         return 0
 
     def finish(self) -> None:
-        """Stages the conv states this call changed."""
+        """Stages the states this call wrote, and the recurrent states it read (which it may have changed in
+        place)."""
+        for key, state in self._read_recurrent.items():
+            self.states.stage(key, self.rows, state)
         for key in self._written:
             self.states.stage(key, self.rows, self._read_conv[key])
 
