@@ -12,6 +12,7 @@ the recurrent states as ``DynamicCache`` does.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 
 import pytest
@@ -284,3 +285,19 @@ def test_the_states_are_allocated_up_front_out_of_the_kv_memory_budget():
         PagedEngine(model, None, kv_cache_memory=budget, max_num_seqs=1000)
     outs = engine.generate(prompts(), GREEDY, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outs] == [tokens for tokens, _ in references("qwen3_5_text")]
+
+
+@pytest.mark.parametrize("family, continues", [("qwen3_5_text", True), ("lfm2", True), ("granitemoehybrid", True),
+                                               ("jamba", False), ("zamba", False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_start_probe_finds_the_mixers_whose_chunks_restart_from_zeros(family, continues, dtype):
+    """Only Jamba's and Zamba's Mamba layers run continuing chunks a token at a time (a layer taken for one that
+    loses its state would make every chunked prompt crawl), in float32 and bfloat16 alike."""
+    from paged_hf.engine.recurrent_mixers import continues_chunks, find_mixers  # noqa: PLC0415
+    from paged_hf.kv.recurrent import recurrent_layers  # noqa: PLC0415
+
+    model = tiny_hybrid(family)
+    mixers = find_mixers(model, recurrent_layers(model.config))
+    copies = {idx: copy.deepcopy(mixer).to(dtype) for idx, mixer in mixers.items()}
+    assert [continues_chunks(mixer, model.config.hidden_size) for mixer in copies.values()] == \
+        [continues] * len(mixers)

@@ -19,6 +19,7 @@ are Python slices, which a compiled graph would fix.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 
@@ -58,8 +59,7 @@ def wrap_mixers(model) -> int:
         if not hasattr(mixer, _MIXER_MARK):
             original = mixer.forward
             setattr(mixer, _MIXER_MARK, original)
-            device = next(mixer.parameters()).device  # the mixer's own (a model split across devices)
-            stepwise = not continues_chunks(original, text_config.hidden_size, model.dtype, device)
+            stepwise = not continues_chunks(mixer, text_config.hidden_size)
             if stepwise:
                 logger.info("PagedEngine: layer %d's %s starts a chunk of several tokens from zeros whatever its "
                             "state; a prompt chunk that continues one runs through it a token at a time", idx,
@@ -68,18 +68,21 @@ def wrap_mixers(model) -> int:
     return len(layers)
 
 
-def continues_chunks(mixer_forward, hidden_size: int, dtype: torch.dtype, device, tokens: int = 4) -> bool:
+def continues_chunks(mixer: torch.nn.Module, hidden_size: int, tokens: int = 4) -> bool:
     """Whether the mixer, over ``tokens`` tokens that continue a state, gives what it gives over them at the end of
-    one longer run (within 1e-3 of its largest output). transformers' selective scan of Jamba and Zamba takes no
-    initial state: their several-token form restarts from zeros (their one-token decode reads the state)."""
-    hidden = torch.randn((1, 2 * tokens, hidden_size), generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    one longer run (within 1e-3 of its largest output; run on a float32 copy on the mixer's own device, so that a
+    bfloat16 model's rounding is not taken for a lost state). transformers' selective scan of Jamba and Zamba takes
+    no initial state: their several-token form restarts from zeros (their one-token decode reads the state)."""
+    probe = copy.deepcopy(mixer).float()
+    device = next(probe.parameters()).device  # the mixer's own (a model split across devices)
+    hidden = torch.randn((1, 2 * tokens, hidden_size), generator=torch.Generator().manual_seed(0)).to(device)
     row = torch.zeros(1, dtype=torch.long, device=device)
     whole, split = RecurrentStates([]), RecurrentStates([])
     with torch.inference_mode():
-        expected = _call(mixer_forward, hidden, whole.view(row, fresh=True), (), {})[:, tokens:].float()
-        _call(mixer_forward, hidden[:, :tokens], split.view(row, fresh=True), (), {})
+        expected = _call(probe.forward, hidden, whole.view(row, fresh=True), (), {})[:, tokens:]
+        _call(probe.forward, hidden[:, :tokens], split.view(row, fresh=True), (), {})
         split.commit()
-        got = _call(mixer_forward, hidden[:, tokens:], split.view(row, fresh=False), (), {}).float()
+        got = _call(probe.forward, hidden[:, tokens:], split.view(row, fresh=False), (), {})
     return bool((got - expected).abs().max() <= 1e-3 * expected.abs().max())
 
 
