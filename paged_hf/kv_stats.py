@@ -39,7 +39,9 @@ class KVCacheStats(_StatsMapping):
     prefix_cache_queries / prefix_cache_hits: those two token counts (vLLM's counters), prefix_cache_host_hits: the
     hit tokens whose blocks came from the host tier (the device tier's are the rest);
     host_cache_blocks_used / host_cache_blocks_total / host_cache_bytes: the host tier (``kv_offloading_size``; 0
-    without one; blocks summed over groups, bytes of the host storages made so far).
+    without one; blocks summed over groups, bytes of the host storages made so far);
+    recurrent_state_bytes: the state rows of a hybrid model's recurrent layers (0 for a model without them; a
+    ``PagedCache``'s are transformers' ``LinearAttentionLayer``s, not counted).
     """
 
     kv_cache_used: int
@@ -55,6 +57,7 @@ class KVCacheStats(_StatsMapping):
     host_cache_blocks_used: int
     host_cache_blocks_total: int
     host_cache_bytes: int
+    recurrent_state_bytes: int
 
     @property
     def kv_cache_utilization(self) -> float:

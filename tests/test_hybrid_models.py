@@ -279,7 +279,7 @@ def test_the_states_are_allocated_up_front_out_of_the_kv_memory_budget():
     assert per_sequence == 2 * (4 * 16 * 16 * 4 + (2 * 2 * 16 + 4 * 16) * 4 * 4)  # recurrent + conv, float32
     budget = 0.001  # GiB
     engine = PagedEngine(model, None, kv_cache_memory=budget, max_num_seqs=8)
-    assert engine.kv.recurrent.nbytes == 9 * per_sequence
+    assert engine.kv.recurrent.nbytes == 9 * per_sequence == engine.get_stats()["recurrent_state_bytes"]
     assert engine.kv.stats().kv_cache_bytes + engine.kv.recurrent.nbytes <= budget * 2**30
     with pytest.raises(ValueError, match="lower max_num_seqs or raise kv_cache_memory"):
         PagedEngine(model, None, kv_cache_memory=budget, max_num_seqs=1000)

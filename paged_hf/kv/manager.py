@@ -362,6 +362,7 @@ class KVManager:
             block_size=self.block_size,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_cache_bytes=sum(s.nbytes + s.tail_nbytes for g in self.groups for s in g.storages.values()),
+            recurrent_state_bytes=0 if self.recurrent is None else self.recurrent.nbytes,
             prefix_cache_hit_rate=self.prefix_cache.hit_rate,
             **self.prefix_cache.counters(),
         )
