@@ -10,6 +10,7 @@ store op and an ``OpStep``). Where the metadata comes from is its ``LayerSource`
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 from typing import Protocol
@@ -80,6 +81,20 @@ class PagedLayer(CacheLayerMixin):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _source=weakref.ref(state["_source"]))
+
+    def __deepcopy__(self, memo: dict) -> "PagedLayer":
+        """A copy within a copy of its cache (``copy.deepcopy(cache)``). NotImplementedError for a layer copied
+        alone: its blocks live in its cache's pools, which the copy would not share (a model that copies cache
+        layers for layers it runs more than once, as Dory's loops do, needs a cache of its own layers)."""
+        source = self.source
+        if id(source) not in memo:
+            raise NotImplementedError(
+                f"layer {self.layer_idx} of a paged cache was copied without its cache (a model that copies cache "
+                f"layers, as Dory's recurrent loops do): the paged cache cannot serve it; use DynamicCache")
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
 
     @property
     def is_initialized(self) -> bool:

@@ -179,3 +179,39 @@ def test_generate_forgets_a_step_a_failed_forward_left_behind():
     ids = torch.tensor([prompts()[0]])
     model.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="paged", pad_token_id=0)
     assert metadata.take_step(7) is None
+
+
+def test_a_model_that_adds_cache_layers_in_its_forward_is_refused_by_name():
+    """Dory runs its middle layers in loops and, at its first forward, appends to the cache copies of those layers'
+    cache layers for the loops to write: the engine served wrong tokens from the second step on (the copies kept a
+    copy of the engine's cache, its metadata stale), and ``generate`` on a paged cache failed with "used after its
+    cache was dropped". Both now refuse it, by name."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 - this test only
+
+    config = AutoConfig.for_model("dory", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_input_layers=1,
+                                  n_recurrent_layers=2, n_output_layers=1, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(NotImplementedError, match="PagedEngine cannot serve DoryForCausalLM: .*copied without its cache"):
+        PagedEngine(model, None, num_blocks=64, enforce_eager=True)
+    with pytest.raises(NotImplementedError, match="copied without its cache"):
+        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False, cache_implementation="paged")
+
+
+def test_a_forward_that_grows_the_cache_is_refused_by_name():
+    """Whatever a forward appends to the cache's layers (here a hook standing in for such a model), the engine,
+    whose pools hold one layer per decoder layer, refuses the model at start."""
+    from transformers.cache_utils import DummyLayer  # noqa: PLC0415
+
+    model = tiny_model("llama")
+
+    def grow(module, args, kwargs):
+        kwargs["cache"].layers.append(DummyLayer())
+
+    handle = model.model.register_forward_pre_hook(grow, with_kwargs=True)
+    try:
+        with pytest.raises(NotImplementedError, match="its forward adds layers to the cache"):
+            PagedEngine(model, None, num_blocks=64, enforce_eager=True)
+    finally:
+        handle.remove()

@@ -124,12 +124,25 @@ class ModelRunner:
     def _probe(self, scratch: ScratchForwards) -> None:
         """One eager forward on scratch pools (a decode beside a prefill chunk) before anything is served: a model
         whose attention does not read the paged blocks (``AttentionBypassed``: it computes attention in its own
-        code, or changes its K/V after storing them) is refused here, by name, instead of serving wrong tokens."""
+        code, or changes its K/V after storing them), or whose forward adds layers to its cache (looped layers), is
+        refused here, by name, instead of serving wrong tokens."""
+        num_layers = len(scratch.cache.layers)
+        error = None
         with scratch.step((3, 0), (1, 3), 1, self.no_mask, self.keeps_logits) as (_, inputs):
             try:
                 self._eager(inputs)
-            except AttentionBypassed as error:
-                raise NotImplementedError(f"PagedEngine cannot serve {type(self.model).__name__}: {error}") from error
+            except Exception as raised:  # noqa: BLE001 - which refusal it is, is decided below
+                error = raised
+        name = type(self.model).__name__
+        if len(scratch.cache.layers) != num_layers:  # whether or not the forward got through
+            raise NotImplementedError(
+                f"PagedEngine cannot serve {name}: its forward adds layers to the cache ({num_layers} -> "
+                f"{len(scratch.cache.layers)}: copies of cache layers for the layers it runs more than once, as "
+                f"Dory's loops do), which the engine's pools, one per decoder layer, do not hold") from error
+        if isinstance(error, NotImplementedError):  # AttentionBypassed, or what the cache refuses (a layer copied)
+            raise NotImplementedError(f"PagedEngine cannot serve {name}: {error}") from error
+        if error is not None:
+            raise error
 
     def _compile(self, scratch: ScratchForwards) -> CompiledForward | None:
         graphs = counters["stats"]["unique_graphs"]
