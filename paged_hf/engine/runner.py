@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 
 from ..distributed.group import TensorParallelError
 from ..kv.manager import KVManager
-from ..metadata import (AttentionBypassed, AttentionMetadata, build_metadata, decode_metadata, handed_steps,
+from ..metadata import (AttentionMetadata, build_metadata, decode_metadata, handed_steps,
                         long_tensor)
 from .compile import CompiledForward, CompileFailed
 from .cuda_graphs import DecodeGraphs, GraphOptions
