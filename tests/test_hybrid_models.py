@@ -301,3 +301,19 @@ def test_the_start_probe_finds_the_mixers_whose_chunks_restart_from_zeros(family
     copies = {idx: copy.deepcopy(mixer).to(dtype) for idx, mixer in mixers.items()}
     assert [continues_chunks(mixer, model.config.hidden_size) for mixer in copies.values()] == \
         [continues] * len(mixers)
+
+
+def test_a_recurrent_module_that_gives_no_hidden_states_back_is_refused_by_name():
+    """Zaya's recurrent part is its attention's q/k/v projection (a convolution and a recurrent value state, the
+    cache passed by position, q/k/v returned): the engine, which runs a mixer per sequence and stitches its hidden
+    states back, refuses it at start, naming the module (it failed at the first forward with a TypeError)."""
+    config = AutoConfig.for_model("zaya", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(NotImplementedError, match="cannot serve ZayaForCausalLM: layer 0: .*ZayaCCAProjection "
+                                                  "returned tuple"):
+        PagedEngine(model, None, num_blocks=32)
+    with pytest.raises(NotImplementedError, match="ZayaCCAProjection"):  # and again: nothing was half wrapped
+        PagedEngine(model, None, num_blocks=32)

@@ -39,7 +39,7 @@ def find_mixers(model, layers: list[int]) -> dict[int, torch.nn.Module]:
     for module in model.modules():
         idx = getattr(module, "layer_idx", None)
         if idx in found and any(isinstance(child, torch.nn.Conv1d) for child in module.children()) \
-                and "cache" in inspect.signature(module.forward).parameters:
+                and "cache" in inspect.signature(getattr(module, _MIXER_MARK, module.forward)).parameters:
             found[idx].append(module)
     for idx, modules in found.items():
         if len(modules) != 1:
@@ -57,13 +57,17 @@ def wrap_mixers(model) -> int:
     layers = recurrent_layers(text_config)
     for idx, mixer in find_mixers(model, layers).items():
         if not hasattr(mixer, _MIXER_MARK):
-            original = mixer.forward
-            setattr(mixer, _MIXER_MARK, original)
-            stepwise = not continues_chunks(mixer, text_config.hidden_size)
+            try:
+                stepwise = not continues_chunks(mixer, text_config.hidden_size)
+            except NotImplementedError as error:
+                raise NotImplementedError(f"PagedEngine cannot serve {type(model).__name__}: layer {idx}: {error}") \
+                    from None
             if stepwise:
                 logger.info("PagedEngine: layer %d's %s starts a chunk of several tokens from zeros whatever its "
                             "state; a prompt chunk that continues one runs through it a token at a time", idx,
                             type(mixer).__name__)
+            original = mixer.forward
+            setattr(mixer, _MIXER_MARK, original)
             mixer.forward = _packed_forward(original, idx, stepwise)
     return len(layers)
 
@@ -78,11 +82,12 @@ def continues_chunks(mixer: torch.nn.Module, hidden_size: int, tokens: int = 4) 
     hidden = torch.randn((1, 2 * tokens, hidden_size), generator=torch.Generator().manual_seed(0)).to(device)
     row = torch.zeros(1, dtype=torch.long, device=device)
     whole, split = RecurrentStates([]), RecurrentStates([])
+    call = MixerCall.alone(getattr(probe, _MIXER_MARK, probe.forward))  # a copy of an engine's mixer: its own
     with torch.inference_mode():
-        expected = _call(probe.forward, hidden, whole.view(row, fresh=True), (), {})[:, tokens:]
-        _call(probe.forward, hidden[:, :tokens], split.view(row, fresh=True), (), {})
+        expected = call(hidden, whole.view(row, fresh=True))[:, tokens:]
+        call(hidden[:, :tokens], split.view(row, fresh=True))
         split.commit()
-        got = _call(probe.forward, hidden[:, tokens:], split.view(row, fresh=False), (), {})
+        got = call(hidden[:, tokens:], split.view(row, fresh=False))
     return bool((got - expected).abs().max() <= 1e-3 * expected.abs().max())
 
 
@@ -95,22 +100,67 @@ def state_shapes(model) -> dict:
     hidden = torch.zeros((1, 1, text_config.hidden_size), dtype=model.dtype, device=model.device)
     with torch.inference_mode():
         for mixer in find_mixers(model, scratch.layers).values():
-            _call(getattr(mixer, _MIXER_MARK, mixer.forward), hidden, scratch.view(rows, fresh=True), (), {})
+            MixerCall.alone(getattr(mixer, _MIXER_MARK, mixer.forward))(hidden, scratch.view(rows, fresh=True))
     return scratch.staged_shapes()
 
 
+class MixerCall:
+    """A call of a mixer's own forward as the decoder layer made it (its arguments bound to the forward's signature,
+    ``cache`` by keyword or by position), again with other hidden states (its first parameter) and another cache,
+    and ``attention_mask``, where the layer passed one, None (the engine's rows hold no padding)."""
+
+    def __init__(self, forward, signature: inspect.Signature, args: tuple, kwargs: dict) -> None:
+        self.forward = forward
+        self.signature = signature
+        bound = signature.bind(*args, **kwargs)
+        self.arguments = dict(bound.arguments)
+        self.hidden_name = next(iter(signature.parameters))
+        if self.arguments.get("attention_mask") is not None:
+            self.arguments["attention_mask"] = None
+
+    @classmethod
+    def alone(cls, forward) -> "MixerCall":
+        """A call with no argument but the hidden states and the cache (the start probes)."""
+        signature = inspect.signature(forward)
+        return cls(forward, signature, (None,), {"cache": None})
+
+    @property
+    def cache(self):
+        return self.arguments.get("cache")
+
+    def __call__(self, hidden_states: torch.Tensor, view) -> torch.Tensor:
+        """The mixer's output ``[B, q, hidden]`` over ``hidden_states`` ``[B, q, hidden]``, with ``view`` as its
+        cache; the states it wrote are staged (``StateView.finish``)."""
+        bound = inspect.BoundArguments(self.signature, {**self.arguments, self.hidden_name: hidden_states,
+                                                        "cache": view})
+        result = self.forward(*bound.args, **bound.kwargs)
+        if not isinstance(result, torch.Tensor) or result.shape != hidden_states.shape:
+            raise NotImplementedError(
+                f"the engine runs a recurrent layer's mixer on each sequence of a step apart and needs its hidden "
+                f"states back ({tuple(hidden_states.shape)}); {type(getattr(self.forward, '__self__', None)).__name__}"
+                f" returned {type(result).__name__} "
+                f"{tuple(result.shape) if isinstance(result, torch.Tensor) else ''}".rstrip())
+        view.finish()
+        return result
+
+
 def _packed_forward(original, layer_idx: int, stepwise: bool):
-    def forward(hidden_states, *args, cache=None, attention_mask=None, **kwargs):
-        step = getattr(cache, "recurrent_step", None)
+    signature = inspect.signature(original)
+
+    def forward(*args, **kwargs):
+        if "cache" in kwargs and getattr(kwargs["cache"], "recurrent_step", None) is None:
+            return original(*args, **kwargs)  # not the engine's forward: as the model runs it
+        call = MixerCall(original, signature, args, kwargs)
+        step = getattr(call.cache, "recurrent_step", None)
         if step is None:
-            return original(hidden_states, *args, cache=cache, attention_mask=attention_mask, **kwargs)
+            return original(*args, **kwargs)
         states, plan = step
-        return run_packed(original, hidden_states, states, plan, args, kwargs, layer_idx if stepwise else None)
+        return run_packed(call, call.arguments[call.hidden_name], states, plan, layer_idx if stepwise else None)
     return forward
 
 
-def run_packed(mixer_forward, hidden_states: torch.Tensor, states: RecurrentStates, plan: RecurrentStep, args,
-               kwargs, stepwise_layer: int | None = None) -> torch.Tensor:
+def run_packed(call: MixerCall, hidden_states: torch.Tensor, states: RecurrentStates, plan: RecurrentStep,
+               stepwise_layer: int | None = None) -> torch.Tensor:
     """The mixer over a packed row ``[1, T, hidden]``: the decodes as one batch, every other sequence alone.
     ``stepwise_layer``: the mixer's layer, whose several-token form ignores the state (``continues_chunks``): a
     chunk that continues a state runs a token at a time, each reading the state the one before left."""
@@ -121,7 +171,7 @@ def run_packed(mixer_forward, hidden_states: torch.Tensor, states: RecurrentStat
             batch = hidden_states[0, : plan.decode_rows.numel()].unsqueeze(1)
         else:
             batch = hidden_states[0].index_select(0, plan.decode_tokens).unsqueeze(1)
-        result = _call(mixer_forward, batch, view, args, kwargs)  # [D, 1, hidden]
+        result = call(batch, view)  # [D, 1, hidden]
         if plan.decodes_are_first:
             out[0, : plan.decode_rows.numel()] = result[:, 0]
         else:
@@ -129,24 +179,15 @@ def run_packed(mixer_forward, hidden_states: torch.Tensor, states: RecurrentStat
     for i, (first, end, fresh) in enumerate(plan.pieces):
         rows = plan.piece_rows[i : i + 1]
         if stepwise_layer is None or fresh or end - first == 1:
-            out[:, first:end] = _call(mixer_forward, hidden_states[:, first:end], states.view(rows, fresh), args,
-                                      kwargs)
+            out[:, first:end] = call(hidden_states[:, first:end], states.view(rows, fresh))
             continue
         scratch = states.row_copy(rows, stepwise_layer)
         for token in range(first, end):
-            out[:, token : token + 1] = _call(mixer_forward, hidden_states[:, token : token + 1],
-                                              scratch.view(torch.zeros_like(rows), fresh=False), args, kwargs)
+            out[:, token : token + 1] = call(hidden_states[:, token : token + 1],
+                                             scratch.view(torch.zeros_like(rows), fresh=False))
             scratch.commit()
         states.stage_copy(scratch, rows)
     return out
-
-
-def _call(mixer_forward, hidden_states, view, args, kwargs) -> torch.Tensor:
-    result = mixer_forward(hidden_states, *args, cache=view, attention_mask=None, **kwargs)
-    if not isinstance(result, torch.Tensor):
-        raise NotImplementedError(f"a recurrent layer's mixer returned {type(result).__name__}, not a tensor")
-    view.finish()
-    return result
 
 
 def check_options(config, text_config, tensor_parallel: bool) -> None:
