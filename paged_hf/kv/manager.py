@@ -74,8 +74,9 @@ class KVManager:
         self.group_of = {idx: group for group in self.groups for idx in group.layer_indices}
         self.growable = num_blocks is None
         layers = recurrent_layers(text_config)
-        # the recurrent layers' states, a row per sequence row; None: every layer attends. A cached block would
-        # hold K/V without the states after it, so prefix caching is off with them (the engine says so)
+        # the recurrent layers' states, a row per sequence row (the engine's: a PagedCache keeps transformers' own,
+        # and this stays empty); None: every layer attends. A cached block would hold K/V without the states after
+        # it, so prefix caching is off with them (the engine says so)
         self.recurrent = RecurrentStates(layers) if layers else None
         enable_prefix_caching = enable_prefix_caching and self.recurrent is None
         for group in self.groups:  # a growable pool starts empty: ``reserve`` sizes it for the first forward

@@ -1,5 +1,5 @@
 """Recurrent layer states: what the linear-attention, state-space and short-convolution layers of hybrid models
-(Qwen3.5, Qwen3-Next, LFM2, Granite 4, Falcon-H1, NemotronH, Bamba, Jamba, Zamba2, ...) carry from one token to the
+(Qwen3.5, Qwen3-Next, LFM2, Granite 4, Falcon-H1, NemotronH, Bamba, Jamba, Zamba, ...) carry from one token to the
 next in place of K/V.
 
 transformers gives these layers one interface (``Cache.get_conv_state`` / ``update_conv_state`` /
@@ -30,7 +30,6 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 # layer types whose layers keep recurrent states (``HYBRID`` layers keep K/V too)
 RECURRENT_LAYER_TYPES = ("conv", "linear_attention")
 HYBRID_LAYER_TYPES = ("hybrid", "hybrid_sliding")
-STATE_KINDS = ("conv", "recurrent")
 
 
 def kv_layers(text_config) -> list[int]:
@@ -50,8 +49,9 @@ StateKey = tuple[str, int, int]  # (kind: "conv" or "recurrent", layer index, st
 
 class RecurrentStates:
     """The recurrent states of ``layers``, one row per sequence row. The engine allocates every store up front for
-    its running sequences (``allocate``, from the shapes a one-token forward showed); a store written before it is
-    allocated (``generate``'s scratch, a test) is made at its first write with as many rows as handed out. Stores
+    its running sequences (``allocate``, from the shapes one token through each mixer showed); a store written
+    before it is allocated (the start probe's scratch pools) is made at its first write with as many rows as handed
+    out. Stores
     grow with the rows (``ensure_rows``: by a quarter, which copies them, so the engine reserves enough); a new row
     is zeros, and a sequence's first forward never reads it (it is fresh)."""
 
