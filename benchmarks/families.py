@@ -35,11 +35,18 @@ FAMILIES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2"
             "dots1", "afmoe", "gpt_oss", "gpt_neox", "falcon", "gpt2", "gpt_bigcode", "gptj", "codegen", "opt",
             "biogpt", "persimmon", "nemotron", "smollm3", "helium", "glm", "glm4", "exaone4", "ernie4_5", "arcee",
             "apertus", "seed_oss", "hunyuan_v1_dense", "bitnet", "doge",
+            # newer in transformers 5.25
+            "apertus1p5_text", "aria_text", "cohere2_moe", "cwm", "exaone", "exaone_moe", "flint", "granite_swa",
+            "granitemoe_swa", "hrm_text", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1",
+            "laguna", "mellum", "minicpm5_moe", "minimax_m2", "ministral3", "nanochat", "param2moe", "sarvam_moe",
+            "solar_open", "vaultgemma",
             # hybrids: recurrent layers (gated DeltaNet, short convolutions, Mamba2, Mamba) beside attention
             "qwen3_5_text", "qwen3_next", "lfm2", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba",
+            "lara_mini", "olmo_hybrid",
             # refused by name: attention in the model's own code, K/V changed after the update, MLA, layers that
             # are not attention nor recurrent
-            "mpt", "bloom", "xglm", "gpt_neo", "jetmoe", "deepseek_v3", "llama4_text", "minimax")
+            "mpt", "bloom", "xglm", "gpt_neo", "jetmoe", "deepseek_v3", "llama4_text", "minimax", "dory", "zaya",
+            "mimo_v2_flash")
 DELTANET = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
 MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=8)
 # What a family's defaults need to fit the tiny shape (rotary wider than a head, a layer pattern per layer, MLA's
@@ -60,6 +67,8 @@ OVERRIDES = {
     "jamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=1, mamba_d_state=8, mamba_expand=2, mamba_dt_rank=8),
     "recurrent_gemma": dict(num_hidden_layers=4),
+    # Dory: one input layer, two looped, one output layer (its defaults do not fit four layers)
+    "dory": dict(num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1),
     **{name: dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16,
                   v_head_dim=16, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
                   topk_group=1) for name in ("deepseek_v2", "deepseek_v3")},
