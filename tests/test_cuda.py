@@ -10,7 +10,8 @@ Skipped without CUDA (CI has none). A GPU session runs it with ``python -m pytes
   ``BF16_ERROR_FACTOR`` x that of CUDA bf16 sdpa + DynamicCache (stock transformers): the paged path adds no
   error beyond bf16 itself. With int8 the kernels take bf16 queries too (the rotated query returns to bf16).
 - The engine on CUDA (mixed decode + chunked prefill steps, prefix hits, copy-on-write for n > 1) gives the CPU
-  engine's greedy tokens (its decode-only steps replayed from CUDA graphs, the default).
+  engine's greedy tokens (its decode-only steps replayed from CUDA graphs, the default); so does a hybrid model's
+  (recurrent states on the GPU).
 - The host tier's copies on a side stream, host blocks pinned: an offload, the device blocks' immediate reuse and a
   load give back the original bytes in every format, with a stream kept busy before each copy (a missing wait
   copies stale bytes); a host-tier hit on CUDA gives the tokens and logprobs of a device-pool hit.
@@ -119,6 +120,25 @@ def test_engine_on_cuda_equals_cpu_engine():
     engine = PagedEngine(stories_model("paged").to(CUDA), tok, **options)
     out = engine.generate([prompts[0]], forks, use_tqdm=False)[0]
     assert all(c.token_ids[:8] == ref[0].outputs[0].token_ids for c in out.outputs)
+    assert engine.get_stats().kv_cache_used == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid", "jamba"])
+def test_hybrid_engine_on_cuda_equals_cpu_engine(family):
+    """A hybrid model's recurrent states on the GPU (state rows, staged writes, the start probes on the mixers'
+    device; Jamba's continuing chunks a token at a time): the CPU engine's greedy tokens, chunked and with n=2."""
+    import copy  # noqa: PLC0415
+
+    from test_hybrid_models import prompts as hybrid_prompts  # noqa: PLC0415
+    from test_hybrid_models import tiny_hybrid  # noqa: PLC0415
+
+    model = tiny_hybrid(family)
+    options = dict(block_size=4, max_num_batched_tokens=7, num_blocks=128)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, n=2)
+    ref = PagedEngine(copy.deepcopy(model), None, **options).generate(hybrid_prompts(), params, use_tqdm=False)
+    engine = PagedEngine(copy.deepcopy(model).to(CUDA), None, **options)
+    got = engine.generate(hybrid_prompts(), params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in ref]
     assert engine.get_stats().kv_cache_used == 0
 
 

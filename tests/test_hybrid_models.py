@@ -317,3 +317,19 @@ def test_a_recurrent_module_that_gives_no_hidden_states_back_is_refused_by_name(
         PagedEngine(model, None, num_blocks=32)
     with pytest.raises(NotImplementedError, match="ZayaCCAProjection"):  # and again: nothing was half wrapped
         PagedEngine(model, None, num_blocks=32)
+
+
+def test_a_deep_copy_of_a_model_an_engine_took_runs_its_own_mixers():
+    """The engine wraps each recurrent layer's mixer; a deep copy of the model (to move it to another device, or to
+    keep a reference) must run the copy's mixers. A wrapper closing over the original's bound forward ran the
+    original's module, weights and device, from the copy."""
+    from paged_hf.engine.recurrent_mixers import find_mixers  # noqa: PLC0415
+    from paged_hf.kv.recurrent import recurrent_layers  # noqa: PLC0415
+
+    model = tiny_hybrid("lfm2")
+    PagedEngine(model, None, num_blocks=32)  # wraps the mixers
+    copied = copy.deepcopy(model)
+    for mixer in find_mixers(copied, recurrent_layers(copied.config)).values():
+        assert mixer.forward.__self__ is mixer and mixer._paged_hf_mixer_forward.__self__ is mixer
+    outs = PagedEngine(copied, None, num_blocks=128).generate(prompts(), GREEDY, use_tqdm=False)
+    assert_equal_to_references(outs, references("lfm2"))

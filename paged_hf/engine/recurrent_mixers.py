@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import types
 
 import torch
 
@@ -66,9 +67,12 @@ def wrap_mixers(model) -> int:
                 logger.info("PagedEngine: layer %d's %s starts a chunk of several tokens from zeros whatever its "
                             "state; a prompt chunk that continues one runs through it a token at a time", idx,
                             type(mixer).__name__)
-            original = mixer.forward
-            setattr(mixer, _MIXER_MARK, original)
-            mixer.forward = _packed_forward(original, idx, stepwise)
+            # attributes of the module, not a closure: a deep copy of the model (its modules, bound methods and
+            # all) then runs its own mixers
+            setattr(mixer, _MIXER_MARK, mixer.forward)
+            mixer._paged_hf_mixer_signature = inspect.signature(mixer.forward)
+            mixer._paged_hf_stepwise_layer = idx if stepwise else None
+            mixer.forward = types.MethodType(_engine_forward, mixer)
     return len(layers)
 
 
@@ -144,19 +148,18 @@ class MixerCall:
         return result
 
 
-def _packed_forward(original, layer_idx: int, stepwise: bool):
-    signature = inspect.signature(original)
-
-    def forward(*args, **kwargs):
-        if "cache" in kwargs and getattr(kwargs["cache"], "recurrent_step", None) is None:
-            return original(*args, **kwargs)  # not the engine's forward: as the model runs it
-        call = MixerCall(original, signature, args, kwargs)
-        step = getattr(call.cache, "recurrent_step", None)
-        if step is None:
-            return original(*args, **kwargs)
-        states, plan = step
-        return run_packed(call, call.arguments[call.hidden_name], states, plan, layer_idx if stepwise else None)
-    return forward
+def _engine_forward(mixer: torch.nn.Module, *args, **kwargs):
+    """A wrapped mixer's forward: in the engine's forward (its cache has a ``recurrent_step``) ``run_packed``, else
+    the mixer's own forward, as the model runs it."""
+    original = getattr(mixer, _MIXER_MARK)
+    if "cache" in kwargs and getattr(kwargs["cache"], "recurrent_step", None) is None:
+        return original(*args, **kwargs)
+    call = MixerCall(original, mixer._paged_hf_mixer_signature, args, kwargs)
+    step = getattr(call.cache, "recurrent_step", None)
+    if step is None:
+        return original(*args, **kwargs)
+    states, plan = step
+    return run_packed(call, call.arguments[call.hidden_name], states, plan, mixer._paged_hf_stepwise_layer)
 
 
 def run_packed(call: MixerCall, hidden_states: torch.Tensor, states: RecurrentStates, plan: RecurrentStep,
