@@ -116,6 +116,20 @@ def output_text(tokenizer, prompt_ids: list[int], output_ids: list[int]) -> str:
     return full[len(head):]
 
 
+def greedy_references(model, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """(greedy tokens, their logprobs) of each prompt run alone by ``generate`` on ``DynamicCache`` with the model's
+    own attention, EOS ignored: what the engine's outputs are compared against."""
+    refs = []
+    for ids in prompts:
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             return_dict_in_generate=True, output_logits=True,
+                             cache=transformers.DynamicCache(config=model.config))
+        tokens = out.sequences[0, len(ids):].tolist()
+        refs.append((tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]))
+    return refs
+
+
 def token_logprobs(completion) -> list[float]:
     """The logprob of each sampled token of a ``CompletionOutput`` (the one place tests read that format)."""
     return [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]

@@ -13,10 +13,9 @@ from unittest import mock
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from paged_hf import PagedEngine, SamplingParams, metadata
-from models import tiny_model, token_logprobs
+from models import greedy_references, tiny_model, token_logprobs
 
 FAMILIES = ("llama", "mistral", "gemma2")  # llama: the full-attention baseline of the same checks
 LENGTHS = (3, 9, 14, 20, 7, 17)
@@ -35,17 +34,7 @@ _references: dict = {}
 def references(family: str) -> list[tuple[list[int], list[float]]]:
     """(greedy tokens, their logprobs) of each prompt alone, by generate on DynamicCache with the dense attention."""
     if family not in _references:
-        model = tiny_model(family)
-        refs = []
-        for ids in prompts():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
-                                 return_dict_in_generate=True, output_logits=True,
-                                 cache=DynamicCache(config=model.config))
-            tokens = out.sequences[0, len(ids):].tolist()
-            logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-            refs.append((tokens, logprobs))
-        _references[family] = refs
+        _references[family] = greedy_references(tiny_model(family), prompts(), MAX_TOKENS)
     return _references[family]
 
 

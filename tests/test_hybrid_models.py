@@ -17,10 +17,10 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from paged_hf import PagedCache, PagedEngine, SamplingParams
-from models import token_logprobs
+from models import greedy_references, token_logprobs
 
 MIXER = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=8)
 DELTANET = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
@@ -72,17 +72,7 @@ def prompts() -> list[list[int]]:
 def references(family: str) -> list[tuple[list[int], list[float]]]:
     """(greedy tokens, their logprobs) of each prompt alone: ``generate`` on ``DynamicCache`` with sdpa."""
     if family not in _references:
-        model = tiny_hybrid(family)
-        refs = []
-        for ids in prompts():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
-                                 return_dict_in_generate=True, output_logits=True,
-                                 cache=DynamicCache(config=model.config))
-            tokens = out.sequences[0, len(ids):].tolist()
-            refs.append((tokens, [torch.log_softmax(step[0].float(), -1)[t].item()
-                                  for step, t in zip(out.logits, tokens)]))
-        _references[family] = refs
+        _references[family] = greedy_references(tiny_hybrid(family), prompts(), MAX_TOKENS)
     return _references[family]
 
 

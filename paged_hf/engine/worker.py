@@ -89,7 +89,7 @@ def build_kv(model, config: EngineConfig, group=None) -> KVManager:
                    enable_prefix_caching=config.enable_prefix_caching and not recurrent,
                    swap_space_bytes=0 if recurrent else int(config.swap_space * GIB),
                    num_kv_heads=local_kv_heads(text_config, tp_size),
-                   kv_offloading_bytes=int(config.kv_offloading_size * GIB))
+                   kv_offloading_bytes=int(config.kv_offloading_size * GIB), recurrent_states=recurrent)
     allocate_all(kv, model.dtype, model.device)
     if kv.recurrent is not None:
         kv.recurrent.allocate(shapes, state_rows, model.device)

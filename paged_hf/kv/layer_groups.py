@@ -22,11 +22,9 @@ from ..block_pool import BlockPool
 from ..block_table import num_blocks_for
 from ..block_table_rows import BlockTableRows
 from ..storage import KVStorage
-from .recurrent import RECURRENT_LAYER_TYPES
+from .recurrent import NO_KV_LAYER_TYPES
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-# layers with no K/V: recurrent ones keep states (``recurrent``), "dummy" ones (a MoE or MLP block) keep nothing
-STATE_ONLY_LAYER_TYPES = RECURRENT_LAYER_TYPES + ("dummy",)
 # recurrent layers that attend too: their K/V go to the group of the attention they name
 ATTENTION_OF_HYBRID = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 
@@ -98,7 +96,7 @@ def layer_groups(text_config, block_size: int) -> list[LayerGroup]:
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
     groups: dict[int | None, LayerGroup] = {}
     for layer_idx, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-        if layer_type in STATE_ONLY_LAYER_TYPES:
+        if layer_type in NO_KV_LAYER_TYPES:
             continue
         layer_type = ATTENTION_OF_HYBRID.get(layer_type, layer_type)
         if layer_type not in SUPPORTED_LAYER_TYPES:

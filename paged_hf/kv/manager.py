@@ -57,11 +57,14 @@ class KVManager:
         swap_space_bytes: CPU memory for swapped-out blocks (0: no swap).
         kv_offloading_bytes: host memory for cached blocks evicted from the pool (0: none; ``kv.host_tier``).
         num_kv_heads: KV heads this process stores (tensor parallelism: its share); None takes the config's.
+        recurrent_states: keep the recurrent layers' states of a hybrid model, a row per sequence row (the engine;
+            a ``PagedCache`` leaves them to transformers' ``LinearAttentionLayer``s).
     """
 
     def __init__(self, text_config, block_size: int = 16, kv_cache_dtype: str = "auto", num_blocks: int | None = None,
                  enable_prefix_caching: bool = False, swap_space_bytes: int = 0,
-                 num_kv_heads: int | None = None, kv_offloading_bytes: int = 0) -> None:
+                 num_kv_heads: int | None = None, kv_offloading_bytes: int = 0,
+                 recurrent_states: bool = False) -> None:
         check_supported(text_config)
         self.text_config = text_config
         self.block_size = block_size
@@ -74,11 +77,10 @@ class KVManager:
         self.group_of = {idx: group for group in self.groups for idx in group.layer_indices}
         self.growable = num_blocks is None
         layers = recurrent_layers(text_config)
-        # the recurrent layers' states, a row per sequence row (the engine's: a PagedCache keeps transformers' own,
-        # and this stays empty); None: every layer attends. A cached block would hold K/V without the states after
-        # it, so prefix caching is off with them (the engine says so)
-        self.recurrent = RecurrentStates(layers) if layers else None
-        enable_prefix_caching = enable_prefix_caching and self.recurrent is None
+        # the recurrent layers' states (``recurrent_states``); None: not kept here, or every layer attends. A cached
+        # block would hold K/V without the states after it, so prefix caching is off with them (the engine says so)
+        self.recurrent = RecurrentStates(layers) if layers and recurrent_states else None
+        enable_prefix_caching = enable_prefix_caching and not layers
         for group in self.groups:  # a growable pool starts empty: ``reserve`` sizes it for the first forward
             group.pool = BlockPool(num_blocks or 0, enable_caching=enable_prefix_caching and num_blocks is not None)
         self.copies = CopyLog()

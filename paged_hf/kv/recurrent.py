@@ -30,12 +30,14 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 # layer types whose layers keep recurrent states (``HYBRID`` layers keep K/V too)
 RECURRENT_LAYER_TYPES = ("conv", "linear_attention")
 HYBRID_LAYER_TYPES = ("hybrid", "hybrid_sliding")
+# layer types that store no K/V: the recurrent-only ones, and "dummy" (a MoE or MLP block, a layer reading another's)
+NO_KV_LAYER_TYPES = RECURRENT_LAYER_TYPES + ("dummy",)
 
 
 def kv_layers(text_config) -> list[int]:
     """Indices of the layers that store K/V (every layer but the recurrent-only and the "dummy" ones)."""
     layer_types, _ = get_layer_types_and_kwargs(text_config)
-    return [i for i, kind in enumerate(layer_types) if kind not in RECURRENT_LAYER_TYPES + ("dummy",)]
+    return [i for i, kind in enumerate(layer_types) if kind not in NO_KV_LAYER_TYPES]
 
 
 def recurrent_layers(text_config) -> list[int]:
@@ -146,18 +148,20 @@ class StateView:
         self.states = states
         self.rows = rows
         self.fresh = fresh
-        self._read_conv: dict[StateKey, torch.Tensor] = {}
-        self._read_recurrent: dict[StateKey, torch.Tensor] = {}
-        self._written: set[StateKey] = set()
+        self._held: dict[StateKey, torch.Tensor] = {}  # the copies handed out, and the states written since
+        self._written: set[StateKey] = set()  # conv states written (a recurrent state held is always staged)
 
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+    def _held_copy(self, key: StateKey) -> torch.Tensor | None:
+        """The rows' states under ``key``, one copy per call (None while fresh)."""
         if self.fresh:
             return None
-        key = ("conv", layer_idx, state_idx)
-        state = self._read_conv.get(key)
+        state = self._held.get(key)
         if state is None:
-            state = self._read_conv[key] = self.states.read(key, self.rows)
+            state = self._held[key] = self.states.read(key, self.rows)
         return state
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._held_copy(("conv", layer_idx, state_idx))
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
@@ -173,7 +177,7 @@ class StateView:
             kernel = previous.shape[-1]
             full = torch.cat([previous, conv_states], dim=-1)
         key = ("conv", layer_idx, state_idx)
-        self._read_conv[key] = full[..., -kernel:]
+        self._held[key] = full[..., -kernel:]
         self._written.add(key)
         return full
 
@@ -181,20 +185,13 @@ class StateView:
         """A copy of the rows' states (the same one each time). A layer that updates it in place and never calls
         ``update_recurrent_state`` (Zamba's decode: transformers' layer hands out the stored tensor itself) has it
         staged by ``finish``."""
-        if self.fresh:
-            return None
-        key = ("recurrent", layer_idx, state_idx)
-        state = self._read_recurrent.get(key)
-        if state is None:
-            state = self._read_recurrent[key] = self.states.read(key, self.rows)
-        return state
+        return self._held_copy(("recurrent", layer_idx, state_idx))
 
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs) -> torch.Tensor:
         """Keeps the last state for ``finish`` to stage (a list holds the states after each of the last tokens: the
         last one counts)."""
         last = recurrent_states if isinstance(recurrent_states, torch.Tensor) else recurrent_states[-1]
-        key = ("recurrent", layer_idx, state_idx)
-        self._read_recurrent[key] = last
+        self._held[("recurrent", layer_idx, state_idx)] = last
         return last
 
     def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
@@ -210,10 +207,9 @@ class StateView:
     def finish(self) -> None:
         """Stages the states this call wrote, and the recurrent states it read (which it may have changed in
         place)."""
-        for key, state in self._read_recurrent.items():
-            self.states.stage(key, self.rows, state)
-        for key in self._written:
-            self.states.stage(key, self.rows, self._read_conv[key])
+        for key, state in self._held.items():
+            if key[0] == "recurrent" or key in self._written:
+                self.states.stage(key, self.rows, state)
 
 
 @dataclass
