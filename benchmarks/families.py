@@ -43,6 +43,8 @@ FAMILIES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2"
             # hybrids: recurrent layers (gated DeltaNet, short convolutions, Mamba2, Mamba) beside attention
             "qwen3_5_text", "qwen3_next", "lfm2", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "jamba",
             "lara_mini", "olmo_hybrid",
+            # the last layers read earlier layers' K/V; Gemma 4's full layers are wider, with fewer KV heads
+            "gemma3n_text", "gemma4_text",
             # refused by name: attention in the model's own code, K/V changed after the update, MLA, layers that
             # are not attention nor recurrent
             "mpt", "bloom", "xglm", "gpt_neo", "jetmoe", "deepseek_v3", "llama4_text", "minimax", "dory", "zaya",
@@ -67,6 +69,13 @@ OVERRIDES = {
     "jamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=1, mamba_d_state=8, mamba_expand=2, mamba_dt_rank=8),
     "recurrent_gemma": dict(num_hidden_layers=4),
+    # four layers, sliding and full alternating, the last two reading layers 0 and 1; per-layer inputs sized down
+    **{name: dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8,
+                  num_kv_shared_layers=2, vocab_size_per_layer_input=512, hidden_size_per_layer_input=8,
+                  num_key_value_heads=2, head_dim=16, **extra)
+       for name, extra in (("gemma4_text", dict(global_head_dim=32, num_global_key_value_heads=1,
+                                                 attention_k_eq_v=True)),
+                           ("gemma3n_text", dict(laurel_rank=4, activation_sparsity_pattern=[0.0] * 4)))},
     # Dory: one input layer, two looped, one output layer (its defaults do not fit four layers)
     "dory": dict(num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1),
     **{name: dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16,
@@ -74,7 +83,7 @@ OVERRIDES = {
                   topk_group=1) for name in ("deepseek_v2", "deepseek_v3")},
     "dots1": dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
 }
-OWN_KV_HEADS = ("gpt_neox", "falcon", "gpt_bigcode", "deepseek_v2", "deepseek_v3")
+OWN_KV_HEADS = ("gpt_neox", "falcon", "gpt_bigcode", "deepseek_v2", "deepseek_v3", "gemma4_text")
 PROMPT_LENGTHS = (5, 17, 30)
 ENGINE = dict(block_size=4, num_blocks=128, max_num_batched_tokens=9)
 
@@ -86,13 +95,13 @@ def tiny(family: str, hidden: int):
         vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False),
         **overrides})
-    if hasattr(config, "num_key_value_heads") and family not in OWN_KV_HEADS:
+    if family not in OWN_KV_HEADS and hasattr(config, "num_key_value_heads"):
         config.num_key_value_heads = 2
     for name, value in (("head_dim", hidden // 4), ("moe_intermediate_size", hidden), ("num_experts", 4),
                         ("num_local_experts", 4), ("num_experts_per_tok", 2)):
         # a read-only property (Falcon's head_dim) stays as the config derives it
-        if hasattr(config, name) and not isinstance(getattr(type(config), name, None), property) and \
-                name not in overrides:
+        if name not in overrides and hasattr(config, name) and \
+                not isinstance(getattr(type(config), name, None), property):
             setattr(config, name, value)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()

@@ -63,6 +63,11 @@ def paged_attention_forward(
         return dense_attention(query, key, value, attention_mask, scale, softcap, s_aux), None
 
     metadata, group, storage, fresh = step.metadata, step.group, step.storage, step.fresh
+    if query.shape[2] != metadata.query_len:  # the forward's last columns only
+        out = attend_columns(query, step, scale, softcap, s_aux)
+        if fresh is not None and step.writes_tails:
+            storage.write_tails(fresh, group.store_plan)
+        return out, None
     flat = metadata.select_new_tokens(query)  # [n, heads, head_dim], packed by sequence
     if group.window_starts is None:
         packed = paged_attention(flat, metadata, group, storage, scale, softcap, s_aux, fresh)
@@ -76,9 +81,33 @@ def paged_attention_forward(
         result = attend_at_positions(queries, pads.rows, pads.positions, pads.window_starts[step.group_index],
                                      metadata, group, storage, scale, softcap, s_aux, fresh)
         out = out.reshape(-1, *out.shape[2:]).index_copy(0, pads.index, result.to(out.dtype)).view(out.shape)
-    if fresh is not None:  # a tail format: the tail rows were read as they were before this forward
+    if fresh is not None and step.writes_tails:  # a tail format: the tail rows were read as they were before
         storage.write_tails(fresh, group.store_plan)
     return out, None
+
+
+def attend_columns(query: torch.Tensor, step, scale, softcap, sinks) -> torch.Tensor:
+    """The attention of a query ``[B, heads, k, head_dim]`` of the last ``k`` of the forward's ``q`` columns of each
+    row, as the full query's would be: Gemma 3n and Gemma 4 run the layers that read another layer's K/V over the
+    kept logits' columns alone in ``generate``'s prefill (``_maybe_slice_kv_shared_inputs``). Returns ``[B, k,
+    heads, head_dim]``, zeros in a pad column before its row's first token. Each column attends at its position
+    (``attend_at_positions``): the torch path, once per prefill of such a layer."""
+    metadata, batch, heads, kept, head_dim = step.metadata, *query.shape
+    if kept > metadata.query_len:
+        raise ValueError(f"a query of {kept} columns in a forward of {metadata.query_len}")
+    rows, positions, starts = metadata.column_targets(step.group_index)
+    device = rows.device
+    columns = (torch.arange(batch, device=device)[:, None] * metadata.query_len
+               + torch.arange(metadata.query_len - kept, metadata.query_len, device=device)[None, :]).flatten()
+    rows, positions = rows.index_select(0, columns), positions.index_select(0, columns)
+    attending = (rows >= 0).nonzero().squeeze(1)
+    flat = query.transpose(1, 2).reshape(batch * kept, heads, head_dim)
+    result = attend_at_positions(
+        flat.index_select(0, attending), rows.index_select(0, attending), positions.index_select(0, attending),
+        None if starts is None else starts.index_select(0, columns).index_select(0, attending), metadata,
+        step.group, step.storage, scale, softcap, sinks, step.fresh)
+    out = flat.new_zeros(flat.shape).index_copy_(0, attending, result.to(flat.dtype))
+    return out.view(batch, kept, heads, head_dim)
 
 
 def _check_stored(module, key: torch.Tensor, value: torch.Tensor, step) -> None:

@@ -32,7 +32,7 @@ from .kernels import dispatch
 from .kv import sizing
 from .kv.growth import PagedCacheFullError
 from .kv.manager import KVManager
-from .kv.model_config import block_id_bytes, check_supported, local_kv_heads
+from .kv.model_config import block_id_bytes, check_supported
 from .kv.recurrent import HYBRID_LAYER_TYPES, RECURRENT_LAYER_TYPES
 from .kv.sequence import SequenceKV
 from .kv_stats import PagedCacheStats
@@ -88,9 +88,8 @@ class PagedCache(DynamicCache):
         self.cache_config = CacheConfig(block_size, num_blocks, kv_cache_dtype, memory_budget)
         self.text_config = config.get_text_config(decoder=True)
         check_supported(self.text_config, config)
-        num_kv_heads = local_kv_heads(self.text_config, tp_size)
         if num_blocks is None and memory_budget is not None:
-            per_block = block_id_bytes(self.text_config, block_size, kv_cache_dtype, num_kv_heads)
+            per_block = block_id_bytes(self.text_config, block_size, kv_cache_dtype, tp_size)
             num_blocks = memory_budget // per_block
             if num_blocks < 1:
                 raise ValueError(
@@ -100,7 +99,7 @@ class PagedCache(DynamicCache):
         if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
                                        or max_length < 1):
             raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
-        self.kv = KVManager(self.text_config, block_size, kv_cache_dtype, num_blocks, num_kv_heads=num_kv_heads)
+        self.kv = KVManager(self.text_config, block_size, kv_cache_dtype, num_blocks, tp_size=tp_size)
         sizing.check_fits_on(self.kv, _devices())  # a pool no device here can hold fails now, not at the first forward
         Cache.__init__(self, layers=self._make_layers())
         self._min_table_width = table_width(-(-max_length // block_size)) if max_length else 1
@@ -130,7 +129,7 @@ class PagedCache(DynamicCache):
             if layer_type in RECURRENT_LAYER_TYPES + HYBRID_LAYER_TYPES:
                 self._recurrent[idx] = LinearAttentionLayer(number_of_states=kwargs.get("number_of_states", 1))
             if idx in self.kv.group_of:
-                layers.append(PagedLayer(self, idx, self.kv.group_of[idx]))
+                layers.append(PagedLayer(self, idx, self.kv.group_of[idx], self.kv.readers.get(idx, ())))
             else:
                 layers.append(self._recurrent.get(idx) or DummyLayer())
         return layers
@@ -265,7 +264,7 @@ class PagedCache(DynamicCache):
         return self.timeline.slots(group, self.rows, first, count, self.kv.has_tail, device)
 
     def initialize_layer(self, layer: PagedLayer, key_states: torch.Tensor) -> None:
-        sizing.allocate_layer(self.kv, layer.layer_idx, key_states.shape[1], key_states.dtype, key_states.device)
+        sizing.allocate_layer(self.kv, layer.layer_idx, key_states.dtype, key_states.device, key_states.shape[1])
 
     def layer_metadata(self, layer: PagedLayer, key_states: torch.Tensor, kwargs: dict | None) -> AttentionMetadata:
         """The planned forward's metadata; a layer that finds no plan (or a new forward) plans it first."""

@@ -57,11 +57,13 @@ class PagedLayer(CacheLayerMixin):
 
     is_croppable = True
 
-    def __init__(self, source: LayerSource, layer_idx: int, group: LayerGroup) -> None:
+    def __init__(self, source: LayerSource, layer_idx: int, group: LayerGroup, readers: tuple[int, ...] = ()) -> None:
         # not CacheLayerMixin.__init__: it would assign ``keys`` / ``values``, which are views here
         self._source = weakref.ref(source)
         self.layer_idx = layer_idx
         self.group = group
+        # the later layers that attend over this one's K/V, storing none of their own (``KVManager.readers``)
+        self.readers = readers
         self.is_sliding = group.window is not None
         self._shapes_checked = False  # the first eager write's K/V matched the layer's pool (``_check_shapes``)
 
@@ -147,7 +149,12 @@ class PagedLayer(CacheLayerMixin):
 
     def _hand_over(self, kwargs: dict | None, step) -> None:
         """``step`` to this layer's attention: by layer index (``hand_step``: also how a forward finds an attention
-        that never took its step), and in its kwargs where the model passes them."""
+        that never took its step), and in its kwargs where the model passes them; and to each of its ``readers`` by
+        index, the last of them writing a tail format's tails."""
+        if self.readers:
+            last, step = step, step.without_tail_writes()
+            for reader in self.readers:
+                hand_step(reader, last if reader == self.readers[-1] else step, self.layer_idx)
         hand_step(self.layer_idx, step)
         if kwargs is not None:
             kwargs[METADATA_KEY] = step
@@ -174,8 +181,8 @@ class PagedLayer(CacheLayerMixin):
 def _check_shapes(layer_idx: int, storage, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
     """NotImplementedError, naming what differs, when a layer's new K/V ``[B, kv_heads, q, head_dim]`` do not fit its
     pool: values of another head size than keys (MiMo-V2's ``v_head_dim``), or layers whose KV heads or head size
-    differ from the config's (MiMo-V2's sliding layers, Gemma 4's full ones), which one pool size per group cannot
-    hold."""
+    differ from what the config says of the layer (MiMo-V2's sliding layers, which its config does not set per
+    layer)."""
     heads, head_dim = storage.head_shape
     got = (key_states.shape[1], key_states.shape[-1], value_states.shape[1], value_states.shape[-1])
     if got != (heads, head_dim, heads, head_dim):

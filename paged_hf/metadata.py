@@ -112,13 +112,38 @@ class AttentionMetadata:
         out.index_copy_(0, self.token_index, flat)
         return out.view(self.batch_size, self.query_len, *flat.shape[1:])
 
+    def column_targets(self, group_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What the query of each of HF's ``[B * q]`` columns attends in group ``group_index``: its sequence (-1: a
+        pad before its row's first token, which attends nothing), the last position it sees, and the first (None
+        where the group's window applies as it is); a new token sees up to itself, a pad after real tokens
+        (``pad_queries``) up to its row's last one. For a query of some columns only (``attention``'s
+        ``attend_columns``)."""
+        num_columns, device = self.batch_size * self.query_len, self.positions.device
+        index = self.token_index if self.token_index is not None else torch.arange(self.num_tokens, device=device)
+        rows = torch.full((num_columns,), -1, dtype=torch.long, device=device).index_copy_(0, index, self.token_seqs)
+        positions = torch.zeros(num_columns, dtype=torch.long, device=device).index_copy_(0, index, self.positions)
+        pads, group = self.pad_queries, self.groups[group_index]
+        if pads is not None:
+            rows.index_copy_(0, pads.index, pads.rows)
+            positions.index_copy_(0, pads.index, pads.positions)
+        pad_starts = None if pads is None else pads.window_starts[group_index]
+        if group.window_starts is None and pad_starts is None:
+            return rows, positions, None
+        # a window over a padded timeline: every column's first position, the window's where none is given
+        starts = positions - (group.window - 1) if group.window is not None else torch.zeros_like(positions)
+        if group.window_starts is not None:
+            starts.index_copy_(0, index, group.window_starts)
+        if pad_starts is not None:
+            starts.index_copy_(0, pads.index, pad_starts)
+        return rows, positions, starts
+
 
 class LayerStep(NamedTuple):
     """What one layer's cache update hands its ``"paged"`` attention (the layer kwargs' ``METADATA_KEY``): the
     forward's metadata, the layer's group (and its index in ``metadata.groups``), the layer's storage, and, for a
-    tail format, the forward's new K/V (``storage.FreshKV``: the attention writes the tails after it reads);
-    ``layer``: the layer's index; ``key``, ``value``: the states the update stored and returned, which the attention
-    must be handed as they are."""
+    tail format, the forward's new K/V (``storage.FreshKV``: the attention writes the tails after it reads, where
+    ``writes_tails``: the last of the layers reading the storage); ``layer``: the layer's index; ``key``, ``value``:
+    the states the update stored and returned, which the attention must be handed as they are."""
 
     metadata: AttentionMetadata
     group: GroupMetadata
@@ -128,6 +153,12 @@ class LayerStep(NamedTuple):
     layer: int
     key: torch.Tensor
     value: torch.Tensor
+    writes_tails: bool = True
+
+    def without_tail_writes(self) -> "LayerStep":
+        """The step for a layer whose storage a later layer reads in the same forward (``PagedLayer.readers``): the
+        tail rows must stay as they were before the forward until the last reader has read them."""
+        return self._replace(writes_tails=False)
 
     @property
     def stored(self) -> tuple[int, int, int]:
@@ -143,8 +174,9 @@ class AttentionBypassed(NotImplementedError):
 class _HandedSteps(threading.local):
     """The steps handed over and not yet taken, by layer index, on this thread. Every layer's update hands its step
     over here (and in its kwargs where the model passes them: GPT-NeoX's and Falcon's attentions call
-    ``cache.update`` without kwargs), and its attention takes it: layers run one after another, so a step still
-    here at the next layer's update was never read (``hand_step`` fails the forward by name)."""
+    ``cache.update`` without kwargs), and its attention takes it; a layer that reads another's K/V (Gemma 3n, Gemma
+    4) takes the step its source handed it. Layers run one after another, so a step of a layer at or before the
+    next update's was never read (``hand_step`` fails the forward by name)."""
 
     def __init__(self) -> None:
         self.steps: dict[int, LayerStep] = {}
@@ -165,12 +197,16 @@ def _bypassed(layers) -> AttentionBypassed:
         f"'eager')")
 
 
-def hand_step(layer_idx: int, step) -> None:
-    """Keeps ``step`` (a ``LayerStep``, or an ``OpStep`` while tracing) for layer ``layer_idx``'s attention;
-    ``AttentionBypassed`` when an earlier layer's step is still untaken."""
+def hand_step(layer_idx: int, step, updating: int | None = None) -> None:
+    """Keeps ``step`` (a ``LayerStep``, or an ``OpStep`` while tracing) for layer ``layer_idx``'s attention, handed
+    over by layer ``updating``'s cache update (default: its own); ``AttentionBypassed`` when the step of a layer at
+    or before ``updating`` is still untaken (those handed to later layers reading another's K/V wait for them)."""
     steps = _traced if torch.compiler.is_compiling() else _handed.steps
     if steps:
-        raise _bypassed(steps)
+        updating = layer_idx if updating is None else updating
+        stale = [idx for idx in steps if idx <= updating]
+        if stale:
+            raise _bypassed(stale)
     steps[layer_idx] = step
 
 

@@ -14,7 +14,7 @@ fill_first?, fill_tail?, layer: int) -> (fresh_key, fresh_value)``
 query_start_loc [S + 1], num_decodes [1] (CPU), tail_rows?, <the StorePlan's five>?, sinks?, layer: int,
 scale: float, window: int?, softcap: float?) -> out [n, heads, head_dim]``
     the decode and prefill kernels of ``attention.attend_packed`` (the eager path's own function), then, for a tail
-    format, the tail writes (after the reads, as eager). ``num_decodes`` is a CPU tensor read by the real
+    format, the tail writes (after the reads, as eager; none without the plan: a later layer reads the same pools). ``num_decodes`` is a CPU tensor read by the real
     implementation: it changes every step, so it must not be a graph constant.
 
 For unquantized CPU pools in float32 or bfloat16 the graph calls ``paged_hf_cpu::store`` / ``paged_hf_cpu::attend``
@@ -166,7 +166,7 @@ def paged_attention(query: torch.Tensor, fresh_key: torch.Tensor, fresh_value: t
     d = int(num_decodes[0])
     out = attend_packed(query, kv, block_tables, seq_lens, query_start_loc, d, query_start_loc[d:] - d,
                         tail_rows if kv.has_tail else None, fresh, window, scale, softcap, sinks)
-    if fresh is not None:  # the tail rows were read as they were before this forward
+    if fresh is not None and tail_slots is not None:  # the tail rows were read as they were before this forward
         kv.write_tails(fresh, _plan(tail_slots, fill_blocks, fill_rows, fill_first, fill_tail))
     return _unaliased(out, query)
 
@@ -192,6 +192,10 @@ class OpStep(NamedTuple):
     window: int | None
     stored: tuple[int, int, int]  # the stored K/V's kv_heads, key head_dim, value head_dim (``LayerStep.stored``)
     native: bool = False  # stored by paged_hf_cpu::store (fresh_key, fresh_value: its empty output)
+
+    def without_tail_writes(self) -> "OpStep":
+        """As ``LayerStep.without_tail_writes``: the attention op writes no tail (it gets no plan)."""
+        return self._replace(plan=_NO_PLAN)
 
 
 _NO_PLAN = (None,) * 5

@@ -168,24 +168,15 @@ def test_unsupported_models_raise_not_implemented():
     model = transformers.MambaForCausalLM(mamba).eval()
     with pytest.raises(NotImplementedError, match="state-space"):
         model.generate(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=2, cache_implementation="paged")
-    # DeepSeek's MLA caches a latent and a rotary key of other widths; Gemma 3n's last layers read earlier layers' K/V
+    # DeepSeek's MLA caches a latent and a rotary key of other widths
     deepseek = transformers.DeepseekV3Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, kv_lora_rank=16)
     with pytest.raises(NotImplementedError, match="multi-head latent attention.*kv_lora_rank=16"):
         paged_hf.PagedCache(deepseek)
-    gemma3n = transformers.Gemma3nTextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4,
-                                             num_kv_shared_layers=2, layer_types=["sliding_attention"] * 4)
-    with pytest.raises(NotImplementedError, match="last 2 layers .num_kv_shared_layers. read the K/V"):
-        paged_hf.PagedCache(gemma3n)
-    # Falcon-RW's ALiBi is its own code and needs a 2-D mask; Gemma 4 sets head sizes per layer
+    # Falcon-RW's ALiBi is its own code and needs a 2-D mask
     falcon = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                        alibi=True)
     with pytest.raises(NotImplementedError, match="Falcon with alibi=True"):
         paged_hf.PagedCache(falcon)
-    gemma4 = transformers.AutoConfig.for_model("gemma4_text", vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                               num_attention_heads=4, vocab_size_per_layer_input=64,
-                                               hidden_size_per_layer_input=8)
-    with pytest.raises(NotImplementedError, match="gemma4_text' sets them per layer"):
-        paged_hf.PagedCache(gemma4)
 
 
 def test_layers_whose_kv_do_not_fit_the_pools_shapes_are_refused_by_name():

@@ -86,7 +86,7 @@ def offload_reuse_load(kv_format: str, device: torch.device, side_factory, stall
         return storages[idx].tensors()[name][blocks].view(torch.uint8).cpu()
 
     original = {(idx, name): raw(idx, name, [3, 1, 2]) for idx, s in storages.items() for name in s.tensors()}
-    host = HostTier(6, 1, kv_format, HEAD_DIM, CopyLog())
+    host = HostTier(6, 1, kv_format, CopyLog())
     host.side_factory = side_factory
     stall = stall or (lambda host, kind: None)
     stall(host, CopyKind.OFFLOAD)
@@ -114,7 +114,7 @@ def test_offload_then_immediate_reuse_then_load_is_exact_on_the_side_path(kv_for
 def test_a_growing_host_storage_waits_for_the_side_stream():
     side = FakeSide()
     storages = {0: make_storage("auto", 9, BLOCK, HEADS, HEAD_DIM, torch.float32, "cpu")}
-    host = HostTier(8, 1, "auto", HEAD_DIM, CopyLog())
+    host = HostTier(8, 1, "auto", CopyLog())
     host.side_factory = lambda device: side
     apply_copy(BlockCopy(0, (0,), (0,), CopyKind.OFFLOAD), storages, None, host)  # made: nothing to wait for
     apply_copy(BlockCopy(0, (1,), (1,), CopyKind.OFFLOAD), storages, None, host)  # grows from 1 block to 2

@@ -65,8 +65,14 @@ def check_tensor_parallel(config, tensor_parallel_size: int, model_class: str = 
     if tensor_parallel_size == 1:
         return
     text = config.get_text_config(decoder=True)
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    for name, heads in (("num_key_value_heads", kv_heads), ("num_attention_heads", text.num_attention_heads)):
+    # each layer's own where the config sets them per layer (Gemma 4's full layers have fewer KV heads)
+    layers = text.per_layer_config if getattr(text, "is_heterogeneous", False) else [text]
+    counts = {}
+    for layer in layers:
+        counts.setdefault(("num_key_value_heads", getattr(layer, "num_key_value_heads", None)
+                           or layer.num_attention_heads), None)
+        counts.setdefault(("num_attention_heads", layer.num_attention_heads), None)
+    for name, heads in counts:
         if heads % tensor_parallel_size:
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size} does not divide the model's {name}={heads}: each rank "

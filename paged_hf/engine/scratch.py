@@ -28,7 +28,7 @@ class ScratchForwards:
 
     def __init__(self, kv: KVManager, dtype: torch.dtype, device) -> None:
         self.kv = KVManager(kv.text_config, kv.block_size, kv.kv_cache_dtype, num_blocks=scratch_blocks(kv.block_size),
-                            num_kv_heads=kv.num_kv_heads, recurrent_states=kv.recurrent is not None)
+                            tp_size=kv.tp_size, recurrent_states=kv.recurrent is not None)
         allocate_all(self.kv, dtype, device)
         self.cache = EngineCache(self.kv)
         self.device = device

@@ -18,7 +18,7 @@ from ..config import DEFAULT_CPU_KV_CACHE_GIB, GIB, EngineConfig
 from ..distributed import tensor_parallel_group
 from ..distributed.group import init_group
 from ..kv.manager import KVManager
-from ..kv.model_config import available_memory, block_id_bytes, check_supported, local_kv_heads
+from ..kv.model_config import available_memory, block_id_bytes, check_supported
 from ..kv.sizing import allocate_all
 from ..packed_linear import pack_linears
 from ..kv.recurrent import recurrent_layers, state_bytes
@@ -88,7 +88,7 @@ def build_kv(model, config: EngineConfig, group=None) -> KVManager:
     kv = KVManager(text_config, config.block_size, config.kv_cache_dtype, num_blocks,
                    enable_prefix_caching=config.enable_prefix_caching and not recurrent,
                    swap_space_bytes=0 if recurrent else int(config.swap_space * GIB),
-                   num_kv_heads=local_kv_heads(text_config, tp_size),
+                   tp_size=tp_size,
                    kv_offloading_bytes=int(config.kv_offloading_size * GIB), recurrent_states=recurrent)
     allocate_all(kv, model.dtype, model.device)
     if kv.recurrent is not None:
@@ -115,8 +115,7 @@ def _blocks_from_memory(model, config: EngineConfig, text_config, tp_size: int, 
                 f"{state_bytes / GIB:.2f} GiB, the whole KV memory budget ({budget / GIB:.2f} GiB): lower max_num_seqs "
                 f"or raise kv_cache_memory")
         budget -= state_bytes
-    per_block = block_id_bytes(text_config, config.block_size, config.kv_cache_dtype,
-                               local_kv_heads(text_config, tp_size), dtype=model.dtype) + \
+    per_block = block_id_bytes(text_config, config.block_size, config.kv_cache_dtype, tp_size, dtype=model.dtype) + \
         _draft_block_bytes(config, model.dtype)
     cap = config.max_num_seqs * math.ceil(max_model_len_of(config, model) / config.block_size)
     return max(1, min(int(budget) // per_block, cap))
@@ -144,14 +143,14 @@ def _warm_up_kernels(kv: KVManager, text_config, dtype: torch.dtype) -> None:
     for group in kv.groups:
         for storage in group.storages.values():
             if storage.kernels.triton:
-                kinds.setdefault((group.window, getattr(storage, "kv_format", "auto")), storage)
+                kinds.setdefault((group.window, getattr(storage, "kv_format", "auto"), storage.head_shape), storage)
     if not kinds:
         return
     from ..kernels.warmup import warmup_kernels  # noqa: PLC0415 - imports triton
 
     started = time.perf_counter()
     softcap = getattr(text_config, "attn_logit_softcapping", None)
-    for (window, _), storage in kinds.items():
+    for (window, _, _), storage in kinds.items():
         warmup_kernels(storage.pool_tensors(), num_heads=text_config.num_attention_heads, dtype=dtype,
                        sliding_window=window, softcap=softcap, store_dtype=storage.store_dtype,
                        copy_tensors=list(storage.tensors().values()))

@@ -30,9 +30,9 @@ class HostTier:
 
     side_factory = staticmethod(cuda_side_stream)  # device -> the side stream of the copies, or None (inline copies)
 
-    def __init__(self, num_blocks: int, num_groups: int, kv_format: str, head_dim: int, log: CopyLog) -> None:
+    def __init__(self, num_blocks: int, num_groups: int, kv_format: str, log: CopyLog) -> None:
         self.num_blocks = num_blocks
-        self.space = SwapSpace(num_blocks, num_groups, kv_format, head_dim, pin_memory=True)
+        self.space = SwapSpace(num_blocks, num_groups, kv_format, pin_memory=True)
         self.log = log
         self._side: SideStream | None = None
         self._side_made = False
@@ -44,11 +44,10 @@ class HostTier:
         self.num_loaded = 0  # blocks copied back in (host-tier hits)
 
     @classmethod
-    def sized(cls, num_bytes: float, block_id_bytes: int, groups, kv_format: str, head_dim: int,
-              log: CopyLog) -> HostTier | None:
+    def sized(cls, num_bytes: float, block_id_bytes: int, groups, kv_format: str, log: CopyLog) -> HostTier | None:
         """A host tier of ``num_bytes`` (blocks of ``block_id_bytes``, every layer), or None when none fits."""
         num_blocks = int(num_bytes // block_id_bytes)
-        return cls(num_blocks, len(groups), kv_format, head_dim, log) if num_blocks > 0 else None
+        return cls(num_blocks, len(groups), kv_format, log) if num_blocks > 0 else None
 
     @property
     def num_used_blocks(self) -> int:

@@ -34,7 +34,7 @@ from .copies import BlockCopy, CopyKind, CopyLog, apply_copy
 from .growth import PagedCacheFullError, grow_group, room_error
 from .layer_groups import layer_groups
 from .host_tier import HostTier
-from .model_config import check_supported, head_dim_of, kv_heads_of
+from .model_config import check_supported, kv_sources, layer_head_shapes
 from .prefix_cache import PrefixCache
 from .prefix_hit import PrefixHit
 from .recurrent import RecurrentStates, recurrent_layers
@@ -56,24 +56,31 @@ class KVManager:
         enable_prefix_caching: hash full blocks and reuse them (every layer-group mix; a fixed pool only).
         swap_space_bytes: CPU memory for swapped-out blocks (0: no swap).
         kv_offloading_bytes: host memory for cached blocks evicted from the pool (0: none; ``kv.host_tier``).
-        num_kv_heads: KV heads this process stores (tensor parallelism: its share); None takes the config's.
+        tp_size: the tensor-parallel size: this process stores ``1 / tp_size`` of each layer's KV heads.
         recurrent_states: keep the recurrent layers' states of a hybrid model, a row per sequence row (the engine;
             a ``PagedCache`` leaves them to transformers' ``LinearAttentionLayer``s).
     """
 
     def __init__(self, text_config, block_size: int = 16, kv_cache_dtype: str = "auto", num_blocks: int | None = None,
                  enable_prefix_caching: bool = False, swap_space_bytes: int = 0,
-                 num_kv_heads: int | None = None, kv_offloading_bytes: int = 0,
+                 tp_size: int = 1, kv_offloading_bytes: int = 0,
                  recurrent_states: bool = False) -> None:
         check_supported(text_config)
         self.text_config = text_config
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype
-        self.head_dim = head_dim_of(text_config)
-        self.kv_format = check_kv_format(kv_cache_dtype, self.head_dim)
-        self.num_kv_heads = num_kv_heads or kv_heads_of(text_config)
+        self.tp_size = tp_size
+        # {layer: (KV heads this process stores, head size)} of every layer that stores K/V
+        self.head_shapes = layer_head_shapes(text_config, tp_size)
+        # {layer: the later layers that read its K/V and store none} (Gemma 3n's and Gemma 4's shared layers)
+        self.readers: dict[int, tuple[int, ...]] = {}
+        for reader, source in sorted(kv_sources(text_config).items()):
+            self.readers[source] = (*self.readers.get(source, ()), reader)
+        self.groups = layer_groups(text_config, block_size)  # NotImplementedError: no layer attends
+        # the format's canonical name; ValueError where a layer's head size rules it out (int4: an odd one)
+        self.kv_format = next(iter({check_kv_format(kv_cache_dtype, head_dim)
+                                    for _, head_dim in self.head_shapes.values()}))
         self.has_tail = KV_FORMATS[self.kv_format].tail
-        self.groups = layer_groups(text_config, block_size)
         self.group_of = {idx: group for group in self.groups for idx in group.layer_indices}
         self.growable = num_blocks is None
         layers = recurrent_layers(text_config)
@@ -86,10 +93,10 @@ class KVManager:
         self.copies = CopyLog()
         caching = enable_prefix_caching and num_blocks is not None
         host = HostTier.sized(kv_offloading_bytes if caching else 0, block_id_bytes(self), self.groups,
-                              self.kv_format, self.head_dim, self.copies)
+                              self.kv_format, self.copies)
         self.prefix_cache = PrefixCache(self.groups, block_size, self.kv_format, caching, host)
         num_cpu_blocks = int(swap_space_bytes // block_id_bytes(self)) if swap_space_bytes else 0
-        self.swap = SwapSpace(num_cpu_blocks, len(self.groups), self.kv_format, self.head_dim)
+        self.swap = SwapSpace(num_cpu_blocks, len(self.groups), self.kv_format)
         self.rows = RowAllocator(self.groups, self.has_tail, self.recurrent)
         self._live: dict[int, SequenceKV] = {}  # id -> every sequence made and not freed
 

@@ -1,6 +1,7 @@
-"""What the KV cache reads from a model's config, and what memory it can take: head size, KV heads (per
-tensor-parallel rank), dtype, the bytes one block id costs in every layer, the memory available on a device, and
-which models it cannot serve. Pure functions of the config (and of the device, for ``available_memory``).
+"""What the KV cache reads from a model's config, and what memory it can take: each layer's KV heads (per
+tensor-parallel rank) and head size, which layers read another layer's K/V, dtype, the bytes one block id costs in
+every layer, the memory available on a device, and which models it cannot serve. Pure functions of the config (and
+of the device, for ``available_memory``).
 """
 
 from __future__ import annotations
@@ -31,10 +32,8 @@ def config_dtype(text_config) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
 
 
-def local_kv_heads(text_config, tp_size: int = 1) -> int:
-    """KV heads one tensor-parallel rank stores: the config's, split ``tp_size`` ways. ValueError (naming both
-    numbers) when ``tp_size`` does not divide them."""
-    heads = kv_heads_of(text_config)
+def _split_heads(heads: int, tp_size: int) -> int:
+    """``heads`` split ``tp_size`` ways; ValueError (naming both numbers) when ``tp_size`` does not divide them."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {tp_size!r}")
     if heads % tp_size:
@@ -45,14 +44,48 @@ def local_kv_heads(text_config, tp_size: int = 1) -> int:
     return heads // tp_size
 
 
-def block_id_bytes(text_config, block_size: int, kv_cache_dtype: str, num_kv_heads: int | None = None,
+def layer_head_shapes(text_config, tp_size: int = 1) -> dict[int, tuple[int, int]]:
+    """``{layer: (KV heads one tensor-parallel rank stores, head size)}`` of every layer that stores K/V: the
+    config's, or the layer's own where the model sets them per layer (Gemma 4's full-attention layers, wider and
+    with fewer KV heads than its sliding ones). ValueError when ``tp_size`` does not divide a layer's KV heads."""
+    per_layer = text_config.per_layer_config if getattr(text_config, "is_heterogeneous", False) else None
+    shapes = {}
+    for idx in kv_layers(text_config):
+        layer = text_config if per_layer is None else per_layer[idx]
+        shapes[idx] = (_split_heads(kv_heads_of(layer), tp_size), head_dim_of(layer))
+    return shapes
+
+
+def kv_sources(text_config) -> dict[int, int]:
+    """``{layer: the layer whose K/V it reads}`` for the layers that store none of their own (Gemma 3n's and Gemma
+    4's last ``num_kv_shared_layers``: each reads the last earlier layer of its own type that stores, as the
+    model's ``shared_kv_states`` hands them over). NotImplementedError for a reading layer with no such layer (an
+    assistant model, all of whose layers read its target model's K/V)."""
+    modes = getattr(text_config, "kv_sharing_modes", None)
+    if not modes or not getattr(text_config, "num_kv_shared_layers", 0):
+        return {}
+    layer_types = text_config.layer_types
+    stores = {layer_types[i]: i for i, mode in enumerate(modes) if mode == "store"}
+    sources = {}
+    for idx, mode in enumerate(modes):
+        if mode != "reuse":
+            continue
+        if layer_types[idx] not in stores:
+            raise NotImplementedError(
+                f"layer {idx} of {text_config.model_type!r} reads the K/V of a {layer_types[idx]!r} layer that no "
+                f"layer of this model stores (an assistant model reading its target model's cache): the paged cache "
+                f"holds a model's own K/V only")
+        sources[idx] = stores[layer_types[idx]]
+    return sources
+
+
+def block_id_bytes(text_config, block_size: int, kv_cache_dtype: str, tp_size: int = 1,
                    dtype: torch.dtype | None = None) -> int:
     """Bytes one block id takes in every layer of a model (K and V, scales and zeros), at ``dtype`` (default: the
-    config's) with ``num_kv_heads`` heads (default: the config's). ``quant.layer_block_bytes`` is one layer's."""
-    head_dim = head_dim_of(text_config)
-    layer = layer_block_bytes(check_kv_format(kv_cache_dtype, head_dim), block_size,
-                              num_kv_heads or kv_heads_of(text_config), head_dim, dtype or config_dtype(text_config))
-    return layer * len(kv_layers(text_config))
+    config's), each layer with its heads split ``tp_size`` ways. ``quant.layer_block_bytes`` is one layer's."""
+    dtype = dtype or config_dtype(text_config)
+    return sum(layer_block_bytes(check_kv_format(kv_cache_dtype, head_dim), block_size, heads, head_dim, dtype)
+               for heads, head_dim in layer_head_shapes(text_config, tp_size).values())
 
 
 def available_memory(device: torch.device) -> int:
@@ -67,8 +100,8 @@ def available_memory(device: torch.device) -> int:
 
 def check_supported(text_config, config=None) -> None:
     """NotImplementedError for models the paged cache cannot serve: encoder-decoder and state-space models,
-    multi-head latent attention (DeepSeek V2/V3), Falcon's ALiBi, head sizes set per layer (Gemma 4) and layers that
-    read another layer's K/V (Gemma 3n)."""
+    multi-head latent attention (DeepSeek V2/V3), Falcon's ALiBi, and layers reading K/V no layer of the model
+    stores (``kv_sources``)."""
     if getattr(config, "is_encoder_decoder", False):
         raise NotImplementedError(
             f"PagedCache supports decoder-only models; {type(config).__name__} is an encoder-decoder model"
@@ -91,15 +124,4 @@ def check_supported(text_config, config=None) -> None:
             "code, outside transformers' attention interface (the engine's paged attention cannot read them), and "
             "builds them from a 2-D attention mask, which generate replaces with a 4-D one for a compileable cache "
             "(transformers' StaticCache fails there too); it runs on the default DynamicCache")
-    try:
-        head_dim_of(text_config), kv_heads_of(text_config)
-    except RuntimeError as error:  # transformers' AmbiguousGlobalPerLayerAttributeError (heterogeneous configs)
-        if type(error).__name__ != "AmbiguousGlobalPerLayerAttributeError":
-            raise
-        raise NotImplementedError(
-            f"PagedCache sizes its pools from one head size and KV-head count per model; {model_type!r} sets them "
-            f"per layer ({error})") from None
-    if getattr(text_config, "num_kv_shared_layers", 0):
-        raise NotImplementedError(
-            f"PagedCache gives every layer its own K/V; {model_type!r}'s last {text_config.num_kv_shared_layers} "
-            f"layers (num_kv_shared_layers) read the K/V of earlier layers")
+    layer_head_shapes(text_config), kv_sources(text_config)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import layer_block_bytes as _layer_block_bytes
 from ..quant import make_storage
 from ..quant import tail_bytes_per_row as _tail_bytes_per_row
 from ..storage import KVStorage
@@ -17,21 +16,16 @@ from .model_config import available_memory, config_dtype
 from .model_config import block_id_bytes as _block_id_bytes
 
 
-def layer_block_bytes(kv, dtype: torch.dtype | None = None, num_kv_heads: int | None = None) -> int:
-    """Bytes of one block of one layer of ``kv`` (K and V, scales and zeros included)."""
-    return _layer_block_bytes(kv.kv_format, kv.block_size, num_kv_heads or kv.num_kv_heads, kv.head_dim,
-                              dtype or config_dtype(kv.text_config))
-
-
 def block_id_bytes(kv, dtype: torch.dtype | None = None) -> int:
     """Bytes of one block id in every layer (what one more block per group costs)."""
-    return _block_id_bytes(kv.text_config, kv.block_size, kv.kv_cache_dtype, kv.num_kv_heads, dtype)
+    return _block_id_bytes(kv.text_config, kv.block_size, kv.kv_cache_dtype, kv.tp_size, dtype)
 
 
 def tail_bytes_per_row(kv, dtype: torch.dtype | None = None) -> int:
     """Bytes of one sequence row of the tail pools in every layer (0 for formats without a tail)."""
-    return _tail_bytes_per_row(kv.kv_format, kv.block_size, kv.num_kv_heads, kv.head_dim,
-                               dtype or config_dtype(kv.text_config)) * len(kv.group_of)
+    dtype = dtype or config_dtype(kv.text_config)
+    return sum(_tail_bytes_per_row(kv.kv_format, kv.block_size, heads, head_dim, dtype)
+               for heads, head_dim in kv.head_shapes.values())
 
 
 def blocks_to_hold(kv, num_tokens: int) -> int:
@@ -40,7 +34,7 @@ def blocks_to_hold(kv, num_tokens: int) -> int:
     return max(g.policy.blocks_to_hold(num_tokens, kv.block_size) for g in kv.groups)
 
 
-def check_fits_on(kv, devices: list[torch.device], dtype=None, num_kv_heads: int | None = None) -> None:
+def check_fits_on(kv, devices: list[torch.device], dtype=None) -> None:
     """ValueError unless the pool's blocks (a fixed pool's, a growable one's ``presize``) fit the device among
     ``devices`` with the most memory available. ``PagedCache`` asks this at construction over every device of the
     machine (the model's is not known yet), so a pool no device can hold fails there; the first layer asks again
@@ -48,7 +42,7 @@ def check_fits_on(kv, devices: list[torch.device], dtype=None, num_kv_heads: int
     num_blocks = kv.groups[0].pool.num_blocks
     if not num_blocks:  # a growable pool not sized yet: each growth checks itself
         return
-    total = layer_block_bytes(kv, dtype, num_kv_heads) * len(kv.group_of) * num_blocks
+    total = block_id_bytes(kv, dtype) * num_blocks
     available, device = max((available_memory(d), str(d)) for d in devices)
     if total > available:
         raise ValueError(
@@ -57,13 +51,15 @@ def check_fits_on(kv, devices: list[torch.device], dtype=None, num_kv_heads: int
         )
 
 
-def allocate_layer(kv, layer_idx: int, num_kv_heads: int, dtype: torch.dtype, device) -> KVStorage:
-    """Makes layer ``layer_idx``'s pool tensors (sized like its group's pool). The first layer checks that the
-    whole pool fits the device, before anything is allocated."""
+def allocate_layer(kv, layer_idx: int, dtype: torch.dtype, device, num_kv_heads: int | None = None) -> KVStorage:
+    """Makes layer ``layer_idx``'s pool tensors (sized like its group's pool, with the layer's head size and KV
+    heads, or ``num_kv_heads``: the heads a ``PagedCache`` layer's first write shows). The first layer checks that
+    the whole pool fits the device, before anything is allocated."""
     group = kv.group_of[layer_idx]
     if not any(g.storages for g in kv.groups):
-        check_fits_on(kv, [torch.device(device)], dtype, num_kv_heads)
-    storage = make_storage(kv.kv_format, group.pool.num_blocks, kv.block_size, num_kv_heads, kv.head_dim, dtype,
+        check_fits_on(kv, [torch.device(device)], dtype)
+    heads, head_dim = kv.head_shapes[layer_idx]
+    storage = make_storage(kv.kv_format, group.pool.num_blocks, kv.block_size, num_kv_heads or heads, head_dim, dtype,
                            device)
     if kv.has_tail:
         storage.ensure_tail_rows(kv.num_rows)
@@ -74,4 +70,4 @@ def allocate_layer(kv, layer_idx: int, num_kv_heads: int, dtype: torch.dtype, de
 def allocate_all(kv, dtype: torch.dtype, device) -> None:
     """Makes every layer's pool tensors now (the engine's pool is sized once)."""
     for idx in sorted(kv.group_of):
-        allocate_layer(kv, idx, kv.num_kv_heads, dtype, device)
+        allocate_layer(kv, idx, dtype, device)

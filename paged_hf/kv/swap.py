@@ -19,15 +19,14 @@ from .sequence import SequenceKV, SwappedGroup
 
 
 class SwapSpace:
-    """``num_blocks`` CPU blocks per group (0: no swap) for a ``kv_format`` with ``head_dim``."""
+    """``num_blocks`` CPU blocks per group (0: no swap) in ``kv_format``; each layer's CPU storage takes the heads
+    and head size of its device storage."""
 
-    def __init__(self, num_blocks: int, num_groups: int, kv_format: str, head_dim: int,
-                 pin_memory: bool = False) -> None:
+    def __init__(self, num_blocks: int, num_groups: int, kv_format: str, pin_memory: bool = False) -> None:
         self.num_blocks = num_blocks
         self.pin_memory = pin_memory  # CPU storages in pinned memory where the device is CUDA (async copies)
         self.num_groups = num_groups
         self.kv_format = kv_format
-        self.head_dim = head_dim
         self._pools: list[BlockPool] | None = None
         self._storages: list[dict[int, KVStorage]] | None = None
         self._free_tails: list[int] = []  # CPU tail slots handed back
@@ -102,8 +101,8 @@ class SwapSpace:
         storage = storages.get(layer_idx)
         changed = storage is None  # made or grown: tensors that may not be pinned yet
         if changed:
-            _, block_size, heads, _ = device_storage.key_cache.shape
-            storage = storages[layer_idx] = make_storage(self.kv_format, 0, block_size, heads, self.head_dim,
+            heads, head_dim = device_storage.head_shape
+            storage = storages[layer_idx] = make_storage(self.kv_format, 0, device_storage.block_size, heads, head_dim,
                                                          device_storage.dtype, "cpu")
         if tails:  # swap only (the host tier holds full blocks)
             storage.ensure_tail_rows(num_ids)
