@@ -50,6 +50,8 @@ def paged_attention_forward(
     step = step if step is not None else handed  # an update without kwargs (GPT-NeoX, Falcon): by layer index
     if step is not None:
         _check_stored(module, key, value, step)
+        if attention_mask is not None and isinstance(step, LayerStep) and step.dense:
+            step = None  # a mask the paged attention does not express: the dense attention over the layer's K/V
     if isinstance(step, OpStep):  # the engine's compiled forward: the attention is one custom op
         return ops.attend(step, query, scale, softcap, s_aux), None
     if step is None:

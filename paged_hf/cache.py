@@ -115,7 +115,9 @@ class PagedCache(DynamicCache):
         # from another config object (another instance, AutoConfig, a copy) must follow the model, not the copy.
         self._attention: str | None = None
         # This forward's masks: None (none built yet), "paged" (a plain one: None given, the paged attention derives
-        # it) or "dense" (one the paged attention does not express: the forward runs densely, ``answer_densely``)
+        # it), "dense" (one the paged attention does not express: the forward runs densely, ``answer_densely``) or
+        # "mixed" (a plain one left to the paged attention, then one it does not express: each layer attends as its
+        # mask says, ``mixed_masks``)
         self._masks: str | None = None
 
     def _make_layers(self) -> list:
@@ -228,35 +230,47 @@ class PagedCache(DynamicCache):
     def reads_blocks(self) -> bool:
         """Whether this forward's attention is the paged one (reads the blocks) rather than a dense one."""
         attention = self._attention if self._attention is not None else self.text_config._attn_implementation
-        return attention == "paged" and self._masks != "dense"
+        return attention == "paged" and self._masks not in ("dense", "mixed")
+
+    @property
+    def mixed_masks(self) -> bool:
+        """Whether this forward's layers attend as their masks say: the paged attention where the mask was left to
+        it (None), densely where it adds a part the paged attention does not express (Gemma 4's image tokens
+        attending to each other both ways in its sliding layers, its full layers causal). Each layer then returns
+        its dense K/V and hands its attention the step too (``LayerStep.dense``)."""
+        return self._masks == "mixed"
 
     def answer_densely(self) -> bool:
         """The planned forward's mask adds a part the paged attention does not express (``attention.paged_mask``):
         its layers return their K/V in the padded layout that mask covers, for the exact dense attention. True the
-        first time in a forward. ``NotImplementedError`` when an earlier mask of the forward was already left to
-        the paged attention (its layers would read the blocks against another's dense layout)."""
-        if self._masks == "dense":
+        first time in a forward. Where an earlier mask of the forward was already left to the paged attention, the
+        forward's masks are mixed (``mixed_masks``); ``NotImplementedError`` for a format with a full-precision tail
+        there (a dense read writes the tails, which the paged attention must read as they were before the
+        forward)."""
+        if self._masks in ("dense", "mixed"):
             return False
         if self._state is not _Forward.PLANNED:
             raise RuntimeError("PagedCache.answer_densely: the forward's layers already began (a mask built after "
                                "the first layer runs cannot change how they attend)")
-        if self._masks == "paged":
+        if self._masks == "paged" and self.kv.has_tail:
             raise NotImplementedError(
-                "this forward's attention masks mix a plain causal mask with one that adds a non-causal part, and "
-                "the plain one was already left to the paged attention; run this model with "
-                "attn_implementation='sdpa' on the PagedCache")
+                f"this forward's attention masks mix a plain causal mask with one that adds a non-causal part, which "
+                f"the paged attention serves layer by layer for every kv_cache_dtype but "
+                f"{self.kv.kv_format!r} (its full-precision tails); run this model with attn_implementation='sdpa' "
+                f"on the PagedCache")
         query_len = self._metadata.query_len
         self._dense_slots = dense_layout(self.kv, self.rows, self.timeline, self.seq_length - query_len, query_len,
                                          self._metadata.device)
-        self._masks = "dense"
+        self._masks = "mixed" if self._masks == "paged" else "dense"
         return True
 
     def leave_mask_to_paged(self) -> bool:
-        """The planned forward got a plain mask: True when the paged attention derives it, False when the forward
-        already runs densely (then the dense attention needs that mask too)."""
+        """The planned forward got a plain mask: True when the paged attention derives it (its masks mixed or not),
+        False when the forward already runs densely (then the dense attention needs that mask too)."""
         if self._masks == "dense":
             return False
-        self._masks = "paged"
+        if self._masks != "mixed":
+            self._masks = "paged"
         return True
 
     def _slots(self, group, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:

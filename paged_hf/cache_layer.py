@@ -38,6 +38,11 @@ class LayerSource(Protocol):
     def reads_blocks(self) -> bool:
         """Whether the layers' attention is the paged one (then it gets a ``LayerStep``)."""
 
+    @property
+    def mixed_masks(self) -> bool:
+        """Whether each layer returns its dense K/V and hands its attention a ``LayerStep`` too (``dense``): the
+        attention reads the blocks where the layer's mask was left to it, else attends densely."""
+
     def dense_kv(self, layer: PagedLayer, storage, group: GroupMetadata, fresh) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``update`` returns when the attention does not read blocks, or gets no kwargs (K/V stored)."""
 
@@ -145,7 +150,11 @@ class PagedLayer(CacheLayerMixin):
             self._hand_over(kwargs, LayerStep(metadata, group, self.group.index, storage, fresh, self.layer_idx,
                                               key_states, value_states))
             return key_states, value_states
-        return source.dense_kv(self, storage, group, fresh)
+        keys, values = source.dense_kv(self, storage, group, fresh)
+        if source.mixed_masks:  # no tail format: ``PagedCache.answer_densely``
+            self._hand_over(kwargs, LayerStep(metadata, group, self.group.index, storage, None, self.layer_idx,
+                                              keys, values, dense=True))
+        return keys, values
 
     def _hand_over(self, kwargs: dict | None, step) -> None:
         """``step`` to this layer's attention: by layer index (``hand_step``: also how a forward finds an attention

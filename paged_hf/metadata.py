@@ -143,7 +143,9 @@ class LayerStep(NamedTuple):
     forward's metadata, the layer's group (and its index in ``metadata.groups``), the layer's storage, and, for a
     tail format, the forward's new K/V (``storage.FreshKV``: the attention writes the tails after it reads, where
     ``writes_tails``: the last of the layers reading the storage); ``layer``: the layer's index; ``key``, ``value``:
-    the states the update stored and returned, which the attention must be handed as they are."""
+    the states the update stored and returned, which the attention must be handed as they are; ``dense``: those are
+    the layer's dense K/V, for an attention whose mask the paged attention does not express (``PagedCache``'s
+    ``mixed_masks``)."""
 
     metadata: AttentionMetadata
     group: GroupMetadata
@@ -154,6 +156,7 @@ class LayerStep(NamedTuple):
     key: torch.Tensor
     value: torch.Tensor
     writes_tails: bool = True
+    dense: bool = False
 
     def without_tail_writes(self) -> "LayerStep":
         """The step for a layer whose storage a later layer reads in the same forward (``PagedLayer.readers``): the

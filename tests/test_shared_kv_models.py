@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from paged_hf import PagedCache, PagedEngine, SamplingParams
 from paged_hf.kv.manager import KVManager
@@ -189,3 +189,52 @@ def test_int4_readers_see_the_tail_rows_as_their_source_did(compiled):
     torch.testing.assert_close(got, prompt_logprobs, atol=1e-4, rtol=0)
     assert out.outputs[0].token_ids == tokens
     torch.testing.assert_close(token_logprobs(out.outputs[0]), logprobs, atol=1e-4, rtol=0)
+
+
+VISION = dict(image_size=20, patch_size=5, num_channels=3, hidden_size=32, num_key_value_heads=1, num_hidden_layers=2,
+              num_attention_heads=4, intermediate_size=37, pooling_kernel_size=2)
+
+
+def tiny_gemma4_with_images():
+    """Gemma 4's image-text class over the tiny text model, its image tokens (5 placeholders a row, as transformers'
+    own tests give them) attending to each other both ways in the sliding layers (``use_bidirectional_attention=
+    "vision"``); and inputs for a batch of two, the second left-padded."""
+    text = {**tiny_shared("gemma4_text").config.to_dict(), "use_bidirectional_attention": "vision"}
+    config = AutoConfig.for_model("gemma4", text_config=text, vision_config=VISION, image_token_id=4,
+                                  video_token_id=7, audio_token_id=8, boi_token_id=5, eoi_token_id=6,
+                                  mm_tokens_per_image=2)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    ids = torch.tensor([[4] * 5 + [20, 21, 22, 23, 24, 25, 26], [0, 0] + [4] * 5 + [30, 31, 32, 33, 34]])
+    side = int(VISION["image_size"] ** 0.5)
+    grid = torch.stack([torch.arange(VISION["image_size"] // side).repeat(side),
+                        torch.arange(side).repeat_interleave(VISION["image_size"] // side)], dim=-1)
+    inputs = dict(input_ids=ids, attention_mask=(ids != 0).long(), mm_token_type_ids=(ids == 4).long(),
+                  pixel_values=torch.rand(2, VISION["image_size"], VISION["patch_size"] ** 2 * 3,
+                                          generator=torch.Generator().manual_seed(0)),
+                  image_position_ids=grid[None].repeat(2, 1, 1))
+    return model, inputs
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])
+def test_images_mix_paged_and_dense_layers_in_one_forward(kv_cache_dtype):
+    """Gemma 4's full layers get a plain causal mask (left to the paged attention) and, in the same prefill, its
+    sliding layers a mask where image tokens see each other both ways, which only a dense attention expresses.
+    Each layer attends as its mask says (``PagedCache.mixed_masks``): tokens equal ``DynamicCache`` + sdpa's and
+    logits agree within 1e-5 (the image tokens' two-way attention moves them by 0.2, which the tokens of this tiny
+    model do not show; before, the second mask raised). int4 is refused by name there: a dense read writes the tails
+    the paged layers read."""
+    model, inputs = tiny_gemma4_with_images()
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None, output_logits=True,
+                   return_dict_in_generate=True)
+    expected = model.generate(**inputs, **options)
+    model.set_attn_implementation("paged")
+    cache_config = {"block_size": 4, "kv_cache_dtype": kv_cache_dtype}
+    if kv_cache_dtype == "int4":
+        with pytest.raises(NotImplementedError, match="for every kv_cache_dtype but 'int4'"):
+            model.generate(**inputs, **options, cache_implementation="paged", cache_config=cache_config)
+        return
+    got = model.generate(**inputs, **options, cache_implementation="paged", cache_config=cache_config)
+    assert torch.equal(got.sequences, expected.sequences)
+    for step, want in zip(got.logits, expected.logits):
+        torch.testing.assert_close(step, want, atol=1e-5, rtol=0)

@@ -24,6 +24,7 @@ class EngineCache(Cache):
     the engine's, so the graph traced over one serves the other."""
 
     reads_blocks = True  # the engine's model runs the paged attention
+    mixed_masks = False
 
     def __init__(self, kv: KVManager) -> None:
         # a layer without K/V (recurrent: its mixer reads ``recurrent_step``; or a MoE block) holds a DummyLayer
