@@ -77,7 +77,7 @@ def paged_attention_forward(
         packed = attend_at_positions(flat, metadata.token_seqs, metadata.positions, group.window_starts, metadata,
                                      group, storage, scale, softcap, s_aux, fresh)
     out = metadata.scatter_new_tokens(packed)
-    if metadata.pad_queries is not None:
+    if metadata.pad_queries is not None and metadata.pad_queries.widen(step.group_index):
         pads = metadata.pad_queries
         queries = query.transpose(1, 2).reshape(-1, query.shape[1], query.shape[3]).index_select(0, pads.index)
         result = attend_at_positions(queries, pads.rows, pads.positions, pads.window_starts[step.group_index],

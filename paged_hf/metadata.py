@@ -62,6 +62,12 @@ class PadQueries:
     rows: torch.Tensor  # [P] int64: the sequence of each
     positions: torch.Tensor  # [P] int64
     window_starts: list[torch.Tensor | None]  # per layer group, as ``GroupMetadata.window_starts``
+    # the layer groups whose attention they widen (Gemma 4's image queries: its sliding groups); None: every group
+    groups: tuple[bool, ...] | None = None
+
+    def widen(self, group_index: int) -> bool:
+        """Whether these queries are attended again in layer group ``group_index``."""
+        return self.groups is None or self.groups[group_index]
 
 
 @dataclass
@@ -123,6 +129,8 @@ class AttentionMetadata:
         rows = torch.full((num_columns,), -1, dtype=torch.long, device=device).index_copy_(0, index, self.token_seqs)
         positions = torch.zeros(num_columns, dtype=torch.long, device=device).index_copy_(0, index, self.positions)
         pads, group = self.pad_queries, self.groups[group_index]
+        if pads is not None and not pads.widen(group_index):
+            pads = None
         if pads is not None:
             rows.index_copy_(0, pads.index, pads.rows)
             positions.index_copy_(0, pads.index, pads.positions)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache
 
 from paged_hf import PagedCache, PagedEngine, SamplingParams
 from paged_hf.kv.manager import KVManager
@@ -238,3 +238,68 @@ def test_images_mix_paged_and_dense_layers_in_one_forward(kv_cache_dtype):
     assert torch.equal(got.sequences, expected.sequences)
     for step, want in zip(got.logits, expected.logits):
         torch.testing.assert_close(step, want, atol=1e-5, rtol=0)
+
+
+def _image_request(num_images: int, seed: int):
+    """A prompt of ``num_images`` images (5 placeholder tokens each, between text) and its processor tensors."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, 512, (3,), generator=generator).tolist()
+    for _ in range(num_images):
+        ids += [4] * 5 + torch.randint(10, 512, (4,), generator=generator).tolist()
+    if not num_images:
+        return ids, None
+    _, inputs = tiny_gemma4_with_images()
+    pixels = torch.rand(num_images, *inputs["pixel_values"].shape[1:], generator=generator)
+    return ids, dict(pixel_values=pixels, image_position_ids=inputs["image_position_ids"][:1].repeat(num_images, 1, 1))
+
+
+def _image_reference(model, ids, images):
+    kwargs = {} if images is None else dict(images, mm_token_type_ids=(torch.tensor([ids]) == 4).long())
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **kwargs,
+                         max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         return_dict_in_generate=True, output_logits=True, cache=DynamicCache(config=model.config))
+    tokens = out.sequences[0, len(ids):].tolist()
+    return tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+
+
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(max_num_batched_tokens=7),  # an image (5 tokens, attended both ways) never splits: chunks end before it
+    dict(num_blocks=10, preemption_mode="recompute", max_num_batched_tokens=12),
+], ids=["one-step", "chunked", "recompute"])
+def test_gemma4_images_in_the_engine_equal_generate(options):
+    """Gemma 4's image prompts in the engine: the step hands the model its token ids with the image rows
+    (``mm_encoder_outputs``), and the image queries are widened in the sliding layers only (its full layers stay
+    causal over the images). Tokens and logprobs equal generate's on DynamicCache + sdpa, beside a text-only
+    request; the tower runs once per image."""
+    model, _ = tiny_gemma4_with_images()
+    requests = [_image_request(n, seed) for n, seed in ((1, 1), (0, 2), (2, 3))]
+    want = [_image_reference(model, ids, images) for ids, images in requests]
+    engine = PagedEngine(model, None, **{"block_size": 4, "num_blocks": 64, "enforce_eager": True, **options})
+    outs = engine.generate([ids for ids, _ in requests], GREEDY, use_tqdm=False,
+                           images=[images for _, images in requests])
+    for out, (tokens, logprobs) in zip(outs, want):
+        assert out.error is None
+        assert out.outputs[0].token_ids == tokens
+        torch.testing.assert_close(token_logprobs(out.outputs[0]), logprobs, atol=2e-5, rtol=0)
+    if options.get("preemption_mode"):
+        assert engine.get_stats()["preemption_count"] > 0, "the pool must force preemption"
+    else:
+        assert engine.runner.images.num_encoded_images == 3
+    engine.check_invariants()
+    assert engine.get_stats()["kv_cache_used"] == 0
+
+
+def test_gemma4_images_without_their_patch_positions_are_refused_before_queueing():
+    """The tower places each patch by ``image_position_ids``: a request without them, or with another shape or
+    dtype, is refused at ``add_request`` naming the field (``images``), and nothing is queued."""
+    model, _ = tiny_gemma4_with_images()
+    ids, images = _image_request(1, 1)
+    engine = PagedEngine(model, None, block_size=4, num_blocks=64, enforce_eager=True)
+    for bad, message in (({"pixel_values": images["pixel_values"]}, r"need images\['image_position_ids'\]"),
+                         ({**images, "image_position_ids": images["image_position_ids"][:, :7]}, "integer"),
+                         ({**images, "image_position_ids": images["image_position_ids"].float()}, "integer")):
+        with pytest.raises(ValueError, match=message) as error:
+            engine.add_request(ids, GREEDY, images=bad)
+        assert error.value.param == "images"
+    assert not engine.has_unfinished_requests()

@@ -1,9 +1,9 @@
 """The runner's side of images: ``ImageEncoder`` runs the vision tower for the images a step needs (once per image,
 every image of the step in one call per shape) and caches their embeddings on their requests until their tokens are
 computed; it builds the step's token inputs (``inputs_embeds``: text embeddings with the image rows written in; for
-Qwen3-VL, whose vision tower also feeds rows to its first decoder layers (DeepStack), the token ids with the step's
-image rows as the model's ``mm_encoder_outputs``), Qwen2-VL's ``[3, T]`` M-RoPE position ids, and Gemma 3's widened
-image queries. The request's side (``RequestImages``) is ``multimodal.py``.
+Qwen3-VL, whose vision tower also feeds rows to its first decoder layers (DeepStack), and Gemma 4, the token ids with
+the step's image rows as the model's ``mm_encoder_outputs``), Qwen2-VL's ``[3, T]`` M-RoPE position ids, and Gemma 3's
+and Gemma 4's widened image queries. The request's side (``RequestImages``) is ``multimodal.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..metadata import PadQueries
-from .multimodal import DEEPSTACK_FAMILIES, TILED_FAMILIES, RequestImages, image_token_id
+from .multimodal import (DEEPSTACK_FAMILIES, ENCODER_OUTPUT_FAMILIES, SLIDING_BIDIRECTIONAL_FAMILIES, TILED_FAMILIES,
+                         RequestImages, image_token_id)
 
 
 class ImageEncoder:
@@ -23,6 +24,9 @@ class ImageEncoder:
         self.embed_tokens = model.get_input_embeddings()
         self.num_encoded_images = 0
         self.deepstack = model.config.model_type in DEEPSTACK_FAMILIES
+        self.encoder_outputs = model.config.model_type in ENCODER_OUTPUT_FAMILIES
+        # the layer groups an image's two-way attention applies to: the sliding ones (Gemma 4), else every group
+        self.sliding_bidirectional = model.config.model_type in SLIDING_BIDIRECTIONAL_FAMILIES
         self.token = image_token_id(model)
         self.tiled = model.config.model_type in TILED_FAMILIES
         self.encoder_output = None  # the class of a DeepStack tower's outputs (pooler_output, deepstack_features)
@@ -30,9 +34,10 @@ class ImageEncoder:
     def step_inputs(self, scheduled, input_ids: torch.Tensor, query_start_loc: torch.Tensor) -> dict | None:
         """The model's token keywords for the packed step (``input_ids`` ``[T]``, sequence ``i``'s rows from
         ``query_start_loc[i]``) when some scheduled token is an image's, else None: ``inputs_embeds`` ``[1, T,
-        hidden]`` with the image rows written in, or, for a DeepStack model, ``input_ids`` ``[1, T]`` and
-        ``mm_encoder_outputs`` holding the step's image rows in row order (the model writes them at its image tokens
-        and adds each DeepStack layer's rows after that decoder layer)."""
+        hidden]`` with the image rows written in, or, for a DeepStack model and Gemma 4 (``encoder_outputs``),
+        ``input_ids`` ``[1, T]`` and ``mm_encoder_outputs`` holding the step's image rows in row order (the model
+        writes them at its image tokens; a DeepStack model adds each DeepStack layer's rows after that decoder
+        layer)."""
         needed = []  # (row of the step, images, image index, first token, last token + 1)
         for i, item in enumerate(scheduled):
             images = item.seq.request.images
@@ -51,18 +56,19 @@ class ImageEncoder:
             first, last = max(start, span.offset), min(stop, span.end)
             pieces.append((starts[i] + first - start, first - span.offset, last - span.offset, images, index))
         device = self.embed_tokens.weight.device
-        if self.deepstack:
-            return self._deepstack_inputs(pieces, input_ids.to(device))
+        if self.encoder_outputs:
+            return self._encoder_output_inputs(pieces, input_ids.to(device))
         embeds = self.embed_tokens(input_ids.to(device))
         for row, a, b, images, index in pieces:
             embeds[row : row + b - a] = images.embeds[index][a:b]
         return dict(inputs_embeds=embeds.unsqueeze(0))
 
-    def _deepstack_inputs(self, pieces: list, input_ids: torch.Tensor) -> dict:
-        """A DeepStack model's keywords for the step (``input_ids`` ``[T]``): the model writes ``mm_encoder_outputs``'
-        rows, in row order, at every token equal to its image token, so a token of that id outside the step's image
-        spans (a generated one) gets a row too: its own embedding, and zero DeepStack rows, which leave it text."""
-        rows = [(row, images.embeds[index][a:b], [layer[a:b] for layer in images.deepstack[index]])
+    def _encoder_output_inputs(self, pieces: list, input_ids: torch.Tensor) -> dict:
+        """The keywords of a step of an ``ENCODER_OUTPUT_FAMILIES`` model (``input_ids`` ``[T]``): the model writes
+        ``mm_encoder_outputs``' rows, in row order, at every token equal to its image token, so a token of that id
+        outside the step's image spans (a generated one) gets a row too: its own embedding (and zero DeepStack rows,
+        which leave it text)."""
+        rows = [(row, images.embeds[index][a:b], [layer[a:b] for layer in images.deepstack.get(index, ())])
                 for row, a, b, images, index in pieces]
         spans = torch.zeros_like(input_ids, dtype=torch.bool)
         for row, embeds, _ in rows:
@@ -73,6 +79,9 @@ class ImageEncoder:
             rows += [(row, text, [layer.new_zeros(1, layer.shape[-1]) for layer in rows[0][2]]) for row in stray]
         rows.sort(key=lambda piece: piece[0])
         image = torch.cat([embeds for _, embeds, _ in rows])
+        if not self.deepstack:
+            return dict(input_ids=input_ids.unsqueeze(0),
+                        mm_encoder_outputs={"image": self.encoder_output(pooler_output=(image,))})
         layers = [torch.cat([deepstack[layer] for _, _, deepstack in rows]) for layer in range(len(rows[0][2]))]
         outputs = self.encoder_output(pooler_output=(image,), deepstack_features=[(layer,) for layer in layers])
         return dict(input_ids=input_ids.unsqueeze(0), mm_encoder_outputs={"image": outputs})
@@ -150,10 +159,10 @@ class ImageEncoder:
                 out[:, at : at + stop - first] += images.rope_delta
         return out
 
-    @staticmethod
-    def bidirectional_queries(scheduled, metadata) -> PadQueries | None:
-        """The step's queries inside a bidirectional image (Gemma 3), each attending keys up to its image's last
-        token (this step holds it: ``ImageChunks``) from its own window start; None when there are none."""
+    def bidirectional_queries(self, scheduled, metadata) -> PadQueries | None:
+        """The step's queries inside a bidirectional image (Gemma 3; Gemma 4 in its sliding layer groups), each
+        attending keys up to its image's last token (this step holds it: ``ImageChunks``) from its own window start;
+        None when there are none."""
         rows, seqs, bounds = [], [], []
         starts = metadata.query_start_loc.tolist()
         for i, item in enumerate(scheduled):
@@ -174,8 +183,9 @@ class ImageEncoder:
         own = metadata.positions.index_select(0, index).long()
         window_starts = [None if group.window is None else (own - group.window + 1).clamp_min(0)
                          for group in metadata.groups]
+        groups = tuple(group.window is not None for group in metadata.groups) if self.sliding_bidirectional else None
         return PadQueries(index, torch.tensor(seqs, dtype=torch.long, device=device),
-                          torch.tensor(bounds, dtype=torch.long, device=device), window_starts)
+                          torch.tensor(bounds, dtype=torch.long, device=device), window_starts, groups)
 
     @staticmethod
     def release(scheduled) -> None:

@@ -28,8 +28,11 @@ M-RoPE positions (three rows: time, height, width) come from the model's ``get_r
 plain positions); and Gemma 3, whose image tokens attend to each other both ways: its images are never split across
 chunks (``ImageChunks``: a chunk ends before an image it cannot finish), and the step's image queries are attended
 again with a wider bound (``AttentionMetadata.pad_queries``: keys up to the image's last token, from the query's own
-window start), which is transformers' mask for them (causal OR same image, within the window). Other families'
-images raise ``NotImplementedError`` naming the family (their text runs).
+window start), which is transformers' mask for them (causal OR same image, within the window); and Gemma 4, whose
+image tokens attend to each other both ways in its sliding layers only (``use_bidirectional_attention="vision"``; its
+full layers stay causal), and whose step hands the model its token ids with the image rows as ``mm_encoder_outputs``
+(its per-layer inputs are embeddings of the token ids: from ``inputs_embeds`` alone it would look image rows up in
+its vocabulary). Other families' images raise ``NotImplementedError`` naming the family (their text runs).
 """
 
 from __future__ import annotations
@@ -46,18 +49,22 @@ from ..hashing import ContentSpans
 
 # config.model_type of the models whose images run
 IMAGE_FAMILIES = ("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
-                  "qwen3_5", "qwen3_5_moe", "gemma3", "idefics3", "smolvlm")
+                  "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4", "idefics3", "smolvlm")
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 DEEPSTACK_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")  # the vision tower's rows also enter the first decoder layers
+# the step hands the model token ids and its image rows (``mm_encoder_outputs``), not ``inputs_embeds``
+ENCODER_OUTPUT_FAMILIES = (*DEEPSTACK_FAMILIES, "gemma4")
 # an image is tiles (its crops, then the whole image scaled down), each a run of placeholders after its own marker
 # token; the processor's tensors are ``[1, tiles, ...]``; here each tile is an image span of its own
 TILED_FAMILIES = ("idefics3", "smolvlm")
 BIDIRECTIONAL_FAMILIES = ("gemma3",)  # an image's tokens attend to each other both ways
+# ... in the sliding-window layers only, where the text config asks for it (``use_bidirectional_attention``)
+SLIDING_BIDIRECTIONAL_FAMILIES = ("gemma4",)
 FIXED_LENGTH_FAMILIES = ("llava",)  # every image takes the same number of placeholder tokens, with no marker around
 PACKED_FAMILIES = ("llava_next", "llava_onevision")  # an image's tokens follow from its image_sizes, no marker around
 # the processor tensors the encoder takes: one row per image (per tile for the tiled families), except the Qwen
 # models' pixel_values (one row per patch, the image's rows being the product of its image_grid_thw row)
-IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask")
+IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask", "image_position_ids")
 # the tensors a family's tower cannot do without besides pixel_values: integer rows of (height, width) / (t, h, w)
 REQUIRED_KEYS = {"llava_next": ("image_sizes", 2), "llava_onevision": ("image_sizes", 2),
                  **{family: ("image_grid_thw", 3) for family in MROPE_FAMILIES}}
@@ -143,6 +150,8 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
         patches = _check_pixels(images, model.config)
     if family in TILED_FAMILIES:
         images = _tiles(images)
+    if family == "gemma4":
+        _check_patch_positions(images)
     pixels = images["pixel_values"]
     grid = images.get("image_grid_thw")
     count = grid.shape[0] if isinstance(grid, torch.Tensor) and grid.dim() > 0 else \
@@ -177,7 +186,7 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
         if patches:  # without the padding, an image's digest and tensors do not depend on the prompt's other images
             tensors["pixel_values"] = tensors["pixel_values"][:, : patches[i]].clone()
         spans.append(ImageSpan(offset, length, tensors, _digest(tensors)))
-    result = RequestImages(spans, bidirectional=family in BIDIRECTIONAL_FAMILIES)
+    result = RequestImages(spans, bidirectional=bidirectional(model))
     longest = max(length for _, length in runs)
     if result.bidirectional and max_chunk is not None and longest > max_chunk:
         raise ParameterError("images", f"an image of {longest} tokens must be computed in one step, but "
@@ -188,6 +197,29 @@ def request_images(images, ids: list[int], model, max_images: int | None, max_ch
     if family in MROPE_FAMILIES:
         result.mrope_positions, result.rope_delta = _mrope_positions(model, ids, token, images["image_grid_thw"])
     return result
+
+
+def bidirectional(model) -> bool:
+    """Whether ``model``'s image tokens attend to each other both ways (Gemma 3; Gemma 4 where its text config says
+    ``use_bidirectional_attention="vision"``, in its sliding layers: ``SLIDING_BIDIRECTIONAL_FAMILIES``)."""
+    family = model.config.model_type
+    if family in SLIDING_BIDIRECTIONAL_FAMILIES:
+        return getattr(model.config.get_text_config(), "use_bidirectional_attention", None) == "vision"
+    return family in BIDIRECTIONAL_FAMILIES
+
+
+def _check_patch_positions(images: Mapping) -> None:
+    """Gemma 4's tower places each patch by ``image_position_ids`` ``[N, patches, 2]`` (integers; -1 for the
+    processor's padding patches), one row per image of ``pixel_values`` ``[N, patches, patch values]``."""
+    pixels, positions = images["pixel_values"], images.get("image_position_ids")
+    if not isinstance(positions, torch.Tensor):
+        raise ParameterError("images", "gemma4 images need images['image_position_ids'] (the processor's, [N, "
+                                       "patches, 2]) beside pixel_values")
+    if pixels.dim() != 3 or positions.dim() != 3 or positions.shape != (*pixels.shape[:2], 2) or \
+            positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise ParameterError("images", f"images['image_position_ids'] must be an integer [N, patches, 2] tensor "
+                                       f"matching pixel_values {list(pixels.shape)}, got {positions.dtype} "
+                                       f"{list(positions.shape)}")
 
 
 def _check_sizes(images: Mapping, name: str, width: int, family: str) -> None:
