@@ -243,7 +243,8 @@ class KVManager:
         for i, seq in enumerate(seqs):
             if all(table.tail_has_room() for table in seq.tables):
                 for table in seq.tables:
-                    table.append_in_tail()
+                    if not table.append_in_tail():  # its flag still says shared (a fork whose sharer copied the
+                        table.append(1)  # tail since): in place all the same, and the flag refreshed
             elif not (grow and self._try_grow(seq, 1)):
                 return i
         return len(seqs)
