@@ -138,6 +138,25 @@ def test_engine_equals_generate(family, options):
     assert stats["kv_cache_used"] == 0
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_n_samples_of_a_model_with_sliding_and_full_layers(family):
+    """``n=2``: the second sample forks the first's blocks after the prompt, sharing its partial tail block. Once
+    the first copied that tail (copy-on-write), the fork's tail is its own again, but its table's cached flag
+    (``_tail_private``) still said shared: with more than one layer group (sliding and full), ``append_decodes``
+    took ``tail_has_room()`` (True) and then ignored ``append_in_tail()``'s False, so the fork's tables never grew
+    and the scheduler raised IndexError in the prefix cache. Both samples equal the greedy reference."""
+    engine = PagedEngine(tiny_shared(family), None, block_size=4, num_blocks=128, enforce_eager=True)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0, n=2)
+    outs = engine.generate(prompts(), params, use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outs, references(family)):
+        assert len(out.outputs) == 2
+        for sample in out.outputs:
+            assert sample.token_ids == tokens
+            assert token_logprobs(sample) == pytest.approx(logprobs, abs=2e-5)
+    engine.check_invariants()
+    assert engine.get_stats()["kv_cache_used"] == 0
+
+
 def test_prefix_caching_serves_a_shared_prefix_to_the_reading_layers():
     """Requests sharing a 12-token prefix hit its cached blocks; the reading layers attend over them as their
     sources do."""
