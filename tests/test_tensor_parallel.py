@@ -179,7 +179,7 @@ def test_server_with_tensor_parallel_size_2_answers_the_openai_client():
 
     from models import require_stories
     from paged_hf import PagedEngine, SamplingParams
-    from paged_hf.distributed.group import free_port
+    from served import free_port
 
     folder = str(require_stories())
     prompts = ["Once upon a time", "The little dog"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -85,10 +84,12 @@ def check_tensor_parallel(config, tensor_parallel_size: int, model_class: str = 
         )
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def listen(address: str, size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's store for a group of ``size`` ranks, listening on a free port of ``address`` (``store.port``) from
+    now on: the followers start after it, so nothing started in between (Ray's local instance binds ports of its own)
+    can take the port, as a port probed free and bound later could lose it (``EADDRINUSE``)."""
+    return dist.TCPStore(address, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
 # What init_group sets for transformers' tensor-parallel loading (it reads the rank and world size from them), and
@@ -98,15 +99,22 @@ _GROUP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", 
 _env_before: dict[str, str | None] = {}
 
 
-def init_group(rank: int, size: int, address: str, port: int, backend: str, timeout_s: float) -> None:
-    """Joins the default process group (every rank calls it with the same address, port, size and backend)."""
+def init_group(rank: int, size: int, address: str, port: int, backend: str, timeout_s: float,
+               store: dist.TCPStore | None = None) -> None:
+    """Joins the default process group (every rank calls it with the same address, port, size and backend; rank 0
+    with the store ``listen`` made, the others connect to it). No rank waits in the store's own count of its
+    clients (rank 0's store was made before any follower started): the process group's rendezvous is the wait."""
     _env_before.clear()
     _env_before.update({name: os.environ.get(name) for name in _GROUP_ENV})
     os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size))
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+    if store is None:
+        store = dist.TCPStore(address, port, size, False, timeout=datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+    dist.init_process_group(backend, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s),
+                            store=store)
 
 
 def leave_group() -> None:

@@ -26,7 +26,7 @@ import time
 import torch
 
 from ..distributed import check_tensor_parallel
-from ..distributed.group import DEFAULT_TIMEOUT_S, free_port, init_group
+from ..distributed.group import DEFAULT_TIMEOUT_S, init_group, listen
 from ..distributed.launch import GroupAddress, ModelSpec, launch_workers
 from .worker import run_follower
 
@@ -48,12 +48,13 @@ def start_tensor_parallel(model: str, tensor_parallel_size: int, backend: str, m
         raise RuntimeError("a torch.distributed process group already exists: under torchrun, load the model with "
                            "DistributedConfig(tp_size=N) on every rank and build PagedEngine(model) there instead")
     address = "127.0.0.1" if backend == "mp" else socket.gethostbyname(socket.gethostname())
-    group = GroupAddress(address, free_port(), tensor_parallel_size,
+    store = listen(address, tensor_parallel_size, timeout_s)
+    group = GroupAddress(address, store.port, tensor_parallel_size,
                          "nccl" if torch.cuda.is_available() else "gloo", timeout_s)
     spec = ModelSpec(model, model_kwargs)
     executor = launch_workers(backend, group, run_follower, spec, engine_options)
     try:
-        init_group(0, group.size, group.address, group.port, group.backend, group.timeout_s)
+        init_group(0, group.size, group.address, group.port, group.backend, group.timeout_s, store)
         return spec.load(group.size), executor
     except BaseException:
         executor.shutdown(timeout_s=5)
