@@ -58,11 +58,13 @@ def test_kernel_matches_the_oracle(kernel, case):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_head_dim_256_matches_the_oracle(kernel, group, dtype):
-    """Gemma 2 and 3's head dim, whose per-head kernels (vectors spilled to L1) the drawn cases rarely reach: every
-    group size, one and two KV heads, a window and a softcap, lengths across several blocks."""
+@pytest.mark.parametrize("head_dim", [256, 512])
+def test_wide_head_dims_match_the_oracle(kernel, head_dim, group, dtype):
+    """Gemma 2 and 3's head dim and Gemma 4's full layers', whose per-head kernels (vectors spilled to L1) the drawn
+    cases never reach: every group size, one and two KV heads, a window and a softcap, lengths across several
+    blocks."""
     for num_kv_heads, window, softcap in ((1, None, None), (2, 40, 30.0)):
-        matches_the_oracle(kernel, dict(num_kv_heads=num_kv_heads, group=group, head_dim=256, block_size=16,
+        matches_the_oracle(kernel, dict(num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=16,
                                         lengths=[1, 17, 70, 300], window=window, softcap=softcap, sinks=False,
                                         dtype=dtype, index_dtype=torch.int32, seed=group, strided_query=False))
 

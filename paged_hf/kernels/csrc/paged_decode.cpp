@@ -559,6 +559,7 @@ HeadFn<T> head_kernel(int64_t D, int64_t G) {
   if (D == 128) { PAGED_HF_AVX2_HEADS(16) }
   if (D == 32) { PAGED_HF_AVX2_HEADS(4) }
   if (D == 256) { PAGED_HF_AVX2_HEADS(32) }
+  if (D == 512) { PAGED_HF_AVX2_HEADS(64) }  // Gemma 4's full layers
 #undef PAGED_HF_AVX2_HEADS
   return nullptr;
 #endif
@@ -587,6 +588,15 @@ HeadFn<T> head_kernel(int64_t D, int64_t G) {
         default: break;
       }
     }
+    if (D == 512) {  // Gemma 4's full layers: as 256, twice the spill
+      switch (G) {
+        case 1: return decode_heads_bf16<16, 1>;
+        case 2: return decode_heads_bf16<16, 2>;
+        case 4: return decode_heads_bf16<16, 4>;
+        case 8: return decode_heads_bf16<16, 8>;
+        default: break;
+      }
+    }
   }
 #endif
 #define PAGED_HF_HEADS(DV)                                                                     \
@@ -609,6 +619,15 @@ HeadFn<T> head_kernel(int64_t D, int64_t G) {
       case 2: return decode_heads<T, 16, 2>;
       case 4: return decode_heads<T, 16, 4>;
       case 8: return decode_heads<T, 16, 8>;
+      default: break;
+    }
+  }
+  if (D == 512) {
+    switch (G) {
+      case 1: return decode_heads<T, 32, 1>;
+      case 2: return decode_heads<T, 32, 2>;
+      case 4: return decode_heads<T, 32, 4>;
+      case 8: return decode_heads<T, 32, 8>;
       default: break;
     }
   }
