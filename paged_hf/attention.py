@@ -64,28 +64,33 @@ def paged_attention_forward(
             attention_mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
         return dense_attention(query, key, value, attention_mask, scale, softcap, s_aux), None
 
-    metadata, group, storage, fresh = step.metadata, step.group, step.storage, step.fresh
-    if query.shape[2] != metadata.query_len:  # the forward's last columns only
+    if query.shape[2] != step.metadata.query_len:  # the forward's last columns only
         out = attend_columns(query, step, scale, softcap, s_aux)
-        if fresh is not None and step.writes_tails:
-            storage.write_tails(fresh, group.store_plan)
-        return out, None
+    else:
+        out = attend_new_tokens(query, step, scale, softcap, s_aux)
+    if step.fresh is not None and step.writes_tails:  # a tail format: the tail rows were read as they were before
+        step.storage.write_tails(step.fresh, step.group.store_plan)
+    return out, None
+
+
+def attend_new_tokens(query: torch.Tensor, step: LayerStep, scale, softcap, sinks) -> torch.Tensor:
+    """The attention of the forward's query ``[B, heads, q, head_dim]`` (every column) over the blocks: ``[B, q,
+    heads, head_dim]``, the pad columns after real tokens (``pad_queries``) attended at their bounds."""
+    metadata, group, storage, fresh = step.metadata, step.group, step.storage, step.fresh
     flat = metadata.select_new_tokens(query)  # [n, heads, head_dim], packed by sequence
     if group.window_starts is None:
-        packed = paged_attention(flat, metadata, group, storage, scale, softcap, s_aux, fresh)
+        packed = paged_attention(flat, metadata, group, storage, scale, softcap, sinks, fresh)
     else:  # a window over a padded timeline: per-token bounds
         packed = attend_at_positions(flat, metadata.token_seqs, metadata.positions, group.window_starts, metadata,
-                                     group, storage, scale, softcap, s_aux, fresh)
+                                     group, storage, scale, softcap, sinks, fresh)
     out = metadata.scatter_new_tokens(packed)
     if metadata.pad_queries is not None and metadata.pad_queries.widen(step.group_index):
         pads = metadata.pad_queries
         queries = query.transpose(1, 2).reshape(-1, query.shape[1], query.shape[3]).index_select(0, pads.index)
         result = attend_at_positions(queries, pads.rows, pads.positions, pads.window_starts[step.group_index],
-                                     metadata, group, storage, scale, softcap, s_aux, fresh)
+                                     metadata, group, storage, scale, softcap, sinks, fresh)
         out = out.reshape(-1, *out.shape[2:]).index_copy(0, pads.index, result.to(out.dtype)).view(out.shape)
-    if fresh is not None and step.writes_tails:  # a tail format: the tail rows were read as they were before
-        storage.write_tails(fresh, group.store_plan)
-    return out, None
+    return out
 
 
 def attend_columns(query: torch.Tensor, step, scale, softcap, sinks) -> torch.Tensor:

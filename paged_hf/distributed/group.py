@@ -66,12 +66,10 @@ def check_tensor_parallel(config, tensor_parallel_size: int, model_class: str = 
     text = config.get_text_config(decoder=True)
     # each layer's own where the config sets them per layer (Gemma 4's full layers have fewer KV heads)
     layers = text.per_layer_config if getattr(text, "is_heterogeneous", False) else [text]
-    counts = {}
-    for layer in layers:
-        counts.setdefault(("num_key_value_heads", getattr(layer, "num_key_value_heads", None)
-                           or layer.num_attention_heads), None)
-        counts.setdefault(("num_attention_heads", layer.num_attention_heads), None)
-    for name, heads in counts:
+    kv_heads = {getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads for layer in layers}
+    query_heads = {layer.num_attention_heads for layer in layers}
+    for name, heads in [*(("num_key_value_heads", n) for n in sorted(kv_heads)),
+                        *(("num_attention_heads", n) for n in sorted(query_heads))]:
         if heads % tensor_parallel_size:
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size} does not divide the model's {name}={heads}: each rank "

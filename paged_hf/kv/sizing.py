@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import make_storage
+from ..quant import layer_block_bytes, make_storage
 from ..quant import tail_bytes_per_row as _tail_bytes_per_row
 from ..storage import KVStorage
 from .model_config import available_memory, config_dtype
-from .model_config import block_id_bytes as _block_id_bytes
 
 
 def block_id_bytes(kv, dtype: torch.dtype | None = None) -> int:
-    """Bytes of one block id in every layer (what one more block per group costs)."""
-    return _block_id_bytes(kv.text_config, kv.block_size, kv.kv_cache_dtype, kv.tp_size, dtype)
+    """Bytes of one block id in every layer (what one more block per group costs), from the manager's layer shapes
+    (``model_config.block_id_bytes`` is the same sum read from a config, before any manager exists)."""
+    dtype = dtype or config_dtype(kv.text_config)
+    return sum(layer_block_bytes(kv.kv_format, kv.block_size, heads, head_dim, dtype)
+               for heads, head_dim in kv.head_shapes.values())
 
 
 def tail_bytes_per_row(kv, dtype: torch.dtype | None = None) -> int:
