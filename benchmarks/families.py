@@ -45,11 +45,16 @@ FAMILIES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2"
             "lara_mini", "olmo_hybrid",
             # the last layers read earlier layers' K/V; Gemma 4's full layers are wider, with fewer KV heads
             "gemma3n_text", "gemma4_text",
-            # refused by name: attention in the model's own code, K/V changed after the update, MLA, layers that
-            # are not attention nor recurrent
-            "mpt", "bloom", "xglm", "gpt_neo", "jetmoe", "deepseek_v3", "llama4_text", "minimax", "dory", "zaya",
+            # multi-head latent attention: a latent row a token, the up-projection folded into the attention
+            "deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "longcat_flash", "youtu", "kimi_linear",
+            "bailing_hybrid",
+            # refused by name: attention in the model's own code, K/V changed after the update, sparse attention
+            # over the latent, layers that are not attention nor recurrent
+            "mpt", "bloom", "xglm", "gpt_neo", "jetmoe", "deepseek_v32", "llama4_text", "minimax", "dory", "zaya",
             "mimo_v2_flash")
 DELTANET = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+HYBRID_MLA = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+                  mlp_layer_types=["dense", "sparse"] * 2, linear_head_dim=16, linear_num_heads=4)
 MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=8)
 # What a family's defaults need to fit the tiny shape (rotary wider than a head, a layer pattern per layer, MLA's
 # and the MoE's sizes); a family whose KV heads follow another field (GPT-BigCode's multi_query) keeps them.
@@ -78,12 +83,18 @@ OVERRIDES = {
                            ("gemma3n_text", dict(laurel_rank=4, activation_sparsity_pattern=[0.0] * 4)))},
     # Dory: one input layer, two looped, one output layer (its defaults do not fit four layers)
     "dory": dict(num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1),
+    # MLA: a 16-wide latent, values narrower than keys' no-rotary part; Kimi Linear and the Bailing hybrid with
+    # linear attention (KDA, Lightning) beside it, four layers
     **{name: dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16,
-                  v_head_dim=16, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
-                  topk_group=1) for name in ("deepseek_v2", "deepseek_v3")},
+                  v_head_dim=12, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                  topk_group=1, num_key_value_heads=4, **(HYBRID_MLA if name in ("kimi_linear", "bailing_hybrid")
+                                                          else {}))
+       for name in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "minicpm3", "glm4_moe_lite", "longcat_flash",
+                    "youtu", "kimi_linear", "bailing_hybrid")},
     "dots1": dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
 }
-OWN_KV_HEADS = ("gpt_neox", "falcon", "gpt_bigcode", "deepseek_v2", "deepseek_v3", "gemma4_text")
+OWN_KV_HEADS = ("gpt_neox", "falcon", "gpt_bigcode", "gemma4_text", "deepseek_v2", "deepseek_v3", "deepseek_v32",
+                "minicpm3", "glm4_moe_lite", "longcat_flash", "youtu", "kimi_linear", "bailing_hybrid")
 PROMPT_LENGTHS = (5, 17, 30)
 ENGINE = dict(block_size=4, num_blocks=128, max_num_batched_tokens=9)
 

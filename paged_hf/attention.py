@@ -19,7 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from . import ops
+from . import latent_attention, ops
 from .patches import masks_v5
 from .kernels.attention_ref import paged_attention_core
 from .metadata import METADATA_KEY, AttentionBypassed, LayerStep, take_step
@@ -48,12 +48,19 @@ def paged_attention_forward(
     step = kwargs.get(METADATA_KEY)
     handed = take_step(step.layer if step is not None else getattr(module, "layer_idx", None))
     step = step if step is not None else handed  # an update without kwargs (GPT-NeoX, Falcon): by layer index
+    up = None
     if step is not None:
-        _check_stored(module, key, value, step)
+        if step.latent is None:
+            _check_stored(module, key, value, step)
+        else:  # multi-head latent attention: fold the up-projection into the query (``latent_attention``)
+            up = latent_attention.up_projection(module, query.shape[1], step.latent)
+            latent_attention.check_expansion(module, key, value, step, up)
         if attention_mask is not None and isinstance(step, LayerStep) and step.dense:
             step = None  # a mask the paged attention does not express: the dense attention over the layer's K/V
-    if isinstance(step, OpStep):  # the engine's compiled forward: the attention is one custom op
-        return ops.attend(step, query, scale, softcap, s_aux), None
+    if step is not None and step.latent is not None:
+        rope = step.stored[2]
+        out = _attend_step(step, latent_attention.absorb_query(query, up, rope), scale, softcap, s_aux)
+        return latent_attention.expand_output(out, up, step.latent, query.shape[-1] - rope), None
     if step is None:
         if softcap is None and s_aux is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale)
@@ -63,14 +70,21 @@ def paged_attention_forward(
             # sdpa's mask builder leaves out a plain causal mask (None: sdpa's ``is_causal``, aligned top-left)
             attention_mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
         return dense_attention(query, key, value, attention_mask, scale, softcap, s_aux), None
+    return _attend_step(step, query, scale, softcap, s_aux), None
 
+
+def _attend_step(step, query: torch.Tensor, scale, softcap, sinks) -> torch.Tensor:
+    """The paged attention of ``query`` ``[B, heads, q, head_dim]`` over the blocks ``step`` says: ``[B, q, heads,
+    head_dim]`` (the compiled forward's one custom op, or the eager kernels and a tail format's tail writes)."""
+    if isinstance(step, OpStep):
+        return ops.attend(step, query, scale, softcap, sinks)
     if query.shape[2] != step.metadata.query_len:  # the forward's last columns only
-        out = attend_columns(query, step, scale, softcap, s_aux)
+        out = attend_columns(query, step, scale, softcap, sinks)
     else:
-        out = attend_new_tokens(query, step, scale, softcap, s_aux)
+        out = attend_new_tokens(query, step, scale, softcap, sinks)
     if step.fresh is not None and step.writes_tails:  # a tail format: the tail rows were read as they were before
         step.storage.write_tails(step.fresh, step.group.store_plan)
-    return out, None
+    return out
 
 
 def attend_new_tokens(query: torch.Tensor, step: LayerStep, scale, softcap, sinks) -> torch.Tensor:

@@ -131,7 +131,8 @@ class PagedCache(DynamicCache):
             if layer_type in RECURRENT_LAYER_TYPES + HYBRID_LAYER_TYPES:
                 self._recurrent[idx] = LinearAttentionLayer(number_of_states=kwargs.get("number_of_states", 1))
             if idx in self.kv.group_of:
-                layers.append(PagedLayer(self, idx, self.kv.group_of[idx], self.kv.readers.get(idx, ())))
+                layers.append(PagedLayer(self, idx, self.kv.group_of[idx], self.kv.readers.get(idx, ()),
+                                         self.kv.latent_dims.get(idx)))
             else:
                 layers.append(self._recurrent.get(idx) or DummyLayer())
         return layers

@@ -58,17 +58,24 @@ class PagedLayer(CacheLayerMixin):
     ``keys`` / ``values`` are *copies*: the layer's K/V gathered into the ``[batch, kv_heads, seq, head_dim]`` layout
     a ``DynamicCache`` layer holds (``PagedCache``: every column of the padded timeline, zeros for pads; a sliding
     layer its last ``window - 1`` columns), or None.
+
+    ``latent_dim``: a multi-head latent attention layer (``kv.model_config.latent_dims``). Its model hands ``update``
+    the latent ``[B, 1, q, latent_dim]`` as keys and the rotary key ``[B, 1, q, rope]`` as values; the layer stores
+    them as one row ``[latent | rotary key]`` (its storage's keys, which its values share) and splits what it
+    returns the same way.
     """
 
     is_croppable = True
 
-    def __init__(self, source: LayerSource, layer_idx: int, group: LayerGroup, readers: tuple[int, ...] = ()) -> None:
+    def __init__(self, source: LayerSource, layer_idx: int, group: LayerGroup, readers: tuple[int, ...] = (),
+                 latent_dim: int | None = None) -> None:
         # not CacheLayerMixin.__init__: it would assign ``keys`` / ``values``, which are views here
         self._source = weakref.ref(source)
         self.layer_idx = layer_idx
         self.group = group
         # the later layers that attend over this one's K/V, storing none of their own (``KVManager.readers``)
         self.readers = readers
+        self.latent_dim = latent_dim
         self.is_sliding = group.window is not None
         self._shapes_checked = False  # the first eager write's K/V matched the layer's pool (``_check_shapes``)
 
@@ -110,11 +117,18 @@ class PagedLayer(CacheLayerMixin):
 
     @property
     def keys(self) -> torch.Tensor | None:
-        return self.source.dense_view(self, 0)
+        return self._dense_part(0)
 
     @property
     def values(self) -> torch.Tensor | None:
-        return self.source.dense_view(self, 1)
+        return self._dense_part(1)
+
+    def _dense_part(self, which: int) -> torch.Tensor | None:
+        """``dense_view``'s keys (0) or values (1); a latent layer's latent or rotary key, split from its rows."""
+        if self.latent_dim is None:
+            return self.source.dense_view(self, which)
+        rows = self.source.dense_view(self, 0)
+        return None if rows is None else _split_row(rows, self.latent_dim)[which]
 
     @property
     def device(self):
@@ -137,23 +151,30 @@ class PagedLayer(CacheLayerMixin):
         source = self.source  # one read of the weak reference a forward
         metadata = source.layer_metadata(self, key_states, kwargs)
         group = metadata.groups[self.group.index]
+        latent = self.latent_dim
+        # what the layer stores as its keys and values: a latent layer's one row, [B, 1, q, latent + rope]
+        stored = (key_states, value_states) if latent is None else (torch.cat((key_states, value_states), -1),) * 2
         if source.num_decodes is not None:  # compiled: the store and attention are ops
-            self._hand_over(kwargs, ops.store_layer(metadata, group, self.layer_idx, key_states, value_states,
-                                                    source.num_decodes, source.native_ops))
+            step = ops.store_layer(metadata, group, self.layer_idx, *stored, source.num_decodes, source.native_ops)
+            if latent is not None:
+                step = step._replace(stored=(1, latent, value_states.shape[-1]), latent=latent)
+            self._hand_over(kwargs, step)
             return key_states, value_states
         storage = self.group.storages[self.layer_idx]
         if not self._shapes_checked:  # once: a forward's layers write the same shapes every step
-            _check_shapes(self.layer_idx, storage, key_states, value_states)
+            _check_shapes(self.layer_idx, storage, key_states, value_states, latent)
             self._shapes_checked = True
-        fresh = write_layer_kv(storage, metadata, group, key_states, value_states)
+        fresh = write_layer_kv(storage, metadata, group, *stored)
         if source.reads_blocks:
             self._hand_over(kwargs, LayerStep(metadata, group, self.group.index, storage, fresh, self.layer_idx,
-                                              key_states, value_states))
+                                              key_states, value_states, latent=latent))
             return key_states, value_states
         keys, values = source.dense_kv(self, storage, group, fresh)
+        if latent is not None:
+            keys, values = _split_row(keys, latent)
         if source.mixed_masks:  # no tail format: ``PagedCache.answer_densely``
             self._hand_over(kwargs, LayerStep(metadata, group, self.group.index, storage, None, self.layer_idx,
-                                              keys, values, dense=True))
+                                              keys, values, dense=True, latent=latent))
         return keys, values
 
     def _hand_over(self, kwargs: dict | None, step) -> None:
@@ -187,13 +208,27 @@ class PagedLayer(CacheLayerMixin):
         pass
 
 
-def _check_shapes(layer_idx: int, storage, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+def _split_row(rows: torch.Tensor, latent_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A latent layer's rows ``[..., latent + rope]`` as the latent and the rotary key, each contiguous (as
+    ``DynamicCache`` holds them)."""
+    return rows[..., :latent_dim].contiguous(), rows[..., latent_dim:].contiguous()
+
+
+def _check_shapes(layer_idx: int, storage, key_states: torch.Tensor, value_states: torch.Tensor,
+                  latent_dim: int | None = None) -> None:
     """NotImplementedError, naming what differs, when a layer's new K/V ``[B, kv_heads, q, head_dim]`` do not fit its
     pool: values of another head size than keys (MiMo-V2's ``v_head_dim``), or layers whose KV heads or head size
     differ from what the config says of the layer (MiMo-V2's sliding layers, which its config does not set per
-    layer)."""
+    layer); a latent layer's latent and rotary key that do not make its one-head row."""
     heads, head_dim = storage.head_shape
     got = (key_states.shape[1], key_states.shape[-1], value_states.shape[1], value_states.shape[-1])
+    if latent_dim is not None:
+        if got != (1, latent_dim, 1, head_dim - latent_dim):
+            raise NotImplementedError(
+                f"layer {layer_idx} is a multi-head latent attention layer (kv_lora_rank={latent_dim}, rows of "
+                f"{head_dim}) but stores keys of {got[0]} heads x {got[1]} dims and values of {got[2]} heads x "
+                f"{got[3]} dims: paged_hf expects its one-head latent as keys and its rotary key as values")
+        return
     if got != (heads, head_dim, heads, head_dim):
         raise NotImplementedError(
             f"layer {layer_idx} stores keys of {got[0]} heads x {got[1]} dims and values of {got[2]} heads x "

@@ -153,7 +153,8 @@ class LayerStep(NamedTuple):
     ``writes_tails``: the last of the layers reading the storage); ``layer``: the layer's index; ``key``, ``value``:
     the states the update stored and returned, which the attention must be handed as they are; ``dense``: those are
     the layer's dense K/V, for an attention whose mask the paged attention does not express (``PagedCache``'s
-    ``mixed_masks``)."""
+    ``mixed_masks``); ``latent``: the layer stores multi-head latent attention's rows, ``key`` and ``value`` being
+    their latent and rotary key, which the model expands into the heads it hands the attention."""
 
     metadata: AttentionMetadata
     group: GroupMetadata
@@ -165,6 +166,7 @@ class LayerStep(NamedTuple):
     value: torch.Tensor
     writes_tails: bool = True
     dense: bool = False
+    latent: int | None = None  # a multi-head latent attention layer's latent size (``PagedLayer.latent_dim``)
 
     def without_tail_writes(self) -> "LayerStep":
         """The step for a layer whose storage a later layer reads in the same forward (``PagedLayer.readers``): the

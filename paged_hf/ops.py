@@ -192,6 +192,7 @@ class OpStep(NamedTuple):
     window: int | None
     stored: tuple[int, int, int]  # the stored K/V's kv_heads, key head_dim, value head_dim (``LayerStep.stored``)
     native: bool = False  # stored by paged_hf_cpu::store (fresh_key, fresh_value: its empty output)
+    latent: int | None = None  # a multi-head latent attention layer's latent size (``LayerStep.latent``)
 
     def without_tail_writes(self) -> "OpStep":
         """As ``LayerStep.without_tail_writes``: the attention op writes no tail (it gets no plan)."""

@@ -74,22 +74,27 @@ class QuantizedKVStorage(KVStorage):
     _POOL_NAMES = ("key_cache", "value_cache", "key_scale", "value_scale", "key_zero", "value_zero")
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device, kv_format: str) -> None:
+                 device, kv_format: str, shared_values: bool = False) -> None:
         fmt = KV_FORMATS[check_kv_format(kv_format, head_dim)]
         if not fmt.quantized:
             raise ValueError(f"QuantizedKVStorage needs a quantized kv_cache_dtype, got kv_cache_dtype={kv_format!r}")
+        if shared_values:
+            fmt.check_shared_values()
+        self.shared_values = shared_values
         # Not calling KVStorage.__init__: it would allocate full-precision pools.
         self.format: KVFormat = fmt
         self.kv_format = fmt.name
         self.head_dim = head_dim
         self._dtype = dtype
         data_shape = (num_blocks, block_size, num_kv_heads, fmt.code_dim(head_dim))
-        self.key_cache = pool_zeros(data_shape, fmt.code_dtype(), device)
-        self.value_cache = pool_zeros(data_shape, fmt.code_dtype(), device)
         side = fmt.side_shapes(num_blocks, block_size, num_kv_heads, head_dim)  # ValueError: int4, odd block_size
-        for name in self._POOL_NAMES[2:]:
-            shape, side_dtype = side.get(name, (None, None))
-            setattr(self, name, None if shape is None else pool_zeros(shape, side_dtype, device))
+        side["key_cache"] = side["value_cache"] = (data_shape, fmt.code_dtype())
+        for name in self._POOL_NAMES:
+            shape, pool_dtype = side.get(name, (None, None))
+            if shared_values and name.startswith("value_"):
+                setattr(self, name, getattr(self, "key_" + name.removeprefix("value_")))
+            else:
+                setattr(self, name, None if shape is None else pool_zeros(shape, pool_dtype, device))
         self.has_tail = fmt.tail
         tail_shape = (0, block_size, num_kv_heads, head_dim)
         self.key_tail = torch.zeros(tail_shape, dtype=dtype, device=device) if fmt.tail else None
@@ -104,8 +109,10 @@ class QuantizedKVStorage(KVStorage):
         return self.key_cache.shape[2], self.head_dim
 
     def _pools(self) -> list[str]:
-        """Names of the block-indexed pool tensors this format holds (codes, scales, zeros)."""
-        return [name for name in self._POOL_NAMES if getattr(self, name) is not None]
+        """Names of the block-indexed pool tensors this format holds (codes, scales, zeros; the keys' alone where the
+        values share them)."""
+        return [name for name in self._POOL_NAMES if getattr(self, name) is not None
+                and not (self.shared_values and name.startswith("value_"))]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -230,19 +237,23 @@ class QuantizedKVStorage(KVStorage):
 
 
 def make_storage(
-    kv_format: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
+    kv_format: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+    shared_values: bool = False,
 ) -> KVStorage:
-    """The storage of one layer: plain ``KVStorage`` for ``"auto"``, else ``QuantizedKVStorage``."""
+    """The storage of one layer: plain ``KVStorage`` for ``"auto"``, else ``QuantizedKVStorage``; ``shared_values``:
+    its value pools are its key pools (``KVStorage``)."""
     fmt = check_kv_format(kv_format, head_dim)
     if fmt == "auto":
-        return KVStorage(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-    return QuantizedKVStorage(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, fmt)
+        return KVStorage(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, shared_values)
+    return QuantizedKVStorage(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, fmt, shared_values)
 
 
-def layer_block_bytes(kv_format: str, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of one layer (K and V, scales and zeros included) in ``kv_format``; every layer's is
-    ``kv.model_config.block_id_bytes``."""
-    return KV_FORMATS[check_kv_format(kv_format, head_dim)].bytes_per_block(block_size, num_kv_heads, head_dim, dtype)
+def layer_block_bytes(kv_format: str, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      shared_values: bool = False) -> int:
+    """Bytes of one block of one layer (K and V, scales and zeros included; the keys' alone for ``shared_values``)
+    in ``kv_format``; every layer's is ``kv.model_config.block_id_bytes``."""
+    return KV_FORMATS[check_kv_format(kv_format, head_dim)].bytes_per_block(block_size, num_kv_heads, head_dim, dtype,
+                                                                              shared_values)
 
 
 def tail_bytes_per_row(kv_format: str, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -30,6 +30,9 @@ class KVStorage:
 
     Invariant: ``key_cache.shape == value_cache.shape == [num_blocks, block_size, num_kv_heads, head_dim]``.
     Pools start zeroed, so a slot never holds NaN (a masked slot read by a dense kernel contributes exactly 0).
+    ``shared_values``: the value pools *are* the key pools (a multi-head latent attention layer's one row a token
+    serves as both, ``kv.model_config.latent_dims``): writes store the same row as both, and ``tensors`` lists the
+    keys' alone, so copies, swaps and growth move each byte once.
     """
 
     # Orthonormal ``[head_dim, head_dim]`` the stored keys / values are rotated by (see ``rotation``), or None:
@@ -40,11 +43,13 @@ class KVStorage:
     has_tail = False
 
     def __init__(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+        shared_values: bool = False,
     ) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.shared_values = shared_values
         self.key_cache = pool_zeros(shape, dtype, device)
-        self.value_cache = pool_zeros(shape, dtype, device)
+        self.value_cache = self.key_cache if shared_values else pool_zeros(shape, dtype, device)
         self.kernels = dispatch.select(self.key_cache.device)
 
     @property
@@ -70,7 +75,7 @@ class KVStorage:
 
     @property
     def nbytes(self) -> int:
-        return self.key_cache.nbytes + self.value_cache.nbytes
+        return sum(t.nbytes for t in self.tensors().values())
 
     @property
     def bytes_per_token(self) -> int:
@@ -79,6 +84,8 @@ class KVStorage:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every pool tensor, indexed by block along dim 0 (what a block copy must move)."""
+        if self.shared_values:
+            return {"key_cache": self.key_cache}
         return {"key_cache": self.key_cache, "value_cache": self.value_cache}
 
     def pool_tensors(self) -> PoolTensors:
@@ -135,6 +142,10 @@ class KVStorage:
             del pool, raw, grown
             if self.key_cache.device.type == "cuda":
                 torch.cuda.empty_cache()
+        if self.shared_values:  # the value pools are the grown key pools again
+            for part in ("cache", "scale", "zero"):
+                if hasattr(self, "key_" + part):
+                    setattr(self, "value_" + part, getattr(self, "key_" + part))
 
 
 def _is_float8(t: torch.Tensor) -> bool:

@@ -168,9 +168,9 @@ def test_unsupported_models_raise_not_implemented():
     model = transformers.MambaForCausalLM(mamba).eval()
     with pytest.raises(NotImplementedError, match="state-space"):
         model.generate(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=2, cache_implementation="paged")
-    # DeepSeek's MLA caches a latent and a rotary key of other widths
-    deepseek = transformers.DeepseekV3Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, kv_lora_rank=16)
-    with pytest.raises(NotImplementedError, match="multi-head latent attention.*kv_lora_rank=16"):
+    # DeepSeek V3.2's sparse attention caches an indexer's keys beside its latent
+    deepseek = transformers.DeepseekV32Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, kv_lora_rank=16)
+    with pytest.raises(NotImplementedError, match="'deepseek_v32': its sparse attention"):
         paged_hf.PagedCache(deepseek)
     # Falcon-RW's ALiBi is its own code and needs a 2-D mask
     falcon = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from models import tiny_model
 
@@ -61,6 +62,26 @@ def test_generate_under_tensor_parallelism_equals_one_process(model_folders):
                                    rtol=1e-4)
         assert single["stored_kv_heads"] == [4] and sharded["stored_kv_heads"] == [2], key
         assert sharded["num_blocks"] == 2 * single["num_blocks"], key
+
+
+def test_latent_attention_under_tensor_parallelism_equals_one_process(tmp_path):
+    """DeepSeek V3's multi-head latent attention: each rank keeps the whole latent row of a token (one head, not
+    split) and folds its own shard of ``kv_b_proj`` (its half of the query heads) into its attention; greedy, beams
+    and samples, paged and sdpa attention, give one process's tokens."""
+    config = transformers.AutoConfig.for_model(
+        "deepseek_v3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=12, q_lora_rank=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=256, pad_token_id=0,
+        initializer_range=0.2)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "deepseek_v3")
+    one = launch("tp_generate.py", [str(tmp_path / "deepseek_v3")], nproc=1)
+    two = launch("tp_generate.py", [str(tmp_path / "deepseek_v3")], nproc=2)
+    assert set(one) == set(two) and len(one) == 6
+    for key, single in one.items():
+        assert two[key]["sequences"] == single["sequences"], key
+        assert single["stored_kv_heads"] == two[key]["stored_kv_heads"] == [1], key
 
 
 def test_engine_under_torchrun_equals_one_process(model_folders):

@@ -28,7 +28,8 @@ class EngineCache(Cache):
 
     def __init__(self, kv: KVManager) -> None:
         # a layer without K/V (recurrent: its mixer reads ``recurrent_step``; or a MoE block) holds a DummyLayer
-        super().__init__(layers=[PagedLayer(self, idx, kv.group_of[idx], kv.readers.get(idx, ()))
+        super().__init__(layers=[PagedLayer(self, idx, kv.group_of[idx], kv.readers.get(idx, ()),
+                                            kv.latent_dims.get(idx))
                                  if idx in kv.group_of else DummyLayer()
                                  for idx in range(kv.text_config.num_hidden_layers)])
         self.metadata: AttentionMetadata | None = None

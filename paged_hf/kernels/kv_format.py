@@ -105,6 +105,15 @@ class KVFormat:
                              f"must be a multiple of {self.values_per_code}, got {head_dim=}")
         return head_dim // self.values_per_code
 
+    def check_shared_values(self) -> None:
+        """ValueError unless keys and values are stored alike (side data, rotation, no tail), as they must be for a
+        layer whose one row serves as both (multi-head latent attention: ``KVStorage(shared_values=True)``)."""
+        if self.key_side != self.value_side or self.rotate_keys != self.rotate_values or self.tail:
+            raise ValueError(
+                f"kv_cache_dtype={self.name!r} quantizes keys and values differently (keys per channel over a "
+                f"block, values per token), but a multi-head latent attention layer stores one row a token that "
+                f"serves as both its key and its value: use kv_cache_dtype 'auto', 'int8', 'fp8' or 'fp8_e5m2'")
+
     def check_block_size(self, block_size: int) -> None:
         """ValueError when this format cannot lay out blocks of ``block_size`` tokens (int4: odd sizes)."""
         if self.value_side == "token_code" and block_size % 2:
@@ -132,9 +141,14 @@ class KVFormat:
                 pools["value_zero"] = ((num_blocks, num_kv_heads), SIDE_DTYPE)
         return pools
 
-    def bytes_per_block(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        shared_values: bool = False) -> int:
         """Bytes of one block of one layer: codes (or the compute dtype) plus all the side data. The tail pool is not
-        counted here (``tail_bytes_per_row``)."""
+        counted here (``tail_bytes_per_row``). ``shared_values``: the keys' pools alone (``check_shared_values``: a
+        format that stores keys and values alike, so half of both)."""
+        if shared_values:
+            self.check_shared_values()
+            return self.bytes_per_block(block_size, num_kv_heads, head_dim, dtype) // 2
         if not self.quantized:
             return 2 * block_size * num_kv_heads * head_dim * _itemsize(dtype)
         codes = 2 * block_size * num_kv_heads * self.code_dim(head_dim) * _itemsize(self.code_dtype())

@@ -34,7 +34,7 @@ from .copies import BlockCopy, CopyKind, CopyLog, apply_copy
 from .growth import PagedCacheFullError, grow_group, room_error
 from .layer_groups import layer_groups
 from .host_tier import HostTier
-from .model_config import check_supported, kv_sources, layer_head_shapes
+from .model_config import check_supported, kv_sources, latent_dims, layer_head_shapes
 from .prefix_cache import PrefixCache
 from .prefix_hit import PrefixHit
 from .recurrent import RecurrentStates, recurrent_layers
@@ -72,6 +72,8 @@ class KVManager:
         self.tp_size = tp_size
         # {layer: (KV heads this process stores, head size)} of every layer that stores K/V
         self.head_shapes = layer_head_shapes(text_config, tp_size)
+        # {layer: latent size} of the multi-head latent attention layers (one row a token serves as key and value)
+        self.latent_dims = latent_dims(text_config)
         # {layer: the later layers that read its K/V and store none} (Gemma 3n's and Gemma 4's shared layers)
         self.readers: dict[int, tuple[int, ...]] = {}
         for reader, source in sorted(kv_sources(text_config).items()):

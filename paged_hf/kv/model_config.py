@@ -44,10 +44,25 @@ def _split_heads(heads: int, tp_size: int) -> int:
     return heads // tp_size
 
 
+def latent_dims(text_config) -> dict[int, int]:
+    """``{layer: latent size}`` of the layers that cache multi-head latent attention's compressed K/V (DeepSeek V2
+    and V3, MiniCPM3, Kimi Linear's attention layers: every attention layer of a config with ``kv_lora_rank``). Such
+    a layer stores one row a token, ``[latent (kv_lora_rank) | rotary key (qk_rope_head_dim)]``, which serves as
+    its key and, its first ``kv_lora_rank`` columns, as its value (``KVStorage(shared_values=True)``); the model
+    hands ``cache.update`` the two parts as its "keys" and "values" and expands them into heads after it."""
+    rank = getattr(text_config, "kv_lora_rank", None)
+    return dict.fromkeys(kv_layers(text_config), rank) if rank else {}
+
+
 def layer_head_shapes(text_config, tp_size: int = 1) -> dict[int, tuple[int, int]]:
     """``{layer: (KV heads one tensor-parallel rank stores, head size)}`` of every layer that stores K/V: the
     config's, or the layer's own where the model sets them per layer (Gemma 4's full-attention layers, wider and
-    with fewer KV heads than its sliding ones). ValueError when ``tp_size`` does not divide a layer's KV heads."""
+    with fewer KV heads than its sliding ones); a latent layer's one row (``latent_dims``: one head, the latent and
+    the rotary key, the same on every rank). ValueError when ``tp_size`` does not divide a layer's KV heads."""
+    latent = latent_dims(text_config)
+    if latent:
+        _split_heads(text_config.num_attention_heads, tp_size)  # each rank its query heads, the whole latent
+        return dict.fromkeys(latent, (1, text_config.kv_lora_rank + text_config.qk_rope_head_dim))
     per_layer = text_config.per_layer_config if getattr(text_config, "is_heterogeneous", False) else None
     shapes = {}
     for idx in kv_layers(text_config):
@@ -84,8 +99,10 @@ def block_id_bytes(text_config, block_size: int, kv_cache_dtype: str, tp_size: i
     """Bytes one block id takes in every layer of a model (K and V, scales and zeros), at ``dtype`` (default: the
     config's), each layer with its heads split ``tp_size`` ways. ``quant.layer_block_bytes`` is one layer's."""
     dtype = dtype or config_dtype(text_config)
-    return sum(layer_block_bytes(check_kv_format(kv_cache_dtype, head_dim), block_size, heads, head_dim, dtype)
-               for heads, head_dim in layer_head_shapes(text_config, tp_size).values())
+    latent = latent_dims(text_config)
+    return sum(layer_block_bytes(check_kv_format(kv_cache_dtype, head_dim), block_size, heads, head_dim, dtype,
+                                 shared_values=idx in latent)
+               for idx, (heads, head_dim) in layer_head_shapes(text_config, tp_size).items())
 
 
 def available_memory(device: torch.device) -> int:
@@ -100,7 +117,7 @@ def available_memory(device: torch.device) -> int:
 
 def check_supported(text_config, config=None) -> None:
     """NotImplementedError for models the paged cache cannot serve: encoder-decoder and state-space models,
-    multi-head latent attention (DeepSeek V2/V3), Falcon's ALiBi, and layers reading K/V no layer of the model
+    DeepSeek's sparse attention (V3.2's indexer over the latent K/V), Falcon's ALiBi, and layers reading K/V no layer of the model
     stores (``kv_sources``)."""
     if getattr(config, "is_encoder_decoder", False):
         raise NotImplementedError(
@@ -113,11 +130,11 @@ def check_supported(text_config, config=None) -> None:
         raise NotImplementedError(
             f"PagedCache holds attention K/V; {model_type!r} is a state-space model with no KV cache to page"
         )
-    if getattr(text_config, "kv_lora_rank", None):
+    if getattr(text_config, "kv_lora_rank", None) and getattr(text_config, "index_topk", None):
         raise NotImplementedError(
-            f"PagedCache pages each layer's keys and values per KV head; {model_type!r} uses multi-head latent "
-            f"attention (kv_lora_rank={text_config.kv_lora_rank}): its layers cache a compressed latent and a rotary "
-            f"key, which the paged pools do not hold")
+            f"PagedCache cannot serve {model_type!r}: its sparse attention (index_topk={text_config.index_topk}) "
+            f"caches an indexer's keys beside the latent K/V and attends over the tokens the indexer picks, which "
+            f"the paged attention does not do; it runs on the default DynamicCache")
     if model_type == "falcon" and getattr(text_config, "alibi", False):
         raise NotImplementedError(
             "PagedCache cannot serve Falcon with alibi=True (Falcon-RW): its attention adds ALiBi biases in its own "

@@ -19,8 +19,8 @@ def block_id_bytes(kv, dtype: torch.dtype | None = None) -> int:
     """Bytes of one block id in every layer (what one more block per group costs), from the manager's layer shapes
     (``model_config.block_id_bytes`` is the same sum read from a config, before any manager exists)."""
     dtype = dtype or config_dtype(kv.text_config)
-    return sum(layer_block_bytes(kv.kv_format, kv.block_size, heads, head_dim, dtype)
-               for heads, head_dim in kv.head_shapes.values())
+    return sum(layer_block_bytes(kv.kv_format, kv.block_size, heads, head_dim, dtype, idx in kv.latent_dims)
+               for idx, (heads, head_dim) in kv.head_shapes.items())
 
 
 def tail_bytes_per_row(kv, dtype: torch.dtype | None = None) -> int:
@@ -62,7 +62,7 @@ def allocate_layer(kv, layer_idx: int, dtype: torch.dtype, device, num_kv_heads:
         check_fits_on(kv, [torch.device(device)], dtype)
     heads, head_dim = kv.head_shapes[layer_idx]
     storage = make_storage(kv.kv_format, group.pool.num_blocks, kv.block_size, num_kv_heads or heads, head_dim, dtype,
-                           device)
+                           device, shared_values=layer_idx in kv.latent_dims)
     if kv.has_tail:
         storage.ensure_tail_rows(kv.num_rows)
     group.storages[layer_idx] = storage

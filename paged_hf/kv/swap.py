@@ -103,7 +103,7 @@ class SwapSpace:
         if changed:
             heads, head_dim = device_storage.head_shape
             storage = storages[layer_idx] = make_storage(self.kv_format, 0, device_storage.block_size, heads, head_dim,
-                                                         device_storage.dtype, "cpu")
+                                                         device_storage.dtype, "cpu", device_storage.shared_values)
         if tails:  # swap only (the host tier holds full blocks)
             storage.ensure_tail_rows(num_ids)
             changed = True
