@@ -6,8 +6,8 @@ vocabulary) and the family's own defaults otherwise (partial rotary, parallel at
 prompts of 5-30 tokens generate ``--tokens`` greedy tokens each, chunked in 9-token steps over 4-token blocks. The
 compiled graphs check their custom ops' output sizes and strides (inductor's size asserts, off in the engine
 itself): a fake that disagrees with its op fails by name instead of giving wrong values. A family the engine refuses
-(attention in the model's own code, K/V changed after the cache update, latent attention, layers that neither
-attend nor keep a recurrent state) is listed with its error; a family transformers lacks is skipped. A hybrid (its
+(attention in the model's own code, K/V changed after the cache update, sparse attention over a latent, layers
+that neither attend nor keep a recurrent state) is listed with its error; a family transformers lacks is skipped. A hybrid (its
 recurrent layers beside attention) runs eagerly: its "compiled" column says so.
 
     PYTHONPATH=. python benchmarks/families.py

@@ -4,6 +4,7 @@ and a 64-wide rotary key; dense MLPs and fewer layers, so that a CPU runs it), i
 bytes a token takes in the latent cache beside expanded K/V.
 
     PYTHONPATH=. python benchmarks/latent_attention.py --layers 4 --requests 16 --dtype bfloat16
+    PYTHONPATH=. python benchmarks/latent_attention.py --prompt-len 512-1024 --requests 8   # long prompts
 
 The model is random: read the ratios and the token agreement, not the text.
 """
@@ -23,9 +24,9 @@ from paged_hf import PagedEngine, SamplingParams
 from _common import machine, markdown_table
 
 
-def model_of(layers: int, dtype: torch.dtype):
+def model_of(layers: int, dtype: torch.dtype, hidden: int = 2048, vocab: int = 32000):
     config = AutoConfig.for_model(
-        "deepseek_v2", vocab_size=32000, hidden_size=2048, intermediate_size=4096, num_hidden_layers=layers,
+        "deepseek_v2", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
         qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=layers, max_position_embeddings=4096,
         bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -33,13 +34,13 @@ def model_of(layers: int, dtype: torch.dtype):
     return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-def workload(requests: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """(prompt ids, output tokens): prompts of 32-256 tokens, 16-64 outputs."""
+def workload(requests: int, vocab: int, prompt_len: tuple[int, int], seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt ids, output tokens): prompts of ``prompt_len`` tokens (low, high), 16-64 outputs."""
     generator = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(requests):
-        n = int(torch.randint(32, 257, (1,), generator=generator))
-        out.append((torch.randint(3, 32000, (n,), generator=generator).tolist(),
+        n = int(torch.randint(prompt_len[0], prompt_len[1] + 1, (1,), generator=generator))
+        out.append((torch.randint(3, vocab, (n,), generator=generator).tolist(),
                     int(torch.randint(16, 65, (1,), generator=generator))))
     return out
 
@@ -80,13 +81,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="generate's static batch size")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--prompt-len", default="32-256", help="prompt lengths, low-high")
+    parser.add_argument("--engines", default="compiled,eager", help="which PagedEngine runs: compiled, eager")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    model = model_of(args.layers, dtype)
+    model = model_of(args.layers, dtype, args.hidden, args.vocab)
     config = model.config
-    work = workload(args.requests)
+    low, high = (int(n) for n in args.prompt_len.split("-"))
+    work = workload(args.requests, args.vocab, (low, high))
     generated = sum(n for _, n in work)
     print(machine(), f"threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}")
     size = dtype.itemsize
@@ -98,6 +104,8 @@ def main() -> None:
     rows = [["generate, static batches of %d, DynamicCache" % args.batch, f"{generated / seconds:.1f}", "1.00x", "-",
              "-"]]
     for name, eager in (("PagedEngine, compiled", False), ("PagedEngine, eager", True)):
+        if name.split(", ")[1] not in args.engines.split(","):
+            continue
         seconds_engine, tokens, ready = run_engine(model, work, eager)
         same = sum(a == b for a, b in zip(tokens, reference))
         rows.append([name, f"{generated / seconds_engine:.1f}", f"{seconds / seconds_engine:.2f}x",

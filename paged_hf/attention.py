@@ -58,9 +58,7 @@ def paged_attention_forward(
         if attention_mask is not None and isinstance(step, LayerStep) and step.dense:
             step = None  # a mask the paged attention does not express: the dense attention over the layer's K/V
     if step is not None and step.latent is not None:
-        rope = step.stored[2]
-        out = _attend_step(step, latent_attention.absorb_query(query, up, rope), scale, softcap, s_aux)
-        return latent_attention.expand_output(out, up, step.latent, query.shape[-1] - rope), None
+        return _attend_latent(step, query, up, scale, softcap, s_aux), None
     if step is None:
         if softcap is None and s_aux is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale)
@@ -71,6 +69,26 @@ def paged_attention_forward(
             attention_mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
         return dense_attention(query, key, value, attention_mask, scale, softcap, s_aux), None
     return _attend_step(step, query, scale, softcap, s_aux), None
+
+
+def _attend_latent(step, query: torch.Tensor, up: torch.Tensor, scale, softcap, sinks) -> torch.Tensor:
+    """A multi-head latent attention layer's query ``[B, heads, q, nope + rope]`` -> ``[B, q, heads, v]``: the
+    forward's new tokens through ``latent_attention.attend_packed`` (the compiled forward's op, or eagerly), or,
+    where its layout needs the per-token torch path (generate's pad columns, a query of the last columns, a
+    softcap or sinks), every query folded over the rows."""
+    rope = step.stored[2]
+    if softcap is None and sinks is None:
+        if isinstance(step, OpStep):
+            return ops.attend_latent(step, query, up, scale, rope)
+        metadata = step.metadata
+        if query.shape[2] == metadata.query_len and metadata.pad_queries is None and step.group.window_starts is None \
+                and step.group.window is None:
+            out = latent_attention.attend_packed(
+                metadata.select_new_tokens(query), up, step.storage, step.group.block_tables, metadata.seq_lens,
+                metadata.query_start_loc, metadata.num_decodes, scale, rope, attend_packed)
+            return metadata.scatter_new_tokens(out)
+    out = _attend_step(step, latent_attention.absorb_query(query, up, rope), scale, softcap, sinks)
+    return latent_attention.expand_output(out, up, step.latent, query.shape[-1] - rope)
 
 
 def _attend_step(step, query: torch.Tensor, scale, softcap, sinks) -> torch.Tensor:

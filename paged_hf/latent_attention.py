@@ -11,6 +11,13 @@ query and ``W_uv`` into the output (vLLM's and DeepSeek's "absorbed" MLA),
 so every head attends over the one latent head with the unchanged kernels: the query ``[W_uk^T q_nope | q_rot]``
 against the rows as keys, and the same rows as values, whose first ``kv_lora_rank`` output columns are
 ``sum_j p_j c_j``. The scale and softmax are the model's; only the order of the float operations differs.
+
+That costs ``2 (kv_lora_rank + rope)`` products per query, key and head (1,152 for DeepSeek) where the expanded
+heads cost ``nope + rope + v`` (320): right for a decode, which reads each row once for all its heads, and for
+short chunks, but a long prompt chunk attends faster over its context expanded into heads once (``expands``: a
+chunk of more than ~160 tokens at DeepSeek's sizes), as vLLM's MLA prefill does. ``attend_packed`` splits a
+forward's sequences that way: decodes and short chunks over the rows, long chunks through ``sdpa`` over their
+context's rows expanded with the same ``kv_b_proj`` weight, as the model itself would attend.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.nn.functional as F
 
 from .metadata import AttentionBypassed
 from .packed_linear import PackedLinear
@@ -92,3 +100,63 @@ def expand_output(out: torch.Tensor, up: torch.Tensor, latent_dim: int, nope: in
     ``W_uv`` applied to the latent part."""
     weighted = out[..., :latent_dim].transpose(1, 2)  # [B, heads, q, latent]
     return torch.matmul(weighted, up[:, nope:].transpose(1, 2)).transpose(1, 2)
+
+
+def expands(num_new: int, num_context: int, latent_dim: int, rope: int, nope: int, value_dim: int) -> bool:
+    """Whether a chunk of ``num_new`` query tokens over ``num_context`` tokens (its own included) attends with
+    fewer products over its context expanded into heads (each row once: ``latent_dim (nope + v)`` a head, then
+    ``nope + rope + v`` a query and key) than over the latent rows (``2 (latent_dim + rope)`` a query and key)."""
+    expanded = num_context * latent_dim * (nope + value_dim) + num_new * num_context * (nope + rope + value_dim)
+    return expanded < 2 * num_new * num_context * (latent_dim + rope)
+
+
+def attend_packed(query: torch.Tensor, up: torch.Tensor, storage, tables: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, num_decodes: int, scale: float, rope: int,
+                  attend_rows) -> torch.Tensor:
+    """The latent attention of a forward's packed new tokens ``[n, heads, nope + rope]`` over their sequences'
+    rows: ``[n, heads, v]``. The decodes and the chunks ``expands`` leaves to the rows attend over them with the
+    folded query, through ``attend_rows`` (``attention.attend_packed``); each other chunk attends through ``sdpa``
+    over its context's rows (read as stored, dequantized) expanded with ``up`` ``[heads, nope + v, latent]``."""
+    latent_dim, nope = up.shape[2], query.shape[-1] - rope
+    value_dim = up.shape[1] - nope
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()  # host values: a sync on CUDA, none on the CPU
+    num_seqs = len(lens)
+    expanded = [i for i in range(num_decodes, num_seqs)
+                if expands(starts[i + 1] - starts[i], lens[i], latent_dim, rope, nope, value_dim)]
+    out = query.new_empty((query.shape[0], query.shape[1], value_dim))
+    folded = sorted(set(range(num_seqs)) - set(expanded))
+    if folded:
+        rows = folded_rows = torch.arange(query.shape[0], device=query.device)
+        if expanded:  # the folded sequences' tokens, packed again (decodes first, as they were)
+            rows = torch.cat([folded_rows[starts[i]:starts[i + 1]] for i in folded])
+        seqs = torch.tensor(folded, device=query.device)
+        counts = torch.tensor([starts[i + 1] - starts[i] for i in folded], device=query.device)
+        starts_folded = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        result = attend_rows(absorb_query(query.index_select(0, rows).unsqueeze(0).transpose(1, 2), up, rope)
+                             .transpose(1, 2)[0], storage, tables.index_select(0, seqs), seq_lens.index_select(0, seqs),
+                             starts_folded, num_decodes, starts_folded[num_decodes:] - starts_folded[num_decodes],
+                             None, None, None, scale, None, None)
+        out.index_copy_(0, rows, expand_output(result.unsqueeze(0), up, latent_dim, nope)[0].to(out.dtype))
+    for i in expanded:
+        out[starts[i]:starts[i + 1]] = _attend_expanded(query[starts[i]:starts[i + 1]], up, storage, tables[i], lens[i],
+                                                       scale, latent_dim, nope)
+    return out
+
+
+def _attend_expanded(query: torch.Tensor, up: torch.Tensor, storage, table: torch.Tensor, length: int, scale: float,
+                     latent_dim: int, nope: int) -> torch.Tensor:
+    """One chunk's queries ``[t, heads, nope + rope]`` (the last ``t`` of its ``length`` tokens) over its context
+    expanded into heads: ``[t, heads, v]``."""
+    positions = torch.arange(length, device=query.device)
+    slots = table.long().index_select(0, positions // storage.block_size) * storage.block_size \
+        + positions % storage.block_size
+    rows = storage.read_slots(slots)[0][:, 0].to(query.dtype)  # [length, latent + rope]
+    heads = up.shape[0]
+    expanded = torch.matmul(rows[:, :latent_dim], up.transpose(1, 2))  # [heads, length, nope + v]
+    key = torch.cat((expanded[..., :nope], rows[:, latent_dim:].expand(heads, -1, -1)), dim=-1)
+    num_new = query.shape[0]
+    mask = None if num_new == length else \
+        positions[None, :] <= (positions[length - num_new:])[:, None]  # [t, length]: each query up to itself
+    out = F.scaled_dot_product_attention(query.transpose(0, 1), key, expanded[..., nope:], attn_mask=mask,
+                                         is_causal=mask is None, scale=scale)
+    return out.transpose(0, 1)

@@ -176,6 +176,24 @@ def _paged_attention_fake(query, *args, **kwargs):
     return query.new_empty(query.shape)  # contiguous, whatever the query's strides (``_unaliased``)
 
 
+@torch.library.custom_op("paged_hf::latent_attention", mutates_args=())
+def latent_attention(query: torch.Tensor, up: torch.Tensor, fresh_key: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_decodes: torch.Tensor, layer: int,
+                     scale: float, rope: int) -> torch.Tensor:
+    from . import latent_attention as latent  # noqa: PLC0415 - latent_attention imports packed_linear, ops' peer
+    from .attention import attend_packed  # noqa: PLC0415 - attention imports this module
+
+    out = latent.attend_packed(query, up, _storage(layer), block_tables, seq_lens, query_start_loc,
+                               int(num_decodes[0]), scale, rope, attend_packed)
+    return _unaliased(out, query)
+
+
+@latent_attention.register_fake
+def _latent_attention_fake(query, up, fresh_key, block_tables, seq_lens, query_start_loc, num_decodes, layer, scale,
+                           rope):
+    return query.new_empty((query.shape[0], query.shape[1], up.shape[1] - (query.shape[2] - rope)))
+
+
 class OpStep(NamedTuple):
     """What a layer's cache update hands the ``"paged"`` attention in the compiled forward (``METADATA_KEY``):
     the step's tensors and the layer's index; no per-step Python value."""
@@ -226,6 +244,15 @@ def store_layer(metadata, group, layer: int, key_states: torch.Tensor, value_sta
     fresh_key, fresh_value = torch.ops.paged_hf.store_kv(key, value, group.slot_mapping, *plan, layer)
     return OpStep(fresh_key, fresh_value, group.block_tables, metadata.seq_lens, metadata.query_start_loc,
                   num_decodes, metadata.tail_rows, plan, layer, group.window, shapes)
+
+
+def attend_latent(step: OpStep, query: torch.Tensor, up: torch.Tensor, scale: float, rope: int) -> torch.Tensor:
+    """A multi-head latent attention layer's attention through ``latent_attention``: ``query`` ``[1, heads, n, nope +
+    rope]``, ``up`` the layer's ``kv_b_proj`` weight ``[heads, nope + v, latent]`` -> ``[1, n, heads, v]``. Its
+    input ``fresh_key`` orders it after the layer's store."""
+    packed = torch.ops.paged_hf.latent_attention(_packed(query), up, step.fresh_key, step.block_tables, step.seq_lens,
+                                                 step.query_start_loc, step.num_decodes, step.layer, scale, rope)
+    return packed.unsqueeze(0)
 
 
 def attend(step: OpStep, query: torch.Tensor, scale: float, softcap: float | None,

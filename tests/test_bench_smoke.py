@@ -43,6 +43,8 @@ SMOKE = {
     "images": (["--requests", "3", "--max-out", "3", "--budgets", "64", "--layers", "1", "--hidden", "64"],
                "vision-tower runs"),
     "gpu_kernels": (["--quick"], "Paged attention kernels"),
+    "latent_attention": (["--layers", "1", "--requests", "2", "--hidden", "256", "--vocab", "512", "--prompt-len",
+                          "8-40", "--engines", "eager", "--dtype", "float32"], "greedy tokens equal"),
     "kv_decode": (["--model", "stories260K", "--formats", "int8,auto", "--batch", "1", "--prompt-len", "8",
                    "--new-tokens", "3", "--repeats", "1"], "decode ms/step"),
     "kv_quality": (["--models", "stories", "--rows", "dynamic,int8", "--tokens", "32", "--prompts", "2", "--batch", "2",

@@ -229,3 +229,69 @@ def test_an_attention_whose_expansion_is_not_the_folded_one_is_refused():
     with pytest.raises(AttentionBypassed, match="not a bias-free nn.Linear"):
         model.set_attn_implementation("paged")
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, cache_implementation="paged")
+
+
+LONG_PROMPTS = (30, 45, 3, 60, 26)  # chunks of more than 20 tokens attend over their context expanded (tiny sizes)
+
+
+def _long_prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in LONG_PROMPTS]
+
+
+@pytest.fixture
+def expanded_calls(monkeypatch):
+    """How many chunks attended over their context expanded into heads (``latent_attention._attend_expanded``)."""
+    from paged_hf import latent_attention
+
+    calls = []
+    original = latent_attention._attend_expanded
+    monkeypatch.setattr(latent_attention, "_attend_expanded",
+                        lambda query, *args: calls.append(query.shape[0]) or original(query, *args))
+    return calls
+
+
+@pytest.mark.parametrize("kv_format", ["auto", "int8"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_long_chunks_attend_over_their_context_expanded(kv_format, compiled, expanded_calls):
+    """Steps that mix decodes, short chunks (over the latent rows, folded) and long ones (over their context's rows
+    expanded with ``kv_b_proj``, through sdpa; a second chunk's context includes its first): tokens equal
+    ``generate`` + sdpa over the same format, logprobs within float32 rounding."""
+    from paged_hf.latent_attention import expands
+
+    model = tiny_latent()
+    assert not expands(20, 60, LATENT, ROPE, NOPE, VALUE) and expands(21, 60, LATENT, ROPE, NOPE, VALUE)
+    want = []
+    for ids in _long_prompts():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, return_dict_in_generate=True, output_logits=True,
+                             cache_implementation="paged", cache_config={"block_size": 4, "kv_cache_dtype": kv_format})
+        tokens = out.sequences[0, len(ids):].tolist()
+        want.append((tokens, [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.logits, tokens)]))
+    engine = PagedEngine(model, None, block_size=4, num_blocks=256, kv_cache_dtype=kv_format, max_num_seqs=3,
+                         max_num_batched_tokens=48, enforce_eager=not compiled)
+    outs = engine.generate([{"prompt_token_ids": ids} for ids in _long_prompts()], GREEDY, use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outs, want):
+        assert out.outputs[0].token_ids == tokens
+        torch.testing.assert_close(token_logprobs(out.outputs[0]), logprobs, atol=1e-4, rtol=0)
+    assert len(expanded_calls) >= 3 * 3 and min(expanded_calls) > 20  # three layers, at least three long chunks
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("generation", [dict(), dict(num_beams=2)], ids=["greedy", "beams"])
+def test_generate_expands_a_long_prefill_with_the_paged_attention(generation, expanded_calls):
+    """A left-padded batch of 30 / 26 real tokens: the prefill attends over its rows expanded, the decodes over the
+    latent rows; tokens equal ``DynamicCache`` + sdpa."""
+    model = tiny_latent()
+    prompts = _long_prompts()
+    ids = torch.tensor([prompts[0], [0] * 4 + prompts[4]])
+    inputs = dict(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=8, pad_token_id=0,
+                  eos_token_id=None, do_sample=False, **generation)
+    expected = model.generate(**inputs)
+    model.set_attn_implementation("paged")
+    try:
+        got = model.generate(**inputs, cache_implementation="paged", cache_config={"block_size": 4})
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(got, expected)
+    assert set(expanded_calls) == {30, 26}  # the prefill of each row (each beam), in every layer; no decode
