@@ -67,7 +67,8 @@ def test_generate_under_tensor_parallelism_equals_one_process(model_folders):
 def test_latent_attention_under_tensor_parallelism_equals_one_process(tmp_path):
     """DeepSeek V3's multi-head latent attention: each rank keeps the whole latent row of a token (one head, not
     split) and folds its own shard of ``kv_b_proj`` (its half of the query heads) into its attention; greedy, beams
-    and samples, paged and sdpa attention, give one process's tokens."""
+    and samples, paged and sdpa attention, and the engine (prefix hits, swap, an abort) give one process's
+    tokens."""
     config = transformers.AutoConfig.for_model(
         "deepseek_v3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
@@ -82,6 +83,16 @@ def test_latent_attention_under_tensor_parallelism_equals_one_process(tmp_path):
     for key, single in one.items():
         assert two[key]["sequences"] == single["sequences"], key
         assert single["stored_kv_heads"] == two[key]["stored_kv_heads"] == [1], key
+    # the engine: prefix hits and swap preemption (int4 is refused for MLA), an abort mid-decode
+    one = launch("tp_engine.py", [str(tmp_path / "deepseek_v3"), "prefix_hits", "swap"], nproc=1)
+    two = launch("tp_engine.py", [str(tmp_path / "deepseek_v3"), "prefix_hits", "swap"], nproc=2)
+    for name in ("prefix_hits", "swap"):
+        assert two[name]["tokens"] == one[name]["tokens"], name
+        torch.testing.assert_close(torch.tensor(two[name]["logprobs"]), torch.tensor(one[name]["logprobs"]),
+                                   atol=1e-4, rtol=0)
+        assert two[name]["used_after"] == one[name]["used_after"] == 0
+    assert one["swap"]["swapped"] > 0 and one["prefix_hits"]["hit_rate"] > 0.3
+    assert two["abort"] == one["abort"]
 
 
 def test_engine_under_torchrun_equals_one_process(model_folders):

@@ -1,7 +1,9 @@
 """Run under ``torchrun --nproc-per-node N`` (or plainly): the engine on a paged cache, every rank calling
 ``generate`` (rank 0 leads, the others follow); prints rank 0's tokens as one JSON line.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/distributed/tp_engine.py DIR
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/distributed/tp_engine.py DIR [SETUP ...]
+
+SETUPs: names of ``SETUPS`` to run (default: all of them).
 """
 
 from __future__ import annotations
@@ -53,12 +55,13 @@ def aborts(model) -> dict:
     return {"tokens": [finished.get(i) for i in ids], "used_after": used}
 
 
-def main(folder: str) -> None:
+def main(folder: str, setups: list[str]) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     extra = {"distributed_config": DistributedConfig(tp_size=world)} if world > 1 else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="paged", **extra)
     results = {}
-    for name, options in SETUPS.items():
+    for name in setups or SETUPS:
+        options = SETUPS[name]
         engine = PagedEngine(model, None, **options)
         greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         seeded = SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True, logprobs=2)
@@ -80,7 +83,7 @@ def main(folder: str) -> None:
 if __name__ == "__main__":
     torch.manual_seed(0)
     try:
-        main(sys.argv[1])
+        main(sys.argv[1], sys.argv[2:])
     finally:  # a gloo group left to the interpreter's exit can abort it ("terminate called without an active exception")
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
