@@ -119,8 +119,13 @@ def attend_packed(query: torch.Tensor, up: torch.Tensor, storage, tables: torch.
     over its context's rows (read as stored, dequantized) expanded with ``up`` ``[heads, nope + v, latent]``."""
     latent_dim, nope = up.shape[2], query.shape[-1] - rope
     value_dim = up.shape[1] - nope
+    num_seqs = seq_lens.shape[0]
+    if num_decodes == num_seqs:  # every query folded; nothing read to the host (a CUDA graph captures this step)
+        result = attend_rows(absorb_query(query.unsqueeze(0).transpose(1, 2), up, rope).transpose(1, 2)[0], storage,
+                             tables, seq_lens, query_start_loc, num_decodes, query_start_loc[num_decodes:], None,
+                             None, None, scale, None, None)
+        return expand_output(result.unsqueeze(0), up, latent_dim, nope)[0].to(query.dtype)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()  # host values: a sync on CUDA, none on the CPU
-    num_seqs = len(lens)
     expanded = [i for i in range(num_decodes, num_seqs)
                 if expands(starts[i + 1] - starts[i], lens[i], latent_dim, rope, nope, value_dim)]
     out = query.new_empty((query.shape[0], query.shape[1], value_dim))

@@ -11,7 +11,7 @@ Skipped without CUDA (CI has none). A GPU session runs it with ``python -m pytes
   error beyond bf16 itself. With int8 the kernels take bf16 queries too (the rotated query returns to bf16).
 - The engine on CUDA (mixed decode + chunked prefill steps, prefix hits, copy-on-write for n > 1) gives the CPU
   engine's greedy tokens (its decode-only steps replayed from CUDA graphs, the default); so does a hybrid model's
-  (recurrent states on the GPU).
+  (recurrent states on the GPU), and a multi-head latent attention model's (folded decodes, expanded long chunks).
 - The host tier's copies on a side stream, host blocks pinned: an offload, the device blocks' immediate reuse and a
   load give back the original bytes in every format, with a stream kept busy before each copy (a missing wait
   copies stale bytes); a host-tier hit on CUDA gives the tokens and logprobs of a device-pool hit.
@@ -140,6 +140,27 @@ def test_hybrid_engine_on_cuda_equals_cpu_engine(family):
     got = engine.generate(hybrid_prompts(), params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in ref]
     assert engine.get_stats().kv_cache_used == 0
+
+
+@pytest.mark.parametrize("kv_format", ["auto", "int8"])
+def test_latent_attention_engine_on_cuda_equals_cpu_engine(kv_format):
+    """Multi-head latent attention on the GPU: the folded decodes (Triton, head dim 40 + the rows shared as values)
+    replayed from CUDA graphs, long chunks expanded through sdpa, prefix hits; the CPU engine's greedy tokens, and
+    the same with CUDA graphs off."""
+    import copy  # noqa: PLC0415
+
+    from test_latent_attention import _long_prompts, tiny_latent  # noqa: PLC0415
+
+    model = tiny_latent()
+    options = dict(block_size=4, max_num_batched_tokens=48, num_blocks=256, max_num_seqs=4, kv_cache_dtype=kv_format)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in _long_prompts()]
+    ref = PagedEngine(copy.deepcopy(model), None, **options).generate(prompts, params, use_tqdm=False)
+    for mode in ("FULL_DECODE_ONLY", "NONE"):
+        engine = PagedEngine(copy.deepcopy(model).to(CUDA), None, cudagraph_mode=mode, **options)
+        got = engine.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref], mode
+        assert engine.get_stats().kv_cache_used == 0
 
 
 # ------------------------------------------------------------------------------------------ host tier, side stream
