@@ -120,32 +120,40 @@ def attend_packed(query: torch.Tensor, up: torch.Tensor, storage, tables: torch.
     latent_dim, nope = up.shape[2], query.shape[-1] - rope
     value_dim = up.shape[1] - nope
     num_seqs = seq_lens.shape[0]
-    if num_decodes == num_seqs:  # every query folded; nothing read to the host (a CUDA graph captures this step)
-        result = attend_rows(absorb_query(query.unsqueeze(0).transpose(1, 2), up, rope).transpose(1, 2)[0], storage,
-                             tables, seq_lens, query_start_loc, num_decodes, query_start_loc[num_decodes:], None,
-                             None, None, scale, None, None)
-        return expand_output(result.unsqueeze(0), up, latent_dim, nope)[0].to(query.dtype)
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()  # host values: a sync on CUDA, none on the CPU
-    expanded = [i for i in range(num_decodes, num_seqs)
-                if expands(starts[i + 1] - starts[i], lens[i], latent_dim, rope, nope, value_dim)]
+    expanded = []
+    if num_decodes < num_seqs:  # a decode-only step reads nothing to the host (a CUDA graph captures it)
+        starts, lens = query_start_loc.tolist(), seq_lens.tolist()  # a sync on CUDA, none on the CPU
+        expanded = [i for i in range(num_decodes, num_seqs)
+                    if expands(starts[i + 1] - starts[i], lens[i], latent_dim, rope, nope, value_dim)]
+    if not expanded:
+        return _attend_folded(query, up, rope, storage, tables, seq_lens, query_start_loc, num_decodes, scale,
+                              attend_rows)
     out = query.new_empty((query.shape[0], query.shape[1], value_dim))
-    folded = sorted(set(range(num_seqs)) - set(expanded))
-    if folded:
-        rows = folded_rows = torch.arange(query.shape[0], device=query.device)
-        if expanded:  # the folded sequences' tokens, packed again (decodes first, as they were)
-            rows = torch.cat([folded_rows[starts[i]:starts[i + 1]] for i in folded])
+    folded = [i for i in range(num_seqs) if i not in expanded]
+    if folded:  # their tokens packed again, decodes first as they were
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in folded]).to(query.device)
         seqs = torch.tensor(folded, device=query.device)
         counts = torch.tensor([starts[i + 1] - starts[i] for i in folded], device=query.device)
-        starts_folded = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        result = attend_rows(absorb_query(query.index_select(0, rows).unsqueeze(0).transpose(1, 2), up, rope)
-                             .transpose(1, 2)[0], storage, tables.index_select(0, seqs), seq_lens.index_select(0, seqs),
-                             starts_folded, num_decodes, starts_folded[num_decodes:] - starts_folded[num_decodes],
-                             None, None, None, scale, None, None)
-        out.index_copy_(0, rows, expand_output(result.unsqueeze(0), up, latent_dim, nope)[0].to(out.dtype))
+        out.index_copy_(0, rows, _attend_folded(
+            query.index_select(0, rows), up, rope, storage, tables.index_select(0, seqs),
+            seq_lens.index_select(0, seqs), torch.cat([counts.new_zeros(1), counts.cumsum(0)]), num_decodes, scale,
+            attend_rows))
     for i in expanded:
         out[starts[i]:starts[i + 1]] = _attend_expanded(query[starts[i]:starts[i + 1]], up, storage, tables[i], lens[i],
                                                        scale, latent_dim, nope)
     return out
+
+
+def _attend_folded(query: torch.Tensor, up: torch.Tensor, rope: int, storage, tables: torch.Tensor,
+                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_decodes: int, scale: float,
+                   attend_rows) -> torch.Tensor:
+    """Packed queries ``[m, heads, nope + rope]`` of these sequences (decodes first) over their rows, the
+    up-projection folded in: ``[m, heads, v]``."""
+    folded = absorb_query(query.unsqueeze(0).transpose(1, 2), up, rope).transpose(1, 2)[0]
+    out = attend_rows(folded, storage, tables, seq_lens, query_start_loc, num_decodes,
+                      query_start_loc[num_decodes:] - query_start_loc[num_decodes], None, None, None, scale, None,
+                      None)
+    return expand_output(out.unsqueeze(0), up, up.shape[2], query.shape[-1] - rope)[0].to(query.dtype)
 
 
 def _attend_expanded(query: torch.Tensor, up: torch.Tensor, storage, table: torch.Tensor, length: int, scale: float,

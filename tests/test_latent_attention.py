@@ -193,6 +193,19 @@ def test_prefix_caching_serves_a_shared_prefix_of_latent_rows():
     assert engine.get_stats()["prefix_cache_hits"] >= 2 * 12
 
 
+def _generate_over_format(model, requests: list[list[int]], kv_format: str):
+    """(greedy tokens, their logprobs) of each prompt by ``generate`` + sdpa on a ``PagedCache`` of ``kv_format``:
+    the latent dequantized as stored, attended densely."""
+    want = []
+    for ids in requests:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, return_dict_in_generate=True, output_logits=True,
+                             cache_implementation="paged", cache_config={"block_size": 4, "kv_cache_dtype": kv_format})
+        tokens = out.sequences[0, len(ids):].tolist()
+        want.append((tokens, [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.logits, tokens)]))
+    return want
+
+
 @pytest.mark.parametrize("kv_format", ["int8", "fp8"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_quantized_rows_give_what_generate_reads_from_the_same_format(kv_format, compiled):
@@ -200,13 +213,7 @@ def test_quantized_rows_give_what_generate_reads_from_the_same_format(kv_format,
     over them gives the tokens of ``generate`` + sdpa over the same format's dequantized latent, logprobs within
     float32 rounding."""
     model = tiny_latent()
-    want = []
-    for ids in prompts():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, return_dict_in_generate=True, output_logits=True,
-                             cache_implementation="paged", cache_config={"block_size": 4, "kv_cache_dtype": kv_format})
-        tokens = out.sequences[0, len(ids):].tolist()
-        want.append((tokens, [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.logits, tokens)]))
+    want = _generate_over_format(model, prompts(), kv_format)
     engine = PagedEngine(model, None, block_size=4, num_blocks=128, kv_cache_dtype=kv_format,
                          max_num_batched_tokens=5, enforce_eager=not compiled)
     outs = engine.generate(prompts(), GREEDY, use_tqdm=False)
@@ -261,13 +268,7 @@ def test_long_chunks_attend_over_their_context_expanded(kv_format, compiled, exp
 
     model = tiny_latent()
     assert not expands(20, 60, LATENT, ROPE, NOPE, VALUE) and expands(21, 60, LATENT, ROPE, NOPE, VALUE)
-    want = []
-    for ids in _long_prompts():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, return_dict_in_generate=True, output_logits=True,
-                             cache_implementation="paged", cache_config={"block_size": 4, "kv_cache_dtype": kv_format})
-        tokens = out.sequences[0, len(ids):].tolist()
-        want.append((tokens, [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.logits, tokens)]))
+    want = _generate_over_format(model, _long_prompts(), kv_format)
     engine = PagedEngine(model, None, block_size=4, num_blocks=256, kv_cache_dtype=kv_format, max_num_seqs=3,
                          max_num_batched_tokens=48, enforce_eager=not compiled)
     outs = engine.generate([{"prompt_token_ids": ids} for ids in _long_prompts()], GREEDY, use_tqdm=False)
